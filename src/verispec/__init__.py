@@ -1,0 +1,26 @@
+"""verispec: exact (lossless) speculative decoding.
+
+A drafter proposes K tokens, the target scores them in one pass, and speculative sampling
+(Leviathan et al. 2023) keeps the output distribution exactly the target's.
+"""
+
+from verispec.api import GenerationResult, SpeculativeDecoder, generate
+from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig
+from verispec.engine import SpeculativeEngine, StepEvent
+from verispec.errors import VerispecError
+from verispec.stats import GenerationStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GenerationResult",
+    "GenerationStats",
+    "PromptLookupConfig",
+    "SamplingConfig",
+    "SpecConfig",
+    "SpeculativeDecoder",
+    "SpeculativeEngine",
+    "StepEvent",
+    "VerispecError",
+    "generate",
+]

@@ -1,0 +1,219 @@
+"""The Python API: load a target and a drafter once, then generate or stream.
+
+    from verispec import SpeculativeDecoder, SamplingConfig, SpecConfig
+    decoder = SpeculativeDecoder.load()                       # the default Qwen pair
+    result = decoder.generate("Write a haiku about caches", SamplingConfig(temperature=0))
+    print(result.text, result.stats.acceptance_rate)
+
+`verispec.generate(...)` does both in one call and returns the same `GenerationResult`
+(the fields of `verispec generate --json`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig
+from verispec.drafters.base import Drafter
+from verispec.drafters.draft_model import DraftModelDrafter
+from verispec.drafters.prompt_lookup import PromptLookupDrafter
+from verispec.engine import SpeculativeEngine, StepEvent
+from verispec.errors import VerispecError
+from verispec.models.loading import LoadedModel, check_same_tokenizer, load_model
+from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from verispec.models.runner import ModelRunner
+from verispec.sequence import Sequence
+from verispec.stats import GenerationStats
+
+NO_DRAFT = ("none", "off")
+NGRAM = "ngram"
+
+
+@dataclass
+class GenerationResult:
+    """One finished generation: the `--json` object of `verispec generate`."""
+
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+    dtype: str
+    target: str
+    draft: str
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "prompt_token_ids": self.prompt_token_ids,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "target": self.target,
+            "draft": self.draft,
+            "dtype": self.dtype,
+            "stats": self.stats.to_dict(),
+        }
+
+
+class SpeculativeDecoder:
+    """A target model and a drafter, ready to decode.
+
+    Args:
+        target: the loaded target model.
+        draft: a loaded draft model, "ngram" (prompt lookup), "none" (plain decoding) or a Drafter.
+        prompt_lookup: n-gram sizes for the "ngram" drafter.
+    """
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: LoadedModel | Drafter | str = NGRAM,
+        prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
+    ) -> None:
+        self.target = target
+        self.runner = ModelRunner(target.model)
+        context_window = self.runner.context_window
+        if isinstance(draft, LoadedModel):
+            check_same_tokenizer(target, draft)
+            draft_runner = ModelRunner(draft.model)
+            context_window = min(context_window, draft_runner.context_window)
+            self.drafter: Drafter | None = DraftModelDrafter(draft_runner, self.runner.vocab_size)
+            self.draft_name = draft.name
+        elif isinstance(draft, Drafter):
+            self.drafter, self.draft_name = draft, draft.name
+        elif draft == NGRAM:
+            self.drafter, self.draft_name = PromptLookupDrafter(prompt_lookup), NGRAM
+        elif draft in NO_DRAFT:
+            self.drafter, self.draft_name = None, "none"
+        else:
+            raise VerispecError(f"unknown drafter '{draft}'")
+        self.engine = SpeculativeEngine(
+            self.runner, self.drafter, target.eos_token_ids(), decode=self.decode, context_window=context_window
+        )
+
+    @classmethod
+    def load(
+        cls,
+        target: str = DEFAULT_TARGET,
+        draft: str = DEFAULT_DRAFT,
+        dtype: str = "float32",
+        draft_dtype: str | None = None,
+        prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
+    ) -> SpeculativeDecoder:
+        """Load by spec: a named default, a local HF model directory or a .gguf file.
+
+        `draft` may also be "ngram" (prompt lookup) or "none". `draft_dtype` defaults to `dtype`
+        (the draft's dtype changes speed only, never the output distribution).
+        """
+        loaded_target = load_model(target, dtype)
+        if draft in NO_DRAFT or draft == NGRAM:
+            return cls(loaded_target, draft, prompt_lookup)
+        return cls(loaded_target, load_model(draft, draft_dtype or dtype), prompt_lookup)
+
+    # --- text <-> tokens ---------------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.target.tokenizer, "chat_template", None))
+
+    def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
+        """Tokenize a prompt; `chat` (default: whether the target has a chat template) wraps it as one user message."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise VerispecError("the prompt is empty")
+        tok = self.target.tokenizer
+        use_chat = self.has_chat_template if chat is None else chat
+        if use_chat:
+            if not self.has_chat_template:
+                raise VerispecError(f"--chat was asked for, but target '{self.target.name}' has no chat template")
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+        return list(tok(prompt)["input_ids"])
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.target.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # --- decoding ----------------------------------------------------------------------------------
+    def stream(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        sampling: SamplingConfig = SamplingConfig(),
+        spec: SpecConfig = SpecConfig(),
+        seed: int | list[int | None] | None = None,
+        chat: bool | None = None,
+    ) -> Iterator[tuple[StepEvent, Sequence]]:
+        """Yield (StepEvent, Sequence) per sequence per step, as tokens are committed."""
+        return self.engine.stream(self._token_prompts(prompts, chat), sampling, spec, seed)
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingConfig = SamplingConfig(),
+        spec: SpecConfig = SpecConfig(),
+        seed: int | None = None,
+        chat: bool | None = None,
+    ) -> GenerationResult:
+        """Generate for one prompt (text, or token ids used as they are)."""
+        return self.generate_batch([prompt], sampling, spec, seed, chat)[0]
+
+    def generate_batch(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig(),
+        spec: SpecConfig = SpecConfig(),
+        seed: int | list[int | None] | None = None,
+        chat: bool | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for a batch of prompts together (ragged: each advances at its own pace)."""
+        sequences = self.engine.generate(self._token_prompts(prompts, chat), sampling, spec, seed)
+        return [self.result(s) for s in sequences]
+
+    def result(self, seq: Sequence) -> GenerationResult:
+        text = self.decode(seq.generated)
+        if seq.text_end is not None:
+            text = text[: seq.text_end]
+        return GenerationResult(
+            text=text,
+            prompt_token_ids=seq.tokens[: seq.prompt_len],
+            token_ids=seq.generated,
+            finish_reason=seq.finish_reason or "length",
+            stats=seq.stats,
+            dtype=str(self.target.dtype).removeprefix("torch."),
+            target=self.target.name,
+            draft=self.draft_name,
+        )
+
+    def _token_prompts(self, prompts, chat: bool | None) -> list[list[int]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise VerispecError("no prompts given")
+        return [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
+
+
+_DECODERS: dict[tuple, SpeculativeDecoder] = {}
+
+
+def generate(
+    prompt: str,
+    target: str = DEFAULT_TARGET,
+    draft: str = DEFAULT_DRAFT,
+    *,
+    sampling: SamplingConfig = SamplingConfig(),
+    spec: SpecConfig = SpecConfig(),
+    seed: int | None = None,
+    chat: bool | None = None,
+    dtype: str = "float32",
+) -> GenerationResult:
+    """Load (once per process) and generate: `verispec.generate("def fib(n):", draft="ngram")`."""
+    key = (target, draft, dtype)
+    if key not in _DECODERS:
+        _DECODERS[key] = SpeculativeDecoder.load(target, draft, dtype)
+    return _DECODERS[key].generate(prompt, sampling, spec, seed, chat)
+
+
+def set_threads(n: int | None) -> None:
+    """Use n CPU threads for torch (None: leave torch's default)."""
+    if n:
+        torch.set_num_threads(n)

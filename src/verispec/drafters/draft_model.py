@@ -1,0 +1,99 @@
+"""A smaller language model drafts autoregressively; its distributions q go to the verifier.
+
+The draft keeps its own ragged KV cache. Each step it first catches up on the tokens it has not
+seen (the last committed token, or two when every draft was accepted: the last draft and the
+bonus token), then drafts one token per forward pass. After verification, the draft tokens the
+target rejected are rolled back out of its cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
+from verispec.models.runner import KVState, ModelRunner
+from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks
+from verispec.sequence import Sequence
+
+
+class DraftModelDrafter(Drafter):
+    """Draft with a smaller model that shares the target's tokenizer.
+
+    Args:
+        runner: the draft model's runner.
+        target_vocab_size: width of the target's logits; q is padded or cut to it (a draft never
+            proposes a token outside the target's vocabulary, so cutting keeps q a distribution
+            that the draft really samples from).
+    """
+
+    name = "draft-model"
+
+    def __init__(self, runner: ModelRunner, target_vocab_size: int) -> None:
+        self.runner = runner
+        self.target_vocab_size = target_vocab_size
+        self.state: KVState | None = None
+        self.cached: list[int] = []  # per row: how many of the sequence's tokens the draft cache holds
+
+    def start(self, sequences: list[Sequence]) -> None:
+        self.state = self.runner.new_state(len(sequences))
+        self.cached = [0] * len(sequences)
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N, Vd) draft logits -> (N, min(Vd, Vt)) logits restricted to target token ids."""
+        return logits[:, : self.target_vocab_size]
+
+    def _pad_q(self, q: torch.Tensor) -> torch.Tensor:
+        missing = self.target_vocab_size - q.shape[-1]
+        return torch.nn.functional.pad(q, (0, missing)) if missing > 0 else q
+
+    def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
+        assert self.state is not None, "start() must be called before propose()"
+        B = len(sequences)
+        drafted: list[list[int]] = [[] for _ in range(B)]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        inputs = [seq.tokens[self.cached[b] :] for b, seq in enumerate(sequences)]
+        for step in range(max(max_tokens, default=0)):
+            logits = self.runner.forward(self.state, inputs, [1 if row else 0 for row in inputs])[:, 0]  # (B, Vd)
+            logits = self._fit_vocab(logits)
+            inputs = [[] for _ in range(B)]
+            for b, seq in enumerate(sequences):
+                if step >= max_tokens[b]:
+                    continue
+                seen = None
+                if seq.sampling.repetition_penalty != 1.0:
+                    context = torch.tensor(seq.tokens + drafted[b], dtype=torch.long)
+                    seen = seen_masks(context, context[:0], logits.shape[-1])  # (1, V)
+                if seq.sampling.greedy:
+                    token = int(greedy_tokens(logits[b : b + 1], seq.sampling, seen)[0])
+                else:
+                    q = logits_to_probs(logits[b : b + 1], seq.sampling, seen)[0]  # (V,)
+                    token = int(torch.multinomial(q, 1, generator=seq.rng))
+                    q_rows[b].append(self._pad_q(q))
+                drafted[b].append(token)
+                if step + 1 < max_tokens[b]:
+                    inputs[b] = [token]  # the last draft token is never fed: the target scores it
+        if max(max_tokens, default=0) == 0:
+            # Nothing to draft, but keep the cache caught up so the next step stays one token wide.
+            if any(inputs):
+                self.runner.forward(self.state, inputs, [0] * B)
+        for b, seq in enumerate(sequences):
+            self.cached[b] = len(seq.tokens) + max(len(drafted[b]) - 1, 0)
+        return [
+            Draft(torch.tensor(d, dtype=torch.long), torch.stack(q_rows[b]) if q_rows[b] else None) if d else EMPTY_DRAFT
+            for b, d in enumerate(drafted)
+        ]
+
+    def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
+        assert self.state is not None
+        drop = []
+        for b, (seq, draft, accepted) in enumerate(zip(sequences, drafts, num_accepted)):
+            in_cache = max(len(draft) - 1, 0)  # drafts x_1..x_{n-1} were fed to the draft model
+            kept = min(accepted, in_cache)
+            drop.append(in_cache - kept)
+            self.cached[b] -= in_cache - kept
+        self.runner.rollback(self.state, drop)
+
+    def keep(self, rows: list[int]) -> None:
+        assert self.state is not None
+        self.state.select(torch.tensor(rows, dtype=torch.long))
+        self.cached = [self.cached[r] for r in rows]

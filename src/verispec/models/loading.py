@@ -1,0 +1,161 @@
+"""Load a target or draft model from a spec: a named default, a local HF directory, or a .gguf file.
+
+Loading a GGUF through transformers dequantizes every tensor, which takes about a minute per
+billion parameters on a laptop CPU. The first load therefore saves a converted copy
+(safetensors in float32, which holds the dequantized weights exactly, plus config and
+tokenizer) under the cache directory; later loads read that copy in seconds and cast it to the
+requested dtype. A converted copy that fails to load is reported, removed and rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verispec.errors import VerispecError
+from verispec.models.registry import NAMED_MODELS, assemble, cache_dir
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_COMPLETE = "verispec-converted.json"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for decoding: `model` (a transformers causal LM), its tokenizer and where it came from."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    source: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for value in (getattr(self.model.generation_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(int(v) for v in value)
+        return ids
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise VerispecError(f"unknown dtype '{name}'; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def describe_spec_error(spec: str) -> str:
+    return (
+        f"unknown model spec '{spec}': it is not a named default ({', '.join(NAMED_MODELS)}), "
+        "not an existing directory with a Hugging Face model, and not an existing .gguf file"
+    )
+
+
+def resolve(spec: str) -> tuple[str, Path]:
+    """Map a spec to (kind, path) with kind in {'gguf', 'hf'}; assembles named defaults."""
+    if not spec or not spec.strip():
+        raise VerispecError("empty model spec")
+    if spec in NAMED_MODELS:
+        return "gguf", assemble(NAMED_MODELS[spec])
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf", path
+    if path.is_dir() and (path / "config.json").is_file():
+        return "hf", path
+    if path.is_dir():
+        raise VerispecError(f"model directory '{spec}' has no config.json: not a Hugging Face model directory")
+    raise VerispecError(describe_spec_error(spec))
+
+
+def _converted_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "converted" / f"{gguf.stem}-{key}"
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from rich.console import Console
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    Console(stderr=True).print(
+        f"[bold]converting {gguf.name}[/bold] to a cached float32 copy at {out} (one time; later loads are fast)"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are dequantized now; drop the GGUF quantizer tag so transformers saves them plainly.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / _COMPLETE).write_text(json.dumps({"source": str(gguf)}))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model.eval(), tokenizer
+
+
+def load_model(spec: str, dtype: str = "float32") -> LoadedModel:
+    """Load a model for decoding.
+
+    Args:
+        spec: a named default (see `NAMED_MODELS`), a local Hugging Face model directory, or a .gguf file.
+        dtype: compute dtype name: float32 (default, exact greedy), bfloat16 or float16.
+    """
+    torch_dtype = parse_dtype(dtype)
+    kind, path = resolve(spec)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if kind == "hf":
+        model, tokenizer = _load_hf_dir(path, torch_dtype)
+        return LoadedModel(spec, model, tokenizer, str(path))
+    converted = _converted_dir(path)
+    if (converted / _COMPLETE).is_file():
+        try:
+            model, tokenizer = _load_hf_dir(converted, torch_dtype)
+            return LoadedModel(spec, model, tokenizer, str(path))
+        except Exception as err:  # a damaged cache must not stop the user: rebuild it
+            from rich.console import Console
+
+            Console(stderr=True).print(
+                f"[red]cached converted model at {converted} failed to load[/red] ({type(err).__name__}: "
+                f"{str(err)[:200]}); converting {path.name} again"
+            )
+            shutil.rmtree(converted, ignore_errors=True)
+    _convert_gguf(path, converted)
+    model, tokenizer = _load_hf_dir(converted, torch_dtype)
+    return LoadedModel(spec, model, tokenizer, str(path))
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """Draft tokens are target tokens: the two vocabularies must map every token to the same id."""
+    target_vocab, draft_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = sum(1 for tok, idx in draft_vocab.items() if target_vocab.get(tok) != idx)
+    raise VerispecError(
+        f"draft '{draft.name}' and target '{target.name}' use different tokenizers "
+        f"({len(draft_vocab)} vs {len(target_vocab)} tokens, {differing} draft tokens map to other ids); "
+        "speculative decoding with a draft model needs a shared tokenizer (use --draft ngram instead)"
+    )

@@ -1,0 +1,97 @@
+"""From logits to the distribution a token is sampled from.
+
+One function, `logits_to_probs`, turns logits into probabilities under a `SamplingConfig`.
+The engine calls it on the target's logits (giving p) and on the draft's logits (giving q),
+so both sides of verification see the same processing: repetition penalty, temperature,
+top-k, top-p, min-p, in that order (the order Hugging Face applies them).
+
+Temperature 0 is greedy: `greedy_tokens` takes the argmax of the (penalised) logits.
+Everything is computed in float32 whatever the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.config import SamplingConfig
+
+
+def seen_masks(context: torch.Tensor, continuation: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Which tokens the repetition penalty applies to, at each position of a continuation.
+
+    Position i sees the context plus continuation[:i], exactly what autoregressive decoding
+    would have seen when it produced the token at that position.
+
+    Args:
+        context: (T,) token ids already committed.
+        continuation: (n,) draft token ids.
+        vocab_size: V.
+    Returns:
+        (n + 1, V) bool mask.
+    """
+    base = torch.zeros(vocab_size, dtype=torch.bool, device=context.device)  # (V,)
+    base[context] = True
+    masks = base.expand(continuation.numel() + 1, vocab_size).clone()  # (n+1, V)
+    for i in range(continuation.numel()):
+        masks[i + 1 :, continuation[i]] = True
+    return masks
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL repetition penalty: seen tokens' logits are divided (if > 0) or multiplied (if < 0).
+
+    Args:
+        logits: (N, V).
+        seen: (N, V) bool.
+    Returns:
+        (N, V) penalised logits.
+    """
+    if penalty == 1.0:
+        return logits
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)  # (N, V)
+    return torch.where(seen, penalised, logits)
+
+
+def greedy_tokens(logits: torch.Tensor, config: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Argmax tokens (temperature 0). logits: (N, V) -> (N,) long."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, config.repetition_penalty)
+    return logits.argmax(dim=-1)
+
+
+def logits_to_probs(logits: torch.Tensor, config: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Processed probabilities for sampling (temperature > 0).
+
+    Args:
+        logits: (N, V) raw model logits, any float dtype.
+        config: the sampling settings; must not be greedy.
+        seen: (N, V) bool, tokens the repetition penalty applies to (None: no penalty).
+    Returns:
+        (N, V) float32 probabilities, each row summing to 1.
+    """
+    if config.greedy:
+        raise ValueError("logits_to_probs needs temperature > 0; use greedy_tokens for temperature 0")
+    logits = logits.float()  # (N, V)
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, config.repetition_penalty)
+    logits = logits / config.temperature
+    if config.top_k > 0 and config.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]  # (N, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # (N, V)
+    if config.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # (N, V)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # (N, V)
+        drop_sorted = mass_before >= config.top_p  # the top token always stays
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if config.min_p > 0.0:
+        floor = config.min_p * probs.max(dim=-1, keepdim=True).values  # (N, 1)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, rng: torch.Generator) -> int:
+    """One token id drawn from probs: (V,)."""
+    return int(torch.multinomial(probs, 1, generator=rng))

@@ -1,0 +1,43 @@
+"""The per-sequence state the engine and drafters share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.config import SamplingConfig
+from verispec.stats import GenerationStats
+
+
+@dataclass
+class Sequence:
+    """One prompt being decoded.
+
+    index: position in the caller's batch.
+    tokens: prompt followed by the tokens committed so far.
+    prompt_len: number of prompt tokens at the start of `tokens`.
+    sampling: this sequence's sampling settings (p and q are both processed with them).
+    rng: this sequence's own generator, so its output does not depend on the batch around it.
+    target_cached: how many of `tokens` the target's KV cache holds.
+    finish_reason: None while running, then "eos", "stop" or "length".
+    """
+
+    index: int
+    tokens: list[int]
+    prompt_len: int
+    sampling: SamplingConfig
+    rng: torch.Generator
+    max_new_tokens: int
+    target_cached: int = 0
+    finish_reason: str | None = None
+    text_end: int | None = None  # where a stop string cut the text, if one did
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]

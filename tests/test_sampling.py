@@ -1,0 +1,90 @@
+"""The sampling processors match Hugging Face's and validate their settings."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.errors import VerispecError
+from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks
+
+
+def hf_probs(logits, context, cfg):
+    procs = LogitsProcessorList()
+    if cfg.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty))
+    procs.append(TemperatureLogitsWarper(cfg.temperature))
+    if cfg.top_k:
+        procs.append(TopKLogitsWarper(cfg.top_k))
+    if cfg.top_p < 1:
+        procs.append(TopPLogitsWarper(cfg.top_p))
+    if cfg.min_p:
+        procs.append(MinPLogitsWarper(cfg.min_p))
+    return torch.softmax(procs(context[None], logits[None].clone())[0], dim=-1)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SamplingConfig(temperature=1.0),
+        SamplingConfig(temperature=0.7, top_k=10),
+        SamplingConfig(temperature=1.3, top_p=0.8),
+        SamplingConfig(temperature=0.9, min_p=0.05),
+        SamplingConfig(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.3),
+    ],
+)
+def test_processing_matches_hugging_face(cfg):
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(100, generator=gen) * 3
+        context = torch.randint(0, 100, (15,), generator=gen)
+        seen = seen_masks(context, torch.zeros(0, dtype=torch.long), 100) if cfg.repetition_penalty != 1 else None
+        ours = logits_to_probs(logits[None], cfg, seen)[0]
+        torch.testing.assert_close(ours, hf_probs(logits, context, cfg), atol=1e-6, rtol=1e-5)
+
+
+def test_seen_masks_grow_with_the_continuation():
+    masks = seen_masks(torch.tensor([1, 2]), torch.tensor([5, 6]), 8)
+    assert masks.shape == (3, 8)
+    assert masks[0].nonzero().flatten().tolist() == [1, 2]
+    assert masks[1].nonzero().flatten().tolist() == [1, 2, 5]
+    assert masks[2].nonzero().flatten().tolist() == [1, 2, 5, 6]
+
+
+def test_temperature_zero_is_argmax_not_a_small_temperature():
+    cfg = SamplingConfig(temperature=0)
+    assert cfg.greedy
+    logits = torch.tensor([[0.1, 3.0, 2.9999]])
+    assert greedy_tokens(logits, cfg).tolist() == [1]
+    with pytest.raises(ValueError):
+        logits_to_probs(logits, cfg)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+    ],
+)
+def test_bad_sampling_settings_are_rejected(kwargs, fragment):
+    with pytest.raises(VerispecError, match=fragment):
+        SamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [(dict(num_draft_tokens=0), "K"), (dict(max_new_tokens=0), "max_new_tokens"),
+                                              (dict(stop=("",)), "stop")])
+def test_bad_spec_settings_are_rejected(kwargs, fragment):
+    with pytest.raises(VerispecError, match=fragment):
+        SpecConfig(**kwargs)
