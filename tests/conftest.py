@@ -9,6 +9,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 
+# Tiny models gain nothing from threads, and thread hand-offs dominate their small ops.
+torch.set_num_threads(1)
+
+
 def tiny_model(arch: str = "llama", vocab: int = 64, seed: int = 0, layers: int = 2, sharpness: float = 1.0):
     """A tiny causal LM; `sharpness` scales the output head so greedy choices are not near-ties."""
     torch.manual_seed(seed)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.console import notice
 from verispec.errors import VerispecError
 from verispec.models.registry import NAMED_MODELS, assemble, cache_dir
 
@@ -85,10 +86,9 @@ def _converted_dir(gguf: Path) -> Path:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
-    from rich.console import Console
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    Console(stderr=True).print(
+    notice(
         f"[bold]converting {gguf.name}[/bold] to a cached float32 copy at {out} (one time; later loads are fast)"
     )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -136,9 +136,7 @@ def load_model(spec: str, dtype: str = "float32") -> LoadedModel:
             model, tokenizer = _load_hf_dir(converted, torch_dtype)
             return LoadedModel(spec, model, tokenizer, str(path))
         except Exception as err:  # a damaged cache must not stop the user: rebuild it
-            from rich.console import Console
-
-            Console(stderr=True).print(
+            notice(
                 f"[red]cached converted model at {converted} failed to load[/red] ({type(err).__name__}: "
                 f"{str(err)[:200]}); converting {path.name} again"
             )

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from verispec.console import notice, stderr_console
 from verispec.errors import VerispecError
 
 CACHE_ENV = "VERISPEC_CACHE"
@@ -128,14 +129,8 @@ def _progress():
         TransferSpeedColumn(),
         TimeRemainingColumn(),
         transient=True,
-        console=_stderr_console(),
+        console=stderr_console(),
     )
-
-
-def _stderr_console():
-    from rich.console import Console
-
-    return Console(stderr=True)
 
 
 def assemble(model: NamedModel, *, quiet: bool = False) -> Path:
@@ -151,7 +146,7 @@ def assemble(model: NamedModel, *, quiet: bool = False) -> Path:
         if digest == model.sha256:
             stamp_file.write_text(json.dumps({**_stamp(target), "sha256": model.sha256}))
             return target
-        _stderr_console().print(
+        notice(
             f"[red]cached model file {target} is corrupted[/red] (sha256 {digest[:12]}..., expected "
             f"{model.sha256[:12]}...); removing it and assembling it again"
         )
