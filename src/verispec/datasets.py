@@ -1,0 +1,62 @@
+"""Prompt sets in the Spec-Bench JSONL format: {"question_id", "category", "turns": [first, ...]}."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from verispec.errors import VerispecError
+
+# Spec-Bench's six categories; its first 80 questions are MT-Bench's eight categories.
+MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    question_id: int
+    category: str
+    text: str
+
+
+def spec_bench_category(category: str) -> str:
+    return "mt_bench" if category in MT_BENCH_CATEGORIES else category
+
+
+def load_prompts(path: str | Path, categories: list[str] | None = None, per_category: int | None = None) -> list[Prompt]:
+    """First turns of a Spec-Bench-style JSONL file, grouped into Spec-Bench's categories.
+
+    Args:
+        path: the JSONL file.
+        categories: keep only these (Spec-Bench names: mt_bench, translation, summarization, qa,
+            math_reasoning, rag); None keeps all.
+        per_category: keep the first N prompts of each category; None keeps all.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise VerispecError(f"prompt file not found: {path}")
+    prompts: list[Prompt] = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompts.append(Prompt(int(row["question_id"]), spec_bench_category(row["category"]), row["turns"][0]))
+            except (ValueError, KeyError, IndexError, TypeError) as err:
+                raise VerispecError(f"{path}:{line_no}: not a Spec-Bench row ({type(err).__name__}: {err})") from None
+    known = sorted({p.category for p in prompts})
+    if categories:
+        unknown = set(categories) - set(known)
+        if unknown:
+            raise VerispecError(f"unknown categories {sorted(unknown)}; {path} has {known}")
+        prompts = [p for p in prompts if p.category in categories]
+    if per_category is not None:
+        taken: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            if taken.get(p.category, 0) < per_category:
+                kept.append(p)
+                taken[p.category] = taken.get(p.category, 0) + 1
+        prompts = kept
+    return prompts

@@ -1,0 +1,44 @@
+"""`verispec audit` passes on an exact engine and fails on a broken one."""
+
+import json
+
+import pytest
+
+from tiny_hf import save_tiny_model_dir
+from verispec import SamplingConfig, SpeculativeDecoder, rejection
+from verispec.audit import run_audit
+from verispec.cli import main
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("audit")
+    target = save_tiny_model_dir(root / "target", "qwen2", seed=0, sharpness=3.0)
+    draft = save_tiny_model_dir(root / "draft", "qwen2", seed=5, sharpness=3.0)
+    return SpeculativeDecoder.load(str(target), str(draft)), str(target), str(draft)
+
+
+def test_audit_passes_for_exact_sampling(decoder):
+    dec, _, _ = decoder
+    prompt = dec.encode("the cat", chat=False)
+    report = run_audit(dec, prompt, SamplingConfig(temperature=1.0, top_k=10), num_draft_tokens=3, samples=1500,
+                       batch_size=250, seed=1)
+    assert report.passed, report.to_dict()
+    assert len(report.checks) == 4 and 0 < report.acceptance_rate < 1
+
+
+def test_audit_fails_when_the_residual_is_wrong(decoder, monkeypatch):
+    dec, _, _ = decoder
+    monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: q)
+    prompt = dec.encode("the cat", chat=False)
+    report = run_audit(dec, prompt, SamplingConfig(temperature=1.0, top_k=10), num_draft_tokens=3, samples=1500,
+                       batch_size=250, seed=1)
+    assert not report.passed
+
+
+def test_audit_cli_json_and_greedy(decoder, capsys):
+    _, target, draft = decoder
+    code = main(["audit", "--target", target, "--draft", draft, "--prompt", "dog", "--no-chat", "--temperature", "0",
+                 "--samples", "40", "--batch-size", "20", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["passed"] and out["checks"][0]["p_value"] == 1.0

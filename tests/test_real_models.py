@@ -1,0 +1,39 @@
+"""Real weights (slow, opt-in: `pytest -m slow`; needs `bash scripts/setup.sh --models`).
+
+Greedy speculative decoding of the default Qwen pair equals plain greedy decoding of the target,
+token for token, in float32, with both drafters; and Hugging Face `generate` agrees.
+"""
+
+import pytest
+import torch
+
+from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
+from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain in two sentences what a hash map is.",
+]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def models():
+    return load_model(DEFAULT_TARGET, "float32"), load_model(DEFAULT_DRAFT, "float32")
+
+
+def test_default_pair_greedy_equals_plain_decoding(models):
+    target, draft = models
+    plain = SpeculativeDecoder(target, "none")
+    greedy = SamplingConfig(temperature=0)
+    for prompt in PROMPTS:
+        reference = plain.generate(prompt, greedy, SpecConfig(max_new_tokens=N))
+        ids = torch.tensor([reference.prompt_token_ids])
+        hf = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False)
+        assert reference.token_ids == hf[0, ids.shape[1]:].tolist()
+        for drafter in (draft, "ngram"):
+            out = SpeculativeDecoder(target, drafter).generate(prompt, greedy, SpecConfig(num_draft_tokens=4, max_new_tokens=N))
+            assert out.token_ids == reference.token_ids
+            assert out.stats.tokens_per_target_pass >= 1.0
