@@ -11,8 +11,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 "$VPY" -m pip install --quiet --upgrade pip
-# The CPU build of torch, pinned: a bare `torch` would pull a multi-GB CUDA build.
-"$VPY" -m pip install --quiet "torch==2.13.0"
+# The CPU build of torch, pinned: a bare `torch` would pull a multi-GB CUDA build. Where no local
+# CPU wheel is on pip's find-links, point VERISPEC_TORCH_INDEX at PyTorch's CPU wheel index.
+"$VPY" -m pip install --quiet "torch==2.13.0" ${VERISPEC_TORCH_INDEX:+--extra-index-url "$VERISPEC_TORCH_INDEX"}
 extras=""
 for arg in "$@"; do
   case "$arg" in

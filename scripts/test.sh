@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
-exec .venv/bin/python -m pytest -q "$@"
+HF_HUB_OFFLINE=1 exec .venv/bin/python -m pytest -q "$@"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 
 import pytest
 import torch

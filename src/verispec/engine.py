@@ -121,9 +121,13 @@ class SpeculativeEngine:
         start = time.perf_counter()
         draft_seconds = target_seconds = 0.0
         while active:
-            budgets = [0 if self.drafter is None else max(0, min(spec.num_draft_tokens, s.max_new_tokens - s.num_generated - 1)) for s in active]
+            # At most K drafts, and never more than the tokens left after this step's own token.
+            budgets = [min(spec.num_draft_tokens, s.max_new_tokens - s.num_generated - 1) for s in active]
             t0 = time.perf_counter()
-            drafts = self.drafter.propose(active, budgets) if self.drafter is not None and any(budgets) else [EMPTY_DRAFT] * len(active)
+            if self.drafter is not None and any(budgets):
+                drafts = self.drafter.propose(active, budgets)
+            else:
+                drafts = [EMPTY_DRAFT] * len(active)
             t1 = time.perf_counter()
             inputs = [s.tokens[s.target_cached :] + d.tokens.tolist() for s, d in zip(active, drafts)]
             logits = self.target.forward(state, inputs, [len(d) + 1 for d in drafts])  # (B, M, V)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -124,9 +123,12 @@ def load_model(spec: str, dtype: str = "float32") -> LoadedModel:
         spec: a named default (see `NAMED_MODELS`), a local Hugging Face model directory, or a .gguf file.
         dtype: compute dtype name: float32 (default, exact greedy), bfloat16 or float16.
     """
+    from transformers.utils import logging as hf_logging
+
     torch_dtype = parse_dtype(dtype)
     kind, path = resolve(spec)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     if kind == "hf":
         model, tokenizer = _load_hf_dir(path, torch_dtype)
         return LoadedModel(spec, model, tokenizer, str(path))
