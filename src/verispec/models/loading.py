@@ -90,8 +90,14 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     notice(
         f"[bold]converting {gguf.name}[/bold] to a cached float32 copy at {out} (one time; later loads are fast)"
     )
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()  # dequantizing takes minutes: show transformers' own progress bar
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    finally:
+        hf_logging.disable_progress_bar()
     # The weights are dequantized now; drop the GGUF quantizer tag so transformers saves them plainly.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
