@@ -26,6 +26,7 @@ from verispec.models.runner import ModelRunner
 from verispec.rejection import Verdict, verify, verify_greedy
 from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks
 from verispec.sequence import Sequence
+from verispec.tuning import AdaptiveK
 
 
 @dataclass(frozen=True)
@@ -108,10 +109,13 @@ class SpeculativeEngine:
         sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig(),
         spec: SpecConfig = SpecConfig(),
         seeds: list[int | None] | int | None = None,
+        tuner: AdaptiveK | None = None,
     ) -> Iterator[tuple[StepEvent, Sequence]]:
         """Decode a batch, yielding (event, sequence) after every step for every running sequence.
 
         `seeds`: one per prompt, or an int s (prompt i gets s + i), or None (fresh entropy).
+        `tuner`: chooses K each step from measured costs and acceptance (then `spec.num_draft_tokens`
+        is unused); the output distribution does not depend on K.
         """
         sequences = self.make_sequences(prompts, sampling, spec, seeds)
         state = self.target.new_state(len(sequences))
@@ -122,7 +126,8 @@ class SpeculativeEngine:
         draft_seconds = target_seconds = 0.0
         while active:
             # At most K drafts, and never more than the tokens left after this step's own token.
-            budgets = [min(spec.num_draft_tokens, s.max_new_tokens - s.num_generated - 1) for s in active]
+            k = spec.num_draft_tokens if tuner is None else tuner.k()
+            budgets = [min(k, s.max_new_tokens - s.num_generated - 1) for s in active]
             t0 = time.perf_counter()
             if self.drafter is not None and any(budgets):
                 drafts = self.drafter.propose(active, budgets)
@@ -140,6 +145,8 @@ class SpeculativeEngine:
             for s, d, v in zip(active, drafts, verdicts):
                 s.target_cached = len(s.tokens) + v.num_accepted
                 s.stats.record(len(d), v.num_accepted, v.bonus)
+                if tuner is not None and len(d):
+                    tuner.observe(len(d), v.num_accepted)
                 events.append(self._commit(s, d, v, spec))
             if self.drafter is not None:
                 self.drafter.commit(active, drafts, [v.num_accepted for v in verdicts])
@@ -155,10 +162,11 @@ class SpeculativeEngine:
                     if self.drafter is not None:
                         self.drafter.keep(keep)
 
-    def generate(self, prompts: list[list[int]], sampling=SamplingConfig(), spec=SpecConfig(), seeds=None) -> list[Sequence]:
+    def generate(self, prompts: list[list[int]], sampling=SamplingConfig(), spec=SpecConfig(), seeds=None,
+                 tuner: AdaptiveK | None = None) -> list[Sequence]:
         """Decode a batch to the end; returns the finished sequences in prompt order."""
         done: dict[int, Sequence] = {}
-        for _, seq in self.stream(prompts, sampling, spec, seeds):
+        for _, seq in self.stream(prompts, sampling, spec, seeds, tuner):
             if seq.finish_reason is not None:
                 done[seq.index] = seq
         return [done[i] for i in sorted(done)]

@@ -96,6 +96,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, OSError, KeyError, RuntimeError) as err:
+        raise VerispecError(f"transformers could not load the GGUF file {gguf}: {err}") from None
     finally:
         hf_logging.disable_progress_bar()
     # The weights are dequantized now; drop the GGUF quantizer tag so transformers saves them plainly.

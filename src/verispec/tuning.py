@@ -1,0 +1,138 @@
+"""Choosing K from measured costs: the expected-speedup model of Leviathan et al. (2023), section 3.
+
+With per-token acceptance rate alpha, a step that drafts K tokens yields on average
+    E[tokens] = (1 - alpha^(K+1)) / (1 - alpha)
+and costs K * c + v(K) target-pass units, where c is one draft token's cost relative to a one-token
+target pass and v(K) is the cost of a target pass over K + 1 tokens relative to a one-token pass.
+Both are measured on this machine (`measure_costs`), never assumed: on a CPU v(K) grows with K,
+on a GPU it stays near 1 for small K. The speedup over plain decoding is E[tokens] / (K c + v(K));
+K = 0 (speculation off) is chosen where no K beats 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from verispec.models.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Measured costs, in seconds.
+
+    target_pass: target pass time by number of new tokens (1 .. k_max + 1).
+    draft_token: one draft forward pass over one token (0 for drafters that cost ~nothing).
+    """
+
+    target_pass: dict[int, float]
+    draft_token: float
+
+    @property
+    def c(self) -> float:
+        return self.draft_token / self.target_pass[1]
+
+    def v(self, k: int) -> float:
+        widths = sorted(self.target_pass)
+        width = min(k + 1, widths[-1])
+        return self.target_pass[width] / self.target_pass[1]
+
+    @property
+    def k_max(self) -> int:
+        return max(self.target_pass) - 1
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens per step] = (1 - alpha^(K+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, k: int, profile: CostProfile) -> float:
+    """Speedup over plain decoding of drafting K tokens per step (K = 0 gives 1)."""
+    if k == 0:
+        return 1.0
+    return expected_tokens(alpha, k) / (k * profile.c + profile.v(k))
+
+
+def best_k(alpha: float, profile: CostProfile) -> int:
+    """The K in 0..k_max with the highest expected speedup (0: speculation does not pay here)."""
+    return max(range(profile.k_max + 1), key=lambda k: (expected_speedup(alpha, k, profile), -k))
+
+
+def _timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_costs(target: ModelRunner, draft: ModelRunner | None, k_max: int = 8, context: int = 64,
+                  repeats: int = 3) -> CostProfile:
+    """Time target passes over 1..k_max+1 new tokens and one draft token, after a warm-up each."""
+    prompt = [[(i * 7919) % 1000 + 10 for i in range(context)]]
+    state = target.new_state(1)
+    target.forward(state, prompt, [1])
+    passes = {}
+    for width in range(1, k_max + 2):
+        tokens = [[11 + i for i in range(width)]]
+
+        def one_pass(tokens=tokens, width=width):
+            target.forward(state, tokens, [width])
+            target.rollback(state, [width])
+
+        one_pass()  # warm-up: the first pass of a new shape pays for kernel set-up
+        passes[width] = _timed(one_pass, repeats)
+    draft_cost = 0.0
+    if draft is not None:
+        dstate = draft.new_state(1)
+        draft.forward(dstate, prompt, [1])
+
+        def one_draft():
+            draft.forward(dstate, [[11]], [1])
+            draft.rollback(dstate, [1])
+
+        one_draft()
+        draft_cost = _timed(one_draft, repeats)
+    return CostProfile(passes, draft_cost)
+
+
+@dataclass
+class AdaptiveK:
+    """Picks K each step from the cost profile and a running estimate of alpha.
+
+    alpha is estimated as accepted / (accepted + rejections): each step's drafts are accepted in a
+    row until the first rejection, a geometric count whose maximum-likelihood rate this is. The
+    estimate starts from `prior` with the weight of `prior_weight` draft tokens.
+    """
+
+    profile: CostProfile
+    prior: float = 0.6
+    prior_weight: float = 8.0
+    probe_every: int = 16
+    accepted: float = field(default=0.0)
+    rejections: float = field(default=0.0)
+    steps_off: int = field(default=0)
+
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + self.prior * self.prior_weight) / (
+            self.accepted + self.rejections + self.prior_weight
+        )
+
+    def k(self) -> int:
+        """K for the next step; while speculation is off, one token is drafted every
+        `probe_every` steps so that a rising acceptance rate can switch it back on."""
+        k = best_k(self.alpha, self.profile)
+        if k > 0:
+            self.steps_off = 0
+            return k
+        self.steps_off += 1
+        return 1 if self.steps_off % self.probe_every == 0 else 0
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.accepted += num_accepted
+        self.rejections += int(num_accepted < num_drafted)
