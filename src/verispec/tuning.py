@@ -73,12 +73,13 @@ def _timed(fn, repeats: int) -> float:
 def measure_costs(target: ModelRunner, draft: ModelRunner | None, k_max: int = 8, context: int = 64,
                   repeats: int = 3) -> CostProfile:
     """Time target passes over 1..k_max+1 new tokens and one draft token, after a warm-up each."""
-    prompt = [[(i * 7919) % 1000 + 10 for i in range(context)]]
+    vocab = min(target.vocab_size, draft.vocab_size) if draft is not None else target.vocab_size
+    prompt = [[(i * 7919) % vocab for i in range(context)]]
     state = target.new_state(1)
     target.forward(state, prompt, [1])
     passes = {}
     for width in range(1, k_max + 2):
-        tokens = [[11 + i for i in range(width)]]
+        tokens = [[(11 + i) % vocab for i in range(width)]]
 
         def one_pass(tokens=tokens, width=width):
             target.forward(state, tokens, [width])
@@ -92,7 +93,7 @@ def measure_costs(target: ModelRunner, draft: ModelRunner | None, k_max: int = 8
         draft.forward(dstate, prompt, [1])
 
         def one_draft():
-            draft.forward(dstate, [[11]], [1])
+            draft.forward(dstate, [[11 % vocab]], [1])
             draft.rollback(dstate, [1])
 
         one_draft()
@@ -104,24 +105,29 @@ def measure_costs(target: ModelRunner, draft: ModelRunner | None, k_max: int = 8
 class AdaptiveK:
     """Picks K each step from the cost profile and a running estimate of alpha.
 
-    alpha is estimated as accepted / (accepted + rejections): each step's drafts are accepted in a
-    row until the first rejection, a geometric count whose maximum-likelihood rate this is. The
-    estimate starts from `prior` with the weight of `prior_weight` draft tokens.
+    Each step's drafts are accepted in a row until the first rejection, a geometric count whose
+    maximum-likelihood rate is accepted / (accepted + rejections). Both counts decay by `decay` per
+    observation (a window of about 1 / (1 - decay) steps) so K follows the text being written; they
+    start as pseudo-counts worth `prior_weight` tokens at rate `prior`.
     """
 
     profile: CostProfile
     prior: float = 0.6
-    prior_weight: float = 8.0
+    prior_weight: float = 4.0
+    decay: float = 0.95
     probe_every: int = 16
-    accepted: float = field(default=0.0)
-    rejections: float = field(default=0.0)
+    accepted: float = field(default=-1.0)
+    rejections: float = field(default=-1.0)
     steps_off: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if self.accepted < 0:
+            self.accepted = self.prior * self.prior_weight
+            self.rejections = (1 - self.prior) * self.prior_weight
 
     @property
     def alpha(self) -> float:
-        return (self.accepted + self.prior * self.prior_weight) / (
-            self.accepted + self.rejections + self.prior_weight
-        )
+        return self.accepted / (self.accepted + self.rejections)
 
     def k(self) -> int:
         """K for the next step; while speculation is off, one token is drafted every
@@ -134,5 +140,5 @@ class AdaptiveK:
         return 1 if self.steps_off % self.probe_every == 0 else 0
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
-        self.accepted += num_accepted
-        self.rejections += int(num_accepted < num_drafted)
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.rejections = self.decay * self.rejections + int(num_accepted < num_drafted)

@@ -1,0 +1,96 @@
+"""Turning bench runs into numbers: per category and overall, medians over prompts, ratios per prompt."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+
+from verispec.bench.systems import Run
+from verispec.stats import GenerationStats
+
+BASELINES = ("verispec-plain", "hf-generate", "hf-assisted")
+
+
+@dataclass
+class Record:
+    system: str
+    question_id: int
+    category: str
+    run: Run
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(records: list[Record], greedy: bool, reference: str = "verispec-plain") -> dict:
+    """Per system, per category (and "all"): medians, speedups, acceptance, time split, equality."""
+    by_prompt: dict[tuple[str, int], Record] = {(r.system, r.question_id): r for r in records}
+    systems = list(dict.fromkeys(r.system for r in records))
+    categories = list(dict.fromkeys(r.category for r in records))
+    summary: dict = {}
+    for system in systems:
+        summary[system] = {}
+        for category in categories + ["all"]:
+            rows = [r for r in records if r.system == system and (category == "all" or r.category == category)]
+            if not rows:
+                continue
+            entry: dict = {
+                "prompts": len(rows),
+                "median_tokens_per_second": _median([r.run.tokens_per_second for r in rows]),
+                "speedup": {},
+            }
+            for base in BASELINES:
+                ratios = [r.run.tokens_per_second / b.run.tokens_per_second for r in rows
+                          if (b := by_prompt.get((base, r.question_id))) and b.run.tokens_per_second > 0]
+                if ratios and base != system:
+                    entry["speedup"][base] = _median(ratios)
+            stats = [r.run.stats for r in rows if r.run.stats is not None]
+            if stats:
+                merged = GenerationStats.merge(stats)
+                wall = sum(s.wall_seconds for s in stats)
+                draft = sum(s.draft_seconds for s in stats)
+                target = sum(s.target_seconds for s in stats)
+                entry.update(
+                    acceptance_rate=merged.acceptance_rate,
+                    tokens_per_target_pass=merged.tokens_per_target_pass,
+                    accepted_per_position=[a / d if d else 0.0 for a, d in
+                                           zip(merged.accepted_per_position, merged.drafted_per_position)],
+                    time_split={"draft": draft / wall, "target": target / wall, "overhead": 1 - (draft + target) / wall}
+                    if wall > 0 else None,
+                )
+            if greedy:
+                same = [r.run.token_ids == by_prompt[(reference, r.question_id)].run.token_ids for r in rows
+                        if (reference, r.question_id) in by_prompt]
+                entry["greedy_equal_to_plain"] = f"{sum(same)}/{len(same)}"
+            summary[system][category] = entry
+    return summary
+
+
+def markdown(summary: dict, categories: list[str]) -> str:
+    """One table: rows are systems, columns are categories (tok/s and speedups), then acceptance."""
+    lines = []
+    header = "| system | " + " | ".join(categories + ["all"]) + " |"
+    lines += ["median tokens/s (speedup vs verispec-plain / hf-generate / hf-assisted)", "", header,
+              "|" + "---|" * (len(categories) + 2)]
+    for system, cats in summary.items():
+        cells = []
+        for c in categories + ["all"]:
+            e = cats.get(c)
+            if not e:
+                cells.append("-")
+                continue
+            sp = " / ".join(f"{e['speedup'][b]:.2f}x" if b in e["speedup"] else "-" for b in BASELINES)
+            cells.append(f"{e['median_tokens_per_second']:.2f} ({sp})")
+        lines.append(f"| {system} | " + " | ".join(cells) + " |")
+    lines += ["", "| system | acceptance | tokens/target pass | time split draft/target/overhead | greedy = plain |",
+              "|---|---|---|---|---|"]
+    for system, cats in summary.items():
+        e = cats["all"]
+        split = e.get("time_split")
+        split_text = f"{split['draft']:.0%} / {split['target']:.0%} / {split['overhead']:.0%}" if split else "-"
+        acc = f"{e['acceptance_rate']:.3f}" if "acceptance_rate" in e else "-"
+        tpp = f"{e['tokens_per_target_pass']:.2f}" if "tokens_per_target_pass" in e else "-"
+        lines.append(f"| {system} | {acc} | {tpp} | {split_text} | {e.get('greedy_equal_to_plain', '-')} |")
+    return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""`verispec bench`: systems side by side on a Spec-Bench-style prompt set, interleaved prompt by prompt."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from verispec.api import SpeculativeDecoder
+from verispec.bench.plots import plot_acceptance_by_position, plot_speedup
+from verispec.bench.report import Record, markdown, summarize
+from verispec.bench.systems import HFSystem, System, VerispecSystem
+from verispec.config import SamplingConfig
+from verispec.console import stderr_console
+from verispec.datasets import load_prompts
+from verispec.errors import VerispecError
+from verispec.models.loading import LoadedModel
+from verispec.tuning import AdaptiveK, measure_costs
+
+SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram",
+           "verispec-auto")
+DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What `verispec bench` measures.
+
+    prompts: Spec-Bench-format JSONL. categories: Spec-Bench categories to keep (None: all).
+    per_category: prompts per category. systems: names from SYSTEMS (None: all that apply).
+    """
+
+    prompts: str = str(DEFAULT_PROMPTS)
+    categories: tuple[str, ...] | None = None
+    per_category: int = 5
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    num_draft_tokens: int = 4
+    systems: tuple[str, ...] | None = None
+    out_dir: str = "artifacts/bench"
+
+    def __post_init__(self) -> None:
+        unknown = set(self.systems or ()) - set(SYSTEMS)
+        if unknown:
+            raise VerispecError(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+        if self.per_category < 1:
+            raise VerispecError("per_category must be >= 1")
+
+
+def memory_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
+    """Measured read bandwidth: the best of several full reductions over a buffer larger than any cache."""
+    buf = torch.ones(size_mb * (1 << 20) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        float(buf.sum())
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * 4 / best / 1e9
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights one decoding step reads: every parameter once, except the input embedding
+    (one row per token) unless it is tied to the output layer."""
+    total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    emb, out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if emb.data_ptr() != out.data_ptr():
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None) -> list[System]:
+    wanted = config.systems or SYSTEMS
+    eos = target.eos_token_ids()
+    k = config.num_draft_tokens
+    systems: list[System] = []
+    plain = SpeculativeDecoder(target, "none")
+    drafted = SpeculativeDecoder(target, draft) if draft is not None else None
+    for name in wanted:
+        if name == "verispec-plain":
+            systems.append(VerispecSystem(name, plain, k))
+        elif name == "hf-generate":
+            systems.append(HFSystem(name, target.model, eos))
+        elif name == "hf-prompt-lookup":
+            systems.append(HFSystem(name, target.model, eos, prompt_lookup_num_tokens=k))
+        elif name == "verispec-ngram":
+            systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k))
+        elif draft is None:
+            continue  # the remaining systems need a draft model
+        elif name == "hf-assisted":
+            systems.append(HFSystem(name, target.model, eos, assistant_model=draft.model))
+        elif name == "verispec-draft":
+            systems.append(VerispecSystem(name, drafted, k))
+        elif name == "verispec-auto":
+            assert drafted is not None
+            stderr_console().print("measuring target and draft pass costs for auto-tuning ...")
+            profile = measure_costs(drafted.runner, drafted.drafter.runner, k_max=max(k, 8))
+            systems.append(VerispecSystem(name, drafted, k, AdaptiveK(profile)))
+    return systems
+
+
+def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None) -> dict:
+    """Run every system on every prompt (interleaved), write JSON, markdown and plots; return the report."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    prompts = load_prompts(config.prompts, list(config.categories) if config.categories else None, config.per_category)
+    if not prompts:
+        raise VerispecError(f"no prompts selected from {config.prompts}")
+    systems = build_systems(config, target, draft)
+    encoder = SpeculativeDecoder(target, "none")
+    sampling = SamplingConfig(temperature=config.temperature)
+    records: list[Record] = []
+    for system in systems:  # warm-up: first calls pay for kernel set-up, not for decoding
+        system.run(encoder.encode("Hello"), sampling, 4, config.seed)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=stderr_console()) as progress:
+        task = progress.add_task("bench", total=len(prompts) * len(systems))
+        for prompt in prompts:
+            ids = encoder.encode(prompt.text, chat=None)
+            for system in systems:
+                progress.update(task, description=f"{prompt.category} q{prompt.question_id} {system.name}")
+                run = system.run(ids, sampling, config.max_new_tokens, config.seed + prompt.question_id)
+                records.append(Record(system.name, prompt.question_id, prompt.category, run))
+                progress.advance(task)
+    categories = list(dict.fromkeys(p.category for p in prompts))
+    summary = summarize(records, greedy=sampling.greedy)
+    bandwidth = memory_bandwidth_gbs()
+    bytes_per_token = weight_bytes_per_token(target.model)
+    limit = bandwidth * 1e9 / bytes_per_token
+    plain = summary.get("verispec-plain", {}).get("all", {}).get("median_tokens_per_second")
+    report = {
+        "config": asdict(config),
+        "target": target.name, "draft": draft.name if draft else None, "dtype": str(target.dtype),
+        "memory_bandwidth_gbs": bandwidth, "weight_bytes_per_token": bytes_per_token,
+        "bandwidth_limit_tokens_per_second": limit,
+        "plain_fraction_of_bandwidth_limit": plain / limit if plain else None,
+        "summary": summary,
+        "runs": [{"system": r.system, "question_id": r.question_id, "category": r.category,
+                  "new_tokens": len(r.run.token_ids), "seconds": r.run.seconds,
+                  "stats": r.run.stats.to_dict() if r.run.stats else None} for r in records],
+    }
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    table = markdown(summary, categories)
+    table += (f"\n\nmemory bandwidth {bandwidth:.1f} GB/s, {bytes_per_token / 1e9:.2f} GB of weights per token: "
+              f"bandwidth limit {limit:.2f} tokens/s" + (f"; verispec-plain reaches {plain / limit:.0%} of it" if plain else ""))
+    (out / "bench.md").write_text(table + "\n")
+    report["markdown"] = table
+    report["plots"] = [str(plot_speedup(summary, categories, out / "speedup_by_category.png")),
+                       str(plot_acceptance_by_position(summary, out / "acceptance_by_position.png"))]
+    return report

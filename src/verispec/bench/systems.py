@@ -1,0 +1,84 @@
+"""The systems `verispec bench` runs side by side: verispec's own, and the peers users would pick.
+
+Each system decodes one prompt (token ids) and returns a `Run`: the new token ids, wall time and,
+for verispec systems, the speculative statistics. Hugging Face systems seed torch's global generator
+before sampling, since that is the only randomness `generate` takes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from verispec.api import SpeculativeDecoder
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.stats import GenerationStats
+from verispec.tuning import AdaptiveK
+
+
+@dataclass
+class Run:
+    token_ids: list[int]
+    seconds: float
+    stats: GenerationStats | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+
+class System:
+    name: str = "system"
+    family: str = "verispec"  # or "hf", "llama.cpp"
+
+    def run(self, prompt: list[int], sampling: SamplingConfig, max_new_tokens: int, seed: int) -> Run:
+        raise NotImplementedError
+
+
+class VerispecSystem(System):
+    """verispec with a given drafter; `tuner` set means K is auto-tuned from measured costs."""
+
+    def __init__(self, name: str, decoder: SpeculativeDecoder, num_draft_tokens: int, tuner: AdaptiveK | None = None):
+        self.name, self.decoder, self.k, self.tuner = name, decoder, num_draft_tokens, tuner
+
+    def run(self, prompt, sampling, max_new_tokens, seed):
+        spec = SpecConfig(num_draft_tokens=self.k, max_new_tokens=max_new_tokens)
+        start = time.perf_counter()
+        seq = self.decoder.engine.generate([prompt], sampling, spec, seeds=[seed], tuner=self.tuner)[0]
+        return Run(seq.generated, time.perf_counter() - start, seq.stats)
+
+
+class HFSystem(System):
+    """Hugging Face `generate`: target alone, assisted by a draft model, or with prompt lookup."""
+
+    family = "hf"
+
+    def __init__(self, name: str, target, eos_token_ids: set[int], **generate_kwargs):
+        self.name, self.target, self.eos, self.kwargs = name, target, sorted(eos_token_ids), generate_kwargs
+
+    @torch.inference_mode()
+    def run(self, prompt, sampling, max_new_tokens, seed):
+        ids = torch.tensor([prompt])
+        kwargs = dict(self.kwargs)
+        if sampling.greedy:
+            kwargs.update(do_sample=False)
+        else:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None,
+                          top_p=sampling.top_p, min_p=sampling.min_p or None,
+                          repetition_penalty=sampling.repetition_penalty)
+            torch.manual_seed(seed)
+        start = time.perf_counter()
+        out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                   eos_token_id=self.eos, pad_token_id=self.eos[0] if self.eos else None, **kwargs)
+        seconds = time.perf_counter() - start
+        new = out[0, len(prompt):].tolist()
+        return Run(_cut_at_eos(new, set(self.eos)), seconds)
+
+
+def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens

@@ -1,0 +1,77 @@
+"""`verispec bench` on tiny models: every system runs, greedy outputs agree, files are written."""
+
+import json
+
+import pytest
+
+from conftest import tiny_model
+from tiny_hf import save_tiny_model_dir
+from verispec.bench.report import BASELINES
+from verispec.bench.runner import SYSTEMS, BenchConfig, run_bench
+from verispec.cli import main
+from verispec.errors import VerispecError
+from verispec.models import load_model
+from verispec.tuning import AdaptiveK, CostProfile, best_k, expected_speedup, expected_tokens
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target = save_tiny_model_dir(root / "target", "llama", seed=0)
+    draft = save_tiny_model_dir(root / "draft", "llama", seed=0)
+    prompts = root / "prompts.jsonl"
+    rows = [{"question_id": i, "category": cat, "turns": [text]}
+            for i, (cat, text) in enumerate([("coding", "write a loop"), ("qa", "who are you?"), ("rag", "read this: a b c. a b")])]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return root, str(target), str(draft), str(prompts)
+
+
+def test_bench_runs_all_systems_and_writes_report(setup):
+    root, target, draft, prompts = setup
+    config = BenchConfig(prompts=prompts, per_category=1, max_new_tokens=12, out_dir=str(root / "out"))
+    report = run_bench(config, load_model(target), load_model(draft))
+    summary = report["summary"]
+    assert set(summary) == set(SYSTEMS)
+    assert set(summary["verispec-draft"]) == {"mt_bench", "qa", "rag", "all"}
+    for system, cats in summary.items():
+        assert cats["all"]["greedy_equal_to_plain"] == "3/3", system
+    assert summary["verispec-draft"]["all"]["acceptance_rate"] == 1.0
+    assert set(summary["verispec-draft"]["all"]["speedup"]) == set(BASELINES)
+    for name in ("bench.json", "bench.md", "speedup_by_category.png", "acceptance_by_position.png"):
+        assert (root / "out" / name).stat().st_size > 0
+    assert report["bandwidth_limit_tokens_per_second"] > 0
+
+
+def test_bench_cli_and_errors(setup, capsys):
+    root, target, draft, prompts = setup
+    assert main(["bench", "--target", target, "--draft", "ngram", "--prompts", prompts, "--per-category", "1",
+                 "--max-new-tokens", "6", "--systems", "verispec-plain,verispec-ngram", "--out", str(root / "cli")]) == 0
+    assert "verispec-ngram" in capsys.readouterr().out
+    assert main(["bench", "--target", target, "--prompts", prompts, "--systems", "nope"]) == 2
+    assert main(["bench", "--target", target, "--prompts", prompts, "--categories", "poetry"]) == 2
+    with pytest.raises(VerispecError):
+        BenchConfig(per_category=0)
+
+
+def test_cost_model_formulas():
+    assert expected_tokens(0.5, 3) == pytest.approx((1 - 0.5 ** 4) / 0.5)
+    assert expected_tokens(1.0, 3) == 4
+    flat = CostProfile({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, draft_token=0.05)
+    # E = 1.875 tokens for K = 3 at alpha 0.5; cost 3 * 0.05 + 1 = 1.15.
+    assert expected_speedup(0.5, 3, flat) == pytest.approx(1.875 / 1.15)
+    assert best_k(0.9, flat) == 4
+    steep = CostProfile({1: 1.0, 2: 2.0, 3: 3.0}, draft_token=0.5)
+    assert best_k(0.5, steep) == 0  # nothing beats plain decoding: speculation off
+
+
+def test_adaptive_k_follows_acceptance_and_probes_when_off():
+    profile = CostProfile({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 1.2}, draft_token=0.2)
+    tuner = AdaptiveK(profile)
+    for _ in range(50):
+        tuner.observe(4, 4)
+    assert tuner.k() == 4 and tuner.alpha > 0.9
+    for _ in range(400):
+        tuner.observe(1, 0)
+    assert tuner.alpha < 0.1
+    ks = [tuner.k() for _ in range(32)]
+    assert ks.count(0) == 30 and ks.count(1) == 2
