@@ -44,6 +44,8 @@ class GenerationResult:
     dtype: str
     target: str
     draft: str
+    target_weights: str = "dense"
+    draft_weights: str | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -54,6 +56,8 @@ class GenerationResult:
             "target": self.target,
             "draft": self.draft,
             "dtype": self.dtype,
+            "target_weights": self.target_weights,
+            "draft_weights": self.draft_weights,
             "stats": self.stats.to_dict(),
         }
 
@@ -73,8 +77,11 @@ class SpeculativeDecoder:
         draft: LoadedModel | Drafter | str = NGRAM,
         prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
     ) -> None:
+        if target.weights == "int8":
+            raise VerispecError("the target cannot use int8 weights: that would change the distribution being sampled")
         self.target = target
         self.runner = ModelRunner(target.model)
+        self.draft_weights: str | None = None
         context_window = self.runner.context_window
         if isinstance(draft, LoadedModel):
             check_same_tokenizer(target, draft)
@@ -82,6 +89,7 @@ class SpeculativeDecoder:
             context_window = min(context_window, draft_runner.context_window)
             self.drafter: Drafter | None = DraftModelDrafter(draft_runner, self.runner.vocab_size)
             self.draft_name = draft.name
+            self.draft_weights = draft.weights
         elif isinstance(draft, Drafter):
             self.drafter, self.draft_name = draft, draft.name
         elif draft == NGRAM:
@@ -102,16 +110,21 @@ class SpeculativeDecoder:
         dtype: str = "float32",
         draft_dtype: str | None = None,
         prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
+        target_weights: str = "packed",
+        draft_weights: str = "int8",
     ) -> SpeculativeDecoder:
         """Load by spec: a named default, a local HF model directory or a .gguf file.
 
-        `draft` may also be "ngram" (prompt lookup) or "none". `draft_dtype` defaults to `dtype`
-        (the draft's dtype changes speed only, never the output distribution).
+        `draft` may also be "ngram" (prompt lookup) or "none". `draft_dtype` defaults to `dtype`.
+        `target_weights` "packed" (default) keeps the target's weights and dtype and only changes
+        their memory layout for faster multi-token passes; "dense" runs them as loaded.
+        `draft_weights` "int8" (default) quantizes the draft: the draft's dtype and weights change
+        its speed and acceptance only, never the output distribution.
         """
-        loaded_target = load_model(target, dtype)
+        loaded_target = load_model(target, dtype, target_weights)
         if draft in NO_DRAFT or draft == NGRAM:
             return cls(loaded_target, draft, prompt_lookup)
-        return cls(loaded_target, load_model(draft, draft_dtype or dtype), prompt_lookup)
+        return cls(loaded_target, load_model(draft, draft_dtype or dtype, draft_weights), prompt_lookup)
 
     # --- text <-> tokens ---------------------------------------------------------------------------
     @property
@@ -182,6 +195,8 @@ class SpeculativeDecoder:
             dtype=str(self.target.dtype).removeprefix("torch."),
             target=self.target.name,
             draft=self.draft_name,
+            target_weights=self.target.weights,
+            draft_weights=self.draft_weights,
         )
 
     def _token_prompts(self, prompts, chat: bool | None) -> list[list[int]]:

@@ -41,6 +41,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="a model spec like --target, 'ngram' (prompt lookup) or 'none' (plain decoding) (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target compute dtype; float32 keeps greedy output equal to token-by-token decoding (default: %(default)s)")
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"], help="draft compute dtype (speed only; default: same as --dtype)")
+    p.add_argument("--target-weights", default="packed", choices=["packed", "dense"],
+                   help="packed: same weights in oneDNN's layout, faster multi-token passes on CPU (default: %(default)s)")
+    p.add_argument("--draft-weights", default="int8", choices=["int8", "packed", "dense"],
+                   help="int8: weight-only int8 draft, changes speed and acceptance only (default: %(default)s)")
     p.add_argument("--ngram-max", type=int, help=f"prompt lookup: longest n-gram matched (default: {_default(PromptLookupConfig, 'max_ngram')})")
     p.add_argument("--ngram-min", type=int, help=f"prompt lookup: shortest n-gram matched (default: {_default(PromptLookupConfig, 'min_ngram')})")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
@@ -121,7 +125,8 @@ def _load(args: argparse.Namespace):
 
     set_threads(args.threads)
     lookup = _build(PromptLookupConfig, args, LOOKUP_OPTIONS)
-    return SpeculativeDecoder.load(args.target, args.draft, args.dtype, args.draft_dtype, lookup)
+    return SpeculativeDecoder.load(args.target, args.draft, args.dtype, args.draft_dtype, lookup,
+                                   args.target_weights, args.draft_weights)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -200,9 +205,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                         "num_draft_tokens": "num_draft_tokens", "systems": "systems", "out_dir": "out"})
     SamplingConfig(temperature=config.temperature)  # validates it before minutes of loading
     set_threads(args.threads)
-    target = load_model(args.target, args.dtype)
-    draft = None if args.draft in NO_DRAFT or args.draft == NGRAM else load_model(args.draft, args.draft_dtype or args.dtype)
-    report = run_bench(config, target, draft)
+    has_draft = args.draft not in NO_DRAFT and args.draft != NGRAM
+    draft_dtype = args.draft_dtype or args.dtype
+    # Hugging Face systems run the models as loaded; verispec's run its fast weight formats.
+    models = {"hf_target": load_model(args.target, args.dtype),
+              "hf_draft": load_model(args.draft, draft_dtype) if has_draft else None,
+              "target": load_model(args.target, args.dtype, args.target_weights),
+              "draft": load_model(args.draft, draft_dtype, args.draft_weights) if has_draft else None}
+    report = run_bench(config, **models)
     Console().print(Markdown(report["markdown"]))
     print(f"written: {config.out_dir}/bench.json, bench.md, " + ", ".join(Path(p).name for p in report["plots"]))
     return 0

@@ -26,7 +26,8 @@ def plot_speedup(summary: dict, categories: list[str], path: Path, baseline: str
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(cols))], cols, rotation=20)
     ax.set_ylabel(f"speedup vs {baseline} (median per prompt)")
-    ax.legend(fontsize=8)
+    if systems:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

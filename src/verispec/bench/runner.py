@@ -72,7 +72,8 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return total
 
 
-def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None) -> list[System]:
+def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
+                  hf_target: LoadedModel, hf_draft: LoadedModel | None) -> list[System]:
     wanted = config.systems or SYSTEMS
     eos = target.eos_token_ids()
     k = config.num_draft_tokens
@@ -83,15 +84,15 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
         if name == "verispec-plain":
             systems.append(VerispecSystem(name, plain, k))
         elif name == "hf-generate":
-            systems.append(HFSystem(name, target.model, eos))
+            systems.append(HFSystem(name, hf_target.model, eos))
         elif name == "hf-prompt-lookup":
-            systems.append(HFSystem(name, target.model, eos, prompt_lookup_num_tokens=k))
+            systems.append(HFSystem(name, hf_target.model, eos, prompt_lookup_num_tokens=k))
         elif name == "verispec-ngram":
             systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k))
-        elif draft is None:
+        elif draft is None or hf_draft is None:
             continue  # the remaining systems need a draft model
         elif name == "hf-assisted":
-            systems.append(HFSystem(name, target.model, eos, assistant_model=draft.model))
+            systems.append(HFSystem(name, hf_target.model, eos, assistant_model=hf_draft.model))
         elif name == "verispec-draft":
             systems.append(VerispecSystem(name, drafted, k))
         elif name == "verispec-auto":
@@ -102,14 +103,21 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
     return systems
 
 
-def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None) -> dict:
-    """Run every system on every prompt (interleaved), write JSON, markdown and plots; return the report."""
+def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
+              hf_target: LoadedModel | None = None, hf_draft: LoadedModel | None = None) -> dict:
+    """Run every system on every prompt (interleaved), write JSON, markdown and plots; return the report.
+
+    `target` / `draft` run verispec's systems; `hf_target` / `hf_draft` (default: the same models)
+    run Hugging Face's, so they can be loaded as users would load them.
+    """
+    hf_target = hf_target or target
+    hf_draft = hf_draft or draft
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     prompts = load_prompts(config.prompts, list(config.categories) if config.categories else None, config.per_category)
     if not prompts:
         raise VerispecError(f"no prompts selected from {config.prompts}")
-    systems = build_systems(config, target, draft)
+    systems = build_systems(config, target, draft, hf_target, hf_draft)
     encoder = SpeculativeDecoder(target, "none")
     sampling = SamplingConfig(temperature=config.temperature)
     records: list[Record] = []
@@ -128,12 +136,13 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     categories = list(dict.fromkeys(p.category for p in prompts))
     summary = summarize(records, greedy=sampling.greedy)
     bandwidth = memory_bandwidth_gbs()
-    bytes_per_token = weight_bytes_per_token(target.model)
+    bytes_per_token = weight_bytes_per_token(hf_target.model)
     limit = bandwidth * 1e9 / bytes_per_token
     plain = summary.get("verispec-plain", {}).get("all", {}).get("median_tokens_per_second")
     report = {
         "config": asdict(config),
         "target": target.name, "draft": draft.name if draft else None, "dtype": str(target.dtype),
+        "target_weights": target.weights, "draft_weights": draft.weights if draft else None,
         "memory_bandwidth_gbs": bandwidth, "weight_bytes_per_token": bytes_per_token,
         "bandwidth_limit_tokens_per_second": limit,
         "plain_fraction_of_bandwidth_limit": plain / limit if plain else None,

@@ -20,20 +20,30 @@ import torch
 
 from verispec.console import notice
 from verispec.errors import VerispecError
+from verispec.models.packed import pack_linear_layers
+from verispec.models.quantized import quantize_linear_layers
 from verispec.models.registry import NAMED_MODELS, assemble, cache_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _COMPLETE = "verispec-converted.json"
 
 
+WEIGHT_FORMATS = ("dense", "packed", "int8")
+
+
 @dataclass
 class LoadedModel:
-    """A model ready for decoding: `model` (a transformers causal LM), its tokenizer and where it came from."""
+    """A model ready for decoding: `model` (a transformers causal LM), its tokenizer and where it came from.
+
+    weights: "dense" (as loaded), "packed" (linear weights in oneDNN's packed layout: same values,
+    faster multi-token passes on CPUs) or "int8" (weight-only int8: for drafts only, never a target).
+    """
 
     name: str
     model: torch.nn.Module
     tokenizer: object
     source: str
+    weights: str = "dense"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -124,13 +134,26 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
     return model.eval(), tokenizer
 
 
-def load_model(spec: str, dtype: str = "float32") -> LoadedModel:
+def load_model(spec: str, dtype: str = "float32", weights: str = "dense") -> LoadedModel:
     """Load a model for decoding.
 
     Args:
         spec: a named default (see `NAMED_MODELS`), a local Hugging Face model directory, or a .gguf file.
         dtype: compute dtype name: float32 (default, exact greedy), bfloat16 or float16.
+        weights: "dense", "packed" or "int8" (see LoadedModel); a format this CPU cannot run falls
+            back to "dense", and `LoadedModel.weights` says which one was used.
     """
+    if weights not in WEIGHT_FORMATS:
+        raise VerispecError(f"unknown weight format '{weights}'; choose one of {', '.join(WEIGHT_FORMATS)}")
+    loaded = _load(spec, dtype)
+    if weights == "packed" and pack_linear_layers(loaded.model):
+        loaded.weights = "packed"
+    elif weights == "int8" and quantize_linear_layers(loaded.model):
+        loaded.weights = "int8"
+    return loaded
+
+
+def _load(spec: str, dtype: str) -> LoadedModel:
     from transformers.utils import logging as hf_logging
 
     torch_dtype = parse_dtype(dtype)
