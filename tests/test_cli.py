@@ -104,3 +104,10 @@ def test_models_lists_the_named_defaults(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "qwen2.5-coder-1.5b-instruct" in out and "smollm2-135m-instruct" in out
+
+
+def test_auto_k_generation_is_greedy_equal(model_dirs, capsys):
+    common = ["--target", model_dirs["target"], "--prompt", "hello there", "--temperature", "0", "--max-new-tokens", "16"]
+    auto = run_json(capsys, *common, "--draft", model_dirs["draft"], "--auto-k")
+    plain = run_json(capsys, *common, "--draft", "none")
+    assert auto["token_ids"] == plain["token_ids"]

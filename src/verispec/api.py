@@ -27,6 +27,7 @@ from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from verispec.models.runner import ModelRunner
 from verispec.sequence import Sequence
 from verispec.stats import GenerationStats
+from verispec.tuning import AdaptiveK, measure_costs
 
 NO_DRAFT = ("none", "off")
 NGRAM = "ngram"
@@ -155,9 +156,17 @@ class SpeculativeDecoder:
         spec: SpecConfig = SpecConfig(),
         seed: int | list[int | None] | None = None,
         chat: bool | None = None,
+        tuner: AdaptiveK | None = None,
     ) -> Iterator[tuple[StepEvent, Sequence]]:
-        """Yield (StepEvent, Sequence) per sequence per step, as tokens are committed."""
-        return self.engine.stream(self._token_prompts(prompts, chat), sampling, spec, seed)
+        """Yield (StepEvent, Sequence) per sequence per step, as tokens are committed.
+
+        `tuner` (see `auto_tuner`) picks K each step instead of `spec.num_draft_tokens`."""
+        return self.engine.stream(self._token_prompts(prompts, chat), sampling, spec, seed, tuner)
+
+    def auto_tuner(self, k_max: int = 8) -> AdaptiveK:
+        """Measure this machine's target and draft pass costs (a few seconds) and return an AdaptiveK."""
+        draft_runner = getattr(self.drafter, "runner", None)
+        return AdaptiveK(measure_costs(self.runner, draft_runner, k_max=k_max))
 
     def generate(
         self,
@@ -166,9 +175,10 @@ class SpeculativeDecoder:
         spec: SpecConfig = SpecConfig(),
         seed: int | None = None,
         chat: bool | None = None,
+        tuner: AdaptiveK | None = None,
     ) -> GenerationResult:
         """Generate for one prompt (text, or token ids used as they are)."""
-        return self.generate_batch([prompt], sampling, spec, seed, chat)[0]
+        return self.generate_batch([prompt], sampling, spec, seed, chat, tuner)[0]
 
     def generate_batch(
         self,
@@ -177,9 +187,10 @@ class SpeculativeDecoder:
         spec: SpecConfig = SpecConfig(),
         seed: int | list[int | None] | None = None,
         chat: bool | None = None,
+        tuner: AdaptiveK | None = None,
     ) -> list[GenerationResult]:
         """Generate for a batch of prompts together (ragged: each advances at its own pace)."""
-        sequences = self.engine.generate(self._token_prompts(prompts, chat), sampling, spec, seed)
+        sequences = self.engine.generate(self._token_prompts(prompts, chat), sampling, spec, seed, tuner)
         return [self.result(s) for s in sequences]
 
     def result(self, seq: Sequence) -> GenerationResult:

@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(g)
     g.add_argument("--max-new-tokens", type=int, help=f"(default: {_default(SpecConfig, 'max_new_tokens')})")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--auto-k", action="store_true",
+                   help="choose K each step from measured pass costs and acceptance (speculation off where it cannot win)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--no-color", action="store_true", help="plain text output")
 
@@ -140,15 +142,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = _build(SpecConfig, args, SPEC_OPTIONS)
     prompt = _read_prompt(args)
     decoder = _load(args)
+    tuner = decoder.auto_tuner(max(8, spec.num_draft_tokens)) if args.auto_k and decoder.drafter is not None else None
     if args.json:
-        result = decoder.generate(prompt, sampling, spec, args.seed, args.chat)
+        result = decoder.generate(prompt, sampling, spec, args.seed, args.chat, tuner)
         print(json.dumps(result.to_dict()))
         return 0
     console = Console(no_color=args.no_color, highlight=False)
     printer = StreamPrinter(console, decoder.decode, plain_decoding=decoder.drafter is None)
     console.print(legend(decoder.drafter is None))
     seq = None
-    for event, seq in decoder.stream(prompt, sampling, spec, args.seed, args.chat):
+    for event, seq in decoder.stream(prompt, sampling, spec, args.seed, args.chat, tuner):
         n_acc = min(len(event.accepted), len(event.committed))
         printer.step(seq.generated, n_acc, event.bonus, len(event.committed), seq.text_end)
     console.print()

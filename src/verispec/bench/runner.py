@@ -18,7 +18,6 @@ from verispec.console import stderr_console
 from verispec.datasets import load_prompts
 from verispec.errors import VerispecError
 from verispec.models.loading import LoadedModel
-from verispec.tuning import AdaptiveK, measure_costs
 
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram",
            "verispec-auto")
@@ -98,8 +97,7 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
         elif name == "verispec-auto":
             assert drafted is not None
             stderr_console().print("measuring target and draft pass costs for auto-tuning ...")
-            profile = measure_costs(drafted.runner, drafted.drafter.runner, k_max=max(k, 8))
-            systems.append(VerispecSystem(name, drafted, k, AdaptiveK(profile)))
+            systems.append(VerispecSystem(name, drafted, k, drafted.auto_tuner(max(k, 8))))
     return systems
 
 
