@@ -24,7 +24,6 @@ from verispec.engine import SpeculativeEngine, StepEvent
 from verispec.errors import VerispecError
 from verispec.models.loading import LoadedModel, check_same_tokenizer, load_model
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
-from verispec.models.runner import ModelRunner
 from verispec.sequence import Sequence
 from verispec.stats import GenerationStats
 from verispec.tuning import AdaptiveK, measure_costs
@@ -81,12 +80,12 @@ class SpeculativeDecoder:
         if target.weights == "int8":
             raise VerispecError("the target cannot use int8 weights: that would change the distribution being sampled")
         self.target = target
-        self.runner = ModelRunner(target.model)
+        self.runner = target.make_runner()
         self.draft_weights: str | None = None
         context_window = self.runner.context_window
         if isinstance(draft, LoadedModel):
             check_same_tokenizer(target, draft)
-            draft_runner = ModelRunner(draft.model)
+            draft_runner = draft.make_runner()
             context_window = min(context_window, draft_runner.context_window)
             self.drafter: Drafter | None = DraftModelDrafter(draft_runner, self.runner.vocab_size)
             self.draft_name = draft.name
@@ -113,6 +112,7 @@ class SpeculativeDecoder:
         prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
         target_weights: str = "packed",
         draft_weights: str = "int8",
+        backend: str = "torch",
     ) -> SpeculativeDecoder:
         """Load by spec: a named default, a local HF model directory or a .gguf file.
 
@@ -120,12 +120,13 @@ class SpeculativeDecoder:
         `target_weights` "packed" (default) keeps the target's weights and dtype and only changes
         their memory layout for faster multi-token passes; "dense" runs them as loaded.
         `draft_weights` "int8" (default) quantizes the draft: the draft's dtype and weights change
-        its speed and acceptance only, never the output distribution.
+        its speed and acceptance only, never the output distribution. `backend` "llama.cpp" runs
+        GGUF models with llama.cpp's kernels (optional extra; one sequence at a time).
         """
-        loaded_target = load_model(target, dtype, target_weights)
+        loaded_target = load_model(target, dtype, target_weights, backend)
         if draft in NO_DRAFT or draft == NGRAM:
             return cls(loaded_target, draft, prompt_lookup)
-        return cls(loaded_target, load_model(draft, draft_dtype or dtype, draft_weights), prompt_lookup)
+        return cls(loaded_target, load_model(draft, draft_dtype or dtype, draft_weights, backend), prompt_lookup)
 
     # --- text <-> tokens ---------------------------------------------------------------------------
     @property

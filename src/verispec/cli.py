@@ -45,6 +45,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="packed: same weights in oneDNN's layout, faster multi-token passes on CPU (default: %(default)s)")
     p.add_argument("--draft-weights", default="int8", choices=["int8", "packed", "dense"],
                    help="int8: weight-only int8 draft, changes speed and acceptance only (default: %(default)s)")
+    p.add_argument("--backend", default="torch", choices=["torch", "llama.cpp"],
+                   help="llama.cpp: run GGUF models with llama.cpp's kernels (needs llama-cpp-python) (default: %(default)s)")
     p.add_argument("--ngram-max", type=int, help=f"prompt lookup: longest n-gram matched (default: {_default(PromptLookupConfig, 'max_ngram')})")
     p.add_argument("--ngram-min", type=int, help=f"prompt lookup: shortest n-gram matched (default: {_default(PromptLookupConfig, 'min_ngram')})")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
@@ -128,7 +130,7 @@ def _load(args: argparse.Namespace):
     set_threads(args.threads)
     lookup = _build(PromptLookupConfig, args, LOOKUP_OPTIONS)
     return SpeculativeDecoder.load(args.target, args.draft, args.dtype, args.draft_dtype, lookup,
-                                   args.target_weights, args.draft_weights)
+                                   args.target_weights, args.draft_weights, args.backend)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

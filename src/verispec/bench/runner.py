@@ -12,7 +12,7 @@ import torch
 from verispec.api import SpeculativeDecoder
 from verispec.bench.plots import plot_acceptance_by_position, plot_speedup
 from verispec.bench.report import Record, markdown, summarize
-from verispec.bench.systems import HFSystem, System, VerispecSystem
+from verispec.bench.systems import HFSystem, LlamaCppGenerate, System, VerispecSystem
 from verispec.config import SamplingConfig
 from verispec.console import stderr_console
 from verispec.datasets import load_prompts
@@ -20,7 +20,8 @@ from verispec.errors import VerispecError
 from verispec.models.loading import LoadedModel
 
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram",
-           "verispec-auto")
+           "verispec-auto", "llamacpp-generate", "verispec-llamacpp-draft", "verispec-llamacpp-ngram")
+LLAMACPP_SYSTEMS = SYSTEMS[-3:]  # run when llama-cpp-python is installed and the models are GGUF files
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
 
 
@@ -79,8 +80,18 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
     systems: list[System] = []
     plain = SpeculativeDecoder(target, "none")
     drafted = SpeculativeDecoder(target, draft) if draft is not None else None
+    llama_target, llama_draft = _llamacpp_models(target, draft, wanted)
     for name in wanted:
-        if name == "verispec-plain":
+        if name in LLAMACPP_SYSTEMS:
+            if llama_target is None:
+                continue
+            if name == "llamacpp-generate":
+                systems.append(LlamaCppGenerate(name, llama_target.source, eos))
+            elif name == "verispec-llamacpp-ngram":
+                systems.append(VerispecSystem(name, SpeculativeDecoder(llama_target, "ngram"), k))
+            elif llama_draft is not None:
+                systems.append(VerispecSystem(name, SpeculativeDecoder(llama_target, llama_draft), k))
+        elif name == "verispec-plain":
             systems.append(VerispecSystem(name, plain, k))
         elif name == "hf-generate":
             systems.append(HFSystem(name, hf_target.model, eos))
@@ -99,6 +110,19 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             stderr_console().print("measuring target and draft pass costs for auto-tuning ...")
             systems.append(VerispecSystem(name, drafted, k, drafted.auto_tuner(max(k, 8))))
     return systems
+
+
+def _llamacpp_models(target: LoadedModel, draft: LoadedModel | None, wanted) -> tuple:
+    """llama.cpp versions of the GGUF target and draft, when llama-cpp-python is installed."""
+    from verispec.models.llamacpp import llamacpp_available
+    from verispec.models.loading import load_model
+
+    if not set(wanted) & set(LLAMACPP_SYSTEMS) or not llamacpp_available() or not target.source.endswith(".gguf"):
+        return None, None
+    llama_draft = None
+    if draft is not None and draft.source.endswith(".gguf"):
+        llama_draft = load_model(draft.name, backend="llama.cpp")
+    return load_model(target.name, backend="llama.cpp"), llama_draft
 
 
 def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
@@ -131,6 +155,8 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
                 run = system.run(ids, sampling, config.max_new_tokens, config.seed + prompt.question_id)
                 records.append(Record(system.name, prompt.question_id, prompt.category, run))
                 progress.advance(task)
+            progress.console.print(f"{prompt.category} q{prompt.question_id}: " + ", ".join(
+                f"{r.system} {r.run.tokens_per_second:.2f} tok/s" for r in records if r.question_id == prompt.question_id))
     categories = list(dict.fromkeys(p.category for p in prompts))
     summary = summarize(records, greedy=sampling.greedy)
     bandwidth = memory_bandwidth_gbs()

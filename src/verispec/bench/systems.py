@@ -82,3 +82,29 @@ def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
         if t in eos:
             return tokens[: i + 1]
     return tokens
+
+
+class LlamaCppGenerate(System):
+    """llama.cpp decoding the target alone with its own sampling loop (the CPU peer)."""
+
+    family = "llama.cpp"
+
+    def __init__(self, name: str, gguf: str, eos_token_ids: set[int], context_window: int = 4096):
+        from llama_cpp import Llama
+
+        self.name, self.eos = name, set(eos_token_ids)
+        self.llm = Llama(model_path=gguf, n_ctx=context_window, verbose=False, n_threads=torch.get_num_threads())
+
+    def run(self, prompt, sampling, max_new_tokens, seed):
+        self.llm.reset()
+        self.llm.set_seed(seed)
+        kwargs = dict(temp=0.0) if sampling.greedy else dict(
+            temp=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p, min_p=sampling.min_p,
+            repeat_penalty=sampling.repetition_penalty)
+        tokens: list[int] = []
+        start = time.perf_counter()
+        for token in self.llm.generate(prompt, reset=True, **kwargs):
+            tokens.append(int(token))
+            if token in self.eos or len(tokens) >= max_new_tokens:
+                break
+        return Run(tokens, time.perf_counter() - start)

@@ -40,18 +40,30 @@ class LoadedModel:
     """
 
     name: str
-    model: torch.nn.Module
+    model: torch.nn.Module | None
     tokenizer: object
     source: str
     weights: str = "dense"
+    backend: str = "torch"
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        return next(self.model.parameters()).dtype if self.model is not None else torch.float32
+
+    def make_runner(self):
+        """The runner that decodes with this model: a ModelRunner, or a LlamaCppRunner for backend "llama.cpp"."""
+        if self.backend == "llama.cpp":
+            from verispec.models.llamacpp import LlamaCppRunner
+
+            return LlamaCppRunner(Path(self.source))
+        from verispec.models.runner import ModelRunner
+
+        return ModelRunner(self.model)
 
     def eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
-        for value in (getattr(self.model.generation_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+        config = getattr(self.model, "generation_config", None)
+        for value in (getattr(config, "eos_token_id", None), self.tokenizer.eos_token_id):
             if isinstance(value, int):
                 ids.add(value)
             elif value:
@@ -134,7 +146,10 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
     return model.eval(), tokenizer
 
 
-def load_model(spec: str, dtype: str = "float32", weights: str = "dense") -> LoadedModel:
+BACKENDS = ("torch", "llama.cpp")
+
+
+def load_model(spec: str, dtype: str = "float32", weights: str = "dense", backend: str = "torch") -> LoadedModel:
     """Load a model for decoding.
 
     Args:
@@ -145,12 +160,35 @@ def load_model(spec: str, dtype: str = "float32", weights: str = "dense") -> Loa
     """
     if weights not in WEIGHT_FORMATS:
         raise VerispecError(f"unknown weight format '{weights}'; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if backend not in BACKENDS:
+        raise VerispecError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
+    if backend == "llama.cpp":
+        return _load_for_llamacpp(spec)
     loaded = _load(spec, dtype)
     if weights == "packed" and pack_linear_layers(loaded.model):
         loaded.weights = "packed"
     elif weights == "int8" and quantize_linear_layers(loaded.model):
         loaded.weights = "int8"
     return loaded
+
+
+def _load_for_llamacpp(spec: str) -> LoadedModel:
+    """A GGUF for llama.cpp: only the tokenizer is loaded here (from the converted copy when there is one)."""
+    from transformers import AutoTokenizer
+
+    from verispec.models.llamacpp import llamacpp_available
+
+    kind, path = resolve(spec)
+    if kind != "gguf":
+        raise VerispecError(f"the llama.cpp backend needs a GGUF model, and '{spec}' is a Hugging Face directory")
+    if not llamacpp_available():
+        raise VerispecError("the llama.cpp backend needs llama-cpp-python; see README, 'llama.cpp backend'")
+    converted = _converted_dir(path)
+    if (converted / _COMPLETE).is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(converted))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return LoadedModel(spec, None, tokenizer, str(path), weights="gguf", backend="llama.cpp")
 
 
 def _load(spec: str, dtype: str) -> LoadedModel:
