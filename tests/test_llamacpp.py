@@ -35,10 +35,38 @@ def test_rollback_round_trip(smol):
     torch.testing.assert_close(again, reference, atol=1e-3, rtol=1e-3)
 
 
-def test_greedy_speculation_matches_plain_llamacpp_decoding(smol):
-    greedy, spec = SamplingConfig(temperature=0), SpecConfig(num_draft_tokens=4, max_new_tokens=24)
-    prompt = "List three prime numbers."
-    plain = SpeculativeDecoder(smol, "none").generate(prompt, greedy, spec)
-    spec_out = SpeculativeDecoder(smol, "ngram").generate(prompt, greedy, spec)
-    assert spec_out.token_ids == plain.token_ids
-    assert plain.text.strip()
+def block_vs_stepwise_drift(smol, ids, block=5):
+    runner = smol.make_runner()
+    state = runner.new_state(1)
+    runner.forward(state, [ids[:-block]], [1])
+    together = runner.forward(state, [ids[-block:]], [block])[0]
+    state = runner.new_state(1)
+    runner.forward(state, [ids[:-block]], [1])
+    stepwise = torch.cat([runner.forward(state, [[t]], [1])[0] for t in ids[-block:]])
+    return float((together - stepwise).abs().max())
+
+
+def test_greedy_speculation_matches_plain_llamacpp_decoding_up_to_near_ties(smol):
+    """llama.cpp computes a pass over 4+ tokens with other kernels than a one-token pass: logits
+    differ (measured up to ~1.1 on this model), so a near-tie may resolve differently. The outputs
+    must agree up to the first divergence, and there the two tokens must be the target's top two,
+    closer than the drift this test measures between block and token-by-token passes."""
+    greedy, spec = SamplingConfig(temperature=0), SpecConfig(num_draft_tokens=4, max_new_tokens=32)
+    probe = smol.tokenizer("The quick brown fox jumps over the lazy dog because it wanted to see the hill")["input_ids"]
+    drift = block_vs_stepwise_drift(smol, probe)
+    plain_decoder, spec_decoder = SpeculativeDecoder(smol, "none"), SpeculativeDecoder(smol, "ngram")
+    exact_matches = 0
+    for prompt in ["List three prime numbers.", "Write a haiku about the sea.", "def add(a, b):"]:
+        plain = plain_decoder.generate(prompt, greedy, spec)
+        out = spec_decoder.generate(prompt, greedy, spec)
+        assert plain.text.strip()
+        if out.token_ids == plain.token_ids:
+            exact_matches += 1
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(out.token_ids, plain.token_ids)) if a != b)
+        runner = smol.make_runner()
+        logits = runner.forward(runner.new_state(1), [plain.prompt_token_ids + plain.token_ids[:i]], [1])[0, 0]
+        top = torch.topk(logits, 2)
+        assert set(top.indices.tolist()) == {out.token_ids[i], plain.token_ids[i]}
+        assert float(top.values[0] - top.values[1]) <= 2 * drift
+    assert exact_matches >= 1
