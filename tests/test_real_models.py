@@ -1,7 +1,8 @@
 """Real weights (slow, opt-in: `pytest -m slow`; needs `bash scripts/setup.sh --models`).
 
-Greedy speculative decoding of the default Qwen pair equals plain greedy decoding of the target,
-token for token, in float32, with both drafters; and Hugging Face `generate` agrees.
+Greedy speculative decoding of the default Qwen pair on the default fast path (packed target,
+int8 draft) equals plain greedy decoding of the target as loaded, token for token, in float32,
+with both drafters; and Hugging Face `generate` agrees.
 """
 
 import pytest
@@ -21,11 +22,13 @@ N = 40
 
 @pytest.fixture(scope="module")
 def models():
-    return load_model(DEFAULT_TARGET, "float32"), load_model(DEFAULT_DRAFT, "float32")
+    """The reference target as loaded, and the default fast path: packed target, int8 draft."""
+    return (load_model(DEFAULT_TARGET, "float32"), load_model(DEFAULT_TARGET, "float32", "packed"),
+            load_model(DEFAULT_DRAFT, "float32", "int8"))
 
 
 def test_default_pair_greedy_equals_plain_decoding(models):
-    target, draft = models
+    target, fast_target, draft = models
     plain = SpeculativeDecoder(target, "none")
     greedy = SamplingConfig(temperature=0)
     for prompt in PROMPTS:
@@ -34,6 +37,6 @@ def test_default_pair_greedy_equals_plain_decoding(models):
         hf = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False)
         assert reference.token_ids == hf[0, ids.shape[1]:].tolist()
         for drafter in (draft, "ngram"):
-            out = SpeculativeDecoder(target, drafter).generate(prompt, greedy, SpecConfig(num_draft_tokens=4, max_new_tokens=N))
+            out = SpeculativeDecoder(fast_target, drafter).generate(prompt, greedy, SpecConfig(num_draft_tokens=4, max_new_tokens=N))
             assert out.token_ids == reference.token_ids
             assert out.stats.tokens_per_target_pass >= 1.0
