@@ -53,10 +53,15 @@ def pack_linear_layers(model: torch.nn.Module, batch_hint: int = 8) -> int:
     dtype = next(model.parameters()).dtype
     if not packing_supported(dtype):
         return 0
+    return replace_linear_layers(model, lambda linear: PackedLinear(linear, batch_hint))
+
+
+def replace_linear_layers(model: torch.nn.Module, make) -> int:
+    """Replace every nn.Linear of `model` by make(linear), in place; returns how many were replaced."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
-                setattr(parent, name, PackedLinear(child, batch_hint))
+                setattr(parent, name, make(child))
                 count += 1
     return count

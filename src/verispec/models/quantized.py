@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from verispec.models.packed import replace_linear_layers
+
 
 class Int8Linear(torch.nn.Module):
     """y = x W^T + b with W stored as int8 rows times a per-row scale."""
@@ -50,10 +52,4 @@ def quantize_linear_layers(model: torch.nn.Module) -> int:
     """Replace every nn.Linear by an Int8Linear, in place; returns how many (0 if unsupported)."""
     if not int8_supported():
         return 0
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(parent, name, Int8Linear(child))
-                count += 1
-    return count
+    return replace_linear_layers(model, Int8Linear)
