@@ -22,7 +22,15 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.engine import SpeculativeEngine, StepEvent
 from verispec.errors import VerispecError
-from verispec.models.loading import LoadedModel, check_same_tokenizer, load_model
+from verispec.models.loading import (
+    DEFAULT_BACKEND,
+    DEFAULT_DRAFT_WEIGHTS,
+    DEFAULT_DTYPE,
+    DEFAULT_TARGET_WEIGHTS,
+    LoadedModel,
+    check_same_tokenizer,
+    load_model,
+)
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from verispec.sequence import Sequence
 from verispec.stats import GenerationStats
@@ -107,12 +115,12 @@ class SpeculativeDecoder:
         cls,
         target: str = DEFAULT_TARGET,
         draft: str = DEFAULT_DRAFT,
-        dtype: str = "float32",
+        dtype: str = DEFAULT_DTYPE,
         draft_dtype: str | None = None,
         prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
-        target_weights: str = "packed",
-        draft_weights: str = "int8",
-        backend: str = "torch",
+        target_weights: str = DEFAULT_TARGET_WEIGHTS,
+        draft_weights: str = DEFAULT_DRAFT_WEIGHTS,
+        backend: str = DEFAULT_BACKEND,
     ) -> SpeculativeDecoder:
         """Load by spec: a named default, a local HF model directory or a .gguf file.
 
@@ -231,7 +239,7 @@ def generate(
     spec: SpecConfig = SpecConfig(),
     seed: int | None = None,
     chat: bool | None = None,
-    dtype: str = "float32",
+    dtype: str = DEFAULT_DTYPE,
 ) -> GenerationResult:
     """Load (once per process) and generate: `verispec.generate("def fib(n):", draft="ngram")`."""
     key = (target, draft, dtype)

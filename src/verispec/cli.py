@@ -15,6 +15,15 @@ from pathlib import Path
 
 from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig
 from verispec.errors import VerispecError
+from verispec.models.loading import (
+    BACKENDS,
+    DEFAULT_BACKEND,
+    DEFAULT_DRAFT_WEIGHTS,
+    DEFAULT_DTYPE,
+    DEFAULT_TARGET_WEIGHTS,
+    DTYPES,
+    WEIGHT_FORMATS,
+)
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, NAMED_MODELS, fetch_command
 
 
@@ -39,13 +48,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     names = ", ".join(NAMED_MODELS)
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"named default ({names}), HF model directory or .gguf file (default: %(default)s)")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="a model spec like --target, 'ngram' (prompt lookup) or 'none' (plain decoding) (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target compute dtype; float32 keeps greedy output equal to token-by-token decoding (default: %(default)s)")
-    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"], help="draft compute dtype (speed only; default: same as --dtype)")
-    p.add_argument("--target-weights", default="packed", choices=["packed", "dense"],
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=list(DTYPES), help="target compute dtype; float32 keeps greedy output equal to token-by-token decoding (default: %(default)s)")
+    p.add_argument("--draft-dtype", default=None, choices=list(DTYPES), help="draft compute dtype (speed only; default: same as --dtype)")
+    p.add_argument("--target-weights", default=DEFAULT_TARGET_WEIGHTS, choices=["packed", "dense"],
                    help="packed: same weights in oneDNN's layout, faster multi-token passes on CPU (default: %(default)s)")
-    p.add_argument("--draft-weights", default="int8", choices=["int8", "packed", "dense"],
+    p.add_argument("--draft-weights", default=DEFAULT_DRAFT_WEIGHTS, choices=list(WEIGHT_FORMATS),
                    help="int8: weight-only int8 draft, changes speed and acceptance only (default: %(default)s)")
-    p.add_argument("--backend", default="torch", choices=["torch", "llama.cpp"],
+    p.add_argument("--backend", default=DEFAULT_BACKEND, choices=list(BACKENDS),
                    help="llama.cpp: run GGUF models with llama.cpp's kernels (needs llama-cpp-python) (default: %(default)s)")
     p.add_argument("--ngram-max", type=int, help=f"prompt lookup: longest n-gram matched (default: {_default(PromptLookupConfig, 'max_ngram')})")
     p.add_argument("--ngram-min", type=int, help=f"prompt lookup: shortest n-gram matched (default: {_default(PromptLookupConfig, 'min_ngram')})")

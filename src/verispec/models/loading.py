@@ -29,6 +29,12 @@ _COMPLETE = "verispec-converted.json"
 
 
 WEIGHT_FORMATS = ("dense", "packed", "int8")
+BACKENDS = ("torch", "llama.cpp")
+# The decoding defaults, used by the API and the CLI alike.
+DEFAULT_DTYPE = "float32"
+DEFAULT_TARGET_WEIGHTS = "packed"
+DEFAULT_DRAFT_WEIGHTS = "int8"
+DEFAULT_BACKEND = BACKENDS[0]
 
 
 @dataclass
@@ -44,7 +50,7 @@ class LoadedModel:
     tokenizer: object
     source: str
     weights: str = "dense"
-    backend: str = "torch"
+    backend: str = DEFAULT_BACKEND
 
     @property
     def dtype(self) -> torch.dtype:
@@ -146,10 +152,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
     return model.eval(), tokenizer
 
 
-BACKENDS = ("torch", "llama.cpp")
-
-
-def load_model(spec: str, dtype: str = "float32", weights: str = "dense", backend: str = "torch") -> LoadedModel:
+def load_model(spec: str, dtype: str = DEFAULT_DTYPE, weights: str = "dense", backend: str = DEFAULT_BACKEND) -> LoadedModel:
     """Load a model for decoding.
 
     Args:
