@@ -19,9 +19,10 @@ from verispec.datasets import load_prompts
 from verispec.errors import VerispecError
 from verispec.models.loading import LoadedModel
 
+LLAMACPP_SYSTEMS = ("llamacpp-generate", "llamacpp-prompt-lookup", "verispec-llamacpp-draft", "verispec-llamacpp-ngram",
+                    "verispec-llamacpp-auto", "verispec-llamacpp-ngram-auto")  # need llama-cpp-python and GGUF files
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram",
-           "verispec-auto", "llamacpp-generate", "verispec-llamacpp-draft", "verispec-llamacpp-ngram")
-LLAMACPP_SYSTEMS = SYSTEMS[-3:]  # run when llama-cpp-python is installed and the models are GGUF files
+           "verispec-auto", *LLAMACPP_SYSTEMS)
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
 
 
@@ -87,10 +88,14 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
                 continue
             if name == "llamacpp-generate":
                 systems.append(LlamaCppGenerate(name, llama_target.source, eos))
-            elif name == "verispec-llamacpp-ngram":
-                systems.append(VerispecSystem(name, SpeculativeDecoder(llama_target, "ngram"), k))
+            elif name == "llamacpp-prompt-lookup":
+                systems.append(LlamaCppGenerate(name, llama_target.source, eos, prompt_lookup_num_tokens=k))
+            elif name.startswith("verispec-llamacpp-ngram"):
+                decoder = SpeculativeDecoder(llama_target, "ngram")
+                systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
             elif llama_draft is not None:
-                systems.append(VerispecSystem(name, SpeculativeDecoder(llama_target, llama_draft), k))
+                decoder = SpeculativeDecoder(llama_target, llama_draft)
+                systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
         elif name == "verispec-plain":
             systems.append(VerispecSystem(name, plain, k))
         elif name == "hf-generate":
@@ -107,9 +112,13 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             systems.append(VerispecSystem(name, drafted, k))
         elif name == "verispec-auto":
             assert drafted is not None
-            stderr_console().print("measuring target and draft pass costs for auto-tuning ...")
-            systems.append(VerispecSystem(name, drafted, k, drafted.auto_tuner(max(k, 8))))
+            systems.append(VerispecSystem(name, drafted, k, _tuner(drafted, k)))
     return systems
+
+
+def _tuner(decoder: SpeculativeDecoder, k: int):
+    stderr_console().print(f"measuring pass costs for auto-tuning ({decoder.draft_name} draft) ...")
+    return decoder.auto_tuner(max(k, 8))
 
 
 def _llamacpp_models(target: LoadedModel, draft: LoadedModel | None, wanted) -> tuple:

@@ -85,15 +85,20 @@ def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 class LlamaCppGenerate(System):
-    """llama.cpp decoding the target alone with its own sampling loop (the CPU peer)."""
+    """llama.cpp decoding the target with its own sampling loop (the CPU peer): alone, or with
+    llama-cpp-python's own speculative decoding by prompt lookup when `prompt_lookup_num_tokens` > 0."""
 
     family = "llama.cpp"
 
-    def __init__(self, name: str, gguf: str, eos_token_ids: set[int], context_window: int = 4096):
+    def __init__(self, name: str, gguf: str, eos_token_ids: set[int], context_window: int = 4096,
+                 prompt_lookup_num_tokens: int = 0):
         from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         self.name, self.eos = name, set(eos_token_ids)
-        self.llm = Llama(model_path=gguf, n_ctx=context_window, verbose=False, n_threads=torch.get_num_threads())
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup_num_tokens) if prompt_lookup_num_tokens else None
+        self.llm = Llama(model_path=gguf, n_ctx=context_window, verbose=False, n_threads=torch.get_num_threads(),
+                         draft_model=draft)
 
     def run(self, prompt, sampling, max_new_tokens, seed):
         self.llm.reset()

@@ -2,9 +2,12 @@
 
 llama.cpp evaluates the GGUF with its own quantized kernels (several times faster than dequantized
 float32 weights on a CPU); verispec keeps drafting and verification. The runner has the same
-interface as `ModelRunner` (new_state / forward / rollback), for one sequence at a time: a pass
-returns logits for every new position (`logits_all`), and rollback truncates the token counter and
-removes the rejected positions from llama.cpp's KV cache.
+interface as `ModelRunner` (new_state / forward / rollback), for one sequence at a time. A pass asks
+llama.cpp for logits only at the positions verification reads (the last `num_logits` of the new
+tokens), through its batch API with a logits flag per token: the prompt's positions skip the output
+layer (151k x 1536 for the Qwen pair) and nothing is copied into llama-cpp-python's full score
+matrix (`logits_all`, n_ctx x vocab floats: 2.5 GB for the Qwen target at 4096 tokens). Rollback
+truncates the token counter and removes the rejected positions from llama.cpp's KV cache.
 
 Exactness holds with respect to the target as llama.cpp computes it in a verification pass; like
 any batched evaluation, a pass over several tokens can differ from token-by-token passes by rounding
@@ -16,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from verispec.errors import VerispecError
@@ -53,7 +57,7 @@ class LlamaCppRunner:
             )
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=str(gguf), n_ctx=context_window, logits_all=True, verbose=False,
+        self.llm = Llama(model_path=str(gguf), n_ctx=context_window, verbose=False,
                          n_threads=threads or torch.get_num_threads(), n_batch=512)
         self.vocab_size = int(self.llm.n_vocab())
         self.context_window = context_window
@@ -72,14 +76,32 @@ class LlamaCppRunner:
             raise VerispecError("a llama.cpp context holds one sequence: this state was replaced by a newer one")
 
     def forward(self, state: LlamaCppState, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
-        """Append tokens[0]; return (1, M, V) logits of its last num_logits[0] positions."""
+        """Append tokens[0] (at least one token); return (1, M, V) logits of its last M = num_logits[0]."""
+        import llama_cpp
+
         self._check(state)
         row, m = tokens[0], max(1, num_logits[0])
-        if row:
-            self.llm.eval(row)
-        n = self.llm.n_tokens
-        state.lengths = torch.tensor([n])
-        return torch.from_numpy(self.llm.scores[n - m : n].copy())[None].float()  # (1, M, V)
+        if not row or m > len(row):
+            raise VerispecError(f"a llama.cpp pass needs at least num_logits={m} new tokens, got {len(row)}")
+        llm, batch = self.llm, self.llm._batch.batch
+        n_past = llm.n_tokens
+        llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
+        rows: list[np.ndarray] = []
+        for start in range(0, len(row), llm.n_batch):
+            chunk = row[start : start + llm.n_batch]
+            batch.n_tokens = len(chunk)
+            for i, token in enumerate(chunk):
+                batch.token[i], batch.pos[i] = token, n_past + start + i
+                batch.seq_id[i][0], batch.n_seq_id[i] = 0, 1
+                batch.logits[i] = start + i >= len(row) - m
+            llm._ctx.decode(llm._batch)
+            for i in range(len(chunk)):
+                if batch.logits[i]:
+                    pointer = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, i)
+                    rows.append(np.ctypeslib.as_array(pointer, shape=(self.vocab_size,)).copy())  # (V,)
+        llm.n_tokens = n_past + len(row)
+        state.lengths = torch.tensor([llm.n_tokens])
+        return torch.from_numpy(np.stack(rows))[None]  # (1, M, V)
 
     def rollback(self, state: LlamaCppState, num_dropped: list[int]) -> None:
         self._check(state)
