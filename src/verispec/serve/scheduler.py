@@ -66,21 +66,21 @@ class Update:
 class Ticket:
     """One submitted request: the scheduler posts Updates; `cancel` removes it at the next step boundary."""
 
-    def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+    def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop, deadline: float,
+                 scheduler: Scheduler) -> None:
         self.sequence = sequence
         self.loop = loop
         self.deadline = deadline  # time.monotonic() after which the request is cut
         self.updates: asyncio.Queue[Update] = asyncio.Queue()
         self.cancelled = False
         self.finished = False
-        self._scheduler: Scheduler | None = None
+        self._scheduler = scheduler
 
     def cancel(self) -> None:
         """The client is gone: free the request's row (or queue place) now. No-op once finished."""
         if not self.finished and not self.cancelled:
             self.cancelled = True
-            if self._scheduler is not None:
-                self._scheduler.wake()
+            self._scheduler.wake()
 
     def post(self, update: Update) -> None:
         """Called from the scheduler thread."""
@@ -122,8 +122,7 @@ class Scheduler:
 
     def submit(self, sequence: Sequence, timeout_s: float) -> Ticket:
         """Queue a sequence (from `engine.make_sequences`); must be called on the running event loop."""
-        ticket = Ticket(sequence, asyncio.get_running_loop(), time.monotonic() + timeout_s)
-        ticket._scheduler = self
+        ticket = Ticket(sequence, asyncio.get_running_loop(), time.monotonic() + timeout_s, self)
         with self._lock:
             if self._stopping:
                 raise ShuttingDown()
