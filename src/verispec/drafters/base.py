@@ -42,7 +42,12 @@ class Drafter(ABC):
     name: str = "drafter"
 
     def start(self, sequences: list[Sequence]) -> None:
-        """A new batch begins (prompts only in `tokens`)."""
+        """A new batch begins (prompts only in `tokens`).
+
+        Drafters that keep per-row state (a cache) override `start`, `extend` and `keep` together."""
+
+    def extend(self, sequences: list[Sequence]) -> None:
+        """These new sequences join the running batch as its last rows (prompts only in `tokens`)."""
 
     @abstractmethod
     def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:

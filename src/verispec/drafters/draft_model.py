@@ -38,6 +38,11 @@ class DraftModelDrafter(Drafter):
         self.state = self.runner.new_state(len(sequences))
         self.cached = [0] * len(sequences)
 
+    def extend(self, sequences: list[Sequence]) -> None:
+        assert self.state is not None, "start() must be called before extend()"
+        self.state.extend(len(sequences))
+        self.cached += [0] * len(sequences)
+
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """(N, Vd) draft logits -> (N, min(Vd, Vt)) logits restricted to target token ids."""
         return logits[:, : self.target_vocab_size]

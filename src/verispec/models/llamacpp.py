@@ -41,8 +41,11 @@ class LlamaCppState:
     def batch_size(self) -> int:
         return 1
 
+    def extend(self, num_rows: int) -> None:
+        raise VerispecError("the llama.cpp backend decodes one sequence at a time")
+
     def select(self, rows: torch.Tensor) -> None:
-        if rows.numel() != 1:
+        if rows.numel() > 1:
             raise VerispecError("the llama.cpp backend decodes one sequence at a time")
 
 

@@ -36,11 +36,42 @@ class KVState:
         return self.lengths.numel()
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only these rows (e.g. drop finished sequences). rows: (B',) long."""
+        """Keep only these rows (e.g. drop finished sequences), then drop the columns no row uses. rows: (B',) long."""
         if self.valid.shape[1] > 0:
             self.cache.batch_select_indices(rows)
         self.valid = self.valid[rows]
         self.lengths = self.lengths[rows]
+        self._compact()
+
+    def extend(self, num_rows: int) -> None:
+        """Add rows with no live entries at the end (sequences joining a running batch).
+
+        Their columns are all holes until their first forward pass; positions start at 0.
+        """
+        for layer in self._layers():
+            pad = layer.keys.new_zeros((num_rows, *layer.keys.shape[1:]))  # (n, H, L, D)
+            layer.keys = torch.cat([layer.keys, pad])
+            layer.values = torch.cat([layer.values, pad])
+        self.valid = torch.cat([self.valid, torch.zeros(num_rows, self.valid.shape[1], dtype=torch.bool)])
+        self.lengths = torch.cat([self.lengths, torch.zeros(num_rows, dtype=torch.long)])
+
+    def _layers(self) -> list:
+        """The cache layers that hold tensors (none before the first forward pass)."""
+        if self.valid.shape[1] == 0:
+            return []
+        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4]
+
+    def _compact(self) -> None:
+        """Remove columns that are a hole in every row (left by departed rows): the cache stays
+        as long as its live rows need, however long a server runs. Order is kept, so causality holds."""
+        live = self.valid.any(dim=0)  # (L,)
+        if bool(live.all()):
+            return
+        columns = live.nonzero().squeeze(1)  # (L',)
+        for layer in self._layers():
+            layer.keys = layer.keys.index_select(2, columns)  # (B, H, L', D)
+            layer.values = layer.values.index_select(2, columns)
+        self.valid = self.valid[:, columns]
 
 
 class ModelRunner:

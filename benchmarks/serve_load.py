@@ -1,0 +1,188 @@
+"""Load test of `verispec serve` on loopback: N concurrent clients, mixed prompt lengths and settings.
+
+Runs every configuration in {batching on, off} x {speculation on, off} against an in-process
+server on 127.0.0.1 (a free port), and reports per configuration: requests/s, generated tokens/s,
+latency and time-to-first-token percentiles, and two checks:
+  - mismatches: requests whose tokens differ from the same request in the batching-off run of the
+    same speculation setting (every request is seeded or greedy, so batching must not change them);
+  - leaked_cache_rows: KV cache rows still held after the run (must be 0).
+Bounded: a fixed number of requests, a per-request timeout and a time limit per configuration.
+
+    python benchmarks/serve_load.py --target <model> --draft <model> --clients 8 --requests 32 --out load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+
+import httpx
+
+from verispec.api import SpeculativeDecoder
+from verispec.config import ServeConfig
+from verispec.serve.server import BackgroundServer
+
+PROMPTS = [
+    "def fib(n):",
+    "Write a short note about caches.",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "List three prime numbers and explain why each one is prime, step by step, in plain words.",
+    "Translate to French: the weather is nice today, and we are going to the beach after lunch.",
+    "import numpy as np\n\ndef mean(xs):\n    return",
+]
+
+
+def workload(num_requests: int, max_new_tokens: list[int], seed: int) -> list[dict]:
+    """Mixed requests: prompts, lengths, greedy or seeded sampling, K, streaming or not."""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(num_requests):
+        body = {"prompt": rng.choice(PROMPTS), "max_tokens": rng.choice(max_new_tokens), "seed": seed + i,
+                "temperature": rng.choice([0.0, 0.0, 0.8]), "speculative": {"K": rng.choice([2, 4, 6])}}
+        if body["temperature"]:
+            body["top_p"] = 0.95
+        requests.append({"body": body, "stream": rng.random() < 0.5})
+    return requests
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+async def one_request(client: httpx.AsyncClient, request: dict, speculate: bool) -> dict:
+    body = dict(request["body"])
+    if not speculate:
+        body["speculative"] = {"drafter": "none"}
+    start = time.perf_counter()
+    first = None
+    if not request["stream"]:
+        response = await client.post("/v1/completions", json=body)
+        response.raise_for_status()
+        out = response.json()
+        return {"text": out["choices"][0]["text"], "tokens": out["usage"]["completion_tokens"],
+                "latency": time.perf_counter() - start, "ttft": None}
+    text, tokens = [], 0
+    body.update(stream=True, stream_options={"include_usage": True})
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk["choices"]:
+                if first is None:
+                    first = time.perf_counter() - start
+                text.append(chunk["choices"][0]["text"])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"text": "".join(text), "tokens": tokens, "latency": time.perf_counter() - start, "ttft": first}
+
+
+async def drive(url: str, requests: list[dict], clients: int, speculate: bool, timeout_s: float,
+                time_limit_s: float) -> tuple[list[dict | None], float]:
+    """Run `requests` with `clients` concurrent clients; returns results (None: failed) and wall time."""
+    results: list[dict | None] = [None] * len(requests)
+    pending = iter(range(len(requests)))
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        for i in pending:
+            try:
+                results[i] = await one_request(client, requests[i], speculate)
+            except (httpx.HTTPError, RuntimeError) as err:
+                print(f"request {i} failed: {err}", file=sys.stderr)
+
+    start = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
+        await asyncio.wait_for(asyncio.gather(*(client_loop(client) for _ in range(clients))), time_limit_s)
+    return results, time.perf_counter() - start
+
+
+def run_config(decoder: SpeculativeDecoder, requests: list[dict], clients: int, batching: bool, speculate: bool,
+               timeout_s: float, time_limit_s: float) -> tuple[dict, list[dict | None]]:
+    config = ServeConfig(port=0, max_batch_size=clients if batching else 1, max_queue=max(64, len(requests)),
+                         request_timeout=timeout_s)
+    with BackgroundServer(decoder, config) as server:
+        results, wall = asyncio.run(drive(server.url, requests, clients, speculate, timeout_s, time_limit_s))
+        leaked = server.app.state.scheduler.cache_rows()
+    done = [r for r in results if r is not None]
+    latencies = [r["latency"] for r in done]
+    ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
+    tokens = sum(r["tokens"] for r in done)
+    summary = {
+        "batching": batching, "speculation": speculate, "clients": clients, "requests": len(requests),
+        "completed": len(done), "wall_seconds": round(wall, 3),
+        "requests_per_second": round(len(done) / wall, 3), "tokens_per_second": round(tokens / wall, 2),
+        **{f"latency_p{q}": round(percentile(latencies, q), 3) for q in (50, 90, 99)},
+        "latency_mean": round(statistics.fmean(latencies), 3) if latencies else float("nan"),
+        **{f"ttft_p{q}": round(percentile(ttfts, q), 3) for q in (50, 90)},
+        "leaked_cache_rows": leaked,
+    }
+    return summary, results
+
+
+def run_load(decoder: SpeculativeDecoder, clients: int = 8, num_requests: int = 32,
+             max_new_tokens: tuple[int, ...] = (16, 64), seed: int = 0, timeout_s: float = 600.0,
+             time_limit_s: float = 1800.0) -> list[dict]:
+    """Every configuration's summary; `mismatches` compares each batched run with its batching-off run."""
+    requests = workload(num_requests, list(max_new_tokens), seed)
+    summaries = []
+    for speculate in (True, False):
+        reference = None
+        for batching in (False, True):
+            summary, results = run_config(decoder, requests, clients, batching, speculate, timeout_s, time_limit_s)
+            if reference is None:
+                reference = results
+            summary["mismatches"] = sum(a is None or b is None or a["text"] != b["text"]
+                                        for a, b in zip(results, reference))
+            summaries.append(summary)
+    return summaries
+
+
+def markdown(summaries: list[dict]) -> str:
+    cols = ["batching", "speculation", "completed", "requests_per_second", "tokens_per_second", "latency_p50",
+            "latency_p90", "latency_p99", "ttft_p50", "mismatches", "leaked_cache_rows"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(s[c]) for c in cols) + " |" for s in summaries]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True, help="target model spec (as for verispec generate)")
+    parser.add_argument("--draft", required=True, help="draft model spec, 'ngram' or 'none'")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients (default: %(default)s)")
+    parser.add_argument("--requests", type=int, default=32, help="requests per configuration (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", default="16,64", help="comma-separated lengths mixed (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s (default: %(default)s)")
+    parser.add_argument("--time-limit", type=float, default=1800.0, help="per-configuration limit, s (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--out", help="write the summaries as JSON here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    decoder = SpeculativeDecoder.load(args.target, args.draft)
+    lengths = tuple(int(x) for x in args.max_new_tokens.split(","))
+    summaries = run_load(decoder, args.clients, args.requests, lengths, args.seed, args.timeout, args.time_limit)
+    print(markdown(summaries))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summaries, f, indent=2)
+    bad = any(s["mismatches"] or s["leaked_cache_rows"] or s["completed"] != s["requests"] for s in summaries)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""`verispec serve`: an OpenAI-compatible HTTP server with continuous batched speculative decoding."""

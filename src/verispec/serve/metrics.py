@@ -1,0 +1,53 @@
+"""Prometheus metrics for the server (text format at GET /metrics), one registry per app."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from verispec.serve.scheduler import Scheduler
+from verispec.stats import GenerationStats
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+
+
+class Metrics:
+    """Counters for requests and tokens, latency histograms, and gauges read from the scheduler.
+
+    Args:
+        scheduler: read at scrape time for queue depth, running sequences and cache rows.
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("verispec_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("verispec_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter("verispec_generated_tokens", "tokens generated for finished requests", registry=r)
+        self.drafted = Counter("verispec_draft_tokens", "draft tokens proposed and verified", registry=r)
+        self.accepted = Counter("verispec_accepted_tokens", "draft tokens the target accepted", registry=r)
+        self.target_passes = Counter("verispec_target_passes", "target forward passes, summed over sequences", registry=r)
+        self.latency = Histogram("verispec_request_latency_seconds", "arrival to last token", registry=r,
+                                 buckets=LATENCY_BUCKETS)
+        self.first_token = Histogram("verispec_time_to_first_token_seconds", "arrival to first token", registry=r,
+                                     buckets=LATENCY_BUCKETS)
+        self.totals = GenerationStats()  # the same sums, for the ratio gauges
+        Gauge("verispec_acceptance_rate", "accepted / drafted tokens since start", registry=r).set_function(
+            lambda: self.totals.acceptance_rate)
+        Gauge("verispec_tokens_per_target_pass", "generated tokens per target pass since start", registry=r).set_function(
+            lambda: self.totals.tokens_per_target_pass)
+        Gauge("verispec_queue_depth", "requests waiting for a batch row", registry=r).set_function(
+            lambda: scheduler.queue_depth)
+        Gauge("verispec_running_sequences", "sequences in the running batch", registry=r).set_function(
+            lambda: scheduler.running)
+        Gauge("verispec_cache_rows", "rows held in the target's KV cache", registry=r).set_function(scheduler.cache_rows)
+
+    def finished(self, prompt_tokens: int, stats: GenerationStats) -> None:
+        """Count a finished request's tokens (called on the event loop)."""
+        self.totals = GenerationStats.merge([self.totals, stats])
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generated_tokens.inc(stats.new_tokens)
+        self.drafted.inc(stats.draft_tokens)
+        self.accepted.inc(stats.accepted_tokens)
+        self.target_passes.inc(stats.target_forward_passes)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

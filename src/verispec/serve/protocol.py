@@ -1,0 +1,173 @@
+"""The OpenAI wire format: request models (validated by pydantic), errors and response bodies.
+
+Unknown request fields are refused (400) rather than ignored, so a client never silently gets
+something other than what it asked for. Fields left out keep verispec's own defaults
+(`SamplingConfig`, `SpecConfig`): only the fields a client sets are passed on.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from verispec.stats import GenerationStats
+
+
+class APIError(Exception):
+    """An OpenAI-style error answer: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SpeculativeOptions(Strict):
+    """Per-request speculation: `drafter` (the server's drafter, or "none" for plain decoding), `K`
+    draft tokens per step, `tree` (tree speculation; refused until the engine supports trees)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    drafter: str | None = None
+    K: int | None = Field(default=None, ge=1)
+    tree: Any = None
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class GenerationRequest(Strict):
+    """Fields common to /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    speculative: SpeculativeOptions | None = None
+    user: str | None = None
+
+    def sampling_fields(self) -> dict:
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+# --- responses -----------------------------------------------------------------------------------
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, stats: GenerationStats, drafter: str) -> dict:
+    """OpenAI usage plus `speculative`: how the tokens were produced."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": stats.new_tokens,
+        "total_tokens": prompt_tokens + stats.new_tokens,
+        "speculative": {"drafter": drafter, **stats.to_dict()},
+    }
+
+
+def completion_body(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": FINISH_REASONS[finish]}
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": use}
+
+
+def chat_body(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": FINISH_REASONS[finish]}
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": use}
+
+
+def completion_chunk(rid: str, model: str, text: str | None, finish: str | None, use: dict | None = None) -> dict:
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None,
+                                        "finish_reason": FINISH_REASONS.get(finish) if finish else None}]
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": use}
+
+
+def chat_chunk(rid: str, model: str, delta: dict | None, finish: str | None, use: dict | None = None) -> dict:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": FINISH_REASONS.get(finish) if finish else None}]
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": use}
+
+
+class TextStream:
+    """Turns growing token lists into text deltas that are safe to send.
+
+    Text that could still become the start of a stop string, or ends in an incomplete UTF-8
+    character, is held back until the next step decides it.
+
+    Args:
+        decode: token ids -> text.
+        stops: the request's stop strings.
+    """
+
+    def __init__(self, decode, stops: tuple[str, ...]) -> None:
+        self.decode = decode
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.sent = 0
+
+    def delta(self, generated: tuple[int, ...], done: bool, text_end: int | None) -> str:
+        text = self.decode(list(generated))
+        if done:
+            end = len(text) if text_end is None else text_end
+        else:
+            end = len(text) - self.hold
+            while end > 0 and text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self.sent:
+            return ""
+        piece, self.sent = text[self.sent : end], end
+        return piece

@@ -1,0 +1,124 @@
+"""Continuous batching: sequences joining and leaving a running DecodeBatch decode exactly as they
+would alone, and the caches shrink back when they leave."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.drafters.draft_model import DraftModelDrafter
+from verispec.drafters.prompt_lookup import PromptLookupDrafter
+from verispec.engine import DecodeBatch, SpeculativeEngine
+from verispec.models.runner import ModelRunner
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [3], [20, 21, 22, 20, 21]]
+SEEDS = [11, 12, 13, 14]
+
+
+def full_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()  # (T, V)
+
+
+def test_rows_added_to_a_running_state_equal_single_rows():
+    model = tiny_model("llama")
+    runner = ModelRunner(model)
+    state = runner.new_state(1)
+    runner.forward(state, [[5, 6, 7, 8]], [1])
+    runner.forward(state, [[9, 10, 11]], [3])
+    runner.rollback(state, [2])  # row 0 holds 5 6 7 8 9
+    state.extend(2)
+    out = runner.forward(state, [[12], [30, 31, 32], [40]], [1, 3, 1])
+    torch.testing.assert_close(out[0, :1], full_logits(model, [5, 6, 7, 8, 9, 12])[-1:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1, :3], full_logits(model, [30, 31, 32]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[2, :1], full_logits(model, [40]), atol=1e-5, rtol=1e-5)
+
+
+def test_dropping_rows_removes_their_columns_and_keeps_the_others_exact():
+    model = tiny_model("qwen2")
+    runner = ModelRunner(model)
+    state = runner.new_state(2)
+    runner.forward(state, [[1, 2, 3, 4, 5, 6, 7, 8], [9]], [1, 1])  # row 1 leaves holes in columns 1..7
+    runner.forward(state, [[10], [11, 12]], [1, 2])
+    state.select(torch.tensor([1]))
+    assert state.valid.shape[1] == int(state.lengths[0]) == 3  # only row 1's columns are left
+    assert state.cache.get_seq_length() == 3
+    out = runner.forward(state, [[13]], [1])
+    torch.testing.assert_close(out[0], full_logits(model, [9, 11, 12, 13])[-1:], atol=1e-5, rtol=1e-5)
+
+
+def make_engine(kind, greedy_pair):
+    target, draft = greedy_pair
+    drafter = DraftModelDrafter(ModelRunner(draft), 64) if kind == "draft-model" else PromptLookupDrafter()
+    return SpeculativeEngine(ModelRunner(target), drafter, set())
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "ngram"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sequences_joining_at_different_steps_equal_each_alone(greedy_pair, kind, temperature):
+    engine = make_engine(kind, greedy_pair)
+    sampling = SamplingConfig(temperature=temperature, top_k=20)
+    specs = [SpecConfig(num_draft_tokens=k, max_new_tokens=n) for k, n in [(3, 20), (1, 12), (5, 25), (2, 16)]]
+    drafting = [True, True, True, False]  # a plainly decoded sequence may share a speculative batch
+
+    def sequence(i):
+        seq = engine.make_sequences([PROMPTS[i]], sampling, specs[i], [SEEDS[i]])[0]
+        seq.drafting = drafting[i]
+        return seq
+
+    alone = []
+    for i in range(4):
+        single = DecodeBatch(engine)
+        single.add([sequence(i)])
+        while single:
+            (_, seq), = single.step()
+        alone.append(seq.generated)
+    assert alone[0] == engine.generate([PROMPTS[0]], sampling, specs[0], seeds=[SEEDS[0]])[0].generated
+    batch = DecodeBatch(engine)
+    joining = [sequence(i) for i in range(4)]
+    batch.add(joining[:1])
+    for step in range(200):
+        if step == 2:
+            batch.add(joining[1:3])
+        if step == 6:
+            batch.add(joining[3:])
+        batch.step()
+        if not batch and step > 6:
+            break
+    assert [s.generated for s in joining] == alone
+    assert all(s.finish_reason == "length" for s in joining)
+    assert joining[3].stats.draft_tokens == 0 and joining[0].stats.draft_tokens > 0
+
+
+def test_cancel_frees_the_rows_at_once_and_the_rest_continue(greedy_pair):
+    engine = make_engine("draft-model", greedy_pair)
+    spec = SpecConfig(num_draft_tokens=3, max_new_tokens=30)
+    alone = engine.generate([PROMPTS[1]], SamplingConfig(temperature=0), spec)[0].generated
+    batch = DecodeBatch(engine)
+    seqs = engine.make_sequences(PROMPTS[:3], SamplingConfig(temperature=0), spec, None)
+    batch.add(seqs)
+    batch.step()
+    batch.cancel(seqs[0])
+    assert seqs[0].finish_reason == "cancelled"
+    assert batch.state.batch_size == 2 and engine.drafter.state.batch_size == 2 and len(engine.drafter.cached) == 2
+    while batch:
+        batch.step()
+    assert seqs[1].generated == alone
+    assert batch.state is None and engine.drafter.state.batch_size == 0
+    assert engine.drafter.state.valid.shape[1] == 0  # the draft cache holds nothing after the batch
+
+
+def test_cache_stays_bounded_while_sequences_come_and_go(greedy_pair):
+    engine = make_engine("draft-model", greedy_pair)
+    spec = SpecConfig(num_draft_tokens=2, max_new_tokens=6)
+    batch = DecodeBatch(engine)
+    widest = 0
+    for step in range(60):  # a new sequence every other step: the batch is never empty
+        if step % 2 == 0 and step < 50:
+            batch.add(engine.make_sequences([PROMPTS[step % 4]], SamplingConfig(temperature=0), spec, None))
+        batch.step()
+        if batch:
+            widest = max(widest, batch.state.valid.shape[1])
+    assert not batch
+    longest_life = max(len(p) for p in PROMPTS) + spec.max_new_tokens * (spec.num_draft_tokens + 1)
+    assert widest <= 4 * longest_life  # without compaction the cache would grow with every step

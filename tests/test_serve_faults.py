@@ -1,0 +1,164 @@
+"""Faults against a live server on loopback: clients leaving mid-stream, malformed and oversized
+bodies, a flood past the queue limit, timeouts and shutdown; the server stays up and keeps
+answering correctly. Every loop here is bounded in count and in time."""
+
+import asyncio
+import importlib.util
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tiny_hf import save_tiny_model_dir
+from verispec import SpeculativeDecoder
+from verispec.config import SamplingConfig, ServeConfig, SpecConfig
+from verispec.serve.scheduler import Scheduler
+from verispec.serve.server import BackgroundServer
+
+LONG = {"prompt": "abc", "max_tokens": 100, "temperature": 1.0, "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fault_models")
+    target = save_tiny_model_dir(root / "target", "llama", seed=0)
+    draft = save_tiny_model_dir(root / "draft", "llama", seed=1)  # a different model: mixed acceptance
+    return SpeculativeDecoder.load(str(target), str(draft))
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def still_answers(url: str, expected: str) -> None:
+    body = {"prompt": "hello", "max_tokens": 12, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+
+
+def test_faults_leave_the_server_up_and_correct(decoder):
+    with BackgroundServer(decoder, ServeConfig(port=0, max_body_bytes=2000)) as s:
+        scheduler = s.app.state.scheduler
+        reference = httpx.post(s.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 12, "temperature": 0},
+                               timeout=30).json()["choices"][0]["text"]
+        # A client leaves mid-stream: its row is freed long before its 100 tokens would be done.
+        for _ in range(3):
+            with httpx.Client(base_url=s.url, timeout=30) as c:
+                with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+                    lines = r.iter_lines()
+                    assert next(line for line in lines if line.startswith("data: "))
+            assert wait_until(lambda: scheduler.running == 0 and scheduler.cache_rows() == 0)
+        still_answers(s.url, reference)
+        # Malformed, truncated, wrong-typed and oversized bodies.
+        raw = [b"{", b"not json", b'{"prompt": "x", "max_tokens": }', b"[]", b'"just a string"', b"\xff\xfe"]
+        for body in raw:
+            r = httpx.post(s.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", body
+        r = httpx.post(s.url + "/v1/completions", content=b"x" * 5000, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]
+        chunks = (b'{"prompt": "' + b"y" * 500 for _ in range(8))  # no Content-Length: counted as it arrives
+        r = httpx.post(s.url + "/v1/completions", content=chunks, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]
+        still_answers(s.url, reference)
+
+
+def test_a_client_that_vanishes_at_the_socket_level_frees_its_row(decoder):
+    with BackgroundServer(decoder, ServeConfig(port=0)) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        body = b'{"prompt": "abc", "max_tokens": 100, "stream": true}'
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert b"200 OK" in sock.recv(4096)
+        scheduler = s.app.state.scheduler
+        assert wait_until(lambda: scheduler.running == 0 and scheduler.cache_rows() == 0)
+
+
+async def flood(url: str, n: int) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        return await asyncio.gather(*(c.post("/v1/completions", json={**LONG, "seed": i}) for i in range(n)))
+
+
+def test_a_flood_past_the_queue_gets_429_and_the_rest_complete(decoder):
+    with BackgroundServer(decoder, ServeConfig(port=0, max_batch_size=1, max_queue=2)) as s:
+        responses = asyncio.run(flood(s.url, 24))
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= 3
+        for r in responses:
+            if r.status_code == 429:
+                assert r.json()["error"]["type"] == "rate_limit_error"
+            else:  # every admitted request got its whole answer
+                out = r.json()
+                assert out["usage"]["completion_tokens"] == 100 or out["choices"][0]["finish_reason"] == "stop"
+        scheduler = s.app.state.scheduler
+        assert scheduler.cache_rows() == 0 and scheduler.queue_depth == 0
+        assert httpx.get(s.url + "/health").json() == {"status": "ok", "running": 0, "queued": 0}
+
+
+def test_requests_past_the_timeout_are_cut_with_408(decoder):
+    with BackgroundServer(decoder, ServeConfig(port=0, request_timeout=0.02)) as s:
+        r = httpx.post(s.url + "/v1/completions", json=LONG, timeout=30)
+        assert r.status_code == 408 and r.json()["error"]["type"] == "timeout"
+        streamed = httpx.post(s.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30).text
+        assert '"type": "timeout"' in streamed and streamed.rstrip().endswith("data: [DONE]")
+        assert s.app.state.scheduler.cache_rows() == 0
+
+
+def test_shutdown_finishes_in_flight_requests_and_refuses_new_ones(decoder):
+    server = BackgroundServer(decoder, ServeConfig(port=0, shutdown_timeout=20))
+    with server:
+        async def in_flight_then_stop():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+                pending = asyncio.ensure_future(c.post("/v1/completions", json=LONG))
+                assert await asyncio.to_thread(wait_until, lambda: server.app.state.scheduler.running == 1)
+                await asyncio.to_thread(server.stop)
+                return await pending
+
+        r = asyncio.run(in_flight_then_stop())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+    assert not server.thread.is_alive()
+
+
+def test_shutdown_past_its_timeout_cuts_requests_with_503(decoder):
+    async def run():
+        scheduler = Scheduler(decoder.engine, max_batch_size=2, max_queue=4)
+        spec = SpecConfig(max_new_tokens=120)
+        seqs = [decoder.engine.make_sequences([[5, 6, 7]], SamplingConfig(), spec, [i])[0] for i in range(3)]
+        scheduler.start()
+        tickets = [scheduler.submit(seq, 60) for seq in seqs]
+        started = time.monotonic()
+        await asyncio.to_thread(scheduler.stop, 0.001)
+        assert time.monotonic() - started < 10
+        last = []
+        for t in tickets:
+            update = await asyncio.wait_for(t.updates.get(), 10)
+            while not update.done:
+                update = await asyncio.wait_for(t.updates.get(), 10)
+            last.append(update)
+        return scheduler, last
+
+    scheduler, last = asyncio.run(run())
+    assert any(u.error is not None and u.error.status == 503 for u in last)
+    assert all(u.error is not None or u.finish_reason is not None for u in last)
+    assert scheduler.cache_rows() == 0
+
+
+def test_load_script_reports_percentiles_and_finds_no_mismatch(decoder, capsys):
+    spec = importlib.util.spec_from_file_location("serve_load", Path(__file__).parent.parent / "benchmarks/serve_load.py")
+    serve_load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_load)
+    summaries = serve_load.run_load(decoder, clients=4, num_requests=8, max_new_tokens=(6, 14), timeout_s=60,
+                                    time_limit_s=120)
+    assert [(s["batching"], s["speculation"]) for s in summaries] == [(False, True), (True, True), (False, False),
+                                                                      (True, False)]
+    for s in summaries:
+        assert s["completed"] == 8 and s["mismatches"] == 0 and s["leaked_cache_rows"] == 0
+        assert s["tokens_per_second"] > 0 and s["latency_p50"] <= s["latency_p99"]
+    assert "latency_p90" in serve_load.markdown(summaries)
