@@ -267,7 +267,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     for k in table["ks"]:
         out.add_column(f"K={k}", justify="right")
     out.add_column("best K", justify="right")
-    out.add_column("E[tokens/pass]", justify="right")
+    out.add_column("E\\[tokens/pass]", justify="right")
     for row in table["rows"]:
         best = row["best_k"]
         cells = [f"[bold green]*{s:.2f}[/bold green]" if k == best else f"{s:.2f}" for k, s in zip(table["ks"], row["speedup"])]
@@ -282,7 +282,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 def cmd_viz(args: argparse.Namespace) -> int:
     from verispec.viz.server import serve
 
-    serve(lambda: _load(args), args.host, args.port, open_browser=not args.no_browser)
+    serve(_load(args), args.host, args.port, open_browser=not args.no_browser)
     return 0
 
 
