@@ -69,7 +69,7 @@ def verification_record(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Te
         p_i = p[i]  # (V,)
         q_i = q[i] if i < n else torch.zeros_like(p_i)  # (V,) nothing is drafted at the bonus position
         residual = residual_distribution(p_i, q_i) if i < n else None  # (V,)
-        picks = {int(t) for t in torch.topk(p_i, min(top, p_i.numel())).indices}
+        picks = {int(t) for t in torch.topk(p_i, min(top, p_i.numel())).indices if p_i[t] > 0}
         picks |= {int(t) for t in torch.topk(q_i, min(top, q_i.numel())).indices if q_i[t] > 0}
         if residual is not None:
             picks |= {int(t) for t in torch.topk(residual, min(top, residual.numel())).indices if residual[t] > 0}
