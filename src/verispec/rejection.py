@@ -68,7 +68,8 @@ def verify(
     draft_tokens: torch.Tensor,
     q: torch.Tensor | None,
     rng: torch.Generator,
-) -> Verdict:
+    return_uniforms: bool = False,
+) -> Verdict | tuple[Verdict, torch.Tensor]:
     """Speculative sampling for one sequence.
 
     Args:
@@ -76,8 +77,10 @@ def verify(
         draft_tokens: (n,) draft tokens x_1..x_n.
         q: (n, V) draft probabilities, or None for a deterministic (one-hot) drafter.
         rng: this sequence's generator; n uniforms and one categorical draw are taken from it.
+        return_uniforms: also return the n uniforms u_i (x_i was accepted iff u_i < p_i/q_i), for
+            tracing; the draws and the verdict are the same either way. Default False.
     Returns:
-        The Verdict.
+        The Verdict, or (Verdict, u) with u: (n,) when return_uniforms is True.
     """
     n = draft_tokens.numel()
     idx = torch.arange(n)
@@ -87,15 +90,17 @@ def verify(
     accepted = u * q_x < p_x  # (n,)  <=>  u < p/q, without dividing
     num_accepted = int(accepted.to(torch.int64).cumprod(dim=0).sum()) if n else 0
     if num_accepted == n:
-        return Verdict(n, int(torch.multinomial(p[n], 1, generator=rng)), bonus=True)
-    i = num_accepted
-    if q is None:
-        q_i = torch.zeros_like(p[i])
-        q_i[draft_tokens[i]] = 1.0  # (V,) one-hot
+        verdict = Verdict(n, int(torch.multinomial(p[n], 1, generator=rng)), bonus=True)
     else:
-        q_i = q[i]
-    recovered = int(torch.multinomial(residual_distribution(p[i], q_i), 1, generator=rng))
-    return Verdict(num_accepted, recovered, bonus=False)
+        i = num_accepted
+        if q is None:
+            q_i = torch.zeros_like(p[i])
+            q_i[draft_tokens[i]] = 1.0  # (V,) one-hot
+        else:
+            q_i = q[i]
+        recovered = int(torch.multinomial(residual_distribution(p[i], q_i), 1, generator=rng))
+        verdict = Verdict(num_accepted, recovered, bonus=False)
+    return (verdict, u) if return_uniforms else verdict
 
 
 def verify_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:

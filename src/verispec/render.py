@@ -7,6 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from verispec.api import GenerationResult
+from verispec.stats import GenerationStats
 
 STYLES = {"accepted": "green", "recovered": "yellow", "bonus": "cyan", "plain": ""}
 
@@ -14,25 +15,42 @@ STYLES = {"accepted": "green", "recovered": "yellow", "bonus": "cyan", "plain": 
 class StreamPrinter:
     """Prints a sequence's new text as steps commit it, accepted drafts in one colour and the
     recovered / bonus token in others. Text is decoded from all tokens so far, so multi-byte
-    characters split across tokens print correctly."""
+    characters split across tokens print correctly. `console` None only computes the pieces
+    (for a trace without terminal output)."""
 
-    def __init__(self, console: Console, decode, plain_decoding: bool) -> None:
+    def __init__(self, console: Console | None, decode, plain_decoding: bool) -> None:
         self.console = console
         self.decode = decode
         self.plain = plain_decoding
         self.printed = 0
 
-    def _emit(self, text: str, style: str) -> None:
-        if len(text) > self.printed:
-            self.console.print(Text(text[self.printed :], style=style), end="", soft_wrap=True)
-            self.printed = len(text)
-
-    def step(self, generated: list[int], accepted_committed: int, last_is_bonus: bool, total_committed: int, text_end: int | None) -> None:
+    def pieces(self, generated: list[int], accepted_committed: int, last_is_bonus: bool, total_committed: int,
+               text_end: int | None) -> list[tuple[str, str]]:
+        """This step's new text as (text, kind) pieces, kind in STYLES; advances what counts as printed."""
         start = len(generated) - total_committed
         cut = (lambda t: t[:text_end]) if text_end is not None else (lambda t: t)
-        self._emit(cut(self.decode(generated[: start + accepted_committed])), STYLES["accepted"])
         kind = "plain" if self.plain else ("bonus" if last_is_bonus else "recovered")
-        self._emit(cut(self.decode(generated)), STYLES[kind])
+        out = []
+        for text, style in ((cut(self.decode(generated[: start + accepted_committed])), "accepted"),
+                            (cut(self.decode(generated)), kind)):
+            if len(text) > self.printed:
+                out.append((text[self.printed :], style))
+                self.printed = len(text)
+        return out
+
+    def step(self, generated: list[int], accepted_committed: int, last_is_bonus: bool, total_committed: int,
+             text_end: int | None) -> list[tuple[str, str]]:
+        """Print this step's new text; returns the pieces printed."""
+        pieces = self.pieces(generated, accepted_committed, last_is_bonus, total_committed, text_end)
+        if self.console is not None:
+            print_pieces(self.console, pieces)
+        return pieces
+
+
+def print_pieces(console: Console, pieces) -> None:
+    """Print (text, kind) pieces in the colours of STYLES."""
+    for text, kind in pieces:
+        console.print(Text(text, style=STYLES[kind]), end="", soft_wrap=True)
 
 
 def legend(plain: bool) -> Text:
@@ -67,3 +85,28 @@ def stats_table(result: GenerationResult) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def result_from_dict(d: dict) -> GenerationResult:
+    """A GenerationResult back from its `to_dict()` (as saved in a trace)."""
+    fields = GenerationStats.__dataclass_fields__
+    stats = GenerationStats(**{k: v for k, v in d["stats"].items() if k in fields})
+    return GenerationResult(text=d["text"], prompt_token_ids=d["prompt_token_ids"], token_ids=d["token_ids"],
+                            finish_reason=d["finish_reason"], stats=stats, dtype=d["dtype"], target=d["target"],
+                            draft=d["draft"], target_weights=d.get("target_weights", "dense"),
+                            draft_weights=d.get("draft_weights"))
+
+
+def step_details(step: dict) -> Text:
+    """One trace step as a line: each draft token with p, q, min(1, p/q), u and its verdict, then the
+    recovered or bonus token, coloured as in the stream."""
+    marks = {"accepted": ("green", "ok"), "rejected": ("red", "REJECTED"), "discarded": ("dim", "discarded")}
+    line = Text(f"\nstep {step['step']}: ", style="bold")
+    for d in step["drafts"]:
+        style, word = marks[d["verdict"]]
+        u = "-" if d["uniform"] is None else f"{d['uniform']:.3f}"
+        line.append(f"{d.get('text', d['token'])!r}", style=style)
+        line.append(f" p={d['p']:.3f} q={d['q']:.3f} min(1,p/q)={d['accept_probability']:.3f} u={u} {word}; ", style="dim")
+    kind = "bonus" if step["bonus"] else "recovered"
+    line.append(f"{kind} {step.get('token_text', step['token'])!r}", style=STYLES[kind])
+    return line

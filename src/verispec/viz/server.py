@@ -1,0 +1,192 @@
+"""The `verispec viz` server: static pages (shipped in verispec/viz/static, no internet assets) and a
+JSON API over the library.
+
+    GET  /, /live, /lossless, /speedup   the pages
+    GET  /api/info                       models, drafters, defaults
+    POST /api/live/start                 start decoding a prompt (one live decoding at a time)
+    POST /api/live/step                  run one draft / verify step; returns its trace record
+    POST /api/lossless                   a chunk of the losslessness demo (verispec.viz.lossless)
+    GET  /api/speedup                    the speedup table (verispec.analyze)
+    POST /api/speedup/bench              alpha and c measured in an uploaded `verispec bench` JSON
+
+Bad input answers 400 with {"error": message}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import webbrowser
+from pathlib import Path
+
+from fastapi import Body, FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel
+
+from verispec.analyze import AnalyzeConfig, measured_from_bench, speedup_table
+from verispec.api import NGRAM, SpeculativeDecoder
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.errors import VerispecError
+from verispec.render import StreamPrinter
+from verispec.trace import Tracer, tracing
+from verispec.viz.lossless import demo_chunk
+
+STATIC = Path(__file__).parent / "static"
+PAGES = {"/": "index.html", "/live": "live.html", "/lossless": "lossless.html", "/speedup": "speedup.html"}
+
+
+class LiveRequest(BaseModel):
+    prompt: str
+    drafter: str
+    k: int = SpecConfig().num_draft_tokens
+    temperature: float = SamplingConfig().temperature
+    seed: int = 0
+    max_new_tokens: int = 64
+    chat: bool | None = None
+
+
+class StepRequest(BaseModel):
+    session: int
+
+
+class LosslessRequest(BaseModel):
+    p: list[float]
+    q: list[float]
+    samples: int = 500
+    seed: int = 0
+    counts: list[int] | None = None
+    accepted: int = 0
+
+
+class LiveDecoding:
+    """One prompt being decoded step by step, with a Tracer recording each verification."""
+
+    def __init__(self, session: int, decoder: SpeculativeDecoder, request: LiveRequest) -> None:
+        self.session = session
+        self.decoder = decoder
+        sampling = SamplingConfig(temperature=request.temperature)
+        spec = SpecConfig(num_draft_tokens=request.k, max_new_tokens=request.max_new_tokens)
+        self.prompt_ids = decoder.encode(request.prompt, request.chat)
+        tokenizer = decoder.target.tokenizer
+        self.tracer = Tracer(top=8, token_text=lambda t: tokenizer.decode([t]))
+        self.printer = StreamPrinter(None, decoder.decode, plain_decoding=decoder.drafter is None)
+        self.stream = decoder.stream(self.prompt_ids, sampling, spec, request.seed)
+        self.done = False
+
+    def step(self) -> dict | None:
+        """The next step's trace record, or None when the sequence has ended."""
+        if self.done:
+            return None
+        with tracing(self.decoder.engine, self.tracer):
+            try:
+                event, seq = next(self.stream)
+            except StopIteration:
+                self.done = True
+                return None
+        n_acc = min(len(event.accepted), len(event.committed))
+        pieces = self.printer.pieces(seq.generated, n_acc, event.bonus, len(event.committed), seq.text_end)
+        record = self.tracer.step(event, seq, pieces)
+        self.done = event.finish_reason is not None
+        return record
+
+
+class VizState:
+    """The decoders the live view can use (all sharing the loaded target) and the current live decoding.
+
+    Args:
+        decoder: the decoder built from --target / --draft; "ngram" and "none" are offered besides it.
+    """
+
+    def __init__(self, decoder: SpeculativeDecoder) -> None:
+        self.target_name = decoder.target.name
+        self.decoders: dict[str, SpeculativeDecoder] = {decoder.draft_name: decoder}
+        for name in (NGRAM, "none"):
+            if name not in self.decoders:
+                self.decoders[name] = SpeculativeDecoder(decoder.target, name)
+        self.lock = threading.Lock()
+        self.live: LiveDecoding | None = None
+        self.sessions = itertools.count(1)
+
+    def start(self, request: LiveRequest) -> dict:
+        if request.drafter not in self.decoders:
+            raise VerispecError(f"unknown drafter '{request.drafter}'; choose from {', '.join(self.decoders)}")
+        with self.lock:  # drafters keep per-batch state: one live decoding at a time
+            self.live = LiveDecoding(next(self.sessions), self.decoders[request.drafter], request)
+            tokenizer = self.live.decoder.target.tokenizer
+            return {"session": self.live.session, "prompt_token_ids": self.live.prompt_ids,
+                    "prompt_text": tokenizer.decode(self.live.prompt_ids)}
+
+    def step(self, session: int) -> dict:
+        with self.lock:
+            if self.live is None or self.live.session != session:
+                raise VerispecError("this decoding was replaced by a newer one; press start again")
+            record = self.live.step()
+            return {"done": self.live.done, "record": record}
+
+
+def create_app(decoder: SpeculativeDecoder) -> FastAPI:
+    """The FastAPI app serving the pages and the API for `decoder` (see the module docstring)."""
+    state = VizState(decoder)
+    app = FastAPI(title="verispec viz", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(VerispecError)
+    async def bad_input(_: Request, err: VerispecError) -> JSONResponse:
+        return JSONResponse({"error": str(err)}, status_code=400)
+
+    for route, filename in PAGES.items():
+        app.add_api_route(route, lambda filename=filename: FileResponse(STATIC / filename), methods=["GET"],
+                          include_in_schema=False)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/api/info")
+    def info() -> dict:
+        return {"target": state.target_name, "drafters": list(state.decoders),
+                "defaults": {"k": SpecConfig().num_draft_tokens, "temperature": SamplingConfig().temperature,
+                             "max_new_tokens": LiveRequest.model_fields["max_new_tokens"].default, "seed": 0},
+                "analyze": dataclasses.asdict(AnalyzeConfig())}
+
+    @app.post("/api/live/start")
+    def live_start(request: LiveRequest) -> dict:
+        return state.start(request)
+
+    @app.post("/api/live/step")
+    def live_step(request: StepRequest) -> dict:
+        return state.step(request.session)
+
+    @app.post("/api/lossless")
+    def lossless(r: LosslessRequest) -> dict:
+        return demo_chunk(r.p, r.q, r.samples, r.seed, r.counts, r.accepted)
+
+    @app.get("/api/speedup")
+    def speedup(alphas: str | None = None, k_max: int | None = None, c: float | None = None) -> dict:
+        values: dict = {}
+        if alphas is not None:
+            try:
+                values["alphas"] = tuple(float(a) for a in alphas.split(",") if a.strip())
+            except ValueError:
+                raise VerispecError(f"alphas must be comma-separated numbers, got '{alphas}'") from None
+        if k_max is not None:
+            values["k_max"] = k_max
+        if c is not None:
+            values["c"] = c
+        return speedup_table(AnalyzeConfig(**values))
+
+    @app.post("/api/speedup/bench")
+    def speedup_bench(report: dict = Body(...), system: str | None = None) -> dict:
+        return measured_from_bench(report, system)
+
+    return app
+
+
+def serve(decoder: SpeculativeDecoder, host: str, port: int, open_browser: bool = True) -> None:
+    """Serve the visualizer until interrupted; open the default browser at it unless told not to."""
+    import uvicorn
+
+    app = create_app(decoder)
+    url = f"http://{host}:{port}/"
+    print(f"verispec viz: {url}  (Ctrl+C to stop)")
+    if open_browser:
+        threading.Timer(1.0, webbrowser.open, args=(url,)).start()
+    uvicorn.run(app, host=host, port=port, log_level="warning")
