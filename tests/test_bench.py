@@ -3,12 +3,14 @@
 import json
 
 import pytest
+import torch
 
 from conftest import tiny_model
-from tiny_hf import save_tiny_model_dir
+from tiny_hf import char_tokenizer, save_tiny_model_dir
 from verispec.bench.report import BASELINES
 from verispec.bench.runner import LLAMACPP_SYSTEMS, SYSTEMS, BenchConfig, run_bench
 from verispec.cli import main
+from verispec.distill.model import TinyDraftConfig, VocabMap, save_distilled, vocab_fingerprint
 from verispec.errors import VerispecError
 from verispec.models import load_model
 from verispec.tuning import AdaptiveK, CostProfile, best_k, expected_speedup, expected_tokens
@@ -23,12 +25,18 @@ def setup(tmp_path_factory):
     rows = [{"question_id": i, "category": cat, "turns": [text]}
             for i, (cat, text) in enumerate([("coding", "write a loop"), ("qa", "who are you?"), ("rag", "read this: a b c. a b")])]
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return root, str(target), str(draft), str(prompts)
+    tok = char_tokenizer()
+    shape = TinyDraftConfig(draft_vocab_size=len(tok) - 2, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                            num_kv_heads=1, max_positions=128)
+    vocab = VocabMap.from_target_ids(torch.arange(2, len(tok)), len(tok))
+    distilled = save_distilled(root / "distilled", shape, shape.build(), vocab,
+                               {"target": "tiny", "target_vocab_sha256": vocab_fingerprint(tok), "target_vocab_size": len(tok)})
+    return root, str(target), str(draft), str(prompts), str(distilled)
 
 
 def test_bench_runs_all_systems_and_writes_report(setup):
-    root, target, draft, prompts = setup
-    config = BenchConfig(prompts=prompts, per_category=1, max_new_tokens=12, out_dir=str(root / "out"))
+    root, target, draft, prompts, distilled = setup
+    config = BenchConfig(prompts=prompts, per_category=1, max_new_tokens=12, out_dir=str(root / "out"), distilled=distilled)
     report = run_bench(config, load_model(target), load_model(draft))
     summary = report["summary"]
     assert set(summary) == set(SYSTEMS) - set(LLAMACPP_SYSTEMS)  # tiny HF directories are no GGUF files
@@ -43,7 +51,7 @@ def test_bench_runs_all_systems_and_writes_report(setup):
 
 
 def test_bench_cli_and_errors(setup, capsys):
-    root, target, draft, prompts = setup
+    root, target, draft, prompts, _ = setup
     assert main(["bench", "--target", target, "--draft", "ngram", "--prompts", prompts, "--per-category", "1",
                  "--max-new-tokens", "6", "--systems", "verispec-plain,verispec-ngram", "--out", str(root / "cli")]) == 0
     assert "verispec-ngram" in capsys.readouterr().out
@@ -51,6 +59,10 @@ def test_bench_cli_and_errors(setup, capsys):
     assert main(["bench", "--target", target, "--prompts", prompts, "--categories", "poetry"]) == 2
     with pytest.raises(VerispecError):
         BenchConfig(per_category=0)
+    with pytest.raises(VerispecError, match="split"):
+        BenchConfig(split="test")
+    assert main(["bench", "--target", target, "--prompts", prompts, "--systems", "verispec-distilled",
+                 "--distilled", str(root)]) == 2  # not a distilled draft directory
 
 
 def test_cost_model_formulas():

@@ -20,6 +20,7 @@ from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig
 from verispec.drafters.base import Drafter
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
+from verispec.distill.model import VocabMap
 from verispec.engine import SpeculativeEngine, StepEvent
 from verispec.errors import VerispecError
 from verispec.models.loading import (
@@ -29,6 +30,8 @@ from verispec.models.loading import (
     DEFAULT_TARGET_WEIGHTS,
     LoadedModel,
     check_same_tokenizer,
+    distilled_path,
+    load_distilled_draft,
     load_model,
 )
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -93,6 +96,8 @@ class SpeculativeDecoder:
         context_window = self.runner.context_window
         if isinstance(draft, LoadedModel):
             check_same_tokenizer(target, draft)
+            if draft.vocab is not None and draft.vocab.to_draft.numel() != self.runner.vocab_size:
+                draft.vocab = VocabMap.from_target_ids(draft.vocab.to_target, self.runner.vocab_size)
             draft_runner = draft.make_runner()
             context_window = min(context_window, draft_runner.context_window)
             self.drafter: Drafter | None = DraftModelDrafter(draft_runner, self.runner.vocab_size)
@@ -134,6 +139,8 @@ class SpeculativeDecoder:
         loaded_target = load_model(target, dtype, target_weights, backend)
         if draft in NO_DRAFT or draft == NGRAM:
             return cls(loaded_target, draft, prompt_lookup)
+        if distilled_path(draft) is not None:
+            return cls(loaded_target, load_distilled_draft(draft, loaded_target, draft_weights), prompt_lookup)
         return cls(loaded_target, load_model(draft, draft_dtype or dtype, draft_weights, backend), prompt_lookup)
 
     # --- text <-> tokens ---------------------------------------------------------------------------

@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-k", "--num-draft-tokens", type=int, help=f"K for fixed-K systems (default: {_default(BenchConfig, 'num_draft_tokens')})")
     b.add_argument("--systems", help=f"comma-separated subset of: {', '.join(SYSTEMS)} (default: all)")
     b.add_argument("--out", help=f"output folder for bench.json, bench.md and plots (default: {_default(BenchConfig, 'out_dir')})")
+    b.add_argument("--split", choices=["all", "heldout", "train"],
+                   help="heldout: only prompts the distilled draft never trained on (odd question ids) (default: all)")
+    b.add_argument("--distilled", help=f"distilled draft of the verispec-*distilled* systems (default: {_default(BenchConfig, 'distilled')})")
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API with continuous batched speculation")
     _add_model_options(s)
@@ -168,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("names", nargs="*", default=[DEFAULT_TARGET, DEFAULT_DRAFT], help="named models (default: the Qwen pair)")
 
     sub.add_parser("models", help="list the named default models")
+    from verispec.distill import cli as distill_cli
+
+    distill_cli.add_parser(sub)
     return parser
 
 
@@ -353,7 +359,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     args.categories, args.systems = split(args.categories), split(args.systems)
     config = _build(BenchConfig, args, {"prompts": "prompts", "categories": "categories", "per_category": "per_category",
                                         "max_new_tokens": "max_new_tokens", "temperature": "temperature", "seed": "seed",
-                                        "num_draft_tokens": "num_draft_tokens", "systems": "systems", "out_dir": "out"})
+                                        "num_draft_tokens": "num_draft_tokens", "systems": "systems", "out_dir": "out",
+                                        "split": "split", "distilled": "distilled"})
     SamplingConfig(temperature=config.temperature)  # validates it before minutes of loading
     set_threads(args.threads)
     has_draft = args.draft not in NO_DRAFT and args.draft != NGRAM
@@ -397,6 +404,12 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_distill(args: argparse.Namespace) -> int:
+    from verispec.distill import cli as distill_cli
+
+    return distill_cli.run(args)
+
+
 def cmd_models(_: argparse.Namespace) -> int:
     for model in NAMED_MODELS.values():
         print(f"{model.name}\t{model.filename}\tsha256 {model.sha256}\t{len(model.packages)} package(s)")
@@ -406,7 +419,8 @@ def cmd_models(_: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "replay": cmd_replay, "analyze": cmd_analyze, "viz": cmd_viz,
-                "audit": cmd_audit, "bench": cmd_bench, "serve": cmd_serve, "fetch": cmd_fetch, "models": cmd_models}
+                "audit": cmd_audit, "bench": cmd_bench, "serve": cmd_serve, "fetch": cmd_fetch, "models": cmd_models,
+                "distill": cmd_distill}
     try:
         return handlers[args.command](args)
     except VerispecError as err:

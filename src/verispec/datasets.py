@@ -19,11 +19,21 @@ class Prompt:
     text: str
 
 
+TRAIN, HELDOUT = "train", "heldout"
+SPLIT_RULE = "Spec-Bench question_id: even -> train, odd -> heldout"
+
+
+def split_of(question_id: int) -> str:
+    """The distillation split of a question (SPLIT_RULE): the distilled draft never trains on HELDOUT."""
+    return TRAIN if question_id % 2 == 0 else HELDOUT
+
+
 def spec_bench_category(category: str) -> str:
     return "mt_bench" if category in MT_BENCH_CATEGORIES else category
 
 
-def load_prompts(path: str | Path, categories: list[str] | None = None, per_category: int | None = None) -> list[Prompt]:
+def load_prompts(path: str | Path, categories: list[str] | None = None, per_category: int | None = None,
+                 split: str | None = None) -> list[Prompt]:
     """First turns of a Spec-Bench-style JSONL file, grouped into Spec-Bench's categories.
 
     Args:
@@ -31,6 +41,7 @@ def load_prompts(path: str | Path, categories: list[str] | None = None, per_cate
         categories: keep only these (Spec-Bench names: mt_bench, translation, summarization, qa,
             math_reasoning, rag); None keeps all.
         per_category: keep the first N prompts of each category; None keeps all.
+        split: HELDOUT or TRAIN keeps one side of the distillation split (`split_of`); None keeps both.
     """
     path = Path(path)
     if not path.is_file():
@@ -51,6 +62,8 @@ def load_prompts(path: str | Path, categories: list[str] | None = None, per_cate
         if unknown:
             raise VerispecError(f"unknown categories {sorted(unknown)}; {path} has {known}")
         prompts = [p for p in prompts if p.category in categories]
+    if split is not None:
+        prompts = [p for p in prompts if split_of(p.question_id) == split]
     if per_category is not None:
         taken: dict[str, int] = {}
         kept = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
 from dataclasses import dataclass
 
 from verispec.bench.systems import Run

@@ -21,8 +21,12 @@ from verispec.models.loading import LoadedModel
 
 LLAMACPP_SYSTEMS = ("llamacpp-generate", "llamacpp-prompt-lookup", "verispec-llamacpp-draft", "verispec-llamacpp-ngram",
                     "verispec-llamacpp-auto", "verispec-llamacpp-ngram-auto")  # need llama-cpp-python and GGUF files
+LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto")
+DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-llamacpp-distilled",
+                     "verispec-llamacpp-distilled-auto")  # need a distilled draft (--distilled)
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram",
-           "verispec-auto", *LLAMACPP_SYSTEMS)
+           "verispec-auto", "verispec-distilled", "verispec-distilled-auto", *LLAMACPP_SYSTEMS)
+SPLITS = ("all", "heldout", "train")  # Spec-Bench question ids: odd are held out from distillation (see verispec.distill)
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
 
 
@@ -32,6 +36,8 @@ class BenchConfig:
 
     prompts: Spec-Bench-format JSONL. categories: Spec-Bench categories to keep (None: all).
     per_category: prompts per category. systems: names from SYSTEMS (None: all that apply).
+    split: "heldout" keeps the prompts the distilled draft never saw (odd question ids), "train" the
+    others, "all" both. distilled: the distilled draft spec of the verispec-*distilled* systems (None: skip them).
     """
 
     prompts: str = str(DEFAULT_PROMPTS)
@@ -43,8 +49,12 @@ class BenchConfig:
     num_draft_tokens: int = 4
     systems: tuple[str, ...] | None = None
     out_dir: str = "artifacts/bench"
+    split: str = "all"
+    distilled: str | None = "distilled"
 
     def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise VerispecError(f"unknown split '{self.split}'; choose from {', '.join(SPLITS)}")
         unknown = set(self.systems or ()) - set(SYSTEMS)
         if unknown:
             raise VerispecError(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
@@ -82,7 +92,14 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
     plain = SpeculativeDecoder(target, "none")
     drafted = SpeculativeDecoder(target, draft) if draft is not None else None
     llama_target, llama_draft = _llamacpp_models(target, draft, wanted)
+    distilled = _distilled(config, target, wanted)
     for name in wanted:
+        if name in DISTILLED_SYSTEMS:
+            if distilled is None or ("llamacpp" in name and llama_target is None):
+                continue
+            decoder = SpeculativeDecoder(llama_target if "llamacpp" in name else target, distilled)
+            systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
+            continue
         if name in LLAMACPP_SYSTEMS:
             if llama_target is None:
                 continue
@@ -116,6 +133,17 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
     return systems
 
 
+def _distilled(config: BenchConfig, target: LoadedModel, wanted) -> LoadedModel | None:
+    """The distilled draft for `target`, loaded fresh (each decoder gets its own runner), if asked for."""
+    from verispec.models.loading import distilled_path, load_distilled_draft
+
+    if not config.distilled or not set(wanted) & set(DISTILLED_SYSTEMS):
+        return None
+    if distilled_path(config.distilled) is None:
+        raise VerispecError(f"--distilled '{config.distilled}' is not a distilled draft directory")
+    return load_distilled_draft(config.distilled, target, "dense")
+
+
 def _tuner(decoder: SpeculativeDecoder, k: int):
     stderr_console().print(f"measuring pass costs for auto-tuning ({decoder.draft_name} draft) ...")
     return decoder.auto_tuner(max(k, 8))
@@ -145,7 +173,8 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     hf_draft = hf_draft or draft
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    prompts = load_prompts(config.prompts, list(config.categories) if config.categories else None, config.per_category)
+    prompts = load_prompts(config.prompts, list(config.categories) if config.categories else None, config.per_category,
+                           split=None if config.split == "all" else config.split)
     if not prompts:
         raise VerispecError(f"no prompts selected from {config.prompts}")
     systems = build_systems(config, target, draft, hf_target, hf_draft)

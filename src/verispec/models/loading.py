@@ -51,6 +51,7 @@ class LoadedModel:
     source: str
     weights: str = "dense"
     backend: str = DEFAULT_BACKEND
+    vocab: object | None = None  # a distilled draft's VocabMap (its vocabulary is a subset of the target's)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -62,6 +63,10 @@ class LoadedModel:
             from verispec.models.llamacpp import LlamaCppRunner
 
             return LlamaCppRunner(Path(self.source))
+        if self.vocab is not None:
+            from verispec.models.mapped import MappedVocabRunner
+
+            return MappedVocabRunner(self.model, self.vocab)
         from verispec.models.runner import ModelRunner
 
         return ModelRunner(self.model)
@@ -75,6 +80,10 @@ class LoadedModel:
             elif value:
                 ids.update(int(v) for v in value)
         return ids
+
+
+# Distilled drafts shipped with the package: spec name -> directory (see verispec.distill).
+DISTILLED_DRAFTS = {"distilled": Path(__file__).resolve().parent.parent / "assets" / "qwen2.5-coder-distilled-draft"}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -152,6 +161,33 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
     return model.eval(), tokenizer
 
 
+def distilled_path(spec: str) -> Path | None:
+    """The directory of a distilled draft spec: the shipped default's name, or a distilled draft directory."""
+    from verispec.distill.model import is_distilled_dir
+
+    if spec in DISTILLED_DRAFTS:
+        if not is_distilled_dir(DISTILLED_DRAFTS[spec]):
+            raise VerispecError(f"the distilled draft '{spec}' is missing from this installation "
+                                f"({DISTILLED_DRAFTS[spec]}); reinstall verispec")
+        return DISTILLED_DRAFTS[spec]
+    path = Path(spec).expanduser()
+    return path if path.is_dir() and is_distilled_dir(path) else None
+
+
+def load_distilled_draft(spec: str, target: LoadedModel, weights: str = "dense") -> LoadedModel:
+    """A distilled draft for `target`: checked (sha256, tokenizer) and given the target's tokenizer."""
+    from verispec.distill.model import load_distilled
+
+    path = distilled_path(spec)
+    if path is None:
+        raise VerispecError(describe_spec_error(spec))
+    model, vocab, _ = load_distilled(path, target.tokenizer)
+    loaded = LoadedModel(spec, model, target.tokenizer, str(path), vocab=vocab)
+    if weights == "int8" and quantize_linear_layers(model):
+        loaded.weights = "int8"
+    return loaded
+
+
 def load_model(spec: str, dtype: str = DEFAULT_DTYPE, weights: str = "dense", backend: str = DEFAULT_BACKEND) -> LoadedModel:
     """Load a model for decoding.
 
@@ -175,9 +211,21 @@ def load_model(spec: str, dtype: str = DEFAULT_DTYPE, weights: str = "dense", ba
     return loaded
 
 
+def _load_tokenizer_only(spec: str):
+    """A model spec's tokenizer, without its weights (from the converted copy of a GGUF when there is one)."""
+    from transformers import AutoTokenizer
+
+    kind, path = resolve(spec)
+    if kind == "hf":
+        return AutoTokenizer.from_pretrained(str(path))
+    converted = _converted_dir(path)
+    if (converted / _COMPLETE).is_file():
+        return AutoTokenizer.from_pretrained(str(converted))
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 def _load_for_llamacpp(spec: str) -> LoadedModel:
     """A GGUF for llama.cpp: only the tokenizer is loaded here (from the converted copy when there is one)."""
-    from transformers import AutoTokenizer
 
     from verispec.models.llamacpp import llamacpp_available
 
@@ -186,11 +234,7 @@ def _load_for_llamacpp(spec: str) -> LoadedModel:
         raise VerispecError(f"the llama.cpp backend needs a GGUF model, and '{spec}' is a Hugging Face directory")
     if not llamacpp_available():
         raise VerispecError("the llama.cpp backend needs llama-cpp-python; see README, 'llama.cpp backend'")
-    converted = _converted_dir(path)
-    if (converted / _COMPLETE).is_file():
-        tokenizer = AutoTokenizer.from_pretrained(str(converted))
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = _load_tokenizer_only(spec)
     return LoadedModel(spec, None, tokenizer, str(path), weights="gguf", backend="llama.cpp")
 
 

@@ -1,0 +1,1 @@
+"""Distillation of a tiny draft from the target (DistillSpec): data, model, training."""

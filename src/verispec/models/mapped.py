@@ -1,0 +1,34 @@
+"""A runner for a draft whose vocabulary is a subset of the target's (the distilled tiny draft).
+
+It reads and returns target ids like any `ModelRunner`: inputs are mapped to draft ids (tokens
+outside the draft vocabulary become the draft's OTHER token), and the draft's logits are scattered
+back to the target's vocabulary with -inf elsewhere, so q is exactly 0 there. Drafters, trees and
+the verifier therefore need no special case.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.distill.model import VocabMap
+from verispec.models.runner import KVState, ModelRunner
+
+
+class MappedVocabRunner(ModelRunner):
+    """`ModelRunner` over a reduced-vocabulary model; `vocab_size` is the target's."""
+
+    def __init__(self, model: torch.nn.Module, vocab: VocabMap, context_window: int | None = None) -> None:
+        super().__init__(model)
+        self.vocab = vocab
+        self.vocab_size = int(vocab.to_draft.numel())
+        if context_window:
+            self.context_window = context_window
+
+    def to_draft_ids(self, tokens: list[list[int]]) -> list[list[int]]:
+        table = self.vocab.to_draft
+        return [table[torch.as_tensor(row, dtype=torch.long)].tolist() if row else [] for row in tokens]
+
+    def forward(self, state: KVState, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+        """As `ModelRunner.forward`, in target ids: returns (B, M, Vt) logits, -inf outside the draft vocabulary."""
+        logits = super().forward(state, self.to_draft_ids(tokens), num_logits)  # (B, M, Vd + 1)
+        return self.vocab.scatter(logits, self.vocab_size)  # (B, M, Vt)

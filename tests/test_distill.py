@@ -1,0 +1,229 @@
+"""The distilled tiny draft: vocabulary mapping, exactness with q = 0 outside the draft vocabulary,
+the teacher's labels, training, export / load with integrity checks, and the `distill` CLI."""
+
+
+import pytest
+import torch
+from test_exactness import V, check_distribution, sample_tokens
+from tiny_hf import char_tokenizer
+
+from verispec.cli import main
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.distill.data import Record, load_shard, save_shard, split_of
+from verispec.distill.model import (
+    TinyDraftConfig,
+    VocabMap,
+    choose_vocabulary,
+    load_distilled,
+    save_distilled,
+    vocab_fingerprint,
+)
+from verispec.distill.teacher import TorchTeacher
+from verispec.distill.train import TrainConfig, distill_loss, evaluate, make_batch, to_example, train
+from verispec.drafters.draft_model import DraftModelDrafter
+from verispec.engine import SpeculativeEngine
+from verispec.errors import VerispecError
+from verispec.models.mapped import MappedVocabRunner
+from verispec.models.runner import ModelRunner
+
+SHAPE = TinyDraftConfig(draft_vocab_size=5, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                        num_kv_heads=1, max_positions=128)
+
+
+def mapped_draft(to_target, target_vocab, seed=0):
+    torch.manual_seed(seed)
+    shape = TinyDraftConfig(**{**SHAPE.__dict__, "draft_vocab_size": len(to_target)})
+    vocab = VocabMap.from_target_ids(torch.tensor(to_target), target_vocab)
+    return shape, shape.build().eval(), vocab
+
+
+def test_vocab_map_round_trip_and_scatter():
+    vocab = VocabMap.from_target_ids(torch.tensor([7, 2, 5]), 10)
+    assert vocab.to_draft[torch.tensor([7, 2, 5])].tolist() == [0, 1, 2]
+    assert vocab.to_draft[torch.tensor([0, 9])].tolist() == [3, 3]  # OTHER
+    full = vocab.scatter(torch.tensor([[1.0, 2.0, 3.0, 99.0]]), 10)  # (1, 10); OTHER's logit is dropped
+    probs = torch.softmax(full, -1)[0]
+    assert probs[[0, 1, 3, 4, 6, 8, 9]].sum() == 0
+    assert torch.allclose(probs[[7, 2, 5]], torch.softmax(torch.tensor([1.0, 2.0, 3.0]), -1))
+    with pytest.raises(VerispecError, match="twice"):
+        VocabMap.from_target_ids(torch.tensor([1, 1]), 10)
+    with pytest.raises(VerispecError, match="outside"):
+        VocabMap.from_target_ids(torch.tensor([1, 10]), 10)
+
+
+def test_choose_vocabulary_keeps_frequent_and_forced_tokens():
+    chosen = choose_vocabulary([[1, 1, 1, 2, 2, 3], [1, 2, 4]], size=3, always=[9], target_vocab_size=10)
+    assert chosen.tolist() == [1, 2, 9]
+
+
+def test_mapped_runner_matches_the_small_model_on_its_vocabulary():
+    shape, model, vocab = mapped_draft([0, 3, 5, 6], V)
+    runner = MappedVocabRunner(model, vocab)
+    assert runner.vocab_size == V
+    state = runner.new_state(1)
+    out = runner.forward(state, [[3, 1, 6]], [2])[0]  # (2, V); token 1 maps to OTHER
+    direct = model(torch.tensor([[1, 4, 3]])).logits[0, -2:, :4]
+    assert torch.allclose(out[:, [0, 3, 5, 6]], direct, atol=1e-5)
+    assert torch.isinf(out[:, [1, 2, 4, 7]]).all()
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_p=0.9)])
+def test_reduced_vocabulary_draft_keeps_sampling_exact(sampling_pair, sampling):
+    """q is zero outside the draft vocabulary: the residual must carry that mass (chi-square)."""
+    target, _ = sampling_pair
+    _, model, vocab = mapped_draft([0, 2, 5, 6, 7], V, seed=2)
+    engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(MappedVocabRunner(model, vocab), V), eos_token_ids=set())
+    samples, seqs = sample_tokens(engine, sampling, K=3)
+    check_distribution(target, samples, sampling)
+    assert any(s.stats.accepted_tokens for s in seqs) and any(s.stats.recovered_tokens for s in seqs)
+
+
+def test_reduced_vocabulary_draft_greedy_equals_plain(greedy_pair):
+    target, _ = greedy_pair
+    _, model, vocab = mapped_draft(list(range(0, 64, 2)), 64, seed=3)
+    plain = SpeculativeEngine(ModelRunner(target), None, eos_token_ids=set())
+    spec = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(MappedVocabRunner(model, vocab), 64), eos_token_ids=set())
+    greedy, cfg = SamplingConfig(temperature=0), SpecConfig(num_draft_tokens=3, max_new_tokens=24, stop_at_eos=False)
+    prompts = [[1, 2, 3], [5, 9, 11, 4, 8]]
+    expected = [s.generated for s in plain.generate(prompts, greedy, cfg, seeds=0)]
+    assert [s.generated for s in spec.generate(prompts, greedy, cfg, seeds=0)] == expected
+
+
+def test_teacher_labels_are_the_target_distributions(greedy_pair):
+    target, _ = greedy_pair
+    teacher = TorchTeacher(ModelRunner(target), eos_token_ids=set())
+    rec = teacher.generate([[1, 2, 3]], max_new_tokens=5, k=4)[0]
+    assert rec.tokens.numel() == 8 and rec.label_start == 2 and rec.topk_ids.shape == (5, 4)
+    with torch.no_grad():
+        logp = torch.log_softmax(target(rec.tokens[None]).logits[0].float(), -1)  # (8, V)
+    for i in range(5):
+        pos = rec.label_start + i
+        assert torch.allclose(rec.topk_logprobs[i], logp[pos, rec.topk_ids[i]], atol=1e-4)
+        assert int(rec.tokens[pos + 1]) == int(rec.topk_ids[i, 0])  # greedy: the answer is the top label
+    forced = teacher.label([rec.tokens.tolist()], k=4)[0]
+    assert torch.allclose(forced.topk_logprobs[2:], rec.topk_logprobs, atol=1e-4)
+
+
+def test_shard_round_trip(tmp_path):
+    recs = [Record(torch.tensor([1, 2, 3, 4]), 1, torch.tensor([[2, 5], [3, 1], [4, 0]]), torch.tensor([[-0.1, -2.0]] * 3)),
+            Record.unlabelled([7, 8, 9])]
+    save_shard(tmp_path / "s.safetensors", recs)
+    back = load_shard(tmp_path / "s.safetensors")
+    assert back[0].tokens.tolist() == [1, 2, 3, 4] and back[0].label_start == 1
+    assert back[0].topk_ids.tolist() == [[2, 5], [3, 1], [4, 0]]
+    assert torch.allclose(back[0].topk_logprobs, recs[0].topk_logprobs, atol=1e-3)
+    assert back[1].tokens.tolist() == [7, 8, 9] and back[1].topk_ids.shape[0] == 0
+
+
+def test_spec_bench_split_is_by_question_id_parity():
+    assert split_of(82) == "train" and split_of(83) == "heldout"
+
+
+def test_loss_prefers_the_teacher_distribution():
+    vocab = VocabMap.from_target_ids(torch.tensor([0, 1, 2]), 5)
+    rec = Record(torch.tensor([0, 1, 2]), 0, torch.tensor([[1, 2], [2, 4]]), torch.log(torch.tensor([[0.75, 0.25], [0.5, 0.5]])))
+    ex = to_example(rec, vocab, 2)
+    assert ex.hard.tolist() == [-100, -100, -100]  # both positions have soft labels; the last has no next token
+    assert torch.allclose(ex.soft_w[1], torch.tensor([1.0, 0.0]))  # token 4 is outside: renormalised away
+    inp, hard, soft_ids, soft_w, mask = make_batch([ex], [(0, 0)], 4, vocab.other)
+    good = torch.log(torch.tensor([[[0.01, 0.74, 0.25, 1e-9], [0.01, 0.01, 0.98, 1e-9], [1 / 3] * 3 + [1e-9], [1 / 3] * 3 + [1e-9]]]))
+    bad = torch.log(torch.tensor([[[0.98, 0.01, 0.01, 1e-9], [0.98, 0.01, 0.01, 1e-9], [1 / 3] * 3 + [1e-9], [1 / 3] * 3 + [1e-9]]]))
+    assert distill_loss(good, hard, soft_ids, soft_w) < distill_loss(bad, hard, soft_ids, soft_w)
+
+
+def _tiny_training_set(target, n=6, tokens=12):
+    teacher = TorchTeacher(ModelRunner(target), eos_token_ids=set())
+    prompts = [[1 + i, 3 + 2 * i, 5] for i in range(n)]
+    return teacher.generate(prompts, max_new_tokens=tokens, k=8)
+
+
+def test_training_raises_validation_acceptance_and_resumes(greedy_pair, tmp_path):
+    target, _ = greedy_pair
+    records = _tiny_training_set(target)
+    vocab = VocabMap.from_target_ids(torch.arange(64), 64)
+    shape = TinyDraftConfig(**{**SHAPE.__dict__, "draft_vocab_size": 64, "hidden_size": 32, "intermediate_size": 64})
+    torch.manual_seed(0)
+    model = shape.build()
+    before = evaluate(model, records, vocab)
+    cfg = TrainConfig(steps=60, batch_size=4, seq_len=16, lr=1e-2, warmup=5, eval_every=30, checkpoint_every=30)
+    summary = train(model, shape, vocab, records, records, cfg, tmp_path, {"target": "tiny"}, log=lambda *_: None)
+    after = evaluate(model, records, vocab)
+    assert after["greedy_acceptance"] > before["greedy_acceptance"] + 0.3
+    assert summary["history"][-1]["step"] == 60 and (tmp_path / "checkpoint.pt").is_file()
+    longer = TrainConfig(**{**cfg.__dict__, "steps": 70})
+    second = shape.build()
+    again = train(second, shape, vocab, records, records, longer, tmp_path, {"target": "tiny"}, log=lambda *_: None)
+    assert [h["step"] for h in again["history"]][-3:] == [30, 60, 70]  # resumed at 60, not from scratch
+    loaded, loaded_vocab, manifest = load_distilled(tmp_path / "draft")
+    assert loaded_vocab.to_target.tolist() == list(range(64)) and manifest["target"] == "tiny"
+    ctx = torch.tensor([[1, 2, 3]])
+    assert torch.allclose(loaded(ctx).logits, second.half().float()(ctx).logits, atol=1e-3)
+
+
+def test_export_integrity_and_tokenizer_checks(tmp_path):
+    shape, model, vocab = mapped_draft([0, 1, 2, 3, 4], 8)
+    tok = char_tokenizer()
+    out = save_distilled(tmp_path / "d", shape, model, vocab, {"target": "x", "target_vocab_sha256": vocab_fingerprint(tok),
+                                                             "target_vocab_size": 8})
+    load_distilled(out, tok)
+    with pytest.raises(VerispecError, match="another tokenizer"):
+        load_distilled(out, char_tokenizer(chars=list("abc")))
+    data = bytearray((out / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (out / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(VerispecError, match="damaged"):
+        load_distilled(out, tok)
+
+
+def test_distilled_draft_through_the_api(tmp_path):
+    """A distilled draft directory works as --draft for a target with the same tokenizer."""
+    from tiny_hf import save_tiny_model_dir
+
+    from verispec import SpeculativeDecoder
+
+    target_dir = save_tiny_model_dir(tmp_path / "target")
+    tok = char_tokenizer()
+    vocab_size = len(tok)
+    shape, model, vocab = mapped_draft(list(range(0, vocab_size, 2)), vocab_size)
+    draft_dir = save_distilled(tmp_path / "draft", shape, model, vocab,
+                               {"target": "t", "target_vocab_sha256": vocab_fingerprint(tok), "target_vocab_size": vocab_size})
+    plain = SpeculativeDecoder.load(str(target_dir), "none", target_weights="dense")
+    spec = SpeculativeDecoder.load(str(target_dir), str(draft_dir), target_weights="dense", draft_weights="dense")
+    greedy, cfg = SamplingConfig(temperature=0), SpecConfig(max_new_tokens=16, stop_at_eos=False)
+    assert spec.generate("ab", greedy, cfg).token_ids == plain.generate("ab", greedy, cfg).token_ids
+    assert spec.draft_name == str(draft_dir)
+
+
+def test_distill_cli_errors(tmp_path, capsys):
+    from tiny_hf import save_tiny_model_dir
+
+    target_dir = save_tiny_model_dir(tmp_path / "target")
+    assert main(["distill", "train", "--target", str(target_dir), "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "not found" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["distill", "train", "--target", str(target_dir), "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 2
+    assert "no shards" in capsys.readouterr().err
+    assert main(["distill", "train", "--target", str(target_dir), "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "o"),
+                 "--steps", "0"]) == 2
+
+
+def test_distill_cli_end_to_end(tmp_path):
+    """labels (torch teacher) -> train -> a draft directory that decodes exactly."""
+    from tiny_hf import save_tiny_model_dir
+
+    target_dir = save_tiny_model_dir(tmp_path / "target")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"question_id": {i}, "category": "qa", "turns": ["what is {c}?"]}}\n'
+                               for i, c in zip(range(80, 90), "abcdefghij")))
+    assert main(["distill", "labels", "--target", str(target_dir), "--out", str(tmp_path / "lab"), "--prompts", str(prompts),
+                 "--max-new-tokens", "8", "--top-k-labels", "4", "--slots", "3"]) == 0
+    assert len(load_shard(next((tmp_path / "lab").glob("*.safetensors")))) == 5  # the even (train) ids
+    assert main(["distill", "labels", "--target", str(target_dir), "--out", str(tmp_path / "lab"), "--prompts", str(prompts),
+                 "--max-new-tokens", "8", "--top-k-labels", "4"]) == 0  # resumes: nothing left to do
+    assert len(list((tmp_path / "lab").glob("*.safetensors"))) == 1
+    assert main(["distill", "train", "--target", str(target_dir), "--data", str(tmp_path / "lab"), "--out", str(tmp_path / "run"),
+                 "--steps", "4", "--batch-size", "2", "--seq-len", "16", "--eval-every", "2", "--draft-vocab", "20",
+                 "--hidden-size", "16", "--intermediate-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1"]) == 0
+    assert (tmp_path / "run" / "draft" / "verispec-distilled.json").is_file()
+    assert main(["generate", "--target", str(target_dir), "--draft", str(tmp_path / "run" / "draft"), "--prompt", "ab",
+                 "--temperature", "0", "--max-new-tokens", "6", "--target-weights", "dense", "--json"]) == 0
