@@ -126,7 +126,7 @@ class TreeGrowth:
         children: dict[int, list[int]] = {}
         for i, parent in enumerate(self.parents):
             children.setdefault(parent, []).append(i)  # in rank order
-        heap = [(-self.scores[c[0]], c[0]) for c in children.get(-1, [])[:1]]
+        heap = [(-self.scores[c], c) for c in children.get(-1, [])[:1]]  # the root's first child
         kept: list[int] = []
         while heap and len(kept) < self.config.budget:
             _, node = heapq.heappop(heap)
