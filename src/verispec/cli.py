@@ -189,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask (default: the context window)")
     s.add_argument("--max-draft-tokens", type=int,
                    help=f"largest per-request speculative.K (default: {_default(ServeConfig, 'max_draft_tokens')})")
+    s.add_argument("--max-tree-nodes", type=int,
+                   help=f"most nodes of a per-request speculative.tree (default: {_default(ServeConfig, 'max_tree_nodes')})")
     s.add_argument("--shutdown-timeout", type=float,
                    help=f"seconds in-flight requests get on shutdown (default: {_default(ServeConfig, 'shutdown_timeout')})")
 

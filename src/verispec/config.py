@@ -194,7 +194,8 @@ class ServeConfig:
         max_body_bytes: largest request body; larger gets HTTP 413. Default 1 MiB.
         max_prompt_tokens: longest prompt in tokens (None: the context window less one token).
         max_tokens_limit: largest max_tokens a request may ask (None: up to the context window).
-        max_draft_tokens: largest per-request K (`speculative.K`). Default 16.
+        max_draft_tokens: largest per-request K (`speculative.K`), and deepest tree. Default 16.
+        max_tree_nodes: most nodes a request's draft tree (`speculative.tree`) may have. Default 64.
         shutdown_timeout: seconds in-flight requests get to finish on shutdown before being cut. Default 10.
     """
 
@@ -209,6 +210,7 @@ class ServeConfig:
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
     max_draft_tokens: int = 16
+    max_tree_nodes: int = 64
     shutdown_timeout: float = 10.0
 
     def __post_init__(self) -> None:
@@ -216,7 +218,7 @@ class ServeConfig:
             raise VerispecError(f"port must be in 0..65535, got {self.port}")
         if self.api_key is not None and not self.api_key.strip():
             raise VerispecError("the API key is empty")
-        for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_draft_tokens"):
+        for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_draft_tokens", "max_tree_nodes"):
             if getattr(self, name) < 1:
                 raise VerispecError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_prompt_tokens", "max_tokens_limit"):
