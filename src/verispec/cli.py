@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, help="base seed; prompt q gets seed + q (default: 0)")
     b.add_argument("-k", "--num-draft-tokens", type=int, help=f"K for fixed-K systems (default: {_default(BenchConfig, 'num_draft_tokens')})")
     b.add_argument("--systems", help=f"comma-separated subset of: {', '.join(SYSTEMS)} (default: all)")
+    _add_tree_options(b)  # the tree of the *-tree systems (default: a dynamic tree of 16 nodes, depth K)
     b.add_argument("--out", help=f"output folder for bench.json, bench.md and plots (default: {_default(BenchConfig, 'out_dir')})")
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API with continuous batched speculation")
@@ -394,6 +395,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = _build(BenchConfig, args, {"prompts": "prompts", "categories": "categories", "per_category": "per_category",
                                         "max_new_tokens": "max_new_tokens", "temperature": "temperature", "seed": "seed",
                                         "num_draft_tokens": "num_draft_tokens", "systems": "systems", "out_dir": "out"})
+    tree = _tree_config(args)
+    if tree is not None:
+        config = dataclasses.replace(config, tree=tree)
     SamplingConfig(temperature=config.temperature)  # validates it before minutes of loading
     set_threads(args.threads)
     has_draft = args.draft not in NO_DRAFT and args.draft != NGRAM

@@ -13,7 +13,7 @@ from verispec.api import SpeculativeDecoder
 from verispec.bench.plots import plot_acceptance_by_position, plot_speedup
 from verispec.bench.report import Record, markdown, summarize
 from verispec.bench.systems import HFSystem, LlamaCppGenerate, System, VerispecSystem
-from verispec.config import SamplingConfig
+from verispec.config import SamplingConfig, TreeConfig
 from verispec.console import stderr_console
 from verispec.datasets import load_prompts
 from verispec.errors import VerispecError
@@ -22,7 +22,7 @@ from verispec.models.loading import LoadedModel
 LLAMACPP_SYSTEMS = ("llamacpp-generate", "llamacpp-prompt-lookup", "verispec-llamacpp-draft", "verispec-llamacpp-ngram",
                     "verispec-llamacpp-auto", "verispec-llamacpp-ngram-auto")  # need llama-cpp-python and GGUF files
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram",
-           "verispec-auto", *LLAMACPP_SYSTEMS)
+           "verispec-auto", "verispec-draft-tree", "verispec-ngram-tree", *LLAMACPP_SYSTEMS)
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
 
 
@@ -32,6 +32,8 @@ class BenchConfig:
 
     prompts: Spec-Bench-format JSONL. categories: Spec-Bench categories to keep (None: all).
     per_category: prompts per category. systems: names from SYSTEMS (None: all that apply).
+    num_draft_tokens: K of the chain systems, and the depth of a dynamic tree (equal draft passes).
+    tree: the tree the *-tree systems draft (default: a dynamic tree of 16 nodes).
     """
 
     prompts: str = str(DEFAULT_PROMPTS)
@@ -43,6 +45,7 @@ class BenchConfig:
     num_draft_tokens: int = 4
     systems: tuple[str, ...] | None = None
     out_dir: str = "artifacts/bench"
+    tree: TreeConfig = TreeConfig(budget=16)
 
     def __post_init__(self) -> None:
         unknown = set(self.systems or ()) - set(SYSTEMS)
@@ -104,12 +107,16 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             systems.append(HFSystem(name, hf_target.model, eos, prompt_lookup_num_tokens=k))
         elif name == "verispec-ngram":
             systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k))
+        elif name == "verispec-ngram-tree":
+            systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k, tree=config.tree))
         elif draft is None or hf_draft is None:
             continue  # the remaining systems need a draft model
         elif name == "hf-assisted":
             systems.append(HFSystem(name, hf_target.model, eos, assistant_model=hf_draft.model))
         elif name == "verispec-draft":
             systems.append(VerispecSystem(name, drafted, k))
+        elif name == "verispec-draft-tree":
+            systems.append(VerispecSystem(name, drafted, k, tree=config.tree))
         elif name == "verispec-auto":
             assert drafted is not None
             systems.append(VerispecSystem(name, drafted, k, _tuner(drafted, k)))
