@@ -189,7 +189,7 @@ class SpeculativeEngine:
             seen = tree_seen_masks(context, draft.tokens, draft.tree.parents, logits.shape[-1])  # (N + 1, V)
         if cfg.greedy:
             return verify_tree_greedy(greedy_tokens(logits, cfg, seen), draft.tree, draft.tokens)
-        p = logits_to_probs(logits, cfg, seen)  # (N + 1, V)
+        p = _ProbabilityRows(logits, cfg, seen)  # (N + 1, V), rows made when the walk reaches them
         return verify_tree(p, draft.tree, draft.tokens, draft.q, draft.siblings, seq.rng)
 
     def _commit(self, seq: Sequence, accepted: tuple[int, ...], verdict: Verdict | TreeVerdict) -> StepEvent:
@@ -228,6 +228,21 @@ class SpeculativeEngine:
                 seq.text_end = min(found)
                 return committed[: keep - first]
         return committed
+
+
+class _ProbabilityRows:
+    """p = logits_to_probs(logits) row by row, on demand: a tree walk reads the root and its accepted
+    path only, so the other rows (a top-p sort over the vocabulary each) are never made.
+
+    logits: (N + 1, V); seen: (N + 1, V) or None. p[i] -> (V,).
+    """
+
+    def __init__(self, logits: torch.Tensor, config: SamplingConfig, seen: torch.Tensor | None) -> None:
+        self.logits, self.config, self.seen = logits, config, seen
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        seen = None if self.seen is None else self.seen[i : i + 1]
+        return logits_to_probs(self.logits[i : i + 1], self.config, seen)[0]
 
 
 class DecodeBatch:

@@ -192,7 +192,8 @@ def verify_tree(
     """Multi-candidate speculative sampling over a draft tree for one sequence (rules: module docstring).
 
     Args:
-        p: (N + 1, V) target probabilities: p[0] at the root, p[i + 1] after node i.
+        p: (N + 1, V) target probabilities: p[0] at the root, p[i + 1] after node i (anything whose
+            p[i] gives that (V,) row: the engine computes only the rows the walk reaches).
         tree: the structure; children are tried in the order of `tree.children`.
         tokens: (N,) node tokens.
         q: (N, V) the distribution each node's token was drawn from, or None (deterministic: one-hot).
