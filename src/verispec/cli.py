@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(a)
     _add_prompt_options(a)
     _add_sampling_options(a)
+    _add_tree_options(a)
     a.add_argument("--samples", type=int, default=2000, help="continuations sampled (default: %(default)s)")
     a.add_argument("--batch-size", type=int, default=32, help="sequences decoded together (default: %(default)s)")
     a.add_argument("--alpha", type=float, default=0.01, help="family-wise significance level (default: %(default)s)")
@@ -357,13 +358,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     sampling = _build(SamplingConfig, args, SAMPLING_OPTIONS)
     spec = _build(SpecConfig, args, {"num_draft_tokens": "num_draft_tokens"})
+    tree = _tree_config(args)
     decoder = _load(args)
     prompt = decoder.encode(_read_prompt(args), args.chat)
     console = Console(stderr=args.json)
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("sampling", total=args.samples)
         report = run_audit(decoder, prompt, sampling, spec.num_draft_tokens, args.samples, args.batch_size,
-                           args.seed or 0, args.alpha, on_progress=lambda n: progress.advance(task, n))
+                           args.seed or 0, args.alpha, on_progress=lambda n: progress.advance(task, n), tree=tree)
     if args.json:
         print(json.dumps(report.to_dict()))
         return 0 if report.passed else 1
