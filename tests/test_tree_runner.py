@@ -52,6 +52,22 @@ def test_tree_pass_through_packed_linears():
     check_tree_logits(reference, [1, 2, 3], tokens, parents, logits[:7])
 
 
+def test_tree_pass_through_int8_draft_linears():
+    """The int8 draft path only replaces linears: a tree pass equals that model's own chain passes."""
+    from verispec.models.quantized import int8_supported, quantize_linear_layers
+
+    if not int8_supported():
+        pytest.skip("int8 linears are not available here")
+    model = tiny_model("llama")
+    quantize_linear_layers(model)
+    runner = ModelRunner(model)
+    state = runner.new_state(1)
+    parents = [-1, -1, 0, 1, 1]
+    tokens = [4, 8, 15, 16, 23]
+    logits = runner.forward_tree(state, [[1, 2, 3]], [tokens], [parents])[0]
+    check_tree_logits(model, [1, 2, 3], tokens, parents, logits[:6])
+
+
 def test_tree_grown_over_several_passes_and_ragged_rows():
     """Like a draft model: depth by depth, the earlier levels already in the cache, rows of different lengths."""
     model = tiny_model("llama")
@@ -113,7 +129,7 @@ def test_bad_tree_calls_are_refused():
     state = runner.new_state(1)
     with pytest.raises(ValueError, match="parent"):
         runner.forward_tree(state, [[1, 2]], [[3, 4]], [[-1, 5]])
-    state = runner.new_state(1)
+    assert not state.speculative and state.valid.shape[1] == 0  # a refused call leaves the state as it was
     runner.forward_tree(state, [[1, 2]], [[3, 4]], [[-1, -1]])
     with pytest.raises(ValueError, match="commit_tree"):
         runner.forward(state, [[5]], [1])

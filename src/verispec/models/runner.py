@@ -179,6 +179,13 @@ class ModelRunner:
         B, L = len(chains), state.valid.shape[1]
         if not state.spec_columns:
             state.spec_columns, state.spec_parents = [[] for _ in range(B)], [[] for _ in range(B)]
+        for b in range(B):  # check everything before the state changes
+            held = len(state.spec_columns[b])
+            if chains[b] and held:
+                raise ValueError("committed tokens cannot follow tree entries: commit_tree first")
+            for j, parent in enumerate(parents[b]):
+                if not -1 <= parent < held + j:
+                    raise ValueError(f"row {b}: node {j} has parent slot {parent}, which does not exist yet")
         chain_counts = [len(c) for c in chains]
         counts = torch.tensor([c + len(n) for c, n in zip(chain_counts, nodes)], dtype=torch.long)  # (B,)
         W = max(1, int(counts.max()))
@@ -193,15 +200,11 @@ class ModelRunner:
         keep_rows: list[list[int]] = []
         for b in range(B):
             spec_cols, spec_parents = state.spec_columns[b], state.spec_parents[b]
-            if chains[b] and spec_cols:
-                raise ValueError("committed tokens cannot follow tree entries: commit_tree first")
             committed[b, spec_cols] = False
             mask[b, :, spec_cols] = False
             depth = _slot_depths(spec_parents)
             first_new = len(spec_cols)
             for j, parent in enumerate(parents[b]):
-                if not -1 <= parent < first_new + j:
-                    raise ValueError(f"row {b}: node {j} has parent slot {parent}, which does not exist yet")
                 column = L + chain_counts[b] + j
                 depth.append(1 if parent < 0 else depth[parent] + 1)
                 spec_cols.append(column)
