@@ -42,3 +42,13 @@ def test_audit_cli_json_and_greedy(decoder, capsys):
                  "--samples", "40", "--batch-size", "20", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["passed"] and out["checks"][0]["p_value"] == 1.0
+
+
+def test_audit_of_tree_sampling_passes(decoder):
+    from verispec import TreeConfig
+
+    dec, _, _ = decoder
+    prompt = dec.encode("the cat", chat=False)
+    sampling = SamplingConfig(temperature=1.0, top_k=10)
+    report = run_audit(dec, prompt, sampling, 3, samples=1000, batch_size=250, seed=2, tree=TreeConfig(shape=(3, 2)))
+    assert report.passed, report.to_dict()

@@ -44,6 +44,9 @@ def test_bench_runs_all_systems_and_writes_report(setup):
     for system, cats in summary.items():
         assert cats["all"]["greedy_equal_to_plain"] == "3/3", system
     assert summary["verispec-draft"]["all"]["acceptance_rate"] == 1.0
+    tree, chain = summary["verispec-draft-tree"]["all"], summary["verispec-draft"]["all"]
+    assert tree["tokens_per_target_pass"] >= chain["tokens_per_target_pass"] > 1  # the draft is the target
+    assert tree["mean_accepted_length"] > 0 and "tokens per target pass" in report["markdown"]
     assert set(summary["verispec-draft"]["all"]["speedup"]) == set(BASELINES)
     for name in ("bench.json", "bench.md", "speedup_by_category.png", "acceptance_by_position.png"):
         assert (root / "out" / name).stat().st_size > 0
@@ -53,8 +56,10 @@ def test_bench_runs_all_systems_and_writes_report(setup):
 def test_bench_cli_and_errors(setup, capsys):
     root, target, draft, prompts, _ = setup
     assert main(["bench", "--target", target, "--draft", "ngram", "--prompts", prompts, "--per-category", "1",
-                 "--max-new-tokens", "6", "--systems", "verispec-plain,verispec-ngram", "--out", str(root / "cli")]) == 0
-    assert "verispec-ngram" in capsys.readouterr().out
+                 "--max-new-tokens", "6", "--systems", "verispec-plain,verispec-ngram,verispec-ngram-tree",
+                 "--tree-shape", "2,2", "--out", str(root / "cli")]) == 0
+    assert "verispec-ngram-tree" in capsys.readouterr().out
+    assert json.loads((root / "cli" / "bench.json").read_text())["config"]["tree"]["shape"] == [2, 2]
     assert main(["bench", "--target", target, "--prompts", prompts, "--systems", "nope"]) == 2
     assert main(["bench", "--target", target, "--prompts", prompts, "--categories", "poetry"]) == 2
     with pytest.raises(VerispecError):

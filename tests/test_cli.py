@@ -111,3 +111,40 @@ def test_auto_k_generation_is_greedy_equal(model_dirs, capsys):
     auto = run_json(capsys, *common, "--draft", model_dirs["draft"], "--auto-k")
     plain = run_json(capsys, *common, "--draft", "none")
     assert auto["token_ids"] == plain["token_ids"]
+
+
+def test_tree_options_greedy_equal_with_tree_stats(model_dirs, capsys):
+    common = ["--target", model_dirs["target"], "--prompt", "hello there", "--temperature", "0", "--max-new-tokens", "20"]
+    plain = run_json(capsys, *common, "--draft", "none")
+    shaped = run_json(capsys, *common, "--draft", model_dirs["draft"], "--tree-shape", "3,2,1")
+    budget = run_json(capsys, *common, "--draft", "ngram", "--tree-budget", "8", "-k", "3")
+    assert shaped["token_ids"] == budget["token_ids"] == plain["token_ids"]
+    assert len(shaped["stats"]["drafted_per_position"]) == 3 and shaped["stats"]["mean_accepted_length"] > 0
+    stats = shaped["stats"]
+    assert stats["tokens_per_target_pass"] <= stats["mean_accepted_length"] + 1 + 1e-9
+    from verispec import TreeConfig
+
+    decoder = SpeculativeDecoder.load(model_dirs["target"], model_dirs["draft"])
+    api = decoder.generate("hello there", SamplingConfig(temperature=0),
+                           SpecConfig(max_new_tokens=20, tree=TreeConfig(shape=(3, 2, 1))))
+    assert api.token_ids == shaped["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--tree-shape", "3,0,1"], "branching factors >= 1"),
+        (["--tree-shape", "three"], "--tree-shape takes"),
+        (["--tree-budget", "0"], "budget"),
+        (["--tree-shape", "2", "--tree-budget", "4"], "not both"),
+        (["--tree-top-k", "3"], "add --tree-shape or --tree-budget"),
+        (["--tree-budget", "4", "--tree-top-k", "0"], "top_k"),
+        (["--tree-budget", "4", "--draft", "none"], "needs a drafter"),
+        (["--tree-budget", "4", "--auto-k"], "--auto-k"),
+    ],
+)
+def test_bad_tree_options_give_a_clear_error(model_dirs, capsys, args, fragment):
+    base = ["--target", model_dirs["target"], "--draft", "ngram", "--prompt", "hi"]
+    assert main(["generate", *base, *args]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err

@@ -162,6 +162,30 @@ def test_concurrent_requests_equal_single_requests_and_leave_no_cache_rows(serve
     assert "verispec_cache_rows 0.0" in metrics and "verispec_queue_depth 0.0" in metrics
 
 
+def test_tree_requests_equal_chains_and_batch_with_them(server, client):
+    """speculative.tree drafts a tree per step: greedy answers equal plain decoding, usage reports the tree's
+    stats, and tree and chain requests batched together answer as they do alone."""
+    base = {"prompt": "hello there", "max_tokens": 20, "temperature": 0}
+    plain = client.post("/v1/completions", json={**base, "speculative": {"drafter": "none"}}).json()
+    for tree in ({"shape": [3, 2, 1]}, {"budget": 8, "top_k": 2, "children": "iid"}):
+        r = client.post("/v1/completions", json={**base, "speculative": {"tree": tree}})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["choices"][0]["text"] == plain["choices"][0]["text"]
+        spec = out["usage"]["speculative"]
+        assert spec["mean_accepted_length"] > 0 and len(spec["drafted_per_position"]) == 3 + ("budget" in tree)
+    bodies = [
+        {"prompt": "abc", "max_tokens": 24, "temperature": 1.0, "seed": 3, "speculative": {"tree": {"shape": [2, 2]}}},
+        {"prompt": "the end", "max_tokens": 18, "temperature": 1.0, "seed": 2, "top_k": 8},
+        {**base, "speculative": {"tree": {"budget": 6}}},
+    ]
+    alone = [client.post("/v1/completions", json=b).json() for b in bodies]
+    together = asyncio.run(post_all(server.url, bodies))
+    for a, t in zip(alone, together):
+        assert t["choices"][0]["text"] == a["choices"][0]["text"]
+    assert server.app.state.scheduler.cache_rows() == 0
+
+
 def test_metrics_count_requests_tokens_and_latency(client):
     client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5})
     text = client.get("/metrics").text
@@ -179,6 +203,12 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "n": 2}, 400, "n"),
     ({"prompt": "hi", "model": "other"}, 404, "model"),
     ({"prompt": "hi", "speculative": {"tree": {"width": 2}}}, 400, "speculative.tree"),
+    ({"prompt": "hi", "speculative": {"tree": {"shape": [3, 0]}}}, 400, "speculative.tree"),
+    ({"prompt": "hi", "speculative": {"tree": {"shape": "3,2"}}}, 400, "speculative.tree"),
+    ({"prompt": "hi", "speculative": {"tree": {"budget": 65}}}, 400, "speculative.tree"),
+    ({"prompt": "hi", "speculative": {"tree": {"shape": [1] * 17}}}, 400, "speculative.tree"),
+    ({"prompt": "hi", "speculative": {"tree": True}}, 400, "speculative.tree"),
+    ({"prompt": "hi", "speculative": {"tree": {"budget": 4}, "drafter": "none"}}, 400, "speculative.tree"),
     ({"prompt": "hi", "speculative": {"drafter": "eagle"}}, 400, "speculative.drafter"),
     ({"prompt": "hi", "speculative": {"K": 17}}, 400, "speculative.K"),
     ({"prompt": "hi", "speculative": {"K": 0}}, 400, "speculative.K"),

@@ -1,11 +1,12 @@
 """verispec: exact (lossless) speculative decoding.
 
-A drafter proposes K tokens, the target scores them in one pass, and speculative sampling
-(Leviathan et al. 2023) keeps the output distribution exactly the target's.
+A drafter proposes K tokens (or a tree of candidates), the target scores them in one pass, and
+speculative sampling (Leviathan et al. 2023; SpecInfer and recursive rejection sampling for trees)
+keeps the output distribution exactly the target's.
 """
 
 from verispec.api import GenerationResult, SpeculativeDecoder, generate
-from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig
+from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig, TreeConfig
 from verispec.engine import SpeculativeEngine, StepEvent
 from verispec.errors import VerispecError
 from verispec.stats import GenerationStats
@@ -21,6 +22,7 @@ __all__ = [
     "SpeculativeDecoder",
     "SpeculativeEngine",
     "StepEvent",
+    "TreeConfig",
     "VerispecError",
     "generate",
 ]

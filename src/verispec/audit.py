@@ -18,7 +18,7 @@ import torch
 
 from verispec.api import SpeculativeDecoder
 from verispec.chisquare import FitResult, chi_square_test
-from verispec.config import SamplingConfig, SpecConfig
+from verispec.config import SamplingConfig, SpecConfig, TreeConfig
 from verispec.errors import VerispecError
 from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks
 
@@ -89,14 +89,16 @@ def run_audit(
     alpha: float = 0.01,
     second_token_prefixes: int = 3,
     on_progress: Callable[[int], None] | None = None,
+    tree: TreeConfig | None = None,
 ) -> AuditReport:
-    """Sample `samples` continuations speculatively and test positions 1 and 2 against the target."""
+    """Sample `samples` continuations speculatively (a chain of K, or `tree`) and test positions 1 and 2."""
     if samples < 10:
         raise VerispecError(f"an audit needs at least 10 samples, got {samples}")
     if batch_size < 1:
         raise VerispecError(f"batch size must be >= 1, got {batch_size}")
-    # K + 1 new tokens let the first step draft a full chain of K.
-    spec = SpecConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=max(2, num_draft_tokens + 1), stop_at_eos=False)
+    # depth + 1 new tokens let the first step draft a full chain of K (or the whole tree).
+    depth = num_draft_tokens if tree is None else tree.depth(num_draft_tokens)
+    spec = SpecConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=max(2, depth + 1), stop_at_eos=False, tree=tree)
     firsts: Counter[int] = Counter()
     pairs: Counter[tuple[int, int]] = Counter()
     drafted = accepted = 0

@@ -15,7 +15,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from verispec.config import PromptLookupConfig, SamplingConfig, ServeConfig, SpecConfig
+from verispec.config import TREE_CHILDREN, PromptLookupConfig, SamplingConfig, ServeConfig, SpecConfig, TreeConfig
 from verispec.errors import VerispecError
 from verispec.models.loading import (
     BACKENDS,
@@ -44,6 +44,7 @@ SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "to
                     "repetition_penalty": "repetition_penalty"}
 SPEC_OPTIONS = {"num_draft_tokens": "num_draft_tokens", "max_new_tokens": "max_new_tokens", "stop": "stop"}
 LOOKUP_OPTIONS = {"max_ngram": "ngram_max", "min_ngram": "ngram_min"}
+TREE_OPTIONS = {"budget": "tree_budget", "top_k": "tree_top_k", "children": "tree_children"}
 SERVE_OPTIONS = {name: name for name in ServeConfig.__dataclass_fields__}
 API_KEY_ENV = "VERISPEC_API_KEY"
 
@@ -75,6 +76,32 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-k", "--num-draft-tokens", type=int, help=f"K, draft tokens per step (default: {_default(SpecConfig, 'num_draft_tokens')})")
 
 
+def _add_tree_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree-shape", help="tree speculation, static tree: branching factors per depth, e.g. 3,2,1 "
+                   "(the root gets 3 children, each of them 2, each of those 1)")
+    p.add_argument("--tree-budget", type=int, help="tree speculation, dynamic tree (EAGLE-2 style): at most this many "
+                   "nodes, depth K, grown where the draft is most confident")
+    p.add_argument("--tree-top-k", type=int, help="dynamic trees: nodes expanded per depth and children per expanded "
+                   f"node (default: {_default(TreeConfig, 'top_k')})")
+    p.add_argument("--tree-children", choices=list(TREE_CHILDREN), help="how a sampling draft model picks children: "
+                   f"distinct samples, independent samples or its top tokens (default: {_default(TreeConfig, 'children')})")
+
+
+def _tree_config(args: argparse.Namespace) -> TreeConfig | None:
+    """The TreeConfig the --tree-* options ask for, or None (a chain)."""
+    if args.tree_shape is None and args.tree_budget is None:
+        if args.tree_top_k is not None or args.tree_children is not None:
+            raise VerispecError("--tree-top-k and --tree-children shape a tree: add --tree-shape or --tree-budget")
+        return None
+    values = {}
+    if args.tree_shape is not None:
+        try:
+            values["shape"] = tuple(int(b) for b in args.tree_shape.split(","))
+        except ValueError:
+            raise VerispecError(f"--tree-shape takes branching factors per depth like 3,2,1, got '{args.tree_shape}'") from None
+    return TreeConfig(**values, **{f: getattr(args, o) for f, o in TREE_OPTIONS.items() if getattr(args, o) is not None})
+
+
 def _add_prompt_options(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="the prompt text")
@@ -91,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(g)
     _add_prompt_options(g)
     _add_sampling_options(g)
+    _add_tree_options(g)
     g.add_argument("--max-new-tokens", type=int, help=f"(default: {_default(SpecConfig, 'max_new_tokens')})")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--auto-k", action="store_true",
@@ -126,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(a)
     _add_prompt_options(a)
     _add_sampling_options(a)
+    _add_tree_options(a)
     a.add_argument("--samples", type=int, default=2000, help="continuations sampled (default: %(default)s)")
     a.add_argument("--batch-size", type=int, default=32, help="sequences decoded together (default: %(default)s)")
     a.add_argument("--alpha", type=float, default=0.01, help="family-wise significance level (default: %(default)s)")
@@ -143,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, help="base seed; prompt q gets seed + q (default: 0)")
     b.add_argument("-k", "--num-draft-tokens", type=int, help=f"K for fixed-K systems (default: {_default(BenchConfig, 'num_draft_tokens')})")
     b.add_argument("--systems", help=f"comma-separated subset of: {', '.join(SYSTEMS)} (default: all)")
+    _add_tree_options(b)  # the tree of the *-tree systems (default: a dynamic tree of 16 nodes, depth K)
     b.add_argument("--out", help=f"output folder for bench.json, bench.md and plots (default: {_default(BenchConfig, 'out_dir')})")
     b.add_argument("--split", choices=["all", "heldout", "train"],
                    help="heldout: only prompts the distilled draft never trained on (odd question ids) (default: all)")
@@ -164,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask (default: the context window)")
     s.add_argument("--max-draft-tokens", type=int,
                    help=f"largest per-request speculative.K (default: {_default(ServeConfig, 'max_draft_tokens')})")
+    s.add_argument("--max-tree-nodes", type=int,
+                   help=f"most nodes of a per-request speculative.tree (default: {_default(ServeConfig, 'max_tree_nodes')})")
     s.add_argument("--shutdown-timeout", type=float,
                    help=f"seconds in-flight requests get on shutdown (default: {_default(ServeConfig, 'shutdown_timeout')})")
 
@@ -204,7 +236,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = _build(SamplingConfig, args, SAMPLING_OPTIONS)
     if args.stop:
         args.stop = tuple(args.stop)
-    spec = _build(SpecConfig, args, SPEC_OPTIONS)
+    tree = _tree_config(args)
+    spec = dataclasses.replace(_build(SpecConfig, args, SPEC_OPTIONS), tree=tree)
+    if tree is not None:
+        from verispec.api import NO_DRAFT
+
+        if args.draft in NO_DRAFT:
+            raise VerispecError("tree speculation needs a drafter that builds trees (a draft model or ngram), not --draft none")
+        if args.auto_k:
+            raise VerispecError("--auto-k chooses a chain's length; it cannot be combined with --tree-shape / --tree-budget")
+        if args.trace:
+            raise VerispecError("--trace follows chains only; it cannot record tree speculation")
     prompt = _read_prompt(args)
     decoder = _load(args)
     tuner = decoder.auto_tuner(max(8, spec.num_draft_tokens)) if args.auto_k and decoder.drafter is not None else None
@@ -322,13 +364,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     sampling = _build(SamplingConfig, args, SAMPLING_OPTIONS)
     spec = _build(SpecConfig, args, {"num_draft_tokens": "num_draft_tokens"})
+    tree = _tree_config(args)
     decoder = _load(args)
     prompt = decoder.encode(_read_prompt(args), args.chat)
     console = Console(stderr=args.json)
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("sampling", total=args.samples)
         report = run_audit(decoder, prompt, sampling, spec.num_draft_tokens, args.samples, args.batch_size,
-                           args.seed or 0, args.alpha, on_progress=lambda n: progress.advance(task, n))
+                           args.seed or 0, args.alpha, on_progress=lambda n: progress.advance(task, n), tree=tree)
     if args.json:
         print(json.dumps(report.to_dict()))
         return 0 if report.passed else 1
@@ -361,6 +404,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                         "max_new_tokens": "max_new_tokens", "temperature": "temperature", "seed": "seed",
                                         "num_draft_tokens": "num_draft_tokens", "systems": "systems", "out_dir": "out",
                                         "split": "split", "distilled": "distilled"})
+    tree = _tree_config(args)
+    if tree is not None:
+        config = dataclasses.replace(config, tree=tree)
     SamplingConfig(temperature=config.temperature)  # validates it before minutes of loading
     set_threads(args.threads)
     has_draft = args.draft not in NO_DRAFT and args.draft != NGRAM

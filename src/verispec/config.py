@@ -50,6 +50,79 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+MAX_TREE_NODES = 1024
+
+
+def _is_count(value, minimum: int) -> bool:
+    """An integer (or integral float) >= minimum; bools and strings are not counts."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and float(value).is_integer() and value >= minimum)
+TREE_CHILDREN = ("without_replacement", "iid", "top")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Tree speculation: several candidate continuations per step, verified in one target pass.
+
+    Give exactly one of `shape` and `budget`.
+
+    Attributes:
+        shape: static tree, a branching factor per depth: (3, 2, 1) gives the root 3 children, each of
+            them 2 and each of those 1 (3 + 6 + 6 = 15 nodes, depth 3).
+        budget: dynamic tree (EAGLE-2 style): at most this many nodes, grown where the draft is most
+            confident; its depth is the spec's K (num_draft_tokens), so it costs a chain's draft passes.
+        top_k: dynamic trees: nodes the draft model expands per depth, and children per expanded node.
+            Default 4.
+        children: how a sampling draft model picks a node's children from its distribution q:
+            "without_replacement" (distinct samples, recursive rejection sampling), "iid" (independent
+            samples, SpecInfer's rule) or "top" (the k most probable tokens, deterministic). Greedy
+            decoding always takes the top tokens; prompt lookup's candidates are always deterministic.
+            Default "without_replacement".
+    """
+
+    shape: tuple[int, ...] | None = None
+    budget: int | None = None
+    top_k: int = 4
+    children: str = "without_replacement"
+
+    def __post_init__(self) -> None:
+        if (self.shape is None) == (self.budget is None):
+            raise VerispecError("a tree needs either a shape (branching factors per depth, e.g. 3,2,1) or a budget "
+                                "(nodes per tree), not both and not neither")
+        if self.shape is not None:
+            shape = tuple(self.shape) if not isinstance(self.shape, (str, bytes)) else ()
+            if not shape or not all(_is_count(b, 1) for b in shape):
+                raise VerispecError(f"a tree shape is one or more branching factors >= 1 (e.g. 3,2,1), got {self.shape}")
+            shape = tuple(int(b) for b in shape)
+            object.__setattr__(self, "shape", shape)
+            size = self.size_upper_bound(len(shape))
+            if size > MAX_TREE_NODES:
+                raise VerispecError(f"tree shape {','.join(map(str, shape))} has {size} nodes; at most {MAX_TREE_NODES}")
+        if self.budget is not None and not (_is_count(self.budget, 1) and self.budget <= MAX_TREE_NODES):
+            raise VerispecError(f"a tree budget is a number of nodes in 1..{MAX_TREE_NODES}, got {self.budget}")
+        if not _is_count(self.top_k, 1):
+            raise VerispecError(f"tree top_k must be an integer >= 1, got {self.top_k}")
+        if self.children not in TREE_CHILDREN:
+            raise VerispecError(f"tree children must be one of {', '.join(TREE_CHILDREN)}, got '{self.children}'")
+        if self.budget is not None:
+            object.__setattr__(self, "budget", int(self.budget))
+        object.__setattr__(self, "top_k", int(self.top_k))
+
+    def depth(self, num_draft_tokens: int) -> int:
+        """Longest root-to-leaf path: the shape's length, or K for a dynamic tree."""
+        return len(self.shape) if self.shape is not None else num_draft_tokens
+
+    def size_upper_bound(self, depth: int) -> int:
+        """Most nodes a tree of this config has at this depth."""
+        if self.shape is None:
+            return int(self.budget)
+        total, width = 0, 1
+        for b in self.shape[:depth]:
+            width *= b
+            total += width
+        return total
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """How a speculative generation runs.
@@ -59,12 +132,14 @@ class SpecConfig:
         max_new_tokens: generation stops after this many new tokens, never more. Default 128.
         stop: strings that end generation; the returned text stops before the first match.
         stop_at_eos: stop when the target's end-of-sequence token is committed. Default True.
+        tree: draft a tree of candidates per step instead of one chain (None: a chain). Default None.
     """
 
     num_draft_tokens: int = 4
     max_new_tokens: int = 128
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_at_eos: bool = True
+    tree: TreeConfig | None = None
 
     def __post_init__(self) -> None:
         if int(self.num_draft_tokens) != self.num_draft_tokens or self.num_draft_tokens < 1:
@@ -76,6 +151,13 @@ class SpecConfig:
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise VerispecError("stop strings must be non-empty strings")
         object.__setattr__(self, "stop", tuple(self.stop))
+        if self.tree is not None and not isinstance(self.tree, TreeConfig):
+            raise VerispecError(f"tree must be a TreeConfig, got {type(self.tree).__name__}")
+
+    @property
+    def tree_or_chain(self) -> TreeConfig:
+        """The tree this spec drafts; a chain of K tokens is the tree of shape (1, ..., 1)."""
+        return self.tree if self.tree is not None else TreeConfig(shape=(1,) * self.num_draft_tokens)
 
 
 @dataclass(frozen=True)
@@ -112,7 +194,8 @@ class ServeConfig:
         max_body_bytes: largest request body; larger gets HTTP 413. Default 1 MiB.
         max_prompt_tokens: longest prompt in tokens (None: the context window less one token).
         max_tokens_limit: largest max_tokens a request may ask (None: up to the context window).
-        max_draft_tokens: largest per-request K (`speculative.K`). Default 16.
+        max_draft_tokens: largest per-request K (`speculative.K`), and deepest tree. Default 16.
+        max_tree_nodes: most nodes a request's draft tree (`speculative.tree`) may have. Default 64.
         shutdown_timeout: seconds in-flight requests get to finish on shutdown before being cut. Default 10.
     """
 
@@ -127,6 +210,7 @@ class ServeConfig:
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
     max_draft_tokens: int = 16
+    max_tree_nodes: int = 64
     shutdown_timeout: float = 10.0
 
     def __post_init__(self) -> None:
@@ -134,7 +218,7 @@ class ServeConfig:
             raise VerispecError(f"port must be in 0..65535, got {self.port}")
         if self.api_key is not None and not self.api_key.strip():
             raise VerispecError("the API key is empty")
-        for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_draft_tokens"):
+        for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_draft_tokens", "max_tree_nodes"):
             if getattr(self, name) < 1:
                 raise VerispecError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_prompt_tokens", "max_tokens_limit"):

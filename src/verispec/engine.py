@@ -10,6 +10,12 @@ One step, for every running sequence at once:
      streamed per sequence.
 Sequences advance by their own number of tokens; finished ones leave the batch.
 
+Tree steps (a sequence's spec has a `TreeConfig`): the drafter proposes a tree of candidates, the
+target reads the pending tokens and the whole tree in one pass (`ModelRunner.forward_tree`),
+`rejection.verify_tree` (or `verify_tree_greedy`) walks it to an accepted path plus a recovered or
+bonus token, and `commit_tree` keeps only that path in the caches. In a step where any sequence
+drafts a tree, the other drafting sequences draft the tree of shape (1, ..., 1), their chain.
+
 `DecodeBatch` is that step as an object: sequences join and leave between steps (the server's
 continuous batching); `SpeculativeEngine.stream` runs one DecodeBatch until it is empty.
 """
@@ -26,9 +32,10 @@ from verispec.config import SamplingConfig, SpecConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from verispec.errors import VerispecError
 from verispec.models.runner import ModelRunner
-from verispec.rejection import Verdict, verify, verify_greedy
-from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks
+from verispec.rejection import TreeVerdict, Verdict, verify, verify_greedy, verify_tree, verify_tree_greedy
+from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks, tree_seen_masks
 from verispec.sequence import Sequence
+from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 from verispec.tuning import AdaptiveK
 
 
@@ -37,7 +44,8 @@ class StepEvent:
     """What one step committed for one sequence.
 
     sequence: index in the caller's batch.
-    accepted: draft tokens the target accepted (all committed unless the sequence ended inside them).
+    accepted: draft tokens the target accepted (all committed unless the sequence ended inside them);
+        for a tree, the tokens of the accepted path.
     token: the recovered token (bonus=False) or the bonus token (bonus=True).
     committed: tokens appended to the output this step, after any EOS / stop / length cut.
     finish_reason: None while the sequence runs on; "eos", "stop" or "length" at its end.
@@ -91,6 +99,8 @@ class SpeculativeEngine:
         """
         if not prompts:
             raise VerispecError("no prompts given")
+        if spec.tree is not None:
+            self.check_tree_support()
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if seeds is None or isinstance(seeds, int):
             seeds = [None if seeds is None else seeds + i for i in range(len(prompts))]
@@ -111,6 +121,17 @@ class SpeculativeEngine:
             room = self.context_window - len(prompt)
             sequences.append(Sequence(i, list(prompt), len(prompt), cfg, rng, min(spec.max_new_tokens, room), spec))
         return sequences
+
+    def check_tree_support(self) -> None:
+        """Raise a VerispecError unless this engine's target and drafter can run tree speculation."""
+        if self.drafter is None:
+            raise VerispecError("tree speculation needs a drafter that builds trees (a draft model or 'ngram'); "
+                                "this decoder decodes plainly")
+        if not hasattr(self.target, "forward_tree"):
+            raise VerispecError("tree speculation needs the PyTorch backend: the llama.cpp backend verifies chains only")
+        if not self.drafter.supports_trees:
+            raise VerispecError(f"the '{self.drafter.name}' drafter cannot draft trees here "
+                                "(a draft model on the llama.cpp backend, or a chain-only drafter)")
 
     def stream(
         self,
@@ -159,9 +180,21 @@ class SpeculativeEngine:
         self.tracer(seq, draft, p, verdict, u)
         return verdict
 
-    def _commit(self, seq: Sequence, draft: Draft, verdict: Verdict) -> StepEvent:
+    def _verify_tree(self, seq: Sequence, draft: TreeDraft, logits: torch.Tensor) -> TreeVerdict:
+        """logits: (N + 1, V) target logits at the root and after each node."""
+        cfg = seq.sampling
+        seen = None
+        if cfg.repetition_penalty != 1.0:
+            context = torch.tensor(seq.tokens, dtype=torch.long)
+            seen = tree_seen_masks(context, draft.tokens, draft.tree.parents, logits.shape[-1])  # (N + 1, V)
+        if cfg.greedy:
+            return verify_tree_greedy(greedy_tokens(logits, cfg, seen), draft.tree, draft.tokens)
+        p = _ProbabilityRows(logits, cfg, seen)  # (N + 1, V), rows made when the walk reaches them
+        return verify_tree(p, draft.tree, draft.tokens, draft.q, draft.siblings, seq.rng)
+
+    def _commit(self, seq: Sequence, accepted: tuple[int, ...], verdict: Verdict | TreeVerdict) -> StepEvent:
+        """Append the accepted tokens and the recovered / bonus token, stopping at EOS, a stop string or the length."""
         spec = seq.spec
-        accepted = tuple(draft.tokens[: verdict.num_accepted].tolist())
         committed: list[int] = []
         for token in (*accepted, verdict.token):
             seq.tokens.append(token)
@@ -197,6 +230,21 @@ class SpeculativeEngine:
         return committed
 
 
+class _ProbabilityRows:
+    """p = logits_to_probs(logits) row by row, on demand: a tree walk reads the root and its accepted
+    path only, so the other rows (a top-p sort over the vocabulary each) are never made.
+
+    logits: (N + 1, V); seen: (N + 1, V) or None. p[i] -> (V,).
+    """
+
+    def __init__(self, logits: torch.Tensor, config: SamplingConfig, seen: torch.Tensor | None) -> None:
+        self.logits, self.config, self.seen = logits, config, seen
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        seen = None if self.seen is None else self.seen[i : i + 1]
+        return logits_to_probs(self.logits[i : i + 1], self.config, seen)[0]
+
+
 class DecodeBatch:
     """A running batch that sequences join (`add`) and leave (`cancel`, or by finishing) between steps.
 
@@ -226,6 +274,8 @@ class DecodeBatch:
         """Admit new sequences (from `engine.make_sequences`) at the end of the batch."""
         if not sequences:
             return
+        if self.tuner is not None and any(s.spec.tree is not None for s in sequences):
+            raise VerispecError("auto-K chooses a chain's length; it cannot be combined with tree speculation")
         drafter = self.engine.drafter
         if not self.sequences:
             self.state = self.engine.target.new_state(len(sequences))
@@ -253,6 +303,8 @@ class DecodeBatch:
         active, engine = self.sequences, self.engine
         if not active:
             return []
+        if engine.drafter is not None and any(s.drafting and s.spec.tree is not None for s in active):
+            return self._tree_step()
         # At most K drafts, and never more than the tokens left after this step's own token.
         k = None if self.tuner is None else self.tuner.k()
         budgets = [min(s.spec.num_draft_tokens if k is None else k, s.max_new_tokens - s.num_generated - 1)
@@ -274,14 +326,48 @@ class DecodeBatch:
             s.stats.record(len(d), v.num_accepted, v.bonus)
             if self.tuner is not None and len(d):
                 self.tuner.observe(len(d), v.num_accepted)
-            events.append(engine._commit(s, d, v))
+            events.append(engine._commit(s, tuple(d.tokens[: v.num_accepted].tolist()), v))
         if engine.drafter is not None:
             engine.drafter.commit(active, drafts, [v.num_accepted for v in verdicts])
+        return self._finish_step(events, t1 - t0, t2 - t1)
+
+    def _tree_step(self) -> list[tuple[StepEvent, Sequence]]:
+        """`step` when some sequence drafts a tree; the others draft their chain as a tree of shape (1, ..., 1)."""
+        active, engine = self.sequences, self.engine
+        if engine.tracer is not None:
+            raise VerispecError("tracing follows chains only; it cannot record tree speculation")
+        trees = [s.spec.tree_or_chain for s in active]
+        # The tree's depth, never more than the tokens left after this step's own token.
+        depths = [min(t.depth(s.spec.num_draft_tokens), s.max_new_tokens - s.num_generated - 1) if s.drafting else 0
+                  for s, t in zip(active, trees)]
+        t0 = time.perf_counter()
+        if any(depths):
+            drafts = engine.drafter.propose_tree(active, trees, depths)
+        else:
+            drafts = [EMPTY_TREE_DRAFT] * len(active)
+        t1 = time.perf_counter()
+        chains = [s.tokens[s.target_cached :] for s in active]
+        logits = engine.target.forward_tree(self.state, chains, [d.tokens.tolist() for d in drafts],
+                                            [d.tree.parents.tolist() for d in drafts])  # (B, M, V)
+        t2 = time.perf_counter()
+        verdicts = [engine._verify_tree(s, d, logits[b, : len(d) + 1]) for b, (s, d) in enumerate(zip(active, drafts))]
+        engine.target.commit_tree(self.state, [list(v.path) for v in verdicts])
+        events = []
+        for s, d, v in zip(active, drafts, verdicts):
+            s.target_cached = len(s.tokens) + v.num_accepted
+            s.stats.record(len(d), v.num_accepted, v.bonus, depth=d.tree.depth)
+            events.append(engine._commit(s, d.path_tokens(v.path), v))
+        engine.drafter.commit_tree(active, drafts, [v.path for v in verdicts])
+        return self._finish_step(events, t1 - t0, t2 - t1)
+
+    def _finish_step(self, events: list[StepEvent], draft_seconds: float, target_seconds: float) -> list[tuple[StepEvent, Sequence]]:
+        """Account the step's time to every sequence, drop the finished ones, pair events with sequences."""
+        active = self.sequences
         now = time.perf_counter()
         for s in active:
             s.stats.wall_seconds = now - self._joined[id(s)]
-            s.stats.draft_seconds += t1 - t0
-            s.stats.target_seconds += t2 - t1
+            s.stats.draft_seconds += draft_seconds
+            s.stats.target_seconds += target_seconds
         self._drop([b for b, s in enumerate(active) if s.finish_reason is not None])
         return list(zip(events, active))
 

@@ -19,6 +19,36 @@ A deterministic drafter (prompt lookup, n-grams) has a one-hot q; it goes throug
 rule with q(x_i) = 1, so acceptance is p_i(x_i) and the residual is p_i without x_i.
 
 At temperature 0 the rule reduces to: accept while x_i equals argmax p_i, then emit argmax.
+
+Trees (`verify_tree`). A node's children are candidates for the token after it. Walk from the root;
+at each node try its children one after another, each against the current pair (p, q):
+
+    accept child x with probability min(1, p(x) / q(x)), go down to x and start again with p at x;
+    on rejection p <- normalize(max(0, p - q)) (`residual_distribution`) and try the next child;
+    when every child is rejected, emit a recovered token sampled from the current p;
+    at a leaf reached by accepting, emit a bonus token sampled from p at the leaf.
+
+The q each child is checked against is the distribution it was really drawn from:
+  - children drawn i.i.d. from q (with replacement): q stays the same for every child. This is
+    SpecInfer's multi-step speculative sampling (Miao et al. 2024, "SpecInfer: Accelerating Large
+    Language Model Serving with Tree-based Speculative Inference and Verification").
+  - children drawn without replacement from q: after rejecting x, q <- normalize(q with x removed).
+    This is recursive rejection sampling (Jeon et al. 2024, "Recursive Speculative Decoding:
+    Accelerating LLM Inference via Sampling Without Replacement"). SpecInfer's fixed q would be wrong
+    here: a later child can never repeat x, so it is not a draw from q (a test shows the bias).
+    Without replacement no two children are the same token, which makes a wider tree worth more.
+  - deterministic candidates (prompt lookup tries, top-k children): q is one-hot at the candidate,
+    so x is accepted with probability p(x) and on rejection x is removed from p, as in a chain.
+Why it is exact: each round is one exact speculative-sampling step, whose rejection branch must
+produce normalize(max(0, p - q)); the rest of the walk is the same procedure with that residual as
+its target, so by induction on the children left it samples its target exactly, whatever the next
+child's distribution, provided (a) the next child is drawn from the q it is checked against, given
+the children before it, and (b) whether a child is tried at all does not depend on its own value or
+on anything drawn after it. Drafters that prune trees respect (b); see `verispec.drafters.tree_growth`.
+A rejected x had p(x) <= q(x), so no residual gives it mass again.
+
+Randomness: one uniform per node is drawn up front (node i uses u[i] when it is tried) and one
+categorical draw at the end, so a tree that is a single chain draws exactly what `verify` draws.
 """
 
 from __future__ import annotations
@@ -26,6 +56,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from verispec.tree import Tree
 
 
 @dataclass(frozen=True)
@@ -114,3 +146,102 @@ def verify_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> Ve
     matches = (draft_tokens == target_argmax[:n]).to(torch.int64)  # (n,)
     num_accepted = int(matches.cumprod(dim=0).sum()) if n else 0
     return Verdict(num_accepted, int(target_argmax[num_accepted]), bonus=num_accepted == n)
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """The outcome of verifying one sequence's draft tree in one step.
+
+    path: accepted nodes from the root's child down (node indices, increasing); () if none.
+    token: the recovered token (the last node of the path had its children all rejected) or the
+        bonus token (the path ends at a leaf).
+    bonus: True when the path ends at a leaf and `token` came from p at that leaf.
+    """
+
+    path: tuple[int, ...]
+    token: int
+    bonus: bool
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+
+def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
+    q = torch.zeros_like(like)  # (V,)
+    q[token] = 1.0
+    return q
+
+
+def _without(q: torch.Tensor, token: int) -> torch.Tensor:
+    """q with `token` removed, renormalized: the distribution of the next draw without replacement. (V,) -> (V,)"""
+    rest = q.clone()  # (V,)
+    rest[token] = 0.0
+    mass = rest.sum()
+    return rest / mass if mass > 0 else rest
+
+
+def verify_tree(
+    p: torch.Tensor,
+    tree: Tree,
+    tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    siblings: str,
+    rng: torch.Generator,
+) -> TreeVerdict:
+    """Multi-candidate speculative sampling over a draft tree for one sequence (rules: module docstring).
+
+    Args:
+        p: (N + 1, V) target probabilities: p[0] at the root, p[i + 1] after node i (anything whose
+            p[i] gives that (V,) row: the engine computes only the rows the walk reaches).
+        tree: the structure; children are tried in the order of `tree.children`.
+        tokens: (N,) node tokens.
+        q: (N, V) the distribution each node's token was drawn from, or None (deterministic: one-hot).
+        siblings: "iid", "without_replacement" or "deterministic" (see `verispec.tree.TreeDraft`).
+        rng: this sequence's generator; N uniforms and one categorical draw are taken from it.
+    """
+    n = tree.size
+    u = torch.rand(n, generator=rng)  # (N,)
+    path: list[int] = []
+    node = -1
+    while True:
+        p_cur = p[node + 1]  # (V,) the target at this node, then its residuals
+        q_cur: torch.Tensor | None = None  # (V,) without replacement: what the next child is drawn from
+        accepted = None
+        for child in tree.children[node + 1]:
+            x = int(tokens[child])
+            if q is None or siblings == "deterministic":
+                q_child = _one_hot(x, p_cur)  # (V,)
+            elif siblings == "without_replacement":
+                q_child = q[child] if q_cur is None else q_cur
+            else:
+                q_child = q[child]
+            if u[child] * q_child[x] < p_cur[x]:  # u < p(x)/q(x), without dividing
+                accepted = child
+                break
+            p_cur = residual_distribution(p_cur, q_child)
+            if siblings == "without_replacement":
+                q_cur = _without(q_child, x)
+        if accepted is None:
+            token = int(torch.multinomial(p_cur, 1, generator=rng))
+            return TreeVerdict(tuple(path), token, bonus=not tree.children[node + 1])
+        path.append(accepted)
+        node = accepted
+
+
+def verify_tree_greedy(target_argmax: torch.Tensor, tree: Tree, tokens: torch.Tensor) -> TreeVerdict:
+    """Temperature 0: from the root, follow the child equal to the target's argmax; emit the argmax where none is.
+
+    Args:
+        target_argmax: (N + 1,) argmax of the target at the root and after each node.
+        tokens: (N,).
+    """
+    path: list[int] = []
+    node = -1
+    while True:
+        best = int(target_argmax[node + 1])
+        nxt = next((c for c in tree.children[node + 1] if int(tokens[c]) == best), None)
+        if nxt is None:
+            return TreeVerdict(tuple(path), best, bonus=not tree.children[node + 1])
+        path.append(nxt)
+        node = nxt

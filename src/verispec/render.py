@@ -75,6 +75,7 @@ def stats_table(result: GenerationResult) -> Table:
         ("finish reason", result.finish_reason),
         ("target forward passes", str(s.target_forward_passes)),
         ("tokens per target pass", f"{s.tokens_per_target_pass:.2f}"),
+        ("mean accepted length", f"{s.mean_accepted_length:.2f} per target pass"),
         ("draft tokens / accepted", f"{s.draft_tokens} / {s.accepted_tokens}"),
         ("acceptance rate", f"{s.acceptance_rate:.1%}"),
         ("accepted per position", " ".join(f"{a}/{d}" for a, d in zip(s.accepted_per_position, s.drafted_per_position)) or "-"),

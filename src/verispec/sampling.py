@@ -37,6 +37,23 @@ def seen_masks(context: torch.Tensor, continuation: torch.Tensor, vocab_size: in
     return masks
 
 
+def tree_seen_masks(context: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`seen_masks` for a draft tree: the root sees the context, node i the context and its path.
+
+    Args:
+        context: (T,) token ids already committed.
+        tokens: (N,) node tokens; parents: (N,) parent node (-1: the root), parents first.
+    Returns:
+        (N + 1, V) bool mask: row 0 at the root, row i + 1 after node i.
+    """
+    masks = torch.zeros(tokens.numel() + 1, vocab_size, dtype=torch.bool, device=context.device)  # (N+1, V)
+    masks[0, context] = True
+    for i in range(tokens.numel()):
+        masks[i + 1] = masks[int(parents[i]) + 1]
+        masks[i + 1, tokens[i]] = True
+    return masks
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """CTRL repetition penalty: seen tokens' logits are divided (if > 0) or multiplied (if < 0).
 

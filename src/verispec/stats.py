@@ -13,10 +13,13 @@ class GenerationStats:
     or one bonus token (when every draft was accepted).
 
     target_forward_passes: target passes this sequence took part in (the first also reads the prompt).
-    draft_tokens: draft tokens proposed and verified.
+    draft_tokens: draft tokens proposed and verified (for trees: nodes).
     accepted_tokens: draft tokens the target accepted.
     accepted_per_position[i]: how often the draft token at position i (0-based) was accepted;
-    drafted_per_position[i]: how often a draft token was proposed at position i.
+    drafted_per_position[i]: how often a draft token was proposed at position i. For trees, positions
+    are depths: how often the accepted path reached depth i + 1, and how often the tree had that depth.
+    mean_accepted_length: accepted draft tokens per target pass (tokens per target pass, less the
+    recovered or bonus token each pass adds).
     new_tokens: tokens committed to the output.
     wall_seconds: time from the start of the batch to this sequence's end; draft_seconds and
     target_seconds split it (the rest is verification and bookkeeping).
@@ -34,21 +37,30 @@ class GenerationStats:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
 
-    def record(self, num_drafted: int, num_accepted: int, bonus: bool) -> None:
+    def record(self, num_drafted: int, num_accepted: int, bonus: bool, depth: int | None = None) -> None:
+        """One target pass: num_drafted draft tokens (tree nodes), num_accepted of them accepted.
+
+        depth: for a tree, its depth (positions are depths; a chain's depth is num_drafted).
+        """
+        depth = num_drafted if depth is None else depth
         self.target_forward_passes += 1
         self.draft_tokens += num_drafted
         self.accepted_tokens += num_accepted
         self.bonus_tokens += int(bonus)
         self.recovered_tokens += int(not bonus)
-        for name, upto in (("drafted_per_position", num_drafted), ("accepted_per_position", num_accepted)):
+        for name, upto in (("drafted_per_position", depth), ("accepted_per_position", num_accepted)):
             counts = getattr(self, name)
-            counts.extend([0] * (num_drafted - len(counts)))
+            counts.extend([0] * (depth - len(counts)))
             for i in range(upto):
                 counts[i] += 1
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.accepted_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
 
     @property
     def tokens_per_target_pass(self) -> float:
@@ -68,6 +80,7 @@ class GenerationStats:
             "new_tokens": self.new_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_target_pass": round(self.tokens_per_target_pass, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
             "drafted_per_position": list(self.drafted_per_position),
             "wall_seconds": round(self.wall_seconds, 4),

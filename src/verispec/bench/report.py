@@ -54,6 +54,7 @@ def summarize(records: list[Record], greedy: bool, reference: str = "verispec-pl
                 entry.update(
                     acceptance_rate=merged.acceptance_rate,
                     tokens_per_target_pass=merged.tokens_per_target_pass,
+                    mean_accepted_length=merged.mean_accepted_length,
                     accepted_per_position=[a / d if d else 0.0 for a, d in
                                            zip(merged.accepted_per_position, merged.drafted_per_position)],
                     time_split={"draft": draft / wall, "target": target / wall, "overhead": 1 - (draft + target) / wall}
@@ -83,6 +84,12 @@ def markdown(summary: dict, categories: list[str]) -> str:
             sp = " / ".join(f"{e['speedup'][b]:.2f}x" if b in e["speedup"] else "-" for b in BASELINES)
             cells.append(f"{e['median_tokens_per_second']:.2f} ({sp})")
         lines.append(f"| {system} | " + " | ".join(cells) + " |")
+    lines += ["", "tokens per target pass (mean accepted length + 1; for trees, acceptance is per drafted node)", "",
+              header, "|" + "---|" * (len(categories) + 2)]
+    for system, cats in summary.items():
+        if "tokens_per_target_pass" in cats.get("all", {}):
+            cells = [f"{cats[c]['tokens_per_target_pass']:.2f}" if c in cats else "-" for c in categories + ["all"]]
+            lines.append(f"| {system} | " + " | ".join(cells) + " |")
     lines += ["", "| system | acceptance | tokens/target pass | time split draft/target/overhead | greedy = plain |",
               "|---|---|---|---|---|"]
     for system, cats in summary.items():

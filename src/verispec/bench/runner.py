@@ -13,7 +13,7 @@ from verispec.api import SpeculativeDecoder
 from verispec.bench.plots import plot_acceptance_by_position, plot_speedup
 from verispec.bench.report import Record, markdown, summarize
 from verispec.bench.systems import HFSystem, LlamaCppGenerate, System, VerispecSystem
-from verispec.config import SamplingConfig
+from verispec.config import SamplingConfig, TreeConfig
 from verispec.console import stderr_console
 from verispec.datasets import load_prompts
 from verispec.errors import VerispecError
@@ -25,7 +25,8 @@ LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled
 DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-llamacpp-distilled",
                      "verispec-llamacpp-distilled-auto")  # need a distilled draft (--distilled)
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram",
-           "verispec-auto", "verispec-distilled", "verispec-distilled-auto", *LLAMACPP_SYSTEMS)
+           "verispec-auto", "verispec-draft-tree", "verispec-ngram-tree", "verispec-distilled", "verispec-distilled-auto",
+           *LLAMACPP_SYSTEMS)
 SPLITS = ("all", "heldout", "train")  # Spec-Bench question ids: odd are held out from distillation (see verispec.distill)
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
 
@@ -38,6 +39,8 @@ class BenchConfig:
     per_category: prompts per category. systems: names from SYSTEMS (None: all that apply).
     split: "heldout" keeps the prompts the distilled draft never saw (odd question ids), "train" the
     others, "all" both. distilled: the distilled draft spec of the verispec-*distilled* systems (None: skip them).
+    num_draft_tokens: K of the chain systems, and the depth of a dynamic tree (equal draft passes).
+    tree: the tree the *-tree systems draft (default: a dynamic tree of 16 nodes).
     """
 
     prompts: str = str(DEFAULT_PROMPTS)
@@ -51,6 +54,7 @@ class BenchConfig:
     out_dir: str = "artifacts/bench"
     split: str = "all"
     distilled: str | None = "distilled"
+    tree: TreeConfig = TreeConfig(budget=16)
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -121,12 +125,16 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             systems.append(HFSystem(name, hf_target.model, eos, prompt_lookup_num_tokens=k))
         elif name == "verispec-ngram":
             systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k))
+        elif name == "verispec-ngram-tree":
+            systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k, tree=config.tree))
         elif draft is None or hf_draft is None:
             continue  # the remaining systems need a draft model
         elif name == "hf-assisted":
             systems.append(HFSystem(name, hf_target.model, eos, assistant_model=hf_draft.model))
         elif name == "verispec-draft":
             systems.append(VerispecSystem(name, drafted, k))
+        elif name == "verispec-draft-tree":
+            systems.append(VerispecSystem(name, drafted, k, tree=config.tree))
         elif name == "verispec-auto":
             assert drafted is not None
             systems.append(VerispecSystem(name, drafted, k, _tuner(drafted, k)))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.api import SpeculativeDecoder
-from verispec.config import SamplingConfig, SpecConfig
+from verispec.config import SamplingConfig, SpecConfig, TreeConfig
 from verispec.stats import GenerationStats
 from verispec.tuning import AdaptiveK
 
@@ -38,13 +38,15 @@ class System:
 
 
 class VerispecSystem(System):
-    """verispec with a given drafter; `tuner` set means K is auto-tuned from measured costs."""
+    """verispec with a given drafter; `tuner` set means K is auto-tuned from measured costs; `tree` set
+    means it drafts that tree per step instead of a chain."""
 
-    def __init__(self, name: str, decoder: SpeculativeDecoder, num_draft_tokens: int, tuner: AdaptiveK | None = None):
-        self.name, self.decoder, self.k, self.tuner = name, decoder, num_draft_tokens, tuner
+    def __init__(self, name: str, decoder: SpeculativeDecoder, num_draft_tokens: int, tuner: AdaptiveK | None = None,
+                 tree: TreeConfig | None = None):
+        self.name, self.decoder, self.k, self.tuner, self.tree = name, decoder, num_draft_tokens, tuner, tree
 
     def run(self, prompt, sampling, max_new_tokens, seed):
-        spec = SpecConfig(num_draft_tokens=self.k, max_new_tokens=max_new_tokens)
+        spec = SpecConfig(num_draft_tokens=self.k, max_new_tokens=max_new_tokens, tree=self.tree)
         start = time.perf_counter()
         seq = self.decoder.engine.generate([prompt], sampling, spec, seeds=[seed], tuner=self.tuner)[0]
         return Run(seq.generated, time.perf_counter() - start, seq.stats)

@@ -2,9 +2,11 @@
 
 A drafter proposes, for each sequence of a batch, up to n draft tokens together with the
 distributions q they were sampled from. A deterministic drafter returns q = None, which the
-verifier treats as one-hot (Leviathan et al. hold for any q, one-hot included). Trees,
-self-speculation and trained heads extend this interface with their own proposals; the
-verification math in `verispec.rejection` does not change.
+verifier treats as one-hot (Leviathan et al. hold for any q, one-hot included).
+
+Drafters that can also propose a tree of candidates (`supports_trees`) implement `propose_tree`
+and `commit_tree`; the chain methods stay as they are. The verification math lives in
+`verispec.rejection` for both.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.config import TreeConfig
+from verispec.errors import VerispecError
 from verispec.sequence import Sequence
+from verispec.tree import TreeDraft
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,11 @@ class Drafter(ABC):
 
     name: str = "drafter"
 
+    @property
+    def supports_trees(self) -> bool:
+        """Whether `propose_tree` works here."""
+        return False
+
     def start(self, sequences: list[Sequence]) -> None:
         """A new batch begins (prompts only in `tokens`).
 
@@ -58,3 +68,10 @@ class Drafter(ABC):
 
     def keep(self, rows: list[int]) -> None:
         """Only these batch rows continue (the others finished); later calls see them in this order."""
+
+    def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
+        """Propose a draft tree for each sequence b, shaped by trees[b] and at most depths[b] deep (0: none)."""
+        raise VerispecError(f"the '{self.name}' drafter proposes chains only; it cannot draft trees")
+
+    def commit_tree(self, sequences: list[Sequence], drafts: list[TreeDraft], paths: list[tuple[int, ...]]) -> None:
+        """Like `commit`, after a tree step: paths[b] are the accepted nodes of drafts[b], from the root down."""

@@ -4,16 +4,24 @@ The draft keeps its own ragged KV cache. Each step it first catches up on the to
 seen (the last committed token, or two when every draft was accepted: the last draft and the
 bonus token), then drafts one token per forward pass. After verification, the draft tokens the
 target rejected are rolled back out of its cache.
+
+Trees (`propose_tree`): the same catch-up pass gives the root's children; then one pass per depth
+evaluates the nodes chosen for expansion with the tree's ancestor mask (`ModelRunner.forward_tree`),
+and their children are drawn (`verispec.drafters.tree_growth`). After verification the accepted
+path's entries are compacted into the draft's cache and the other nodes dropped (`commit_tree`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from verispec.config import TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
+from verispec.drafters.tree_growth import TreeGrowth
 from verispec.models.runner import KVState, ModelRunner
 from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks
 from verispec.sequence import Sequence
+from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
 
 class DraftModelDrafter(Drafter):
@@ -33,6 +41,11 @@ class DraftModelDrafter(Drafter):
         self.target_vocab_size = target_vocab_size
         self.state: KVState | None = None
         self.cached: list[int] = []  # per row: how many of the sequence's tokens the draft cache holds
+        self.tree_slots: list[list[int]] = []  # per row, after propose_tree: each node's cache slot (-1: not fed)
+
+    @property
+    def supports_trees(self) -> bool:
+        return hasattr(self.runner, "forward_tree")
 
     def start(self, sequences: list[Sequence]) -> None:
         self.state = self.runner.new_state(len(sequences))
@@ -44,8 +57,8 @@ class DraftModelDrafter(Drafter):
         self.cached += [0] * len(sequences)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """(N, Vd) draft logits -> (N, min(Vd, Vt)) logits restricted to target token ids."""
-        return logits[:, : self.target_vocab_size]
+        """(..., Vd) draft logits -> (..., min(Vd, Vt)) logits restricted to target token ids."""
+        return logits[..., : self.target_vocab_size]
 
     def _pad_q(self, q: torch.Tensor) -> torch.Tensor:
         missing = self.target_vocab_size - q.shape[-1]
@@ -87,6 +100,63 @@ class DraftModelDrafter(Drafter):
             Draft(torch.tensor(d, dtype=torch.long), torch.stack(q_rows[b]) if q_rows[b] else None) if d else EMPTY_DRAFT
             for b, d in enumerate(drafted)
         ]
+
+    def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
+        assert self.state is not None, "start() must be called before propose_tree()"
+        B = len(sequences)
+        pending = [seq.tokens[self.cached[b] :] for b, seq in enumerate(sequences)]
+        logits = self._fit_vocab(self.runner.forward(self.state, pending, [1 if row else 0 for row in pending])[:, 0])
+        self.cached = [len(seq.tokens) for seq in sequences]
+        growths = [TreeGrowth(trees[b], depths[b], seq.sampling, seq.rng, self.target_vocab_size) if depths[b] > 0
+                   else None for b, seq in enumerate(sequences)]
+        for b, growth in enumerate(growths):
+            if growth is not None:
+                growth.add_children(-1, logits[b], self._seen(sequences[b], growth, -1, logits.shape[-1]))
+        slots: list[dict[int, int]] = [{} for _ in range(B)]  # node -> slot in the draft's tree entries
+        for depth in range(1, max(depths, default=0)):
+            expand = [growth.to_expand(depth) if growth is not None else [] for growth in growths]
+            if not any(expand):
+                break
+            parents = []
+            for b, nodes in enumerate(expand):
+                parents.append([slots[b].get(growths[b].parents[n], -1) for n in nodes])
+                for n in nodes:
+                    slots[b][n] = len(slots[b])
+            tokens = [[growths[b].tokens[n] for n in nodes] for b, nodes in enumerate(expand)]
+            out = self._fit_vocab(self.runner.forward_tree(self.state, [[] for _ in range(B)], tokens, parents))
+            for b, nodes in enumerate(expand):
+                for j, n in enumerate(nodes):
+                    growths[b].add_children(n, out[b, j], self._seen(sequences[b], growths[b], n, out.shape[-1]))
+        drafts: list[TreeDraft] = []
+        self.tree_slots = []
+        for b, growth in enumerate(growths):
+            if growth is None:
+                drafts.append(EMPTY_TREE_DRAFT)
+                self.tree_slots.append([])
+                continue
+            draft, nodes = growth.finish()
+            drafts.append(draft)
+            self.tree_slots.append([slots[b].get(n, -1) for n in nodes])
+        return drafts
+
+    @staticmethod
+    def _seen(seq: Sequence, growth: TreeGrowth, node: int, vocab: int) -> torch.Tensor | None:
+        """(1, V) tokens the repetition penalty applies to after `node`: the context and the path to it."""
+        if seq.sampling.repetition_penalty == 1.0:
+            return None
+        context = torch.tensor(seq.tokens + growth.path(node), dtype=torch.long)
+        return seen_masks(context, context[:0], vocab)
+
+    def commit_tree(self, sequences: list[Sequence], drafts: list[TreeDraft], paths: list[tuple[int, ...]]) -> None:
+        assert self.state is not None
+        keep = []
+        for b, (draft, path) in enumerate(zip(drafts, paths)):
+            # The path's nodes that were fed to the draft are a prefix of it: only a node with children is fed.
+            fed = [self.tree_slots[b][n] for n in path if self.tree_slots[b][n] >= 0] if len(draft) else []
+            keep.append(fed)
+            self.cached[b] += len(fed)
+        self.runner.commit_tree(self.state, keep)
+        self.tree_slots = []
 
     def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
         assert self.state is not None

@@ -2,6 +2,10 @@
 
 Deterministic: q is one-hot, so the verifier accepts draft x with probability p(x) when sampling
 and recovers from p with x removed; at temperature 0 it accepts while x equals the argmax.
+
+Trees: the continuations of several earlier matches (longest n-gram first, most recent match first)
+are merged into a trie, so candidates that share a start share nodes. A static shape caps each
+node's children per depth; a budget caps the trie's nodes (its depth is K).
 """
 
 from __future__ import annotations
@@ -9,9 +13,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verispec.config import PromptLookupConfig
+from verispec.config import PromptLookupConfig, TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from verispec.sequence import Sequence
+from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft, breadth_first, tree_from_parents
+
+MAX_MATCHES = 64  # continuations read per trie; more only cost time
 
 
 def lookup(tokens: list[int], max_tokens: int, config: PromptLookupConfig) -> list[int]:
@@ -29,6 +36,57 @@ def lookup(tokens: list[int], max_tokens: int, config: PromptLookupConfig) -> li
     return []
 
 
+def lookup_all(tokens: list[int], max_tokens: int, config: PromptLookupConfig, limit: int = MAX_MATCHES) -> list[list[int]]:
+    """Continuations (up to max_tokens each) of earlier matches of the suffix n-grams, longest n first,
+    most recent match first; the first is `lookup`'s. At most `limit`."""
+    if max_tokens <= 0:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)  # (T,)
+    T = arr.size
+    found: list[list[int]] = []
+    starts: set[int] = set()  # a shorter n-gram matches again where a longer one did: read each start once
+    for n in range(min(config.max_ngram, T - 1), config.min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: T - 1], n)  # (T - n, n) starts 0..T-n-1
+        for hit in np.flatnonzero((windows == arr[T - n :]).all(axis=1))[::-1]:
+            start = int(hit) + n
+            if start in starts:
+                continue
+            starts.add(start)
+            found.append(arr[start : start + max_tokens].tolist())
+            if len(found) == limit:
+                return found
+    return found
+
+
+def build_trie(continuations: list[list[int]], tree: TreeConfig, depth: int) -> tuple[list[int], tuple[int, ...]]:
+    """Merge continuations into a trie, breadth first, children in insertion order.
+
+    A node at depth d gets at most shape[d - 1] children (static) and the trie at most `budget` nodes
+    (dynamic); a continuation stops where it would break either limit. Returns (tokens, parents).
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    children: list[dict[int, int]] = [{}]  # children[node + 1]: token -> node
+    limit = tree.size_upper_bound(depth)
+    for continuation in continuations:
+        node = -1
+        for d, token in enumerate(continuation[:depth]):
+            if token in children[node + 1]:
+                node = children[node + 1][token]
+                continue
+            if len(tokens) >= limit or (tree.shape is not None and len(children[node + 1]) >= tree.shape[d]):
+                break
+            children[node + 1][token] = len(tokens)
+            children.append({})
+            tokens.append(token)
+            parents.append(node)
+            node = len(tokens) - 1
+        if len(tokens) >= limit:
+            break
+    order, new_parents = breadth_first(parents, list(range(len(tokens))))
+    return [tokens[i] for i in order], new_parents
+
+
 class PromptLookupDrafter(Drafter):
     """n-gram match in the sequence's own context (prompt and generated tokens)."""
 
@@ -42,4 +100,16 @@ class PromptLookupDrafter(Drafter):
         for seq, n in zip(sequences, max_tokens):
             found = lookup(seq.tokens, n, self.config)
             drafts.append(Draft(torch.tensor(found, dtype=torch.long)) if found else EMPTY_DRAFT)
+        return drafts
+
+    @property
+    def supports_trees(self) -> bool:
+        return True
+
+    def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
+        drafts = []
+        for seq, tree, depth in zip(sequences, trees, depths):
+            tokens, parents = build_trie(lookup_all(seq.tokens, depth, self.config), tree, depth)
+            drafts.append(TreeDraft(torch.tensor(tokens, dtype=torch.long), tree_from_parents(parents))
+                          if tokens else EMPTY_TREE_DRAFT)
         return drafts

@@ -8,14 +8,22 @@ no row still uses. With one row this is exactly a crop of the cache.
 
 Positions are explicit per row (RoPE sees each row's true token positions), and the cache
 index order stays chronological, so the causal mask over cache columns stays correct.
+
+Trees (`forward_tree`, `commit_tree`): a row may also hold *speculative* entries, draft-tree nodes
+that are not committed. A node sits at position (committed length + depth - 1) and attends to the
+committed entries, its ancestors and itself, through a 4D mask (B, 1, W, L + W) given to the model.
+After verification `commit_tree` moves the accepted path's entries into the columns right after the
+committed prefix and drops the other nodes, so the cache again holds committed tokens only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+
+from verispec.errors import VerispecError
 
 
 @dataclass
@@ -30,13 +38,27 @@ class KVState:
     cache: DynamicCache
     valid: torch.Tensor
     lengths: torch.Tensor
+    # Per row: cache columns of speculative tree entries ("slots", in the order they were added) and
+    # each slot's parent slot (-1: the last committed token). Empty outside a tree step.
+    spec_columns: list[list[int]] = field(default_factory=list)
+    spec_parents: list[list[int]] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
         return self.lengths.numel()
 
+    @property
+    def speculative(self) -> bool:
+        """Whether some row holds uncommitted tree entries (then only forward_tree and commit_tree apply)."""
+        return any(self.spec_columns)
+
+    def _no_speculative(self, what: str) -> None:
+        if self.speculative:
+            raise ValueError(f"{what} needs the tree entries committed first (commit_tree)")
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows (e.g. drop finished sequences), then drop the columns no row uses. rows: (B',) long."""
+        self._no_speculative("select")
         if self.valid.shape[1] > 0:
             self.cache.batch_select_indices(rows)
         self.valid = self.valid[rows]
@@ -48,6 +70,7 @@ class KVState:
 
         Their columns are all holes until their first forward pass; positions start at 0.
         """
+        self._no_speculative("extend")
         for layer in self._layers():
             pad = layer.keys.new_zeros((num_rows, *layer.keys.shape[1:]))  # (n, H, L, D)
             layer.keys = torch.cat([layer.keys, pad])
@@ -103,14 +126,12 @@ class ModelRunner:
             (B, M, V) float logits, M = max(num_logits); row b's logits for its last num_logits[b]
             positions are in [:, :num_logits[b]] in order, the rest is filler.
         """
+        state._no_speculative("forward")
         B = len(tokens)
         counts = torch.tensor([len(t) for t in tokens], dtype=torch.long)  # (B,)
         W = int(counts.max())
         M = max(1, max(num_logits))
-        input_ids = torch.zeros(B, W, dtype=torch.long)  # (B, W)
-        for b, row in enumerate(tokens):
-            if row:
-                input_ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        input_ids = _pad_rows(tokens, W)  # (B, W)
         columns = torch.arange(W)  # (W,)
         new_valid = columns[None, :] < counts[:, None]  # (B, W)
         position_ids = state.lengths[:, None] + columns[None, :]  # (B, W)
@@ -119,6 +140,14 @@ class ModelRunner:
         # Row b keeps positions counts[b] - wanted[b] + j for j < M, clamped into the row.
         keep = (counts - wanted)[:, None] + torch.arange(M)[None, :]  # (B, M)
         keep = keep.clamp(min=0, max=max(W - 1, 0))
+        logits = self._run(state, input_ids, position_ids, attention_mask, keep)
+        state.valid = torch.cat([state.valid, new_valid], dim=1)
+        state.lengths = state.lengths + counts
+        return logits
+
+    def _run(self, state: KVState, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+             keep: torch.Tensor) -> torch.Tensor:
+        """One model call on the cache. input_ids, position_ids: (B, W); keep: (B, M) -> (B, M, V) float logits."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -127,12 +156,143 @@ class ModelRunner:
             use_cache=True,
             logits_to_keep=keep,
         )
-        state.valid = torch.cat([state.valid, new_valid], dim=1)
-        state.lengths = state.lengths + counts
         return out.logits.float()  # (B, M, V)
+
+    @torch.inference_mode()
+    def forward_tree(self, state: KVState, chains: list[list[int]], nodes: list[list[int]],
+                     parents: list[list[int]]) -> torch.Tensor:
+        """Append committed tokens, then speculative tree nodes, per row, in one pass.
+
+        Args:
+            state: the batch's cache; updated in place.
+            chains: B lists of committed tokens not yet in the cache (read causally, as by `forward`); a
+                row's list must be empty once the row holds tree entries.
+            nodes: B lists of tree-node tokens. Each attends to the committed prefix, its ancestors and
+                itself only, at position (committed length + depth - 1).
+            parents: parents[b][j] is the parent of nodes[b][j] as a slot of row b: slots number the
+                row's tree entries in the order they were added since the last commit_tree (earlier
+                calls first, then this call's nodes); -1 is the last committed token. Parents come first.
+        Returns:
+            (B, M, V) float logits: row b has, in order, the logits after its last chain token (if
+            chains[b] is not empty) and after each of its nodes; M is the most any row has, the rest is filler.
+        """
+        B, L = len(chains), state.valid.shape[1]
+        if not state.spec_columns:
+            state.spec_columns, state.spec_parents = [[] for _ in range(B)], [[] for _ in range(B)]
+        for b in range(B):  # check everything before the state changes
+            held = len(state.spec_columns[b])
+            if chains[b] and held:
+                raise ValueError("committed tokens cannot follow tree entries: commit_tree first")
+            for j, parent in enumerate(parents[b]):
+                if not -1 <= parent < held + j:
+                    raise ValueError(f"row {b}: node {j} has parent slot {parent}, which does not exist yet")
+        chain_counts = [len(c) for c in chains]
+        counts = torch.tensor([c + len(n) for c, n in zip(chain_counts, nodes)], dtype=torch.long)  # (B,)
+        W = max(1, int(counts.max()))
+        input_ids = _pad_rows([c + n for c, n in zip(chains, nodes)], W)  # (B, W)
+        columns = torch.arange(W)  # (W,)
+        new_valid = columns[None, :] < counts[:, None]  # (B, W)
+        position_ids = state.lengths[:, None] + columns[None, :]  # (B, W) chain positions; nodes set below
+        committed = state.valid.clone()  # (B, L) committed entries
+        mask = torch.zeros(B, W, L + W, dtype=torch.bool)  # (B, W, L + W) query j attends to column c
+        mask[:, :, :L] = committed[:, None, :]
+        mask[:, :, L:] = torch.ones(W, W, dtype=torch.bool).tril()  # causal among the chain tokens
+        keep_rows: list[list[int]] = []
+        for b in range(B):
+            spec_cols, spec_parents = state.spec_columns[b], state.spec_parents[b]
+            committed[b, spec_cols] = False
+            mask[b, :, spec_cols] = False
+            depth = _slot_depths(spec_parents)
+            first_new = len(spec_cols)
+            for j, parent in enumerate(parents[b]):
+                column = L + chain_counts[b] + j
+                depth.append(1 if parent < 0 else depth[parent] + 1)
+                spec_cols.append(column)
+                spec_parents.append(parent)
+                query = chain_counts[b] + j
+                row = mask[b, query]  # (L + W,)
+                row[L:] = False
+                row[L : L + chain_counts[b]] = True
+                row[:L] = committed[b]
+                slot = first_new + j
+                while slot >= 0:  # itself and its ancestors
+                    row[spec_cols[slot]] = True
+                    slot = spec_parents[slot]
+                position_ids[b, query] = state.lengths[b] + chain_counts[b] + depth[-1] - 1
+            keep_rows.append(([chain_counts[b] - 1] if chains[b] else []) + [chain_counts[b] + j for j in range(len(nodes[b]))])
+        pad = ~new_valid  # (B, W) padded queries attend to their own column only: no row is empty
+        mask[pad] = False
+        mask[:, :, L:] |= torch.eye(W, dtype=torch.bool)[None] & pad[:, :, None]
+        M = max(1, max(len(k) for k in keep_rows))
+        keep = torch.tensor([k + [k[-1] if k else 0] * (M - len(k)) for k in keep_rows], dtype=torch.long)  # (B, M)
+        causal = torch.cat([state.valid, new_valid], dim=1)[:, None, :] & (
+            torch.arange(L + W)[None, None, :] <= L + columns[None, :, None])  # (B, W, L + W) what `forward` builds
+        if bool((mask == causal)[new_valid].all()):
+            # Every row is a chain over all its entries: the model's own causal-mask path is the same mask,
+            # and lets it pick its usual kernels (single-chain trees then give the chain's logits bit for bit).
+            attention_mask = torch.cat([state.valid, new_valid], dim=1).long()  # (B, L + W)
+        else:
+            attention_mask = self._mask_4d(mask)
+        logits = self._run(state, input_ids, position_ids, attention_mask, keep)
+        state.valid = torch.cat([state.valid, new_valid], dim=1)
+        state.lengths = state.lengths + torch.tensor(chain_counts, dtype=torch.long)
+        return logits
+
+    def _mask_4d(self, mask: torch.Tensor) -> torch.Tensor:
+        """(B, W, L + W) bool (True: attend) -> the 4D mask the model's attention takes."""
+        implementation = getattr(self.model.config, "_attn_implementation", "sdpa")
+        if implementation == "sdpa":
+            return mask[:, None]  # (B, 1, W, L + W) bool
+        if implementation == "eager":
+            additive = torch.zeros(mask.shape, dtype=self.dtype)
+            return additive.masked_fill(~mask, torch.finfo(self.dtype).min)[:, None]  # (B, 1, W, L + W)
+        raise VerispecError(f"tree speculation needs 'sdpa' or 'eager' attention; this model uses '{implementation}'")
+
+    @torch.inference_mode()
+    def commit_tree(self, state: KVState, paths: list[list[int]]) -> None:
+        """Keep each row's accepted path of tree entries as committed tokens and drop its other entries.
+
+        paths[b]: slots of row b from the root down (each slot's parent is the one before it; the
+        first's is -1), possibly empty. Their keys and values move, in order, to the columns right
+        after the row's committed prefix; the columns after them become holes of that row.
+        """
+        if not state.spec_columns:
+            if any(paths):
+                raise ValueError("no tree entries to commit")
+            return
+        B, L = state.batch_size, state.valid.shape[1]
+        source = torch.arange(L).repeat(B, 1)  # (B, L) column each column takes its entry from
+        low = L
+        for b, path in enumerate(paths):
+            spec_cols, spec_parents = state.spec_columns[b], state.spec_parents[b]
+            if not spec_cols:
+                if path:
+                    raise ValueError(f"row {b} holds no tree entries")
+                continue
+            for i, slot in enumerate(path):
+                expected = -1 if i == 0 else path[i - 1]
+                if not 0 <= slot < len(spec_cols) or spec_parents[slot] != expected:
+                    raise ValueError(f"row {b}: slots {path} are not a path from the root")
+            start = spec_cols[0]  # the row's first tree entry: everything after it is tree or hole
+            for i, slot in enumerate(path):
+                source[b, start + i] = spec_cols[slot]
+            state.valid[b, start:] = False
+            state.valid[b, start : start + len(path)] = True
+            low = min(low, start)
+        if low < L:
+            index = source[:, low:] - low  # (B, R) within the region
+            for layer in state._layers():
+                H, D = layer.keys.shape[1], layer.keys.shape[3]
+                gather = index[:, None, :, None].expand(B, H, L - low, D)  # (B, H, R, D)
+                layer.keys[:, :, low:] = layer.keys[:, :, low:].gather(2, gather)
+                layer.values[:, :, low:] = layer.values[:, :, low:].gather(2, gather)
+        state.lengths = state.lengths + torch.tensor([len(p) for p in paths], dtype=torch.long)
+        state.spec_columns, state.spec_parents = [], []
+        self._crop_dead_columns(state)
 
     def rollback(self, state: KVState, num_dropped: list[int]) -> None:
         """Forget each row's last num_dropped[b] live tokens (e.g. rejected drafts)."""
+        state._no_speculative("rollback")
         drop = torch.tensor(num_dropped, dtype=torch.long)  # (B,)
         if int(drop.sum()) == 0:
             return
@@ -151,3 +311,20 @@ class ModelRunner:
         if dead > 0:
             state.cache.crop(-dead)
             state.valid = state.valid[:, :new_len]
+
+
+def _pad_rows(rows: list[list[int]], width: int) -> torch.Tensor:
+    """B token lists -> (B, width) long, right-padded with 0."""
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)  # (B, W)
+    for b, row in enumerate(rows):
+        if row:
+            input_ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return input_ids
+
+
+def _slot_depths(parents: list[int]) -> list[int]:
+    """Depth of each tree slot (1: a child of the last committed token) from its parent slot."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths

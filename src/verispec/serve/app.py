@@ -152,8 +152,7 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
         if body.n != 1:
             raise APIError(400, "only n=1 is supported (send several requests: the server batches them)", param="n")
         spec_options = body.speculative or wire.SpeculativeOptions()
-        if spec_options.tree not in (None, False):
-            raise APIError(400, "tree speculation is not supported by this server yet", param="speculative.tree")
+        tree = wire.tree_config(spec_options.tree)
         drafting = decoder.drafter is not None
         if spec_options.drafter is not None:
             if spec_options.drafter in NO_DRAFT:
@@ -163,6 +162,17 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
                                f"'{decoder.draft_name}' or 'none'", param="speculative.drafter")
         if spec_options.K is not None and spec_options.K > config.max_draft_tokens:
             raise APIError(400, f"speculative.K may be at most {config.max_draft_tokens}", param="speculative.K")
+        if tree is not None:
+            if not drafting:
+                raise APIError(400, "speculative.tree needs a drafter; this request decodes plainly", param="speculative.tree")
+            try:
+                engine.check_tree_support()
+            except VerispecError as err:
+                raise APIError(400, str(err), param="speculative.tree") from None
+            depth = tree.depth(spec_options.K or SpecConfig().num_draft_tokens)
+            if tree.size_upper_bound(depth) > config.max_tree_nodes or depth > config.max_draft_tokens:
+                raise APIError(400, f"speculative.tree may have at most {config.max_tree_nodes} nodes and depth "
+                               f"{config.max_draft_tokens}", param="speculative.tree")
         if len(prompt) > max_prompt:
             raise APIError(400, f"the prompt has {len(prompt)} tokens; this server accepts at most {max_prompt}",
                            param="prompt", code="context_length_exceeded")
@@ -178,6 +188,8 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
             spec_fields["max_new_tokens"] = max_tokens
         if spec_options.K is not None:
             spec_fields["num_draft_tokens"] = spec_options.K
+        if tree is not None:
+            spec_fields["tree"] = tree
         try:
             sampling = SamplingConfig(**body.sampling_fields())
             spec = SpecConfig(**spec_fields)

@@ -13,7 +13,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from verispec.config import TreeConfig
+from verispec.errors import VerispecError
 from verispec.stats import GenerationStats
+
+TREE_FIELDS = ("shape", "budget", "top_k", "children")
 
 
 class APIError(Exception):
@@ -34,13 +38,31 @@ class Strict(BaseModel):
 
 class SpeculativeOptions(Strict):
     """Per-request speculation: `drafter` (the server's drafter, or "none" for plain decoding), `K`
-    draft tokens per step, `tree` (tree speculation; refused until the engine supports trees)."""
+    draft tokens per step, `tree` (tree speculation: {"shape": [3, 2, 1]} or {"budget": 16}, optionally
+    with "top_k" and "children"; see `TreeConfig`, read by `tree_config`)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     drafter: str | None = None
     K: int | None = Field(default=None, ge=1)
     tree: Any = None
+
+
+def tree_config(value: Any) -> TreeConfig | None:
+    """`speculative.tree` as a TreeConfig (None or false: a chain); bad values are a 400 naming the field."""
+    if value is None or value is False:
+        return None
+    if not isinstance(value, dict):
+        raise APIError(400, 'speculative.tree takes an object like {"shape": [3, 2, 1]} or {"budget": 16}',
+                       param="speculative.tree")
+    unknown = sorted(set(value) - set(TREE_FIELDS))
+    if unknown:
+        raise APIError(400, f"unsupported field 'speculative.tree.{unknown[0]}' (known: {', '.join(TREE_FIELDS)})",
+                       param="speculative.tree")
+    try:
+        return TreeConfig(**value)
+    except (VerispecError, TypeError) as err:
+        raise APIError(400, f"speculative.tree: {err}", param="speculative.tree") from None
 
 
 class StreamOptions(Strict):

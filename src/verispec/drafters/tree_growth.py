@@ -1,0 +1,155 @@
+"""Growing one sequence's draft tree from a draft model's distributions, depth by depth.
+
+The draft model evaluates the tree one depth per pass (`DraftModelDrafter.propose_tree`); this module
+decides, from each evaluated node's draft distribution, which children the node gets, and at the end
+which nodes the tree keeps.
+
+Children of a node (`children` of `TreeConfig`; greedy decoding always takes the top tokens):
+  - "top": the k most probable tokens, deterministic (the verifier treats q as one-hot);
+  - "without_replacement": k distinct samples from q, in draw order (recursive rejection sampling);
+  - "iid": k independent samples from q (SpecInfer's multi-step speculative sampling).
+One sample is drawn exactly as a chain draft is, so a tree of shape (1, ..., 1) drafts the chain.
+
+Static trees take shape[d] children at depth d + 1 for every node. Dynamic trees (EAGLE-2, Li et al.
+2024) expand the top_k most confident nodes of each depth, top_k children each, then keep the `budget`
+nodes with the highest score, best first. A node's score is its parent's score times the j-th largest
+probability of the parent's distribution, j its rank among its siblings: for top-k children that is
+the draft probability of the path (EAGLE-2's confidence); for sampled children it is the same number
+for the slot, *not* the drawn token's own probability. This matters for exactness (see
+`verispec.rejection`): whether a sampled child is kept must not depend on its value or on later
+draws, and best-first selection makes a node eligible only after its parent and its previous
+sibling are kept, so kept siblings are always the first ones drawn.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from verispec.config import SamplingConfig, TreeConfig
+from verispec.sampling import apply_repetition_penalty, logits_to_probs
+from verispec.tree import TreeDraft, breadth_first, tree_from_parents
+
+
+def draw_children(probs: torch.Tensor, k: int, mode: str, rng: torch.Generator) -> list[int]:
+    """k children from probs: (V,): "top" (deterministic), "without_replacement" or "iid" samples."""
+    available = int((probs > 0).sum())
+    if mode == "top":
+        return probs.topk(min(k, available)).indices.tolist()
+    if mode == "without_replacement":
+        k = min(k, available)
+    # One sample is the chain drafter's own call, so single-child trees draw what chains draw.
+    return torch.multinomial(probs, k, replacement=mode == "iid" and k > 1, generator=rng).tolist()
+
+
+class TreeGrowth:
+    """One sequence's tree while the draft model grows it.
+
+    Args:
+        config: the tree's shape or budget and how children are drawn.
+        depth: the deepest level to grow (<= config's depth, cut to the tokens left).
+        sampling: the sequence's sampling settings (greedy takes top-k children).
+        rng: the sequence's generator (sampled children draw from it).
+        vocab_size: the target's vocabulary size; q rows are padded to it.
+    """
+
+    def __init__(self, config: TreeConfig, depth: int, sampling: SamplingConfig, rng: torch.Generator,
+                 vocab_size: int) -> None:
+        self.config, self.max_depth, self.sampling, self.rng = config, depth, sampling, rng
+        self.vocab_size = vocab_size
+        self.mode = "top" if sampling.greedy else config.children
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self.scores: list[float] = []
+        self.ranks: list[int] = []
+        self.q_rows: list[torch.Tensor | None] = []  # (V,) the distribution each node was drawn from
+
+    def width(self, parent: int) -> int:
+        """How many children `parent` (-1: the root) gets."""
+        depth = 0 if parent < 0 else self.depths[parent]
+        return self.config.shape[depth] if self.config.shape is not None else self.config.top_k
+
+    def path(self, node: int) -> list[int]:
+        """Tokens from the root's child down to `node` (empty for the root)."""
+        tokens = []
+        while node >= 0:
+            tokens.append(self.tokens[node])
+            node = self.parents[node]
+        return tokens[::-1]
+
+    def add_children(self, parent: int, logits: torch.Tensor, seen: torch.Tensor | None) -> None:
+        """Draw `parent`'s children from the draft's logits after it.
+
+        logits: (V',) draft logits over target token ids; seen: (1, V') repetition-penalty mask or None.
+        """
+        k = self.width(parent)
+        if self.sampling.greedy:
+            logits = logits.float()[None]  # (1, V')
+            if seen is not None:
+                logits = apply_repetition_penalty(logits, seen, self.sampling.repetition_penalty)
+            probs = torch.softmax(logits[0], dim=-1)  # (V',) only ranks the children
+            tokens = probs.topk(min(k, probs.numel())).indices.tolist()
+            best = int(logits[0].argmax())  # the chain's greedy token comes first, whatever the tie-break
+            tokens = [best] + [t for t in tokens if t != best][: k - 1]
+            q_row = None
+        else:
+            probs = logits_to_probs(logits[None], self.sampling, seen)[0]  # (V',)
+            tokens = draw_children(probs, k, self.mode, self.rng)
+            q_row = None if self.mode == "top" else self._pad(probs)
+        top = probs.topk(len(tokens)).values.tolist()
+        base = 1.0 if parent < 0 else self.scores[parent]
+        depth = 1 if parent < 0 else self.depths[parent] + 1
+        for rank, token in enumerate(tokens):
+            self.tokens.append(int(token))
+            self.parents.append(parent)
+            self.depths.append(depth)
+            self.scores.append(base * top[rank])
+            self.ranks.append(rank)
+            self.q_rows.append(q_row)
+
+    def to_expand(self, depth: int) -> list[int]:
+        """Nodes of this depth whose children the draft evaluates next (none at the last depth)."""
+        if depth >= self.max_depth:
+            return []
+        level = [i for i, d in enumerate(self.depths) if d == depth]
+        if self.config.shape is None:
+            level = sorted(level, key=lambda i: -self.scores[i])[: self.config.top_k]
+            level.sort()
+        return level
+
+    def select(self) -> list[int]:
+        """The nodes the tree keeps: all of a static tree; a dynamic tree's best `budget`, best first."""
+        if self.config.shape is not None:
+            return list(range(len(self.tokens)))
+        children: dict[int, list[int]] = {}
+        for i, parent in enumerate(self.parents):
+            children.setdefault(parent, []).append(i)  # in rank order
+        heap = [(-self.scores[c], c) for c in children.get(-1, [])[:1]]  # the root's first child
+        kept: list[int] = []
+        while heap and len(kept) < self.config.budget:
+            _, node = heapq.heappop(heap)
+            kept.append(node)
+            siblings = children[self.parents[node]]
+            rank = self.ranks[node]
+            for nxt in (siblings[rank + 1] if rank + 1 < len(siblings) else None, (children.get(node) or [None])[0]):
+                if nxt is not None:
+                    heapq.heappush(heap, (-self.scores[nxt], nxt))
+        return sorted(kept)
+
+    def finish(self) -> tuple[TreeDraft, list[int]]:
+        """The draft tree (breadth first, siblings in draw order) and, per new node, its index here."""
+        kept = self.select()
+        index = {old: new for new, old in enumerate(kept)}
+        parents = [-1 if self.parents[i] < 0 else index[self.parents[i]] for i in kept]
+        order, new_parents = breadth_first(parents, [self.ranks[i] for i in kept])
+        nodes = [kept[i] for i in order]
+        tokens = torch.tensor([self.tokens[i] for i in nodes], dtype=torch.long)  # (N,)
+        siblings = "deterministic" if self.mode == "top" else self.mode
+        q = torch.stack([self.q_rows[i] for i in nodes]) if siblings != "deterministic" and nodes else None  # (N, V)
+        return TreeDraft(tokens, tree_from_parents(new_parents), q, siblings if nodes else "deterministic"), nodes
+
+    def _pad(self, q: torch.Tensor) -> torch.Tensor:
+        missing = self.vocab_size - q.shape[-1]
+        return torch.nn.functional.pad(q, (0, missing)) if missing > 0 else q

@@ -1,0 +1,165 @@
+"""Draft trees: many candidate continuations of one sequence, verified in one target pass.
+
+A tree's root is the sequence's last committed token (it is not a node). Nodes 0..N-1 are candidate
+tokens; node i continues the text of its parent (`parents[i]`, -1 for the root). Nodes are numbered in
+topological order (a parent's index is smaller than its children's), so a root-to-leaf path is
+increasing in index, and siblings are numbered in the order the verifier tries them.
+
+The target reads a tree in one pass: node i sits at position (committed length + depth_i - 1) and
+attends to the committed prefix, to its ancestors and to itself (`Tree.ancestors`), so its logits
+equal those of the chain root -> ... -> i. A `Tree` depends only on `parents` and is built once per
+shape (`tree_from_parents` is cached).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+SIBLINGS = ("iid", "without_replacement", "deterministic")
+
+
+@dataclass(frozen=True, eq=False)
+class Tree:
+    """The structure of a draft tree (no tokens).
+
+    parents: (N,) long, parent node of each node, -1 for the root's children.
+    depths: (N,) long, 1 for the root's children; position offset of node i = depths[i] - 1.
+    ancestors: (N, N) bool, ancestors[i, j] is True when node j is node i or one of its ancestors
+        (what node i attends to among the nodes).
+    children: N + 1 tuples: children[0] are the root's children, children[i + 1] node i's, in order.
+    """
+
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ancestors: torch.Tensor
+    children: tuple[tuple[int, ...], ...]
+
+    @property
+    def size(self) -> int:
+        return int(self.parents.numel())
+
+    @property
+    def depth(self) -> int:
+        """The longest root-to-leaf path (0 for an empty tree)."""
+        return int(self.depths.max()) if self.size else 0
+
+    def path_to(self, node: int) -> list[int]:
+        """Nodes from the root's child down to `node` (inclusive)."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(self.parents[node])
+        return path[::-1]
+
+
+@lru_cache(maxsize=512)
+def tree_from_parents(parents: tuple[int, ...]) -> Tree:
+    """The Tree for these parent indices (-1: the root). Raises ValueError unless parents[i] < i."""
+    n = len(parents)
+    depths = [0] * n
+    ancestors = torch.zeros(n, n, dtype=torch.bool)  # (N, N)
+    children: list[list[int]] = [[] for _ in range(n + 1)]
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"node {i} has parent {parent}: parents must come before their children")
+        depths[i] = 1 if parent < 0 else depths[parent] + 1
+        if parent >= 0:
+            ancestors[i] = ancestors[parent]
+        ancestors[i, i] = True
+        children[parent + 1].append(i)
+    return Tree(
+        parents=torch.tensor(parents, dtype=torch.long),
+        depths=torch.tensor(depths, dtype=torch.long),
+        ancestors=ancestors,
+        children=tuple(tuple(c) for c in children),
+    )
+
+
+def static_parents(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Parents of the full tree with branching factor shape[d] at depth d + 1, breadth first.
+
+    (3, 2) gives 3 children of the root, then 2 children of each: 9 nodes.
+    """
+    parents: list[int] = []
+    level = [-1]
+    for width in shape:
+        next_level = []
+        for node in level:
+            for _ in range(width):
+                next_level.append(len(parents))
+                parents.append(node)
+        level = next_level
+    return tuple(parents)
+
+
+def static_size(shape: tuple[int, ...]) -> int:
+    """Number of nodes of the full tree of this shape: b1 + b1 b2 + b1 b2 b3 + ..."""
+    total, width = 0, 1
+    for b in shape:
+        width *= b
+        total += width
+    return total
+
+
+def breadth_first(parents: list[int], order_keys: list) -> tuple[list[int], tuple[int, ...]]:
+    """Renumber a tree breadth first, siblings by `order_keys`.
+
+    Args:
+        parents: parent of each node in any order where parents come first (-1: the root).
+        order_keys: a sort key per node; siblings are tried in increasing key order.
+    Returns:
+        (order, new_parents): order[k] is the old index of new node k; new_parents in new indices.
+    """
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, parent in enumerate(parents):
+        children[parent + 1].append(i)
+    order: list[int] = []
+    new_index = {-1: -1}
+    frontier = [-1]
+    while frontier:
+        next_frontier = []
+        for node in frontier:
+            for child in sorted(children[node + 1], key=lambda c: order_keys[c]):
+                new_index[child] = len(order)
+                order.append(child)
+                next_frontier.append(child)
+        frontier = next_frontier
+    return order, tuple(new_index[parents[i]] for i in order)
+
+
+@dataclass(frozen=True)
+class TreeDraft:
+    """One sequence's draft tree for one step.
+
+    tokens: (N,) long candidate tokens, node i's token.
+    tree: the structure (parents, depths, ancestor mask, children in try order).
+    q: (N, V) float32: row i is the draft distribution node i's token was drawn from (its parent's
+       distribution, so siblings share it), or None for deterministic candidates (one-hot q) and greedy.
+    siblings: how a node's children were drawn from q: "iid" (independently, with replacement),
+       "without_replacement" (one after another, each excluding the earlier ones), or "deterministic".
+    """
+
+    tokens: torch.Tensor
+    tree: Tree
+    q: torch.Tensor | None = None
+    siblings: str = "deterministic"
+
+    def __post_init__(self) -> None:
+        if self.siblings not in SIBLINGS:
+            raise ValueError(f"siblings must be one of {SIBLINGS}, got {self.siblings!r}")
+        if self.tokens.numel() != self.tree.size:
+            raise ValueError("a tree draft needs one token per node")
+        if (self.q is None) != (self.siblings == "deterministic") and self.tree.size:
+            raise ValueError("q is None exactly when the candidates are deterministic")
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    def path_tokens(self, path: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(int(self.tokens[i]) for i in path)
+
+
+EMPTY_TREE_DRAFT = TreeDraft(torch.zeros(0, dtype=torch.long), tree_from_parents(()))
