@@ -8,7 +8,7 @@ from test_exactness import V, check_distribution, sample_tokens
 from tiny_hf import char_tokenizer
 
 from verispec.cli import main
-from verispec.config import SamplingConfig, SpecConfig
+from verispec.config import SamplingConfig, SpecConfig, TreeConfig
 from verispec.distill.data import Record, load_shard, save_shard, split_of
 from verispec.distill.model import (
     TinyDraftConfig,
@@ -227,3 +227,17 @@ def test_distill_cli_end_to_end(tmp_path):
     assert (tmp_path / "run" / "draft" / "verispec-distilled.json").is_file()
     assert main(["generate", "--target", str(target_dir), "--draft", str(tmp_path / "run" / "draft"), "--prompt", "ab",
                  "--temperature", "0", "--max-new-tokens", "6", "--target-weights", "dense", "--json"]) == 0
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(shape=(3, 2, 1)), TreeConfig(budget=8, top_k=3)])
+def test_reduced_vocabulary_draft_trees_greedy_equal_plain(greedy_pair, tree):
+    target, _ = greedy_pair
+    _, model, vocab = mapped_draft(list(range(0, 64, 2)), 64, seed=3)
+    plain = SpeculativeEngine(ModelRunner(target), None, eos_token_ids=set())
+    spec = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(MappedVocabRunner(model, vocab), 64), eos_token_ids=set())
+    greedy = SamplingConfig(temperature=0)
+    cfg = SpecConfig(num_draft_tokens=3, max_new_tokens=20, stop_at_eos=False)
+    prompts = [[1, 2, 3], [5, 9, 11, 4, 8]]
+    expected = [s.generated for s in plain.generate(prompts, greedy, cfg, seeds=0)]
+    tree_cfg = SpecConfig(num_draft_tokens=3, max_new_tokens=20, stop_at_eos=False, tree=tree)
+    assert [s.generated for s in spec.generate(prompts, greedy, tree_cfg, seeds=0)] == expected

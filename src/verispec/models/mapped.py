@@ -32,3 +32,9 @@ class MappedVocabRunner(ModelRunner):
         """As `ModelRunner.forward`, in target ids: returns (B, M, Vt) logits, -inf outside the draft vocabulary."""
         logits = super().forward(state, self.to_draft_ids(tokens), num_logits)  # (B, M, Vd + 1)
         return self.vocab.scatter(logits, self.vocab_size)  # (B, M, Vt)
+
+    def forward_tree(self, state: KVState, chains: list[list[int]], nodes: list[list[int]],
+                     parents: list[list[int]]) -> torch.Tensor:
+        """As `ModelRunner.forward_tree`, in target ids: (B, M, Vt) logits, -inf outside the draft vocabulary."""
+        logits = super().forward_tree(state, self.to_draft_ids(chains), self.to_draft_ids(nodes), parents)
+        return self.vocab.scatter(logits, self.vocab_size)  # (B, M, Vt)
