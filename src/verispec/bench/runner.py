@@ -22,11 +22,11 @@ from verispec.models.loading import LoadedModel
 LLAMACPP_SYSTEMS = ("llamacpp-generate", "llamacpp-prompt-lookup", "verispec-llamacpp-draft", "verispec-llamacpp-ngram",
                     "verispec-llamacpp-auto", "verispec-llamacpp-ngram-auto")  # need llama-cpp-python and GGUF files
 LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto")
-DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-llamacpp-distilled",
+DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-distilled-tree", "verispec-llamacpp-distilled",
                      "verispec-llamacpp-distilled-auto")  # need a distilled draft (--distilled)
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram",
            "verispec-auto", "verispec-draft-tree", "verispec-ngram-tree", "verispec-distilled", "verispec-distilled-auto",
-           *LLAMACPP_SYSTEMS)
+           "verispec-distilled-tree", *LLAMACPP_SYSTEMS)
 SPLITS = ("all", "heldout", "train")  # Spec-Bench question ids: odd are held out from distillation (see verispec.distill)
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
 
@@ -102,7 +102,8 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             if distilled is None or ("llamacpp" in name and llama_target is None):
                 continue
             decoder = SpeculativeDecoder(llama_target if "llamacpp" in name else target, distilled)
-            systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
+            systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None,
+                                          tree=config.tree if name.endswith("tree") else None))
             continue
         if name in LLAMACPP_SYSTEMS:
             if llama_target is None:
