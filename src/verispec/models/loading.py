@@ -175,10 +175,27 @@ def load_model(spec: str, dtype: str = DEFAULT_DTYPE, weights: str = "dense", ba
     return loaded
 
 
+def load_tokenizer(spec: str):
+    """Only the tokenizer of a model spec (no weights): from an HF directory, or for a GGUF from its
+    converted copy when there is one, else from the GGUF file itself."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    kind, path = resolve(spec)
+    hf_logging.set_verbosity_error()
+    try:
+        if kind == "hf":
+            return AutoTokenizer.from_pretrained(str(path))
+        converted = _converted_dir(path)
+        if (converted / _COMPLETE).is_file():
+            return AutoTokenizer.from_pretrained(str(converted))
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (ValueError, OSError, KeyError) as err:
+        raise VerispecError(f"cannot load the tokenizer of '{spec}': {err}") from None
+
+
 def _load_for_llamacpp(spec: str) -> LoadedModel:
     """A GGUF for llama.cpp: only the tokenizer is loaded here (from the converted copy when there is one)."""
-    from transformers import AutoTokenizer
-
     from verispec.models.llamacpp import llamacpp_available
 
     kind, path = resolve(spec)
@@ -186,12 +203,7 @@ def _load_for_llamacpp(spec: str) -> LoadedModel:
         raise VerispecError(f"the llama.cpp backend needs a GGUF model, and '{spec}' is a Hugging Face directory")
     if not llamacpp_available():
         raise VerispecError("the llama.cpp backend needs llama-cpp-python; see README, 'llama.cpp backend'")
-    converted = _converted_dir(path)
-    if (converted / _COMPLETE).is_file():
-        tokenizer = AutoTokenizer.from_pretrained(str(converted))
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return LoadedModel(spec, None, tokenizer, str(path), weights="gguf", backend="llama.cpp")
+    return LoadedModel(spec, None, load_tokenizer(spec), str(path), weights="gguf", backend="llama.cpp")
 
 
 def _load(spec: str, dtype: str) -> LoadedModel:
