@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from verispec.errors import VerispecError
 from verispec.sequence import Sequence
+
+if TYPE_CHECKING:
+    from verispec.adapt import AdaptExample
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class Drafter(ABC):
     """Base class for drafters. Sequences are passed in batch order on every call."""
 
     name: str = "drafter"
+    adaptive: bool = False  # True for drafters that implement `adapt` (online adaptation, verispec.adapt)
 
     def start(self, sequences: list[Sequence]) -> None:
         """A new batch begins (prompts only in `tokens`).
@@ -58,3 +64,11 @@ class Drafter(ABC):
 
     def keep(self, rows: list[int]) -> None:
         """Only these batch rows continue (the others finished); later calls see them in this order."""
+
+    def adapt(self, examples: list[AdaptExample]) -> None:
+        """Learn from target distributions that verification computed (see `verispec.adapt`).
+
+        May be called from another thread while the engine steps; the change must take effect only
+        at the start of a later `propose`, so that every q a step reports is the distribution its
+        draft tokens were drawn from."""
+        raise VerispecError(f"the '{self.name}' drafter cannot adapt online (ngram-corpus and draft models can)")
