@@ -4,11 +4,19 @@ The draft keeps its own ragged KV cache. Each step it first catches up on the to
 seen (the last committed token, or two when every draft was accepted: the last draft and the
 bonus token), then drafts one token per forward pass. After verification, the draft tokens the
 target rejected are rolled back out of its cache.
+
+Online adaptation (`adapt`, see `verispec.adapt` and `draft_adapt.py`) trains a copy of the draft in
+the caller's thread; the new weights wait in `_pending_model` until the start of the next `propose`,
+which swaps them in and restarts the draft's cache (it holds keys and values of the old weights).
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
+
+from verispec.config import AdaptConfig
 
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from verispec.models.runner import KVState, ModelRunner
@@ -27,12 +35,17 @@ class DraftModelDrafter(Drafter):
     """
 
     name = "draft-model"
+    adaptive = True
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int) -> None:
         self.runner = runner
         self.target_vocab_size = target_vocab_size
         self.state: KVState | None = None
         self.cached: list[int] = []  # per row: how many of the sequence's tokens the draft cache holds
+        self.adapt_config = AdaptConfig()
+        self.trainer = None  # a DraftTrainer, made at the first update
+        self._pending_model: torch.nn.Module | None = None
+        self._lock = threading.Lock()
 
     def start(self, sequences: list[Sequence]) -> None:
         self.state = self.runner.new_state(len(sequences))
@@ -53,6 +66,7 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
         assert self.state is not None, "start() must be called before propose()"
+        self._swap_pending()
         B = len(sequences)
         drafted: list[list[int]] = [[] for _ in range(B)]
         q_rows: list[list[torch.Tensor]] = [[] for _ in range(B)]
@@ -102,3 +116,33 @@ class DraftModelDrafter(Drafter):
         assert self.state is not None
         self.state.select(torch.tensor(rows, dtype=torch.long))
         self.cached = [self.cached[r] for r in rows]
+
+    # --- online adaptation -----------------------------------------------------------------------
+    def check_adaptable(self, config: AdaptConfig | None = None) -> None:
+        """Refuse draft weights that cannot be trained (packed, llama.cpp) before any request runs."""
+        from verispec.drafters.draft_adapt import check_trainable
+
+        check_trainable(getattr(self.runner, "model", None))
+        if config is not None:
+            self.adapt_config = config
+
+    def adapt(self, examples: list) -> None:
+        """Train on AdaptExamples now (any thread); the new weights serve from the next `propose` on."""
+        from verispec.drafters.draft_adapt import DraftTrainer
+
+        if self.trainer is None:
+            width = min(self.runner.vocab_size, self.target_vocab_size)
+            self.trainer = DraftTrainer(self.runner, self.runner.model, width, self.adapt_config)
+        model = self.trainer.train(examples)
+        with self._lock:
+            self._pending_model = model
+
+    def _swap_pending(self) -> None:
+        with self._lock:
+            model, self._pending_model = self._pending_model, None
+        if model is None:
+            return
+        self.runner.model = model
+        if self.state is not None:  # the cache holds the old weights' keys and values: read the context again
+            self.state = self.runner.new_state(len(self.cached))
+            self.cached = [0] * len(self.cached)
