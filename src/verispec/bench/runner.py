@@ -13,7 +13,8 @@ from verispec.api import SpeculativeDecoder
 from verispec.bench.plots import plot_acceptance_by_position, plot_speedup
 from verispec.bench.report import Record, markdown, summarize
 from verispec.bench.systems import HFSystem, LlamaCppGenerate, System, VerispecSystem
-from verispec.config import SamplingConfig
+from verispec.config import AdaptConfig, SamplingConfig
+from verispec.drafters.ngram_corpus import DEFAULT_TABLE
 from verispec.console import stderr_console
 from verispec.datasets import load_prompts
 from verispec.errors import VerispecError
@@ -22,7 +23,7 @@ from verispec.models.loading import LoadedModel
 LLAMACPP_SYSTEMS = ("llamacpp-generate", "llamacpp-prompt-lookup", "verispec-llamacpp-draft", "verispec-llamacpp-ngram",
                     "verispec-llamacpp-auto", "verispec-llamacpp-ngram-auto")  # need llama-cpp-python and GGUF files
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram",
-           "verispec-auto", *LLAMACPP_SYSTEMS)
+           "verispec-ngram-corpus", "verispec-auto", *LLAMACPP_SYSTEMS)
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
 
 
@@ -32,6 +33,10 @@ class BenchConfig:
 
     prompts: Spec-Bench-format JSONL. categories: Spec-Bench categories to keep (None: all).
     per_category: prompts per category. systems: names from SYSTEMS (None: all that apply).
+    ngram_table: the table of verispec-ngram-corpus: "ngram-corpus[:PATH]" or a .ngram path (None: the
+        table shipped with verispec; without one the system is skipped).
+    adapt: verispec systems whose drafter can adapt (ngram-corpus, draft models) learn online between
+        prompts (their acceptance then depends on the prompts before).
     """
 
     prompts: str = str(DEFAULT_PROMPTS)
@@ -43,6 +48,8 @@ class BenchConfig:
     num_draft_tokens: int = 4
     systems: tuple[str, ...] | None = None
     out_dir: str = "artifacts/bench"
+    ngram_table: str | None = None
+    adapt: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.systems or ()) - set(SYSTEMS)
@@ -104,6 +111,10 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             systems.append(HFSystem(name, hf_target.model, eos, prompt_lookup_num_tokens=k))
         elif name == "verispec-ngram":
             systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k))
+        elif name == "verispec-ngram-corpus":
+            table = config.ngram_table or ("ngram-corpus" if DEFAULT_TABLE.is_file() else None)
+            if table is not None:
+                systems.append(VerispecSystem(name, SpeculativeDecoder(target, table), k))
         elif draft is None or hf_draft is None:
             continue  # the remaining systems need a draft model
         elif name == "hf-assisted":
@@ -113,6 +124,12 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
         elif name == "verispec-auto":
             assert drafted is not None
             systems.append(VerispecSystem(name, drafted, k, _tuner(drafted, k)))
+    if config.adapt:
+        adapters = {}  # one adapter per decoder (verispec-draft and verispec-auto share one)
+        for system in systems:
+            decoder = getattr(system, "decoder", None)
+            if decoder is not None and getattr(decoder.drafter, "adaptive", False) and id(decoder) not in adapters:
+                adapters[id(decoder)] = decoder.enable_adaptation(AdaptConfig(background=False))
     return systems
 
 
