@@ -176,13 +176,18 @@ def load_model(spec: str, dtype: str = DEFAULT_DTYPE, weights: str = "dense", ba
 
 
 def load_tokenizer(spec: str):
-    """Only the tokenizer of a model spec (no weights): from an HF directory, or for a GGUF from its
-    converted copy when there is one, else from the GGUF file itself."""
+    """Only the tokenizer of a model spec (no weights): from an HF directory (a tokenizer saved on its
+    own is accepted too), or for a GGUF from its converted copy when there is one, else from the GGUF
+    file itself."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    kind, path = resolve(spec)
     hf_logging.set_verbosity_error()
+    folder = Path(spec).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
+        kind, path = "hf", folder  # a tokenizer saved on its own
+    else:
+        kind, path = resolve(spec)
     try:
         if kind == "hf":
             return AutoTokenizer.from_pretrained(str(path))

@@ -11,6 +11,7 @@ frequent continuations, which is what drafting uses.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sysconfig
 from collections.abc import Iterator
@@ -74,8 +75,10 @@ def corpus_files(paths: list[str | Path], config: NGramBuildConfig) -> list[Path
         if path.is_file():
             files.append(path)
         elif path.is_dir():
-            files.extend(sorted(f for f in path.rglob("*") if f.suffix in config.suffixes and f.is_file()
-                                and not any(part.startswith(".") for part in f.relative_to(path).parts)))
+            found = [f for f in path.rglob("*") if f.suffix in config.suffixes and f.is_file()
+                     and not any(part.startswith(".") for part in f.relative_to(path).parts)]
+            # A stable shuffled order, so that --max-files / --max-tokens sample the whole tree.
+            files.extend(sorted(found, key=lambda f: hashlib.sha1(str(f.relative_to(path)).encode()).hexdigest()))
         else:
             raise VerispecError(f"corpus path not found: {raw}")
     files = [f for f in files if f.suffix == ".jsonl" or f.stat().st_size <= config.max_file_bytes]
