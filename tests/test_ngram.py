@@ -255,3 +255,20 @@ def test_sampled_q_rows_are_the_distributions_drawn_from(target):
         if len(d):
             assert d.q.shape == (len(d), V) and torch.allclose(d.q.sum(-1), torch.ones(len(d)))
             assert bool((d.q[torch.arange(len(d)), d.tokens] > 0).all())
+
+
+def test_the_shipped_table_is_checked(model_dirs, tmp_path, monkeypatch):
+    from verispec.drafters import ngram_corpus
+
+    assert ngram_corpus.table_path("ngram-corpus") == ngram_corpus.DEFAULT_TABLE
+    shipped = NGramTable.load(ngram_corpus.DEFAULT_TABLE)
+    assert shipped.header["tokenizer"] == "qwen2.5-coder-1.5b-instruct" and shipped.max_n == 4
+    with pytest.raises(VerispecError, match="another tokenizer"):  # built for Qwen, not the character tokenizer
+        SpeculativeDecoder.load(model_dirs[0], "ngram-corpus")
+    damaged = tmp_path / "default.ngram"
+    data = bytearray(ngram_corpus.DEFAULT_TABLE.read_bytes())
+    data[-1] ^= 1
+    damaged.write_bytes(bytes(data))
+    monkeypatch.setattr(ngram_corpus, "DEFAULT_TABLE", damaged)
+    with pytest.raises(VerispecError, match="damaged"):
+        ngram_corpus.table_path("ngram-corpus")

@@ -21,6 +21,7 @@ start, so a step never sees the counts change under it.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from verispec.sequence import Sequence
 SPEC_PREFIX = "ngram-corpus"
 TABLE_SUFFIX = ".ngram"
 DEFAULT_TABLE = Path(__file__).resolve().parent.parent / "ngram" / "data" / "default.ngram"
+DEFAULT_TABLE_SHA256 = "6115bc26278c57dcf32b605b805d529479946eb39329d7143e4d678b655ef466"  # see data/SOURCE.txt
 
 
 def is_corpus_spec(spec: object) -> bool:
@@ -43,13 +45,18 @@ def is_corpus_spec(spec: object) -> bool:
 
 
 def table_path(spec: str) -> Path:
-    """The table file a corpus n-gram spec names (`ngram-corpus` alone: the table shipped with verispec)."""
+    """The table file a corpus n-gram spec names (`ngram-corpus` alone: the table shipped with verispec,
+    built for the default target's tokenizer; its sha256 is checked)."""
     if spec.startswith(SPEC_PREFIX + ":"):
         return Path(spec[len(SPEC_PREFIX) + 1 :]).expanduser()
     if spec == SPEC_PREFIX:
         if not DEFAULT_TABLE.is_file():
-            raise VerispecError("this verispec ships no default n-gram table: build one with `verispec ngram build "
-                                "--tokenizer <target> --out table.ngram` and pass --draft ngram-corpus:table.ngram")
+            raise VerispecError(f"the default n-gram table {DEFAULT_TABLE} is missing: reinstall verispec, or build "
+                                "one with `verispec ngram build` and pass --draft ngram-corpus:TABLE")
+        digest = hashlib.sha256(DEFAULT_TABLE.read_bytes()).hexdigest()
+        if digest != DEFAULT_TABLE_SHA256:
+            raise VerispecError(f"the default n-gram table {DEFAULT_TABLE} is damaged (sha256 {digest[:12]}..., "
+                                f"expected {DEFAULT_TABLE_SHA256[:12]}...): reinstall verispec")
         return DEFAULT_TABLE
     return Path(spec).expanduser()
 
