@@ -23,12 +23,15 @@ def setup(tmp_path_factory):
     rows = [{"question_id": i, "category": cat, "turns": [text]}
             for i, (cat, text) in enumerate([("coding", "write a loop"), ("qa", "who are you?"), ("rag", "read this: a b c. a b")])]
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert main(["ngram", "build", "--tokenizer", str(target), "--corpus", str(prompts), "--out", str(root / "t.ngram"),
+                 "--min-count", "1"]) == 0
     return root, str(target), str(draft), str(prompts)
 
 
 def test_bench_runs_all_systems_and_writes_report(setup):
     root, target, draft, prompts = setup
-    config = BenchConfig(prompts=prompts, per_category=1, max_new_tokens=12, out_dir=str(root / "out"))
+    config = BenchConfig(prompts=prompts, per_category=1, max_new_tokens=12, out_dir=str(root / "out"),
+                         ngram_table=str(root / "t.ngram"))
     report = run_bench(config, load_model(target), load_model(draft))
     summary = report["summary"]
     assert set(summary) == set(SYSTEMS) - set(LLAMACPP_SYSTEMS)  # tiny HF directories are no GGUF files
@@ -51,6 +54,18 @@ def test_bench_cli_and_errors(setup, capsys):
     assert main(["bench", "--target", target, "--prompts", prompts, "--categories", "poetry"]) == 2
     with pytest.raises(VerispecError):
         BenchConfig(per_category=0)
+
+
+def test_bench_with_online_adaptation(setup, capsys):
+    """--adapt: drafters that can adapt learn between prompts; greedy output still equals plain decoding."""
+    root, target, draft, prompts = setup
+    assert main(["bench", "--target", target, "--draft", str(root / "t.ngram"), "--prompts", prompts,
+                 "--per-category", "1", "--max-new-tokens", "12", "--adapt", "--out", str(root / "adapt"),
+                 "--systems", "verispec-plain,verispec-ngram-corpus"]) == 0
+    report = json.loads((root / "adapt" / "bench.json").read_text())
+    assert report["config"]["adapt"] is True and report["config"]["ngram_table"] == str(root / "t.ngram")
+    assert report["summary"]["verispec-ngram-corpus"]["all"]["greedy_equal_to_plain"] == "3/3"
+    assert sum(r["stats"]["draft_tokens"] for r in report["runs"] if r["system"] == "verispec-ngram-corpus") > 0
 
 
 def test_cost_model_formulas():

@@ -14,7 +14,7 @@ from verispec.bench.plots import plot_acceptance_by_position, plot_speedup
 from verispec.bench.report import Record, markdown, summarize
 from verispec.bench.systems import HFSystem, LlamaCppGenerate, System, VerispecSystem
 from verispec.config import AdaptConfig, SamplingConfig
-from verispec.drafters.ngram_corpus import DEFAULT_TABLE
+from verispec.drafters.ngram_corpus import DEFAULT_TABLE, is_corpus_spec
 from verispec.console import stderr_console
 from verispec.datasets import load_prompts
 from verispec.errors import VerispecError
@@ -112,9 +112,9 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
         elif name == "verispec-ngram":
             systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k))
         elif name == "verispec-ngram-corpus":
-            table = config.ngram_table or ("ngram-corpus" if DEFAULT_TABLE.is_file() else None)
-            if table is not None:
-                systems.append(VerispecSystem(name, SpeculativeDecoder(target, table), k))
+            corpus = _corpus_decoder(config, target)
+            if corpus is not None:
+                systems.append(VerispecSystem(name, corpus, k))
         elif draft is None or hf_draft is None:
             continue  # the remaining systems need a draft model
         elif name == "hf-assisted":
@@ -131,6 +131,20 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             if decoder is not None and getattr(decoder.drafter, "adaptive", False) and id(decoder) not in adapters:
                 adapters[id(decoder)] = decoder.enable_adaptation(AdaptConfig(background=False))
     return systems
+
+
+def _corpus_decoder(config: BenchConfig, target: LoadedModel) -> SpeculativeDecoder | None:
+    """The corpus n-gram system's decoder: the configured table, else the shipped one if it fits the target."""
+    if config.ngram_table is not None:
+        table = config.ngram_table
+        return SpeculativeDecoder(target, table if is_corpus_spec(table) else f"ngram-corpus:{table}")
+    if not DEFAULT_TABLE.is_file():
+        return None
+    try:
+        return SpeculativeDecoder(target, "ngram-corpus")
+    except VerispecError as err:  # the shipped table is for the default target's tokenizer
+        stderr_console().print(f"skipping verispec-ngram-corpus: {err}")
+        return None
 
 
 def _tuner(decoder: SpeculativeDecoder, k: int):
