@@ -1,7 +1,7 @@
 """`verispec ngram build`: count the n-grams of a text corpus, tokenized with the target's tokenizer.
 
 The corpus is files and directories: a directory is walked for the configured suffixes (.py, .md,
-.txt, .rst by default), and a .jsonl file contributes every string in each line's JSON (a prompt set
+.txt, .rst by default; hidden folders and files over 1 MiB are skipped), and a .jsonl file contributes every string in each line's JSON (a prompt set
 such as Spec-Bench's). N-grams never cross a file (or a JSONL string) boundary. Counting runs in
 chunks: each chunk's packed (context hash, next token) keys are reduced with `np.unique`, then merged
 into the running totals, so memory follows the number of distinct n-grams, not the corpus size.
@@ -36,7 +36,7 @@ class NGramBuildConfig:
     max_files: read at most this many files (None: all).
     max_tokens: stop after about this many corpus tokens (None: no limit).
     suffixes: file name endings read when walking a directory.
-    max_file_bytes: larger files are skipped (generated or data files). Default 1 MiB.
+    max_file_bytes: larger files found in a directory are skipped (generated or data files). Default 1 MiB.
     """
 
     max_n: int = 4
@@ -76,12 +76,12 @@ def corpus_files(paths: list[str | Path], config: NGramBuildConfig) -> list[Path
             files.append(path)
         elif path.is_dir():
             found = [f for f in path.rglob("*") if f.suffix in config.suffixes and f.is_file()
-                     and not any(part.startswith(".") for part in f.relative_to(path).parts)]
+                     and not any(part.startswith(".") for part in f.relative_to(path).parts)
+                     and f.stat().st_size <= config.max_file_bytes]
             # A stable shuffled order, so that --max-files / --max-tokens sample the whole tree.
             files.extend(sorted(found, key=lambda f: hashlib.sha1(str(f.relative_to(path)).encode()).hexdigest()))
         else:
             raise VerispecError(f"corpus path not found: {raw}")
-    files = [f for f in files if f.suffix == ".jsonl" or f.stat().st_size <= config.max_file_bytes]
     if config.max_files is not None:
         files = files[: config.max_files]
     if not files:
