@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_model
 from test_exactness import PROMPT, THRESHOLD, V, check_distribution, sample_tokens
 from tiny_hf import CHARS, char_tokenizer, save_tiny_model_dir
+
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
 from verispec.cli import main
 from verispec.config import NGramConfig

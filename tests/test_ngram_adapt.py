@@ -9,11 +9,11 @@ import time
 import httpx
 import pytest
 import torch
-
 from conftest import noisy_copy, tiny_model
 from test_exactness import PROMPT, THRESHOLD, V, check_distribution
 from test_ngram import random_table, table_from
 from tiny_hf import save_tiny_model_dir
+
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
 from verispec.adapt import AdaptationBuffer, AdaptExample, OnlineAdapter
 from verispec.cli import main
@@ -151,7 +151,7 @@ def test_chi_square_with_draft_model_adaptation_on(target, sampling_pair):
     drafter = DraftModelDrafter(ModelRunner(sampling_pair[1]), V)
     engine = SpeculativeEngine(ModelRunner(target), drafter, set())
     adapter = OnlineAdapter(engine, AdaptConfig(background=False, min_examples=1, lr=1e-2, batch_size=32, max_steps=4))
-    samples, seqs = sample_adapting(engine, adapter, sampling, 1)
+    samples, _ = sample_adapting(engine, adapter, sampling, 1)
     assert adapter.updates >= 2 and drafter.runner.model is not sampling_pair[1]
     for fit in check_distribution(target, samples, sampling):
         assert fit.p_value > THRESHOLD, fit
@@ -241,7 +241,7 @@ def model_dirs(tmp_path_factory):
 def test_cli_generate_adapt(model_dirs, capsys):
     import json
 
-    target, draft, table = model_dirs
+    target, _, table = model_dirs
     common = ["generate", "--target", target, "--prompt", "the cat", "--temperature", "0", "--max-new-tokens", "30"]
     assert main([*common, "--draft", table, "--adapt", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -14,9 +14,9 @@ from verispec.bench.plots import plot_acceptance_by_position, plot_speedup
 from verispec.bench.report import Record, markdown, summarize
 from verispec.bench.systems import HFSystem, LlamaCppGenerate, System, VerispecSystem
 from verispec.config import AdaptConfig, SamplingConfig
-from verispec.drafters.ngram_corpus import DEFAULT_TABLE, is_corpus_spec
 from verispec.console import stderr_console
 from verispec.datasets import load_prompts
+from verispec.drafters.ngram_corpus import DEFAULT_TABLE, is_corpus_spec
 from verispec.errors import VerispecError
 from verispec.models.loading import LoadedModel
 

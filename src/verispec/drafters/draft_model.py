@@ -17,7 +17,6 @@ import threading
 import torch
 
 from verispec.config import AdaptConfig
-
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from verispec.models.runner import KVState, ModelRunner
 from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks
