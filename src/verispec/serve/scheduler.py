@@ -195,10 +195,10 @@ class Scheduler:
             for _, seq in results:
                 ticket = self._running[id(seq)]
                 final = seq.finish_reason is not None
+                if final:  # before posting: a client that has its answer never sees the request still running
+                    del self._running[id(seq)]
                 ticket.post(Update(tuple(seq.generated), seq.finish_reason, seq.text_end,
                                    copy.deepcopy(seq.stats) if final else None))
-                if final:
-                    del self._running[id(seq)]
 
     def _admit(self) -> None:
         joining = []
