@@ -4,6 +4,7 @@ drafter adapts on other prompts of the same category (Online Speculative Decodin
     .venv/bin/python benchmarks/online_adaptation.py --category math_reasoning --drafter ngram-corpus
     .venv/bin/python benchmarks/online_adaptation.py --drafter qwen2.5-coder-0.5b-instruct --eval-every 10
     .venv/bin/python benchmarks/online_adaptation.py --adapt-prompts 4 --eval-prompts 3 --max-new-tokens 32  # quick
+    .venv/bin/python benchmarks/online_adaptation.py --backend llama.cpp     # GGUF target on llama.cpp (n-grams)
 
 1. measure acceptance on the last --eval-prompts prompts of the category (collection off);
 2. adapt on the first --adapt-prompts other prompts, one update after each (acceptance recorded as it
@@ -88,6 +89,8 @@ def main() -> None:
     ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--drafter", default="ngram-corpus", help="ngram-corpus[:TABLE], a .ngram file or a draft model spec")
     ap.add_argument("--draft-weights", default="int8", choices=["int8", "dense"], help="for a draft model (default: %(default)s)")
+    ap.add_argument("--backend", default="torch", choices=["torch", "llama.cpp"],
+                    help="llama.cpp runs a GGUF target with llama.cpp's kernels (n-gram drafters only) (default: %(default)s)")
     ap.add_argument("--adapt-prompts", type=int, default=50)
     ap.add_argument("--eval-prompts", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=0, help="measure the held-out prompts every N adaptation prompts")
@@ -105,7 +108,7 @@ def main() -> None:
     prompts = load_prompts(args.prompts, [args.category])
     if len(prompts) < args.adapt_prompts + args.eval_prompts:
         raise SystemExit(f"{args.category} has {len(prompts)} prompts, fewer than {args.adapt_prompts} + {args.eval_prompts}")
-    decoder = SpeculativeDecoder.load(args.target, args.drafter, draft_weights=args.draft_weights)
+    decoder = SpeculativeDecoder.load(args.target, args.drafter, draft_weights=args.draft_weights, backend=args.backend)
     adapt_config = AdaptConfig(background=False, min_examples=1, **({"lr": args.lr} if args.lr else {}))
     adapter = decoder.enable_adaptation(adapt_config)
     sampling = SamplingConfig(temperature=args.temperature)
