@@ -25,6 +25,8 @@ def setup(tmp_path_factory):
     rows = [{"question_id": i, "category": cat, "turns": [text]}
             for i, (cat, text) in enumerate([("coding", "write a loop"), ("qa", "who are you?"), ("rag", "read this: a b c. a b")])]
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert main(["ngram", "build", "--tokenizer", str(target), "--corpus", str(prompts), "--out", str(root / "t.ngram"),
+                 "--min-count", "1"]) == 0
     tok = char_tokenizer()
     shape = TinyDraftConfig(draft_vocab_size=len(tok) - 2, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                             num_kv_heads=1, max_positions=128)
@@ -36,7 +38,8 @@ def setup(tmp_path_factory):
 
 def test_bench_runs_all_systems_and_writes_report(setup):
     root, target, draft, prompts, distilled = setup
-    config = BenchConfig(prompts=prompts, per_category=1, max_new_tokens=12, out_dir=str(root / "out"), distilled=distilled)
+    config = BenchConfig(prompts=prompts, per_category=1, max_new_tokens=12, out_dir=str(root / "out"),
+                         ngram_table=str(root / "t.ngram"), distilled=distilled)
     report = run_bench(config, load_model(target), load_model(draft))
     summary = report["summary"]
     assert set(summary) == set(SYSTEMS) - set(LLAMACPP_SYSTEMS)  # tiny HF directories are no GGUF files
@@ -68,6 +71,18 @@ def test_bench_cli_and_errors(setup, capsys):
         BenchConfig(split="test")
     assert main(["bench", "--target", target, "--prompts", prompts, "--systems", "verispec-distilled",
                  "--distilled", str(root)]) == 2  # not a distilled draft directory
+
+
+def test_bench_with_online_adaptation(setup, capsys):
+    """--adapt: drafters that can adapt learn between prompts; greedy output still equals plain decoding."""
+    root, target, draft, prompts, _ = setup
+    assert main(["bench", "--target", target, "--draft", str(root / "t.ngram"), "--prompts", prompts,
+                 "--per-category", "1", "--max-new-tokens", "12", "--adapt", "--out", str(root / "adapt"),
+                 "--systems", "verispec-plain,verispec-ngram-corpus"]) == 0
+    report = json.loads((root / "adapt" / "bench.json").read_text())
+    assert report["config"]["adapt"] is True and report["config"]["ngram_table"] == str(root / "t.ngram")
+    assert report["summary"]["verispec-ngram-corpus"]["all"]["greedy_equal_to_plain"] == "3/3"
+    assert sum(r["stats"]["draft_tokens"] for r in report["runs"] if r["system"] == "verispec-ngram-corpus") > 0
 
 
 def test_cost_model_formulas():

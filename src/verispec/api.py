@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig
+from verispec.adapt import OnlineAdapter
+from verispec.config import AdaptConfig, NGramConfig, PromptLookupConfig, SamplingConfig, SpecConfig
 from verispec.drafters.base import Drafter
 from verispec.drafters.draft_model import DraftModelDrafter
+from verispec.drafters.ngram_corpus import CorpusNGramDrafter, is_corpus_spec
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.distill.model import VocabMap
 from verispec.engine import SpeculativeEngine, StepEvent
@@ -78,8 +80,10 @@ class SpeculativeDecoder:
 
     Args:
         target: the loaded target model.
-        draft: a loaded draft model, "ngram" (prompt lookup), "none" (plain decoding) or a Drafter.
+        draft: a loaded draft model, "ngram" (prompt lookup), "ngram-corpus[:TABLE]" or a path ending
+            .ngram (corpus n-grams), "none" (plain decoding) or a Drafter.
         prompt_lookup: n-gram sizes for the "ngram" drafter.
+        ngram: settings of the corpus n-gram drafter.
     """
 
     def __init__(
@@ -87,6 +91,7 @@ class SpeculativeDecoder:
         target: LoadedModel,
         draft: LoadedModel | Drafter | str = NGRAM,
         prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
+        ngram: NGramConfig = NGramConfig(),
     ) -> None:
         if target.weights == "int8":
             raise VerispecError("the target cannot use int8 weights: that would change the distribution being sampled")
@@ -107,6 +112,9 @@ class SpeculativeDecoder:
             self.drafter, self.draft_name = draft, draft.name
         elif draft == NGRAM:
             self.drafter, self.draft_name = PromptLookupDrafter(prompt_lookup), NGRAM
+        elif is_corpus_spec(draft):
+            self.drafter = CorpusNGramDrafter.from_spec(draft, target.tokenizer, self.runner.vocab_size, ngram)
+            self.draft_name = draft
         elif draft in NO_DRAFT:
             self.drafter, self.draft_name = None, "none"
         else:
@@ -114,6 +122,7 @@ class SpeculativeDecoder:
         self.engine = SpeculativeEngine(
             self.runner, self.drafter, target.eos_token_ids(), decode=self.decode, context_window=context_window
         )
+        self.adapter: OnlineAdapter | None = None
 
     @classmethod
     def load(
@@ -126,10 +135,12 @@ class SpeculativeDecoder:
         target_weights: str = DEFAULT_TARGET_WEIGHTS,
         draft_weights: str = DEFAULT_DRAFT_WEIGHTS,
         backend: str = DEFAULT_BACKEND,
+        ngram: NGramConfig = NGramConfig(),
     ) -> SpeculativeDecoder:
         """Load by spec: a named default, a local HF model directory or a .gguf file.
 
-        `draft` may also be "ngram" (prompt lookup) or "none". `draft_dtype` defaults to `dtype`.
+        `draft` may also be "ngram" (prompt lookup), "ngram-corpus[:TABLE]" / a .ngram table (corpus
+        n-grams, settings in `ngram`) or "none". `draft_dtype` defaults to `dtype`.
         `target_weights` "packed" (default) keeps the target's weights and dtype and only changes
         their memory layout for faster multi-token passes; "dense" runs them as loaded.
         `draft_weights` "int8" (default) quantizes the draft: the draft's dtype and weights change
@@ -137,11 +148,22 @@ class SpeculativeDecoder:
         GGUF models with llama.cpp's kernels (optional extra; one sequence at a time).
         """
         loaded_target = load_model(target, dtype, target_weights, backend)
-        if draft in NO_DRAFT or draft == NGRAM:
-            return cls(loaded_target, draft, prompt_lookup)
+        if draft in NO_DRAFT or draft == NGRAM or is_corpus_spec(draft):
+            return cls(loaded_target, draft, prompt_lookup, ngram)
         if distilled_path(draft) is not None:
-            return cls(loaded_target, load_distilled_draft(draft, loaded_target, draft_weights), prompt_lookup)
+            return cls(loaded_target, load_distilled_draft(draft, loaded_target, draft_weights), prompt_lookup, ngram)
         return cls(loaded_target, load_model(draft, draft_dtype or dtype, draft_weights, backend), prompt_lookup)
+
+    # --- online adaptation -------------------------------------------------------------------------
+    def enable_adaptation(self, config: AdaptConfig = AdaptConfig()) -> OnlineAdapter:
+        """Start online adaptation of the drafter (see `verispec.adapt`): verification's target
+        distributions where drafts failed are collected, and the drafter learns from them after each
+        finished sequence (`stream` / `generate_batch` poke the adapter). The output distribution
+        does not change. Returns the adapter (`stats()`, `adapt_now()`, `close()`)."""
+        if self.adapter is not None:
+            self.adapter.close()
+        self.adapter = OnlineAdapter(self.engine, config)
+        return self.adapter
 
     # --- text <-> tokens ---------------------------------------------------------------------------
     @property
@@ -177,7 +199,15 @@ class SpeculativeDecoder:
         """Yield (StepEvent, Sequence) per sequence per step, as tokens are committed.
 
         `tuner` (see `auto_tuner`) picks K each step instead of `spec.num_draft_tokens`."""
-        return self.engine.stream(self._token_prompts(prompts, chat), sampling, spec, seed, tuner)
+        events = self.engine.stream(self._token_prompts(prompts, chat), sampling, spec, seed, tuner)
+        return events if self.adapter is None else self._adapting(events)
+
+    def _adapting(self, events: Iterator[tuple[StepEvent, Sequence]]) -> Iterator[tuple[StepEvent, Sequence]]:
+        """Pass events on; poke the adapter when a sequence finishes (between steps: the stream is paused)."""
+        for event, seq in events:
+            yield event, seq
+            if seq.finish_reason is not None and self.adapter is not None:
+                self.adapter.poke()
 
     def auto_tuner(self, k_max: int = 8) -> AdaptiveK:
         """Measure this machine's target and draft pass costs (a few seconds) and return an AdaptiveK."""
@@ -206,8 +236,11 @@ class SpeculativeDecoder:
         tuner: AdaptiveK | None = None,
     ) -> list[GenerationResult]:
         """Generate for a batch of prompts together (ragged: each advances at its own pace)."""
-        sequences = self.engine.generate(self._token_prompts(prompts, chat), sampling, spec, seed, tuner)
-        return [self.result(s) for s in sequences]
+        done: dict[int, Sequence] = {}
+        for _, seq in self.stream(prompts, sampling, spec, seed, chat, tuner):
+            if seq.finish_reason is not None:
+                done[seq.index] = seq
+        return [self.result(done[i]) for i in sorted(done)]
 
     def result(self, seq: Sequence) -> GenerationResult:
         text = self.decode(seq.generated)

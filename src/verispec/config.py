@@ -227,3 +227,80 @@ class ServeConfig:
         for name in ("request_timeout", "shutdown_timeout"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
                 raise VerispecError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class NGramConfig:
+    """Corpus n-gram drafting (`--draft ngram-corpus[:TABLE]`).
+
+    At each draft position the drafter backs off from the longest context (max_n - 1 tokens) to the
+    shortest (min_n - 1 tokens) and drafts from the first order where any source has counts: the
+    corpus table, the sequence's own context (prompt and generated tokens) and the counts learned
+    online; each source's counts are normalized, then mixed with these weights.
+
+    Attributes:
+        max_n: the longest n-gram used (capped by the table's). Default 4.
+        min_n: the shortest; with no match down to it, drafting stops early. Default 2.
+        corpus_weight, context_weight, adapted_weight: mixture weights of the sources. Defaults 1, 3, 3.
+        match_temperature: sample drafts from q^(1/T) (renormalized) at temperature T, closer to the
+            target's processed p. Default True.
+        min_prob: stop drafting where the most likely continuation has q below this. Default 0 (never).
+        adapted_contexts: contexts per order the online counts keep (oldest dropped first). Default 200000.
+    """
+
+    max_n: int = 4
+    min_n: int = 2
+    corpus_weight: float = 1.0
+    context_weight: float = 3.0
+    adapted_weight: float = 3.0
+    match_temperature: bool = True
+    min_prob: float = 0.0
+    adapted_contexts: int = 200_000
+
+    def __post_init__(self) -> None:
+        if self.min_n < 1 or self.max_n < self.min_n:
+            raise VerispecError(f"n-gram orders need 1 <= min_n <= max_n, got min_n={self.min_n} max_n={self.max_n}")
+        for name in ("corpus_weight", "context_weight", "adapted_weight"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                raise VerispecError(f"{name} must be a number >= 0, got {getattr(self, name)}")
+        if not (0.0 <= self.min_prob < 1.0):
+            raise VerispecError(f"min_prob must be in [0, 1), got {self.min_prob}")
+        if self.adapted_contexts < 1:
+            raise VerispecError(f"adapted_contexts must be >= 1, got {self.adapted_contexts}")
+
+
+@dataclass(frozen=True)
+class AdaptConfig:
+    """Online adaptation of the drafter (`--adapt`): learn from the target's distributions that
+    verification already computed, where the draft was wrong. Only the draft changes; the output
+    distribution stays the target's.
+
+    Attributes:
+        buffer_size: examples kept (the oldest are dropped beyond it). Default 4096.
+        top_k: target probabilities kept per example (the rest of p is dropped). Default 8.
+        max_context: tokens of context kept per example (the most recent). Default 256.
+        include_undrafted: also keep the target's distribution where nothing was drafted. Default True.
+        min_examples: examples buffered before an update runs. Default 8.
+        background: update in a background thread (True), or in the caller between steps. Default True.
+        lr, batch_size, epochs, max_steps: draft-model updates (AdamW on forward KL(p_target || q_draft)):
+            learning rate (default 1e-5), examples per optimizer step (default 16), passes over the new
+            examples (default 1), at most this many optimizer steps per update (default 16).
+    """
+
+    buffer_size: int = 4096
+    top_k: int = 8
+    max_context: int = 256
+    include_undrafted: bool = True
+    min_examples: int = 8
+    background: bool = True
+    lr: float = 1e-5
+    batch_size: int = 16
+    epochs: int = 1
+    max_steps: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("buffer_size", "top_k", "max_context", "min_examples", "batch_size", "epochs", "max_steps"):
+            if int(getattr(self, name)) != getattr(self, name) or getattr(self, name) < 1:
+                raise VerispecError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise VerispecError(f"lr must be > 0, got {self.lr}")

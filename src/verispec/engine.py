@@ -83,8 +83,12 @@ class SpeculativeEngine:
         self.eos_token_ids = set(eos_token_ids)
         self.decode = decode
         self.context_window = context_window or target.context_window
-        # Optional observer of every verification (see verispec.trace); None keeps the loop bare.
+        # Observers of every verification, called as observer(seq, draft, p, verdict, uniforms) with
+        # p: (n + 1, V) (one-hot at the argmax at temperature 0) and uniforms None at temperature 0.
+        # `tracer` is the slot of verispec.trace; `observers` holds the others (online adaptation).
+        # With none set the loop stays bare. Observers only read: they never draw from seq.rng.
         self.tracer: Callable | None = None
+        self.observers: list[Callable] = []
 
     def make_sequences(
         self,
@@ -167,17 +171,21 @@ class SpeculativeEngine:
         seen = None
         if cfg.repetition_penalty != 1.0:
             seen = seen_masks(torch.tensor(seq.tokens, dtype=torch.long), draft.tokens, logits.shape[-1])  # (n+1, V)
+        watchers = self.observers if self.tracer is None else [self.tracer, *self.observers]
         if cfg.greedy:
             target_argmax = greedy_tokens(logits, cfg, seen)  # (n + 1,)
             verdict = verify_greedy(target_argmax, draft.tokens)
-            if self.tracer is not None:  # at temperature 0, p is one-hot at the target's argmax
-                self.tracer(seq, draft, torch.nn.functional.one_hot(target_argmax, logits.shape[-1]).float(), verdict, None)
+            if watchers:  # at temperature 0, p is one-hot at the target's argmax
+                p = torch.nn.functional.one_hot(target_argmax, logits.shape[-1]).float()  # (n + 1, V)
+                for watch in watchers:
+                    watch(seq, draft, p, verdict, None)
             return verdict
         p = logits_to_probs(logits, cfg, seen)  # (n + 1, V)
-        if self.tracer is None:
+        if not watchers:
             return verify(p, draft.tokens, draft.q, seq.rng)
         verdict, u = verify(p, draft.tokens, draft.q, seq.rng, return_uniforms=True)
-        self.tracer(seq, draft, p, verdict, u)
+        for watch in watchers:
+            watch(seq, draft, p, verdict, u)
         return verdict
 
     def _verify_tree(self, seq: Sequence, draft: TreeDraft, logits: torch.Tensor) -> TreeVerdict:

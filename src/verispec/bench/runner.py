@@ -13,9 +13,10 @@ from verispec.api import SpeculativeDecoder
 from verispec.bench.plots import plot_acceptance_by_position, plot_speedup
 from verispec.bench.report import Record, markdown, summarize
 from verispec.bench.systems import HFSystem, LlamaCppGenerate, System, VerispecSystem
-from verispec.config import SamplingConfig, TreeConfig
+from verispec.config import AdaptConfig, SamplingConfig, TreeConfig
 from verispec.console import stderr_console
 from verispec.datasets import load_prompts
+from verispec.drafters.ngram_corpus import DEFAULT_TABLE, is_corpus_spec
 from verispec.errors import VerispecError
 from verispec.models.loading import LoadedModel
 
@@ -25,8 +26,8 @@ LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled
 DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-distilled-tree", "verispec-llamacpp-distilled",
                      "verispec-llamacpp-distilled-auto")  # need a distilled draft (--distilled)
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram",
-           "verispec-auto", "verispec-draft-tree", "verispec-ngram-tree", "verispec-distilled", "verispec-distilled-auto",
-           "verispec-distilled-tree", *LLAMACPP_SYSTEMS)
+           "verispec-ngram-corpus", "verispec-auto", "verispec-draft-tree", "verispec-ngram-tree", "verispec-distilled",
+           "verispec-distilled-auto", "verispec-distilled-tree", *LLAMACPP_SYSTEMS)
 SPLITS = ("all", "heldout", "train")  # Spec-Bench question ids: odd are held out from distillation (see verispec.distill)
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
 
@@ -41,6 +42,10 @@ class BenchConfig:
     others, "all" both. distilled: the distilled draft spec of the verispec-*distilled* systems (None: skip them).
     num_draft_tokens: K of the chain systems, and the depth of a dynamic tree (equal draft passes).
     tree: the tree the *-tree systems draft (default: a dynamic tree of 16 nodes).
+    ngram_table: the table of verispec-ngram-corpus: "ngram-corpus[:PATH]" or a .ngram path (None: the
+        table shipped with verispec; without one the system is skipped).
+    adapt: verispec systems whose drafter can adapt (ngram-corpus, draft models) learn online between
+        prompts (their acceptance then depends on the prompts before).
     """
 
     prompts: str = str(DEFAULT_PROMPTS)
@@ -55,6 +60,8 @@ class BenchConfig:
     split: str = "all"
     distilled: str | None = "distilled"
     tree: TreeConfig = TreeConfig(budget=16)
+    ngram_table: str | None = None
+    adapt: bool = False
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -128,6 +135,10 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k))
         elif name == "verispec-ngram-tree":
             systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k, tree=config.tree))
+        elif name == "verispec-ngram-corpus":
+            corpus = _corpus_decoder(config, target)
+            if corpus is not None:
+                systems.append(VerispecSystem(name, corpus, k))
         elif draft is None or hf_draft is None:
             continue  # the remaining systems need a draft model
         elif name == "hf-assisted":
@@ -139,6 +150,12 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
         elif name == "verispec-auto":
             assert drafted is not None
             systems.append(VerispecSystem(name, drafted, k, _tuner(drafted, k)))
+    if config.adapt:
+        adapters = {}  # one adapter per decoder (verispec-draft and verispec-auto share one)
+        for system in systems:
+            decoder = getattr(system, "decoder", None)
+            if decoder is not None and getattr(decoder.drafter, "adaptive", False) and id(decoder) not in adapters:
+                adapters[id(decoder)] = decoder.enable_adaptation(AdaptConfig(background=False))
     return systems
 
 
@@ -151,6 +168,18 @@ def _distilled(config: BenchConfig, target: LoadedModel, wanted) -> LoadedModel 
     if distilled_path(config.distilled) is None:
         raise VerispecError(f"--distilled '{config.distilled}' is not a distilled draft directory")
     return load_distilled_draft(config.distilled, target, "dense")
+def _corpus_decoder(config: BenchConfig, target: LoadedModel) -> SpeculativeDecoder | None:
+    """The corpus n-gram system's decoder: the configured table, else the shipped one if it fits the target."""
+    if config.ngram_table is not None:
+        table = config.ngram_table
+        return SpeculativeDecoder(target, table if is_corpus_spec(table) else f"ngram-corpus:{table}")
+    if not DEFAULT_TABLE.is_file():
+        return None
+    try:
+        return SpeculativeDecoder(target, "ngram-corpus")
+    except VerispecError as err:  # the shipped table is for the default target's tokenizer
+        stderr_console().print(f"skipping verispec-ngram-corpus: {err}")
+        return None
 
 
 def _tuner(decoder: SpeculativeDecoder, k: int):

@@ -59,9 +59,9 @@ def add_parser(sub) -> None:
 
 
 def _tokenizer(spec: str):
-    from verispec.models.loading import _load_tokenizer_only
+    from verispec.models.loading import load_tokenizer
 
-    return _load_tokenizer_only(spec)
+    return load_tokenizer(spec)
 
 
 def eos_ids(tokenizer) -> set[int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from verispec.config import TreeConfig
 from verispec.errors import VerispecError
 from verispec.sequence import Sequence
 from verispec.tree import TreeDraft
+
+if TYPE_CHECKING:
+    from verispec.adapt import AdaptExample
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class Drafter(ABC):
     """Base class for drafters. Sequences are passed in batch order on every call."""
 
     name: str = "drafter"
+    adaptive: bool = False  # True for drafters that implement `adapt` (online adaptation, verispec.adapt)
 
     @property
     def supports_trees(self) -> bool:
@@ -75,3 +80,10 @@ class Drafter(ABC):
 
     def commit_tree(self, sequences: list[Sequence], drafts: list[TreeDraft], paths: list[tuple[int, ...]]) -> None:
         """Like `commit`, after a tree step: paths[b] are the accepted nodes of drafts[b], from the root down."""
+    def adapt(self, examples: list[AdaptExample]) -> None:
+        """Learn from target distributions that verification computed (see `verispec.adapt`).
+
+        May be called from another thread while the engine steps; the change must take effect only
+        at the start of a later `propose`, so that every q a step reports is the distribution its
+        draft tokens were drawn from."""
+        raise VerispecError(f"the '{self.name}' drafter cannot adapt online (ngram-corpus and draft models can)")

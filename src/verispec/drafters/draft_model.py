@@ -9,13 +9,18 @@ Trees (`propose_tree`): the same catch-up pass gives the root's children; then o
 evaluates the nodes chosen for expansion with the tree's ancestor mask (`ModelRunner.forward_tree`),
 and their children are drawn (`verispec.drafters.tree_growth`). After verification the accepted
 path's entries are compacted into the draft's cache and the other nodes dropped (`commit_tree`).
+Online adaptation (`adapt`, see `verispec.adapt` and `draft_adapt.py`) trains a copy of the draft in
+the caller's thread; the new weights wait in `_pending_model` until the start of the next `propose`,
+which swaps them in and restarts the draft's cache (it holds keys and values of the old weights).
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-from verispec.config import TreeConfig
+from verispec.config import AdaptConfig, TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.models.runner import KVState, ModelRunner
@@ -35,6 +40,7 @@ class DraftModelDrafter(Drafter):
     """
 
     name = "draft-model"
+    adaptive = True
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int) -> None:
         self.runner = runner
@@ -42,6 +48,10 @@ class DraftModelDrafter(Drafter):
         self.state: KVState | None = None
         self.cached: list[int] = []  # per row: how many of the sequence's tokens the draft cache holds
         self.tree_slots: list[list[int]] = []  # per row, after propose_tree: each node's cache slot (-1: not fed)
+        self.adapt_config = AdaptConfig()
+        self.trainer = None  # a DraftTrainer, made at the first update
+        self._pending_model: torch.nn.Module | None = None
+        self._lock = threading.Lock()
 
     @property
     def supports_trees(self) -> bool:
@@ -66,6 +76,7 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
         assert self.state is not None, "start() must be called before propose()"
+        self._swap_pending()
         B = len(sequences)
         drafted: list[list[int]] = [[] for _ in range(B)]
         q_rows: list[list[torch.Tensor]] = [[] for _ in range(B)]
@@ -172,3 +183,33 @@ class DraftModelDrafter(Drafter):
         assert self.state is not None
         self.state.select(torch.tensor(rows, dtype=torch.long))
         self.cached = [self.cached[r] for r in rows]
+
+    # --- online adaptation -----------------------------------------------------------------------
+    def check_adaptable(self, config: AdaptConfig | None = None) -> None:
+        """Refuse draft weights that cannot be trained (packed, llama.cpp) before any request runs."""
+        from verispec.drafters.draft_adapt import check_trainable
+
+        check_trainable(getattr(self.runner, "model", None))
+        if config is not None:
+            self.adapt_config = config
+
+    def adapt(self, examples: list) -> None:
+        """Train on AdaptExamples now (any thread); the new weights serve from the next `propose` on."""
+        from verispec.drafters.draft_adapt import DraftTrainer
+
+        if self.trainer is None:
+            width = min(self.runner.vocab_size, self.target_vocab_size)
+            self.trainer = DraftTrainer(self.runner, self.runner.model, width, self.adapt_config)
+        model = self.trainer.train(examples)
+        with self._lock:
+            self._pending_model = model
+
+    def _swap_pending(self) -> None:
+        with self._lock:
+            model, self._pending_model = self._pending_model, None
+        if model is None:
+            return
+        self.runner.model = model
+        if self.state is not None:  # the cache holds the old weights' keys and values: read the context again
+            self.state = self.runner.new_state(len(self.cached))
+            self.cached = [0] * len(self.cached)

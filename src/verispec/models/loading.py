@@ -211,17 +211,28 @@ def load_model(spec: str, dtype: str = DEFAULT_DTYPE, weights: str = "dense", ba
     return loaded
 
 
-def _load_tokenizer_only(spec: str):
-    """A model spec's tokenizer, without its weights (from the converted copy of a GGUF when there is one)."""
+def load_tokenizer(spec: str):
+    """Only the tokenizer of a model spec (no weights): from an HF directory (a tokenizer saved on its
+    own is accepted too), or for a GGUF from its converted copy when there is one, else from the GGUF
+    file itself."""
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    kind, path = resolve(spec)
-    if kind == "hf":
-        return AutoTokenizer.from_pretrained(str(path))
-    converted = _converted_dir(path)
-    if (converted / _COMPLETE).is_file():
-        return AutoTokenizer.from_pretrained(str(converted))
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf_logging.set_verbosity_error()
+    folder = Path(spec).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
+        kind, path = "hf", folder  # a tokenizer saved on its own
+    else:
+        kind, path = resolve(spec)
+    try:
+        if kind == "hf":
+            return AutoTokenizer.from_pretrained(str(path))
+        converted = _converted_dir(path)
+        if (converted / _COMPLETE).is_file():
+            return AutoTokenizer.from_pretrained(str(converted))
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (ValueError, OSError, KeyError) as err:
+        raise VerispecError(f"cannot load the tokenizer of '{spec}': {err}") from None
 
 
 def _load_for_llamacpp(spec: str) -> LoadedModel:
@@ -234,8 +245,7 @@ def _load_for_llamacpp(spec: str) -> LoadedModel:
         raise VerispecError(f"the llama.cpp backend needs a GGUF model, and '{spec}' is a Hugging Face directory")
     if not llamacpp_available():
         raise VerispecError("the llama.cpp backend needs llama-cpp-python; see README, 'llama.cpp backend'")
-    tokenizer = _load_tokenizer_only(spec)
-    return LoadedModel(spec, None, tokenizer, str(path), weights="gguf", backend="llama.cpp")
+    return LoadedModel(spec, None, load_tokenizer(spec), str(path), weights="gguf", backend="llama.cpp")
 
 
 def _load(spec: str, dtype: str) -> LoadedModel:

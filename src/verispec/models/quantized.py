@@ -53,3 +53,23 @@ def quantize_linear_layers(model: torch.nn.Module) -> int:
     if not int8_supported():
         return 0
     return replace_linear_layers(model, Int8Linear)
+
+
+def dequantize_linear_layers(model: torch.nn.Module) -> int:
+    """Replace every Int8Linear by a float32 nn.Linear holding its dequantized weights (qweight x scale),
+    in place; returns how many. The result computes what the int8 layers compute, up to rounding."""
+    def dense(layer: Int8Linear) -> torch.nn.Linear:
+        linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+        with torch.no_grad():
+            linear.weight.copy_(layer.qweight.float() * layer.scales.float()[:, None])  # (out, in)
+            if layer.bias is not None:
+                linear.bias.copy_(layer.bias.float())
+        return linear
+
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Int8Linear):
+                setattr(parent, name, dense(child))
+                count += 1
+    return count

@@ -100,7 +100,9 @@ class Gate:
 def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig()) -> FastAPI:
     """Build the app; its lifespan starts the scheduler thread and stops it (gracefully) at shutdown."""
     engine = decoder.engine
-    scheduler = Scheduler(engine, config.max_batch_size, config.max_queue)
+    adapter = decoder.adapter  # online adaptation (`serve --adapt`): updates run while the scheduler idles
+    scheduler = Scheduler(engine, config.max_batch_size, config.max_queue,
+                          on_idle=adapter.poke if adapter is not None else None)
     metrics = Metrics(scheduler)
     model_name = config.served_model_name or decoder.target.name
     context_window = engine.context_window
@@ -112,6 +114,8 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
         scheduler.start()
         yield
         await asyncio.to_thread(scheduler.stop, config.shutdown_timeout)
+        if adapter is not None:
+            await asyncio.to_thread(adapter.close)
 
     app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler, app.state.metrics = scheduler, metrics
@@ -332,6 +336,8 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
     async def health() -> JSONResponse:
         body = {"status": "shutting_down" if scheduler.stopping else "ok", "running": scheduler.running,
                 "queued": scheduler.queue_depth}
+        if adapter is not None:
+            body["adaptation"] = adapter.stats()
         return JSONResponse(body, 503 if scheduler.stopping else 200)
 
     @app.get("/metrics")

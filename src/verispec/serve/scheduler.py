@@ -15,6 +15,7 @@ import copy
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from verispec.engine import DecodeBatch, SpeculativeEngine
@@ -99,12 +100,16 @@ class Scheduler:
         engine: the engine whose target and drafter decode every request (used by this thread only).
         max_batch_size: rows decoded together (1: requests one after another).
         max_queue: requests waiting for a row; `submit` raises QueueFull beyond it.
+        on_idle: called by this thread whenever the batch is empty (e.g. `OnlineAdapter.poke`, which
+            starts a background update of the drafter between requests).
     """
 
     IDLE_WAIT_S = 0.5  # how long the idle thread sleeps between checks when nothing wakes it
 
-    def __init__(self, engine: SpeculativeEngine, max_batch_size: int, max_queue: int) -> None:
+    def __init__(self, engine: SpeculativeEngine, max_batch_size: int, max_queue: int,
+                 on_idle: Callable[[], None] | None = None) -> None:
         self.engine = engine
+        self.on_idle = on_idle
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.batch = DecodeBatch(engine)
@@ -176,6 +181,8 @@ class Scheduler:
             if not self.batch:
                 if self._stopping and not self._waiting:
                     return
+                if self.on_idle is not None:
+                    self.on_idle()
                 self._wake.wait(self.IDLE_WAIT_S)
                 self._wake.clear()
                 continue
@@ -188,10 +195,10 @@ class Scheduler:
             for _, seq in results:
                 ticket = self._running[id(seq)]
                 final = seq.finish_reason is not None
+                if final:  # before posting: a client that has its answer never sees the request still running
+                    del self._running[id(seq)]
                 ticket.post(Update(tuple(seq.generated), seq.finish_reason, seq.text_end,
                                    copy.deepcopy(seq.stats) if final else None))
-                if final:
-                    del self._running[id(seq)]
 
     def _admit(self) -> None:
         joining = []

@@ -1,0 +1,164 @@
+"""Online adaptation (Online Speculative Decoding, Liu et al. 2024): the drafter learns from the
+target distributions that verification has already computed, where its drafts were wrong.
+
+    buffer   an engine observer: at each step's first rejected position (and, optionally, where
+             nothing was drafted) it keeps the context and the target's p there, top-k compressed
+             (at temperature 0, p is one-hot at the argmax). It only reads: no draws from seq.rng.
+    adapter  hands the buffered examples to `drafter.adapt` between requests or steps: in a
+             background thread (serve, generate) or in the caller (tests, benchmarks).
+
+Why the output stays exact: adaptation changes only the drafter, and a drafter applies a change
+only at the start of a later `propose` (the n-gram drafter queues examples; the draft-model
+drafter swaps in retrained weights). Within a step, every q the drafter reports is the distribution
+its tokens were drawn from, which is all `rejection.verify` needs.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from verispec.config import AdaptConfig
+from verispec.errors import VerispecError
+from verispec.rejection import Verdict
+
+log = logging.getLogger("verispec.adapt")
+
+
+@dataclass(frozen=True)
+class AdaptExample:
+    """The target's next-token distribution at one position.
+
+    context: token ids before the position (the most recent AdaptConfig.max_context).
+    tokens, probs: the target's top-k next tokens there and their probabilities under p.
+    """
+
+    context: tuple[int, ...]
+    tokens: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
+class AdaptationBuffer:
+    """Collects AdaptExamples as an engine observer (`engine.observers`); bounded, thread-safe."""
+
+    def __init__(self, config: AdaptConfig = AdaptConfig()) -> None:
+        self.config = config
+        self.enabled = True
+        self.collected = 0
+        self._examples: collections.deque[AdaptExample] = collections.deque(maxlen=config.buffer_size)
+        self._lock = threading.Lock()
+
+    def __call__(self, seq, draft, p: torch.Tensor, verdict: Verdict, uniforms) -> None:
+        """p: (n + 1, V) the target's distributions at the step's positions."""
+        if not self.enabled:
+            return
+        n, i = len(draft), verdict.num_accepted
+        if i == n and (n > 0 or not self.config.include_undrafted):
+            return  # every draft was accepted: nothing to correct
+        context = seq.tokens[-self.config.max_context :] + draft.tokens[:i].tolist()
+        top = torch.topk(p[i], min(self.config.top_k, p.shape[-1]))
+        keep = top.values > 0
+        example = AdaptExample(tuple(context[-self.config.max_context :]), tuple(top.indices[keep].tolist()),
+                               tuple(top.values[keep].tolist()))
+        with self._lock:
+            self._examples.append(example)
+            self.collected += 1
+
+    def __len__(self) -> int:
+        return len(self._examples)
+
+    def drain(self) -> list[AdaptExample]:
+        """Take every buffered example out."""
+        with self._lock:
+            examples = list(self._examples)
+            self._examples.clear()
+        return examples
+
+
+class OnlineAdapter:
+    """Wires a buffer into `engine` and feeds its examples to the engine's drafter.
+
+    Call `poke()` at a good moment (a request or a step ended): with enough examples buffered, an
+    update runs, in the background thread (config.background) or right away. `adapt_now()` updates
+    synchronously whatever the mode. `close()` detaches the buffer and stops the thread.
+
+    Args:
+        engine: a SpeculativeEngine whose drafter can adapt (`drafter.adaptive`).
+        config: buffer and update settings.
+    """
+
+    def __init__(self, engine, config: AdaptConfig = AdaptConfig()) -> None:
+        drafter = engine.drafter
+        if drafter is None or not getattr(drafter, "adaptive", False):
+            name = "none" if drafter is None else drafter.name
+            raise VerispecError(f"--adapt needs a drafter that can adapt (ngram-corpus or a draft model); '{name}' cannot")
+        check = getattr(drafter, "check_adaptable", None)
+        if check is not None:
+            check(config)
+        self.engine, self.drafter, self.config = engine, drafter, config
+        self.buffer = AdaptationBuffer(config)
+        engine.observers.append(self.buffer)
+        self.updates = 0
+        self.examples_used = 0
+        self.seconds = 0.0
+        self.last_error: str | None = None
+        self._update_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        if config.background:
+            self._thread = threading.Thread(target=self._loop, name="verispec-adapt", daemon=True)
+            self._thread.start()
+
+    def poke(self) -> None:
+        """A good moment to adapt: update if at least config.min_examples examples wait."""
+        if len(self.buffer) < self.config.min_examples:
+            return
+        if self._thread is not None:
+            self._wake.set()
+        else:
+            self.adapt_now()
+
+    def adapt_now(self) -> int:
+        """Run one update on every buffered example, in this thread; returns how many were used."""
+        with self._update_lock:
+            examples = self.buffer.drain()
+            if not examples:
+                return 0
+            start = time.perf_counter()
+            self.drafter.adapt(examples)
+            self.seconds += time.perf_counter() - start
+            self.updates += 1
+            self.examples_used += len(examples)
+            return len(examples)
+
+    def stats(self) -> dict:
+        return {"collected": self.buffer.collected, "buffered": len(self.buffer), "updates": self.updates,
+                "examples_used": self.examples_used, "update_seconds": round(self.seconds, 3),
+                "last_error": self.last_error}
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop collecting and stop the background thread (an update in progress finishes first)."""
+        if self.buffer in self.engine.observers:
+            self.engine.observers.remove(self.buffer)
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stopping:
+                return
+            try:
+                self.adapt_now()
+            except Exception as err:  # adaptation must never take decoding down
+                self.last_error = f"{type(err).__name__}: {err}"
+                log.exception("online adaptation update failed; drafting goes on with the current drafter")

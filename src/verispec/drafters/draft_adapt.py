@@ -1,0 +1,103 @@
+"""Online adaptation of a draft model: a few AdamW steps of forward KL(p_target || q_draft) on the
+buffered target distributions, on a float32 training copy, then a fresh serving copy.
+
+The serving draft may be dense (any dtype) or weight-only int8: the training copy ("master") starts
+from the serving weights (int8 layers dequantized), and after each update a serving copy is made in
+the serving format again (cast to its dtype, re-quantized for int8). The drafter swaps it in at the
+start of its next `propose`, so a step never drafts with weights that change under it. Packed
+(oneDNN) draft weights cannot be unpacked for training and are refused.
+
+The training forward goes through `runner.training_logits`, which a runner mapping a reduced draft
+vocabulary to target ids overrides, so the loss always compares distributions over target ids.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from verispec.config import AdaptConfig
+from verispec.errors import VerispecError
+from verispec.models.packed import PackedLinear
+from verispec.models.quantized import Int8Linear, dequantize_linear_layers, quantize_linear_layers
+
+
+def check_trainable(model: torch.nn.Module | None) -> None:
+    """Refuse draft weights that online adaptation cannot train from."""
+    if model is None or not isinstance(model, torch.nn.Module):
+        raise VerispecError("online adaptation of a draft model needs the torch backend (not llama.cpp)")
+    if any(isinstance(m, PackedLinear) for m in model.modules()):
+        raise VerispecError("online adaptation cannot train packed draft weights: use --draft-weights int8 or dense")
+
+
+class DraftTrainer:
+    """Owns the float32 master copy of a draft model and its optimizer.
+
+    Args:
+        runner: the draft's runner (its `training_logits` is the training forward).
+        serving: the model the runner serves now (its format is kept for later serving copies).
+        width: the number of target ids q covers (logits beyond it are cut, as in drafting).
+        config: learning rate, batch size, epochs and step limit.
+    """
+
+    def __init__(self, runner, serving: torch.nn.Module, width: int, config: AdaptConfig) -> None:
+        check_trainable(serving)
+        self.runner, self.width, self.config = runner, width, config
+        self.int8 = any(isinstance(m, Int8Linear) for m in serving.modules())
+        self.dtype = next(p for p in serving.parameters() if p.is_floating_point()).dtype
+        master = copy.deepcopy(serving)
+        dequantize_linear_layers(master)
+        self.master = master.float().train()
+        for p in self.master.parameters():
+            p.requires_grad_(True)
+        self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=config.lr, weight_decay=0.0)
+        self.steps = 0
+        self.last_loss: float | None = None
+        self._shuffle = torch.Generator()  # the order examples are visited in; never a sequence's generator
+        self._shuffle.manual_seed(0)
+
+    def loss(self, batch: list) -> torch.Tensor:
+        """Forward KL(p || q) up to p's entropy (a constant): -sum_x p(x) log q(x), averaged over examples."""
+        lengths = torch.tensor([len(ex.context) for ex in batch], dtype=torch.long)  # (B,)
+        input_ids = torch.zeros(len(batch), int(lengths.max()), dtype=torch.long)  # (B, T) right-padded
+        for b, ex in enumerate(batch):
+            input_ids[b, : len(ex.context)] = torch.tensor(ex.context, dtype=torch.long)
+        logits = self.runner.training_logits(self.master, input_ids, lengths - 1)[:, : self.width]  # (B, V')
+        log_q = torch.log_softmax(logits, dim=-1)  # (B, V')
+        p = torch.zeros_like(log_q)  # (B, V') the buffered top-k of p, renormalized
+        for b, ex in enumerate(batch):
+            ids = [t for t in ex.tokens if t < log_q.shape[-1]]
+            probs = torch.tensor([pr for t, pr in zip(ex.tokens, ex.probs) if t < log_q.shape[-1]], dtype=torch.float32)
+            if ids:
+                p[b, torch.tensor(ids, dtype=torch.long)] = probs / probs.sum()
+        return -(p * log_q).sum(dim=-1).mean()
+
+    def train(self, examples: list) -> torch.nn.Module:
+        """Some optimizer steps on `examples`; returns a new serving copy (the serving format, eval mode)."""
+        examples = [ex for ex in examples if ex.context and ex.tokens]
+        size = self.config.batch_size
+        steps = 0
+        for _ in range(self.config.epochs):
+            order = torch.randperm(len(examples), generator=self._shuffle).tolist()
+            for start in range(0, len(examples), size):
+                if steps >= self.config.max_steps:
+                    break
+                loss = self.loss([examples[i] for i in order[start : start + size]])
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.master.parameters(), 1.0)
+                self.optimizer.step()
+                self.last_loss = float(loss.detach())
+                steps += 1
+        self.steps += steps
+        return self.serving_copy()
+
+    @torch.no_grad()
+    def serving_copy(self) -> torch.nn.Module:
+        model = copy.deepcopy(self.master).to(self.dtype).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        if self.int8:
+            quantize_linear_layers(model)
+        return model
