@@ -241,3 +241,27 @@ def test_reduced_vocabulary_draft_trees_greedy_equal_plain(greedy_pair, tree):
     expected = [s.generated for s in plain.generate(prompts, greedy, cfg, seeds=0)]
     tree_cfg = SpecConfig(num_draft_tokens=3, max_new_tokens=20, stop_at_eos=False, tree=tree)
     assert [s.generated for s in spec.generate(prompts, greedy, tree_cfg, seeds=0)] == expected
+
+
+def test_reduced_vocabulary_draft_adapts_online(greedy_pair):
+    """Online adaptation trains the distilled draft in its own ids (MappedVocabRunner.training_logits)."""
+    from verispec.adapt import OnlineAdapter
+    from verispec.config import AdaptConfig
+
+    target, _ = greedy_pair
+    _, model, vocab = mapped_draft(list(range(0, 64, 2)) + list(range(1, 40, 2)), 64, seed=5)
+    drafter = DraftModelDrafter(MappedVocabRunner(model, vocab), 64)
+    engine = SpeculativeEngine(ModelRunner(target), drafter, set())
+    adapter = OnlineAdapter(engine, AdaptConfig(background=False, min_examples=1, lr=1e-2, batch_size=8, max_steps=32,
+                                                epochs=4))
+    greedy, spec = SamplingConfig(temperature=0), SpecConfig(num_draft_tokens=4, max_new_tokens=40, stop_at_eos=False)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]
+    plain = [s.generated for s in SpeculativeEngine(ModelRunner(target), None, set()).generate(prompts, greedy, spec)]
+    rates = []
+    for _ in range(6):
+        seqs = engine.generate(prompts, greedy, spec)
+        assert [s.generated for s in seqs] == plain
+        rates.append(sum(s.stats.accepted_tokens for s in seqs) / max(1, sum(s.stats.draft_tokens for s in seqs)))
+        adapter.adapt_now()
+    assert drafter.runner.model is not model  # new weights were swapped in
+    assert max(rates[2:]) > rates[0] + 0.1, rates  # without adaptation the rate stays rates[0] (deterministic)
