@@ -93,7 +93,9 @@ def run_labels(config: LabelConfig, teacher, tokenizer, out: Path) -> int:
         if pending:
             save_shard(out / f"shard_{shard:05d}.safetensors", [r for _, r in pending])
             done.update(todo[j] for j, _ in pending)
-            state_file.write_text(json.dumps({"config": config.__dict__, "done": sorted(done)}))
+            tmp = state_file.with_suffix(".partial")
+            tmp.write_text(json.dumps({"config": config.__dict__, "done": sorted(done)}))
+            tmp.replace(state_file)  # a reader (or a crash) never sees half a file
             shard += 1
             pending.clear()
 
