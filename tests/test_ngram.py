@@ -13,7 +13,7 @@ from tiny_hf import CHARS, char_tokenizer, save_tiny_model_dir
 
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
 from verispec.cli import main
-from verispec.config import NGramConfig
+from verispec.config import NGramConfig, TreeConfig
 from verispec.drafters.ngram_corpus import CorpusNGramDrafter, NGramModel, is_corpus_spec
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
@@ -272,3 +272,46 @@ def test_the_shipped_table_is_checked(model_dirs, tmp_path, monkeypatch):
     monkeypatch.setattr(ngram_corpus, "DEFAULT_TABLE", damaged)
     with pytest.raises(VerispecError, match="damaged"):
         ngram_corpus.table_path("ngram-corpus")
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(shape=(3, 2, 1)), TreeConfig(budget=10, top_k=3)], ids=["static", "dynamic"])
+def test_corpus_ngram_trees_greedy_equal_plain(model_dirs, table_file, tree):
+    target = model_dirs[0]
+    greedy = SamplingConfig(temperature=0)
+    prompts = ["the cat sat", "hello there, hello", "on the mat, the cat sat on the"]
+    plain = SpeculativeDecoder.load(target, "none").generate_batch(prompts, greedy, SpecConfig(max_new_tokens=30), chat=False)
+    corpus = SpeculativeDecoder.load(target, f"ngram-corpus:{table_file}")
+    spec = SpecConfig(num_draft_tokens=3, max_new_tokens=30, tree=tree)
+    batch = corpus.generate_batch(prompts, greedy, spec, chat=False)
+    assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
+    assert sum(r.stats.draft_tokens for r in batch) > 0
+
+
+def test_corpus_ngram_tree_shape_and_order(target):
+    """A static shape bounds each depth's children; siblings come most likely first; a trie has no repeats."""
+    drafter = CorpusNGramDrafter(random_table(), V, NGramConfig(max_n=3))
+    engine = SpeculativeEngine(ModelRunner(target), drafter, set())
+    seqs = engine.make_sequences([PROMPT], SamplingConfig(temperature=0), SpecConfig(), 0)
+    drafter.start(seqs)
+    draft = drafter.propose_tree(seqs, [TreeConfig(shape=(3, 2))], [2])[0]
+    tree = draft.tree
+    assert 0 < tree.size <= 3 + 3 * 2 and draft.q is None and draft.siblings == "deterministic"
+    for children in tree.children:
+        toks = [int(draft.tokens[c]) for c in children]
+        assert len(toks) == len(set(toks))
+    root = [int(draft.tokens[c]) for c in tree.children[0]]
+    expected = [t for t, _ in drafter.candidates(PROMPT, 3, row=0)]
+    assert root == expected
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9)],
+                         ids=["T1", "T0.7-p0.9"])
+def test_sampled_corpus_ngram_trees_stay_exact(target, sampling):
+    drafter = CorpusNGramDrafter(random_table(), V, NGramConfig(max_n=3))
+    engine = SpeculativeEngine(ModelRunner(target), drafter, set())
+    spec = SpecConfig(num_draft_tokens=3, max_new_tokens=3, stop_at_eos=False, tree=TreeConfig(shape=(3, 2, 1)))
+    seqs = engine.generate([PROMPT] * 3000, sampling, spec, seeds=0)
+    samples = [tuple(s.generated[:3]) for s in seqs]
+    assert 0 < sum(s.stats.accepted_tokens for s in seqs) < sum(s.stats.draft_tokens for s in seqs)
+    for fit in check_distribution(target, samples, sampling):
+        assert fit.p_value > THRESHOLD, fit

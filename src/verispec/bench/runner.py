@@ -26,7 +26,7 @@ LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled
 DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-distilled-tree", "verispec-llamacpp-distilled",
                      "verispec-llamacpp-distilled-auto")  # need a distilled draft (--distilled)
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram",
-           "verispec-ngram-corpus", "verispec-auto", "verispec-draft-tree", "verispec-ngram-tree", "verispec-distilled",
+           "verispec-ngram-corpus", "verispec-ngram-corpus-tree", "verispec-auto", "verispec-draft-tree", "verispec-ngram-tree", "verispec-distilled",
            "verispec-distilled-auto", "verispec-distilled-tree", *LLAMACPP_SYSTEMS)
 SPLITS = ("all", "heldout", "train")  # Spec-Bench question ids: odd are held out from distillation (see verispec.distill)
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
@@ -135,10 +135,10 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k))
         elif name == "verispec-ngram-tree":
             systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k, tree=config.tree))
-        elif name == "verispec-ngram-corpus":
+        elif name in ("verispec-ngram-corpus", "verispec-ngram-corpus-tree"):
             corpus = _corpus_decoder(config, target)
             if corpus is not None:
-                systems.append(VerispecSystem(name, corpus, k))
+                systems.append(VerispecSystem(name, corpus, k, tree=config.tree if name.endswith("tree") else None))
         elif draft is None or hf_draft is None:
             continue  # the remaining systems need a draft model
         elif name == "hf-assisted":

@@ -27,11 +27,12 @@ from pathlib import Path
 
 import torch
 
-from verispec.config import NGramConfig
+from verispec.config import NGramConfig, TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from verispec.errors import VerispecError
 from verispec.ngram.table import NGramCounts, NGramTable
 from verispec.sequence import Sequence
+from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft, breadth_first, tree_from_parents
 
 SPEC_PREFIX = "ngram-corpus"
 TABLE_SUFFIX = ".ngram"
@@ -175,13 +176,14 @@ class CorpusNGramDrafter(Drafter):
         self.rows = [self.rows[r] for r in rows]
 
     # --- drafting --------------------------------------------------------------------------------
-    def candidates(self, tokens: list[int], k: int, row: int | None = None) -> list[tuple[int, float]]:
+    def candidates(self, tokens: list[int], k: int, row: int | None = None,
+                   counts: NGramCounts | None = None) -> list[tuple[int, float]]:
         """The k most likely continuations of `tokens` with their q (for tree drafting), best first.
 
-        `row`: the batch row whose running context counts are mixed in (None: corpus and adapted only).
-        Returns [] where no n-gram matches.
+        `row`: the batch row whose running context counts are mixed in (or pass those `counts`; neither:
+        corpus and adapted counts only). Returns [] where no n-gram matches.
         """
-        dist = self.model.distribution(tokens, self.rows[row] if row is not None else None)
+        dist = self.model.distribution(tokens, counts if counts is not None else self.rows[row] if row is not None else None)
         if dist is None:
             return []
         ids, probs = dist
@@ -225,6 +227,48 @@ class CorpusNGramDrafter(Drafter):
         if not tokens:
             return EMPTY_DRAFT
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(q_rows) if q_rows else None)  # q: (n, V)
+
+    # --- trees ------------------------------------------------------------------------------------
+    @property
+    def supports_trees(self) -> bool:
+        return True
+
+    def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
+        """Tries of the most likely continuations: deterministic candidates (one-hot q), exact under sampling too."""
+        self._apply_pending()
+        drafts = []
+        for b, (seq, tree, depth) in enumerate(zip(sequences, trees, depths)):
+            self.rows[b].add_stream(seq.tokens)
+            drafts.append(self._tree(seq.tokens, self.rows[b], tree, depth) if depth > 0 else EMPTY_TREE_DRAFT)
+        return drafts
+
+    def _tree(self, tokens: list[int], counts: NGramCounts, tree: TreeConfig, depth: int) -> TreeDraft:
+        """Grow best first by path probability: a static shape gives node depth d its shape[d] best
+        continuations; a budget gives each expanded node its top_k, until `budget` nodes. The tree is a
+        function of the context alone (no draws), so verification treats its candidates as deterministic."""
+        width = self.model.max_n - 1
+        limit = tree.size_upper_bound(depth)
+        node_tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        frontier = [(-1.0, -1, tokens[max(0, len(tokens) - width) :] if width else [], 0)]  # (-score, node, tail, depth)
+        while frontier and len(node_tokens) < limit:
+            frontier.sort(key=lambda f: (f[0], f[1]))
+            neg_score, node, tail, d = frontier.pop(0)
+            k = tree.shape[d] if tree.shape is not None else tree.top_k
+            for token, prob in self.candidates(tail, k, counts=counts):
+                if prob < self.config.min_prob or len(node_tokens) >= limit:
+                    break
+                node_tokens.append(token)
+                parents.append(node)
+                scores.append(-neg_score * prob)
+                if d + 1 < depth:
+                    child_tail = (tail + [token])[max(0, len(tail) + 1 - width) :] if width else []
+                    frontier.append((neg_score * prob, len(node_tokens) - 1, child_tail, d + 1))
+        if not node_tokens:
+            return EMPTY_TREE_DRAFT
+        order, new_parents = breadth_first(parents, [-s for s in scores])  # siblings: most likely first
+        return TreeDraft(torch.tensor([node_tokens[i] for i in order], dtype=torch.long), tree_from_parents(new_parents))
 
     # --- online adaptation -----------------------------------------------------------------------
     def adapt(self, examples: list) -> None:
