@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from tiny_hf import save_tiny_model_dir
+from viz_reference import reference_steps, visible
 from verispec.analyze import AnalyzeConfig, measured_from_bench, speedup_table
 from verispec.api import SpeculativeDecoder
 from verispec.config import TreeConfig
 from verispec.viz.lossless import demo_chunk
-from viz_reference import reference_steps, visible
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SHOTS = Path(__file__).resolve().parent.parent / "artifacts" / "screenshots"

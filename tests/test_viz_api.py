@@ -7,10 +7,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tiny_hf import save_tiny_model_dir
+from viz_reference import reference_steps
 from verispec.api import SpeculativeDecoder
 from verispec.config import TreeConfig
 from verispec.viz.server import create_app
-from viz_reference import reference_steps
 
 
 @pytest.fixture(scope="module")

@@ -259,9 +259,6 @@ class _ProbabilityRows:
     def __init__(self, logits: torch.Tensor, config: SamplingConfig, seen: torch.Tensor | None) -> None:
         self.logits, self.config, self.seen = logits, config, seen
 
-    def __len__(self) -> int:
-        return self.logits.shape[0]
-
     def __getitem__(self, i: int) -> torch.Tensor:
         seen = None if self.seen is None else self.seen[i : i + 1]
         return logits_to_probs(self.logits[i : i + 1], self.config, seen)[0]
@@ -273,9 +270,6 @@ class _OneHotRows:
 
     def __init__(self, target_argmax: torch.Tensor, vocab: int) -> None:
         self.target_argmax, self.vocab = target_argmax, vocab
-
-    def __len__(self) -> int:
-        return self.target_argmax.shape[0]
 
     def __getitem__(self, i: int) -> torch.Tensor:
         row = torch.zeros(self.vocab)  # (V,)
