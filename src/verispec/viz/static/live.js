@@ -166,6 +166,7 @@ function showNode(rec, n, chip) {
   }
   const before = nodes.filter(m => m.parent === n.parent && m.try !== null && m.try < n.try).map(m => JSON.stringify(m.text));
   const against = before.length ? `checked against the residual p after rejecting ${before.join(", ")}`
+      + (rec.tree.siblings === "without_replacement" ? " (and q without them)" : "")
     : `checked against the target's p ${n.parent < 0 ? "at the root" : "after #" + n.parent}`;
   $("detail-title").textContent = `${where}: ${n.verdict} (check ${n.try + 1} of the walk), ${against}; `
     + `P(accept here) = sum min(p, q) = ${fmt(n.position.acceptance_mass)}`;
@@ -177,7 +178,7 @@ function showTreeFinal(rec, chip) {
   select(chip);
   const f = rec.tree.final;
   $("detail-title").textContent = `step ${rec.step}: ` + (rec.bonus
-    ? `bonus token: the path ends at a leaf, sampled from p there`
+    ? (rec.tree.size ? "bonus token: the path ends at a leaf, sampled from p there" : "nothing was drafted: sampled from p")
     : `recovered token: every child ${f.node < 0 ? "of the root" : "of #" + f.node} was rejected, sampled from the residual r of the last pair`);
   const tried = rec.tree.nodes.filter(n => n.try !== null).sort((a, b) => a.try - b.try);
   const rejected = rec.bonus ? null : tried[tried.length - 1].token;  // the pair the residual comes from
