@@ -238,6 +238,3 @@ def test_trees_need_a_tree_capable_drafter_and_backend(pair):
     tuner = AdaptiveK(CostProfile({1: 1.0, 2: 1.0}, 0.1))
     with pytest.raises(VerispecError, match="auto-K"):
         engine.generate([[1, 2]], GREEDY, spec, tuner=tuner)
-    engine.tracer = lambda *args: None
-    with pytest.raises(VerispecError, match="tracing"):
-        engine.generate([[1, 2]], GREEDY, spec)

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from tiny_hf import save_tiny_model_dir
+from viz_reference import reference_steps, visible
 from verispec.analyze import AnalyzeConfig, measured_from_bench, speedup_table
 from verispec.api import SpeculativeDecoder
-from verispec.config import SamplingConfig, SpecConfig
-from verispec.trace import Tracer, tracing
+from verispec.config import TreeConfig
 from verispec.viz.lossless import demo_chunk
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -97,23 +97,6 @@ def test_index_links_every_page(page, server, model_dirs):
     page.screenshot(path=str(SHOTS / "index.png"), full_page=True)
 
 
-def reference_steps(model_dirs, prompt, k, temperature, seed, max_new_tokens):
-    decoder = SpeculativeDecoder.load(*model_dirs)
-    tokenizer = decoder.target.tokenizer
-    tracer = Tracer(token_text=lambda t: tokenizer.decode([t]))
-    steps, seq = [], None
-    with tracing(decoder.engine, tracer):
-        for event, seq in decoder.stream(prompt, SamplingConfig(temperature=temperature),
-                                         SpecConfig(num_draft_tokens=k, max_new_tokens=max_new_tokens), seed):
-            steps.append(tracer.step(event, seq))
-    prompt_text = tokenizer.decode(seq.tokens[: seq.prompt_len])
-    return steps, decoder.decode(seq.generated), prompt_text, seq.stats
-
-
-def visible(text):
-    return "\u2205" if text == "" else text.replace(" ", "\u00b7").replace("\n", "\u21b5")
-
-
 def test_live_view_shows_the_librarys_verification(page, server, model_dirs):
     settings = dict(prompt="the cat sat", k=3, temperature=1.0, seed=7, max_new_tokens=20)
     page.goto(server + "/live")
@@ -166,6 +149,83 @@ def test_live_view_shows_the_librarys_verification(page, server, model_dirs):
     assert f"{steps[i]['positions'][j]['acceptance_mass']:.3f}" in page.text_content("#detail-title")
     rows.nth(i).scroll_into_view_if_needed()
     page.screenshot(path=str(SHOTS / "live.png"), full_page=True)
+
+
+def test_live_view_shows_a_tree_step_by_step(page, server, model_dirs):
+    settings = dict(prompt="the cat sat", k=3, temperature=1.0, seed=7, max_new_tokens=16)
+    page.goto(server + "/live")
+    page.wait_for_selector(f"#drafter option[value='{model_dirs[1]}']", state="attached")
+    page.fill("#prompt", settings["prompt"])
+    page.select_option("#drafter", model_dirs[1])
+    page.select_option("#tree-mode", "shape")
+    assert page.is_disabled("#tree-budget") and page.is_disabled("#tree-top-k") and page.is_enabled("#tree-shape")
+    page.fill("#tree-shape", "3,x")  # refused by the server, shown on the page
+    page.click("#start")
+    page.wait_for_function("document.getElementById('error').textContent.length > 0")
+    assert "branching factors per depth like 3,2,1, got '3,x'" in page.text_content("#error")
+    page.fill("#tree-shape", "2,2,1")
+    for name in ("k", "temperature", "seed", "max-new-tokens"):
+        page.fill(f"#{name}", str(settings[name.replace("-", "_")]))
+    page.click("#start")
+    page.wait_for_function("document.getElementById('status').textContent === 'ready'")
+    assert page.text_content("#error") == ""
+    for n in (1, 2):
+        page.click("#step")
+        page.wait_for_selector(f".step[data-step='{n}']")
+    page.click("#play")
+    page.wait_for_function("document.getElementById('status').textContent.startsWith('finished')", timeout=60000)
+    steps, text, prompt_text, stats = reference_steps(model_dirs, **settings, tree=TreeConfig(shape=(2, 2, 1)))
+    rows = page.locator(".step.tree-step")
+    assert rows.count() == len(steps) == stats.target_forward_passes
+    for i, ref in enumerate(steps):
+        nodes = ref["tree"]["nodes"]
+        chips = rows.nth(i).locator(".chip.node")
+        assert chips.count() == len(nodes)
+        for n in nodes:
+            chip = rows.nth(i).locator(f".chip.node[data-node='{n['node']}']")
+            assert chip.get_attribute("data-verdict") == n["verdict"]
+            assert chip.locator(".tok").text_content() == visible(n["text"])
+            family = chip.locator("xpath=..")
+            assert int(family.get_attribute("data-parent")) == n["parent"]
+            assert int(family.locator("xpath=ancestor::div[@data-depth]").get_attribute("data-depth")) == n["depth"]
+            if n["verdict"] == "not tried":
+                assert chip.locator(".accept").count() == 0
+            else:
+                assert chip.locator(".accept").text_content() == f"min(1,p/q) {n['accept_probability']:.3f}"
+                assert chip.locator(".uniform").text_content() == f"u {n['uniform']:.3f}"
+        path = " \u2192 ".join(visible(nodes[j]["text"]) for j in ref["tree"]["path"]) or "(none accepted)"
+        assert rows.nth(i).locator(".path").text_content() == path
+        final = rows.nth(i).locator(".chip.final")
+        assert final.get_attribute("data-kind") == ("bonus" if ref["bonus"] else "recovered")
+        assert final.locator(".tok").text_content() == visible(ref["token_text"])
+    assert page.text_content("#output") == prompt_text + text
+    assert page.text_content("#target-calls") == str(stats.target_forward_passes)
+    assert page.text_content("#new-tokens") == str(stats.new_tokens)
+    assert page.text_content("#acceptance-rate") == f"{100 * stats.acceptance_rate:.1f}%"
+    assert page.text_content("#tokens-per-call") == f"{stats.tokens_per_target_pass:.2f}"
+    # Click a rejected node that was not the first try: its bars are the residual pair it was checked against.
+    picks = [(i, n) for i, s in enumerate(steps) for n in s["tree"]["nodes"] if n["verdict"] == "rejected"]
+    assert picks, "the seed should give a rejected node"
+    i, n = max(picks, key=lambda pick: pick[1]["try"])
+    rows.nth(i).locator(f".chip.node[data-node='{n['node']}']").click()
+    bars = page.locator("#bars g.cand")
+    candidates = n["position"]["candidates"]
+    assert bars.count() == len(candidates)
+    for b, c in enumerate(candidates):
+        g = bars.nth(b)
+        assert int(g.get_attribute("data-token")) == c["token"]
+        assert g.locator("text.nums").text_content() == f"p {c['p']:.3f}  q {c['q']:.3f}  r {c['residual']:.3f}"
+    title = page.text_content("#detail-title")
+    assert f"node #{n['node']}" in title and f"{n['position']['acceptance_mass']:.3f}" in title
+    assert rows.nth(i).locator(".chip.selected").get_attribute("data-node") == str(n["node"])
+    rows.nth(i).scroll_into_view_if_needed()
+    page.screenshot(path=str(SHOTS / "live_tree.png"), full_page=True)
+    # The final token of a step: drawn from p at a leaf (bonus) or from the last pair's residual.
+    rows.nth(i).locator(".chip.final").click()
+    candidates = steps[i]["tree"]["final"]["position"]["candidates"]
+    assert page.locator("#bars g.cand").count() == len(candidates)
+    assert [int(t) for t in page.locator("#bars g.cand").evaluate_all("gs => gs.map(g => g.dataset.token)")] == \
+        [c["token"] for c in candidates]
 
 
 def test_losslessness_demo_matches_the_library(page, server):

@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="choose K each step from measured pass costs and acceptance (speculation off where it cannot win)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--no-color", action="store_true", help="plain text output")
-    g.add_argument("--trace", type=Path, help="save every step's verification (p, q, min(1, p/q), u, verdict) as JSON")
+    g.add_argument("--trace", type=Path, help="save every step's verification (p, q, min(1, p/q), u, verdict; for a tree every node) as JSON")
     g.add_argument("--adapt", action="store_true",
                    help="online adaptation: the drafter learns from the target's distributions where drafts failed, "
                         "between steps (output distribution unchanged; mostly useful for serve and bench)")
@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="re-play a trace saved by `generate --trace` step by step")
     r.add_argument("file", type=Path, help="the trace JSON")
     r.add_argument("--delay", type=float, default=0.15, help="seconds between steps (default: %(default)s)")
-    r.add_argument("--details", action="store_true", help="also print each draft token's p, q, min(1, p/q), u and verdict")
+    r.add_argument("--details", action="store_true", help="also print each draft token's p, q, min(1, p/q), u and verdict "
+                   "(for a tree: the accepted path and every tried node)")
     r.add_argument("--no-color", action="store_true", help="plain text output")
 
     from verispec.analyze import AnalyzeConfig
@@ -271,8 +272,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise VerispecError("tree speculation needs a drafter that builds trees (a draft model or ngram), not --draft none")
         if args.auto_k:
             raise VerispecError("--auto-k chooses a chain's length; it cannot be combined with --tree-shape / --tree-budget")
-        if args.trace:
-            raise VerispecError("--trace follows chains only; it cannot record tree speculation")
     prompt = _read_prompt(args)
     decoder = _load(args)
     tuner = decoder.auto_tuner(max(8, spec.num_draft_tokens)) if args.auto_k and decoder.drafter is not None else None
@@ -311,13 +310,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from verispec.render import legend, print_pieces, result_from_dict, stats_table, step_details
+    from verispec.render import legend, print_pieces, result_from_dict, stats_table, step_details, tree_summary
     from verispec.trace import load_trace
 
     document = load_trace(args.file)
     console = Console(no_color=args.no_color, highlight=False)
     plain = document["draft"] == "none"
     console.print(legend(plain))
+    tree = (document.get("spec") or {}).get("tree")
+    if tree:
+        console.print(tree_summary(tree, document["spec"].get("num_draft_tokens")))
     for step in document["steps"]:
         if args.details:
             console.print(step_details(step))

@@ -86,7 +86,10 @@ class SpeculativeEngine:
         # Observers of every verification, called as observer(seq, draft, p, verdict, uniforms) with
         # p: (n + 1, V) (one-hot at the argmax at temperature 0) and uniforms None at temperature 0.
         # `tracer` is the slot of verispec.trace; `observers` holds the others (online adaptation).
-        # With none set the loop stays bare. Observers only read: they never draw from seq.rng.
+        # The tracer also sees tree steps, with a TreeDraft, a TreeVerdict, p whose rows p[i] are made
+        # on demand ((V,) each, N + 1 of them) and the N uniforms of `verify_tree`; `observers` see
+        # chain steps only. With none set the loop stays bare. Observers only read: they never draw
+        # from seq.rng.
         self.tracer: Callable | None = None
         self.observers: list[Callable] = []
 
@@ -196,9 +199,17 @@ class SpeculativeEngine:
             context = torch.tensor(seq.tokens, dtype=torch.long)
             seen = tree_seen_masks(context, draft.tokens, draft.tree.parents, logits.shape[-1])  # (N + 1, V)
         if cfg.greedy:
-            return verify_tree_greedy(greedy_tokens(logits, cfg, seen), draft.tree, draft.tokens)
+            target_argmax = greedy_tokens(logits, cfg, seen)  # (N + 1,)
+            verdict = verify_tree_greedy(target_argmax, draft.tree, draft.tokens)
+            if self.tracer is not None:  # at temperature 0, p is one-hot at the target's argmax
+                self.tracer(seq, draft, _OneHotRows(target_argmax, logits.shape[-1]), verdict, None)
+            return verdict
         p = _ProbabilityRows(logits, cfg, seen)  # (N + 1, V), rows made when the walk reaches them
-        return verify_tree(p, draft.tree, draft.tokens, draft.q, draft.siblings, seq.rng)
+        if self.tracer is None:
+            return verify_tree(p, draft.tree, draft.tokens, draft.q, draft.siblings, seq.rng)
+        verdict, u = verify_tree(p, draft.tree, draft.tokens, draft.q, draft.siblings, seq.rng, return_uniforms=True)
+        self.tracer(seq, draft, p, verdict, u)
+        return verdict
 
     def _commit(self, seq: Sequence, accepted: tuple[int, ...], verdict: Verdict | TreeVerdict) -> StepEvent:
         """Append the accepted tokens and the recovered / bonus token, stopping at EOS, a stop string or the length."""
@@ -251,6 +262,19 @@ class _ProbabilityRows:
     def __getitem__(self, i: int) -> torch.Tensor:
         seen = None if self.seen is None else self.seen[i : i + 1]
         return logits_to_probs(self.logits[i : i + 1], self.config, seen)[0]
+
+
+class _OneHotRows:
+    """p at temperature 0 for a tracer, row by row: one-hot at the target's argmax (a tree's full
+    (N + 1, V) one-hot matrix would be large). target_argmax: (N + 1,). p[i] -> (V,)."""
+
+    def __init__(self, target_argmax: torch.Tensor, vocab: int) -> None:
+        self.target_argmax, self.vocab = target_argmax, vocab
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        row = torch.zeros(self.vocab)  # (V,)
+        row[int(self.target_argmax[i])] = 1.0
+        return row
 
 
 class DecodeBatch:
@@ -342,8 +366,6 @@ class DecodeBatch:
     def _tree_step(self) -> list[tuple[StepEvent, Sequence]]:
         """`step` when some sequence drafts a tree; the others draft their chain as a tree of shape (1, ..., 1)."""
         active, engine = self.sequences, self.engine
-        if engine.tracer is not None:
-            raise VerispecError("tracing follows chains only; it cannot record tree speculation")
         trees = [s.spec.tree_or_chain for s in active]
         # The tree's depth, never more than the tokens left after this step's own token.
         depths = [min(t.depth(s.spec.num_draft_tokens), s.max_new_tokens - s.num_generated - 1) if s.drafting else 0

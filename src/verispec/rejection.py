@@ -181,27 +181,40 @@ def _without(q: torch.Tensor, token: int) -> torch.Tensor:
     return rest / mass if mass > 0 else rest
 
 
-def verify_tree(
+@dataclass(frozen=True)
+class TreeTry:
+    """One child tried by the tree walk (for tracing): its token was checked against this pair.
+
+    node: the child's node index.
+    p: (V,) the target at its parent, or the residual left there by the siblings rejected before it.
+    q: (V,) the distribution the child is checked against (one-hot for deterministic candidates).
+    accepted: whether u[node] * q(x) < p(x).
+    """
+
+    node: int
+    p: torch.Tensor
+    q: torch.Tensor
+    accepted: bool
+
+
+def walk_tree(
     p: torch.Tensor,
     tree: Tree,
     tokens: torch.Tensor,
     q: torch.Tensor | None,
     siblings: str,
-    rng: torch.Generator,
-) -> TreeVerdict:
-    """Multi-candidate speculative sampling over a draft tree for one sequence (rules: module docstring).
+    u: torch.Tensor,
+    tries: list[TreeTry] | None = None,
+) -> tuple[tuple[int, ...], torch.Tensor, bool]:
+    """The deterministic part of `verify_tree`: the walk from the root given the uniforms.
 
-    Args:
-        p: (N + 1, V) target probabilities: p[0] at the root, p[i + 1] after node i (anything whose
-            p[i] gives that (V,) row: the engine computes only the rows the walk reaches).
-        tree: the structure; children are tried in the order of `tree.children`.
-        tokens: (N,) node tokens.
-        q: (N, V) the distribution each node's token was drawn from, or None (deterministic: one-hot).
-        siblings: "iid", "without_replacement" or "deterministic" (see `verispec.tree.TreeDraft`).
-        rng: this sequence's generator; N uniforms and one categorical draw are taken from it.
+    Args: as `verify_tree`, with u: (N,) the uniforms (node i reads u[i] only if it is tried).
+        tries: if a list, every tried child is appended to it as a TreeTry, in the order tried.
+    Returns:
+        (path, final, leaf): the accepted path, the (V,) distribution the last token is drawn from
+        (the residual after the children of the path's end were all rejected, or p at a leaf), and
+        whether the path ends at a leaf (then that token is the bonus token).
     """
-    n = tree.size
-    u = torch.rand(n, generator=rng)  # (N,)
     path: list[int] = []
     node = -1
     while True:
@@ -216,17 +229,50 @@ def verify_tree(
                 q_child = q[child] if q_cur is None else q_cur
             else:
                 q_child = q[child]
-            if u[child] * q_child[x] < p_cur[x]:  # u < p(x)/q(x), without dividing
+            ok = bool(u[child] * q_child[x] < p_cur[x])  # u < p(x)/q(x), without dividing
+            if tries is not None:
+                tries.append(TreeTry(child, p_cur, q_child, ok))
+            if ok:
                 accepted = child
                 break
             p_cur = residual_distribution(p_cur, q_child)
             if siblings == "without_replacement":
                 q_cur = _without(q_child, x)
         if accepted is None:
-            token = int(torch.multinomial(p_cur, 1, generator=rng))
-            return TreeVerdict(tuple(path), token, bonus=not tree.children[node + 1])
+            return tuple(path), p_cur, not tree.children[node + 1]
         path.append(accepted)
         node = accepted
+
+
+def verify_tree(
+    p: torch.Tensor,
+    tree: Tree,
+    tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    siblings: str,
+    rng: torch.Generator,
+    return_uniforms: bool = False,
+) -> TreeVerdict | tuple[TreeVerdict, torch.Tensor]:
+    """Multi-candidate speculative sampling over a draft tree for one sequence (rules: module docstring).
+
+    Args:
+        p: (N + 1, V) target probabilities: p[0] at the root, p[i + 1] after node i (anything whose
+            p[i] gives that (V,) row: the engine computes only the rows the walk reaches).
+        tree: the structure; children are tried in the order of `tree.children`.
+        tokens: (N,) node tokens.
+        q: (N, V) the distribution each node's token was drawn from, or None (deterministic: one-hot).
+        siblings: "iid", "without_replacement" or "deterministic" (see `verispec.tree.TreeDraft`).
+        rng: this sequence's generator; N uniforms and one categorical draw are taken from it.
+        return_uniforms: also return the N uniforms (node i was accepted iff it was tried and
+            u[i] < p(x)/q(x); `walk_tree` with them gives the same path), for tracing; the draws and
+            the verdict are the same either way. Default False.
+    Returns:
+        The TreeVerdict, or (TreeVerdict, u) with u: (N,) when return_uniforms is True.
+    """
+    u = torch.rand(tree.size, generator=rng)  # (N,)
+    path, final, leaf = walk_tree(p, tree, tokens, q, siblings, u)
+    verdict = TreeVerdict(path, int(torch.multinomial(final, 1, generator=rng)), bonus=leaf)
+    return (verdict, u) if return_uniforms else verdict
 
 
 def verify_tree_greedy(target_argmax: torch.Tensor, tree: Tree, tokens: torch.Tensor) -> TreeVerdict:

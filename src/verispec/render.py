@@ -98,10 +98,16 @@ def result_from_dict(d: dict) -> GenerationResult:
                             draft_weights=d.get("draft_weights"))
 
 
+MARKS = {"accepted": ("green", "ok"), "rejected": ("red", "REJECTED"), "discarded": ("dim", "discarded"),
+         "not tried": ("dim", "not tried")}
+
+
 def step_details(step: dict) -> Text:
     """One trace step as a line: each draft token with p, q, min(1, p/q), u and its verdict, then the
-    recovered or bonus token, coloured as in the stream."""
-    marks = {"accepted": ("green", "ok"), "rejected": ("red", "REJECTED"), "discarded": ("dim", "discarded")}
+    recovered or bonus token, coloured as in the stream. A tree step: see `tree_step_details`."""
+    if "tree" in step:
+        return tree_step_details(step)
+    marks = MARKS
     line = Text(f"\nstep {step['step']}: ", style="bold")
     for d in step["drafts"]:
         style, word = marks[d["verdict"]]
@@ -111,3 +117,44 @@ def step_details(step: dict) -> Text:
     kind = "bonus" if step["bonus"] else "recovered"
     line.append(f"{kind} {step.get('token_text', step['token'])!r}", style=STYLES[kind])
     return line
+
+
+def tree_summary(tree: dict, num_draft_tokens: int | None) -> Text:
+    """The tree a trace speculated with (its spec's `tree`, a TreeConfig as a dict), as a dim line."""
+    if tree.get("shape"):
+        what = f"static tree, shape {','.join(map(str, tree['shape']))}"
+    else:
+        what = f"dynamic tree, {tree['budget']} nodes, depth K = {num_draft_tokens}, top-k {tree['top_k']}"
+    return Text(f"tree speculation: {what}; green text is each step's accepted path", style="dim")
+
+
+def tree_step_details(step: dict) -> Text:
+    """One tree step: its size and depth, the accepted path, then each tried node in the order the walk
+    tried it (depth, parent, p and q of the pair it was checked against, min(1, p/q), u, verdict),
+    then the recovered or bonus token."""
+    tree = step["tree"]
+    nodes = tree["nodes"]
+    name = lambda n: repr(n.get("text", n["token"]))  # noqa: E731
+    text = Text(f"\nstep {step['step']}: ", style="bold")
+    text.append(f"tree of {tree['size']} nodes, depth {tree['depth']}, {tree['siblings']} children; ", style="dim")
+    text.append("accepted path: ")
+    if tree["path"]:
+        for k, i in enumerate(tree["path"]):
+            text.append((" -> " if k else "") + name(nodes[i]), style="green")
+    else:
+        text.append("(none)", style="dim")
+    kind = "bonus" if step["bonus"] else "recovered"
+    text.append(f", then {kind} {step.get('token_text', step['token'])!r}", style=STYLES[kind])
+    tried = sorted((n for n in nodes if n["try"] is not None), key=lambda n: n["try"])
+    for n in tried:
+        style, word = MARKS[n["verdict"]]
+        parent = "root" if n["parent"] < 0 else f"node {n['parent']}"
+        u = "-" if n["uniform"] is None else f"{n['uniform']:.3f}"
+        text.append(f"\n  node {n['node']} (depth {n['depth']}, after {parent}) ", style="dim")
+        text.append(name(n), style=style)
+        text.append(f" p={n['p']:.3f} q={n['q']:.3f} min(1,p/q)={n['accept_probability']:.3f} u={u} {word}", style="dim")
+    untried = len(nodes) - len(tried)
+    if untried:
+        text.append(f"\n  {untried} node(s) not tried (below a rejected node, or after an accepted sibling)", style="dim")
+    text.append("\n")
+    return text

@@ -14,6 +14,13 @@ JSON-able record:
                 top candidates with p, q, overlap min(p, q), draft excess max(0, q - p) and the
                 residual normalize(max(0, p - q)) a rejection samples from (None at the bonus position)
     committed   tokens the step appended to the output, counters, and the coloured text pieces
+
+A tree step (`rejection.verify_tree`) has the same fields plus `tree` (see `tree_verification_record`):
+every node (token, parent, depth), and per tried node p(x) and q(x) of the pair it was checked against
+(the target at its parent, or the residual left by the siblings rejected before it), min(1, p/q), the
+uniform u[node] that `verify_tree` drew, and its verdict: "accepted", "rejected" or "not tried". There
+`drafts` and `positions` read the accepted path as a chain: its nodes, then the position the last token
+was drawn at.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from pathlib import Path
 import torch
 
 from verispec.errors import VerispecError
-from verispec.rejection import Verdict, acceptance_probability, residual_distribution
+from verispec.rejection import TreeTry, TreeVerdict, Verdict, acceptance_probability, residual_distribution, walk_tree
+from verispec.tree import TreeDraft
 
 TRACE_FORMAT = "verispec-trace"
 TRACE_VERSION = 1
@@ -67,23 +75,95 @@ def verification_record(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Te
     positions = []
     for i in range(n + 1):
         p_i = p[i]  # (V,)
-        q_i = q[i] if i < n else torch.zeros_like(p_i)  # (V,) nothing is drafted at the bonus position
-        residual = residual_distribution(p_i, q_i) if i < n else None  # (V,)
-        picks = {int(t) for t in torch.topk(p_i, min(top, p_i.numel())).indices if p_i[t] > 0}
-        picks |= {int(t) for t in torch.topk(q_i, min(top, q_i.numel())).indices if q_i[t] > 0}
-        if residual is not None:
-            picks |= {int(t) for t in torch.topk(residual, min(top, residual.numel())).indices if residual[t] > 0}
-            picks.add(int(draft_tokens[i]))
+        q_i = q[i] if i < n else None  # (V,) nothing is drafted at the bonus position
+        marked = [int(draft_tokens[i])] if i < n else []
         if i == verdict.num_accepted:
-            picks.add(verdict.token)
-        candidates = [{"token": t, "p": _r(p_i[t]), "q": _r(q_i[t]), "overlap": _r(min(p_i[t], q_i[t])),
-                       "draft_excess": _r(max(0.0, q_i[t] - p_i[t])),
-                       "residual": None if residual is None else _r(residual[t])}
-                      for t in sorted(picks, key=lambda t: (-float(p_i[t]), -float(q_i[t]), t))]
-        positions.append({"acceptance_mass": _r(torch.minimum(p_i, q_i).sum()) if i < n else None,
-                          "candidates": candidates})
+            marked.append(verdict.token)
+        positions.append(_position(p_i, q_i, marked, top))
     return {"drafts": drafts, "num_accepted": verdict.num_accepted, "token": verdict.token, "bonus": verdict.bonus,
             "positions": positions}
+
+
+def _position(p_i: torch.Tensor, q_i: torch.Tensor | None, marked: list[int], top: int) -> dict:
+    """One position of a record: sum min(p, q) and the top candidates of p, q and the residual.
+
+    p_i: (V,) the target (or the residual it is checked against); q_i: (V,) the draft, or None where
+    nothing is drafted (a bonus position: q = 0, no residual). marked: tokens listed in any case.
+    """
+    residual = residual_distribution(p_i, q_i) if q_i is not None else None  # (V,)
+    q_i = torch.zeros_like(p_i) if q_i is None else q_i  # (V,)
+    picks = {int(t) for t in torch.topk(p_i, min(top, p_i.numel())).indices if p_i[t] > 0}
+    picks |= {int(t) for t in torch.topk(q_i, min(top, q_i.numel())).indices if q_i[t] > 0}
+    if residual is not None:
+        picks |= {int(t) for t in torch.topk(residual, min(top, residual.numel())).indices if residual[t] > 0}
+    picks |= set(marked)
+    candidates = [{"token": t, "p": _r(p_i[t]), "q": _r(q_i[t]), "overlap": _r(min(p_i[t], q_i[t])),
+                   "draft_excess": _r(max(0.0, q_i[t] - p_i[t])),
+                   "residual": None if residual is None else _r(residual[t])}
+                  for t in sorted(picks, key=lambda t: (-float(p_i[t]), -float(q_i[t]), t))]
+    return {"acceptance_mass": _r(torch.minimum(p_i, q_i).sum()) if residual is not None else None,
+            "candidates": candidates}
+
+
+def tree_verification_record(p, draft: TreeDraft, verdict: TreeVerdict, uniforms: torch.Tensor | None,
+                             top: int = 8) -> dict:
+    """One tree step's verification as a JSON-able dict: the chain fields plus `tree`.
+
+    The walk is re-run with `rejection.walk_tree` from the uniforms `verify_tree` drew (no draws), which
+    gives each tried node's pair (p, q); it must reach the verdict's path (checked).
+
+    Args:
+        p: p[i] -> (V,) target probabilities at the root (i = 0) and after node i - 1 (N + 1 rows;
+            one-hot at the argmax at temperature 0).
+        draft: the step's TreeDraft.
+        verdict: the step's TreeVerdict.
+        uniforms: (N,) the uniforms drawn by `verify_tree`, or None at temperature 0 (greedy: a child
+            is accepted iff it is the argmax; walked here with one-hot p and q).
+        top: candidates listed per position from each of p, q and the residual. Default 8.
+    Returns:
+        {"drafts", "num_accepted", "token", "bonus", "positions"} (the accepted path read as a chain,
+        see the module docstring) and "tree": {"siblings", "size", "depth", "path", "nodes", "final"}:
+        nodes[i] = {"node", "token", "parent" (-1: the root), "depth", "verdict", "try" (order in the
+        walk, None if not tried), "p", "q", "accept_probability", "uniform" (the exact float u[i]; None
+        if not tried or greedy), "position" (as in `positions`, for the pair it was tried against;
+        None if not tried)}; final = {"node" (the path's end, -1: the root), "drawn_from" ("residual"
+        or "target"), "position"}.
+    """
+    tree, tokens = draft.tree, draft.tokens
+    greedy = uniforms is None
+    u = torch.zeros(tree.size) if greedy else uniforms  # (N,) greedy: accept iff p(x) > 0, p one-hot
+    tries: list[TreeTry] = []
+    if greedy:
+        path, final, leaf = walk_tree(p, tree, tokens, None, "deterministic", u, tries)
+    else:
+        path, final, leaf = walk_tree(p, tree, tokens, draft.q, draft.siblings, u, tries)
+    if path != verdict.path or leaf != verdict.bonus:
+        raise VerispecError(f"tracing: the walk from the recorded uniforms gives path {path}, the verdict {verdict.path}")
+    nodes = [{"node": i, "token": int(tokens[i]), "parent": int(tree.parents[i]), "depth": int(tree.depths[i]),
+              "verdict": "not tried", "try": None, "p": None, "q": None, "accept_probability": None,
+              "uniform": None, "position": None} for i in range(tree.size)]
+    for k, t in enumerate(tries):
+        x = int(tokens[t.node])
+        last_rejection = k == len(tries) - 1 and not verdict.bonus
+        nodes[t.node].update({
+            "verdict": "accepted" if t.accepted else "rejected", "try": k, "p": _r(t.p[x]), "q": _r(t.q[x]),
+            "accept_probability": _r(acceptance_probability(t.p[x : x + 1], t.q[x : x + 1])[0]),
+            "uniform": None if greedy else float(u[t.node]),
+            "position": _position(t.p, t.q, [x, verdict.token] if last_rejection else [x], top)})
+    end = path[-1] if path else -1
+    if verdict.bonus:
+        final_position = _position(final, None, [verdict.token], top)
+    else:  # drawn from the residual of the last rejected child's pair: that node's position
+        final_position = nodes[tries[-1].node]["position"]
+    drafts = [{"token": nodes[i]["token"], "p": nodes[i]["p"], "q": nodes[i]["q"],
+               "accept_probability": nodes[i]["accept_probability"], "uniform": nodes[i]["uniform"],
+               "verdict": "accepted", "node": i} for i in path]
+    return {"drafts": drafts, "num_accepted": len(path), "token": verdict.token, "bonus": verdict.bonus,
+            "positions": [nodes[i]["position"] for i in path] + [final_position],
+            "tree": {"siblings": "deterministic" if greedy else draft.siblings, "size": tree.size,
+                     "depth": tree.depth, "path": list(path), "nodes": nodes,
+                     "final": {"node": end, "drawn_from": "target" if verdict.bonus else "residual",
+                               "position": final_position}}}
 
 
 class Tracer:
@@ -99,8 +179,11 @@ class Tracer:
         self.token_text = token_text
         self._pending: dict[int, dict] = {}
 
-    def __call__(self, seq, draft, p: torch.Tensor, verdict: Verdict, uniforms: torch.Tensor | None) -> None:
-        self._pending[seq.index] = verification_record(p, draft.tokens, draft.q, verdict, uniforms, self.top)
+    def __call__(self, seq, draft, p, verdict: Verdict | TreeVerdict, uniforms: torch.Tensor | None) -> None:
+        if isinstance(draft, TreeDraft):
+            self._pending[seq.index] = tree_verification_record(p, draft, verdict, uniforms, self.top)
+        else:
+            self._pending[seq.index] = verification_record(p, draft.tokens, draft.q, verdict, uniforms, self.top)
 
     def step(self, event, seq, pieces: list[tuple[str, str]] | None = None) -> dict:
         """The full record of the step that produced `event` for `seq` (a StepEvent and its Sequence)."""
@@ -118,9 +201,13 @@ class Tracer:
             record["token_text"] = text(record["token"])
             for d in record["drafts"]:
                 d["text"] = text(d["token"])
-            for pos in record["positions"]:
+            tree = record.get("tree")
+            positions = record["positions"] + ([n["position"] for n in tree["nodes"] if n["position"]] if tree else [])
+            for pos in positions:  # a tree's positions are shared with its nodes: texts are set twice, alike
                 for c in pos["candidates"]:
                     c["text"] = text(c["token"])
+            for n in tree["nodes"] if tree else []:
+                n["text"] = text(n["token"])
         return record
 
 

@@ -3,7 +3,9 @@ JSON API over the library.
 
     GET  /, /live, /lossless, /speedup   the pages
     GET  /api/info                       models, drafters, defaults
-    POST /api/live/start                 start decoding a prompt (one live decoding at a time)
+    POST /api/live/start                 start decoding a prompt (one live decoding at a time), as a chain
+                                         of K drafts or a tree ({"tree": {"shape": "3,2,1"}} or
+                                         {"tree": {"budget": 12, "top_k": 4}}, see `live_tree_config`)
     POST /api/live/step                  run one draft / verify step; returns its trace record
     POST /api/lossless                   a chunk of the losslessness demo (verispec.viz.lossless)
     GET  /api/speedup                    the speedup table (verispec.analyze)
@@ -19,6 +21,7 @@ import itertools
 import threading
 import webbrowser
 from pathlib import Path
+from typing import Any
 
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
@@ -27,7 +30,7 @@ from pydantic import BaseModel
 
 from verispec.analyze import AnalyzeConfig, measured_from_bench, speedup_table
 from verispec.api import NGRAM, SpeculativeDecoder
-from verispec.config import SamplingConfig, SpecConfig
+from verispec.config import TREE_CHILDREN, SamplingConfig, ServeConfig, SpecConfig, TreeConfig
 from verispec.errors import VerispecError
 from verispec.render import StreamPrinter
 from verispec.trace import Tracer, tracing
@@ -35,6 +38,12 @@ from verispec.viz.lossless import demo_chunk
 
 STATIC = Path(__file__).parent / "static"
 PAGES = {"/": "index.html", "/live": "live.html", "/lossless": "lossless.html", "/speedup": "speedup.html"}
+
+
+TREE_FIELDS = ("shape", "budget", "top_k", "children")
+# The live view's trees stay small enough to read, with the limits `verispec serve` applies by default.
+MAX_LIVE_TREE_NODES = ServeConfig().max_tree_nodes
+MAX_LIVE_TREE_DEPTH = ServeConfig().max_draft_tokens
 
 
 class LiveRequest(BaseModel):
@@ -45,6 +54,38 @@ class LiveRequest(BaseModel):
     seed: int = 0
     max_new_tokens: int = 64
     chat: bool | None = None
+    tree: Any = None  # None: a chain of K drafts; else read by `live_tree_config`
+
+
+def live_tree_config(value: Any, k: int) -> TreeConfig | None:
+    """The live request's `tree` as a TreeConfig (None or false: a chain).
+
+    value: {"shape": "3,2,1" or [3, 2, 1]} (static) or {"budget": 12} (dynamic, depth K), optionally
+    with "top_k" and "children" (see `TreeConfig`). Anything else, or a tree over MAX_LIVE_TREE_NODES
+    nodes or MAX_LIVE_TREE_DEPTH deep, is a VerispecError naming the problem (HTTP 400).
+    """
+    if value is None or value is False:
+        return None
+    if not isinstance(value, dict):
+        raise VerispecError('tree takes an object like {"shape": "3,2,1"} or {"budget": 12, "top_k": 4}')
+    unknown = sorted(set(value) - set(TREE_FIELDS))
+    if unknown:
+        raise VerispecError(f"unknown tree option '{unknown[0]}' (known: {', '.join(TREE_FIELDS)})")
+    values = {name: v for name, v in value.items() if v is not None}
+    if isinstance(values.get("shape"), str):
+        try:
+            values["shape"] = tuple(int(b) for b in values["shape"].split(","))
+        except ValueError:
+            raise VerispecError(f"a tree shape is branching factors per depth like 3,2,1, got '{value['shape']}'") from None
+    try:
+        tree = TreeConfig(**values)
+    except TypeError:
+        raise VerispecError(f"a tree shape is branching factors per depth like 3,2,1, got {value.get('shape')!r}") from None
+    depth = tree.depth(k)
+    if depth > MAX_LIVE_TREE_DEPTH or tree.size_upper_bound(depth) > MAX_LIVE_TREE_NODES:
+        raise VerispecError(f"the live view shows trees of at most {MAX_LIVE_TREE_NODES} nodes and depth "
+                            f"{MAX_LIVE_TREE_DEPTH}; this one has {tree.size_upper_bound(depth)} nodes and depth {depth}")
+    return tree
 
 
 class StepRequest(BaseModel):
@@ -67,7 +108,11 @@ class LiveDecoding:
         self.session = session
         self.decoder = decoder
         sampling = SamplingConfig(temperature=request.temperature)
-        spec = SpecConfig(num_draft_tokens=request.k, max_new_tokens=request.max_new_tokens)
+        tree = live_tree_config(request.tree, request.k)
+        spec = SpecConfig(num_draft_tokens=request.k, max_new_tokens=request.max_new_tokens, tree=tree)
+        if tree is not None:
+            decoder.engine.check_tree_support()  # now, not at the first step
+        self.tree = tree
         self.prompt_ids = decoder.encode(request.prompt, request.chat)
         tokenizer = decoder.target.tokenizer
         self.tracer = Tracer(top=8, token_text=lambda t: tokenizer.decode([t]))
@@ -115,8 +160,10 @@ class VizState:
         with self.lock:  # drafters keep per-batch state: one live decoding at a time
             self.live = LiveDecoding(next(self.sessions), self.decoders[request.drafter], request)
             tokenizer = self.live.decoder.target.tokenizer
+            tree = self.live.tree
             return {"session": self.live.session, "prompt_token_ids": self.live.prompt_ids,
-                    "prompt_text": tokenizer.decode(self.live.prompt_ids)}
+                    "prompt_text": tokenizer.decode(self.live.prompt_ids),
+                    "tree": None if tree is None else dataclasses.asdict(tree)}
 
     def step(self, session: int) -> dict:
         with self.lock:
@@ -144,7 +191,11 @@ def create_app(decoder: SpeculativeDecoder) -> FastAPI:
     def info() -> dict:
         return {"target": state.target_name, "drafters": list(state.decoders),
                 "defaults": {"k": SpecConfig().num_draft_tokens, "temperature": SamplingConfig().temperature,
-                             "max_new_tokens": LiveRequest.model_fields["max_new_tokens"].default, "seed": 0},
+                             "max_new_tokens": LiveRequest.model_fields["max_new_tokens"].default, "seed": 0,
+                             "tree_top_k": TreeConfig.__dataclass_fields__["top_k"].default,
+                             "tree_children": TreeConfig.__dataclass_fields__["children"].default},
+                "tree": {"children": list(TREE_CHILDREN), "max_nodes": MAX_LIVE_TREE_NODES,
+                         "max_depth": MAX_LIVE_TREE_DEPTH},
                 "analyze": dataclasses.asdict(AnalyzeConfig())}
 
     @app.post("/api/live/start")
