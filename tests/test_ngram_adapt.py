@@ -5,6 +5,7 @@ the --adapt wiring of generate, serve and bench."""
 
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -17,7 +18,7 @@ from tiny_hf import save_tiny_model_dir
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
 from verispec.adapt import AdaptationBuffer, AdaptExample, OnlineAdapter
 from verispec.cli import main
-from verispec.config import AdaptConfig, NGramConfig, ServeConfig
+from verispec.config import AdaptConfig, NGramConfig, ServeConfig, TreeConfig
 from verispec.drafters.base import Draft
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram_corpus import CorpusNGramDrafter
@@ -64,6 +65,38 @@ def test_buffer_sees_what_the_engine_verified(greedy_pair):
     for ex in examples:
         assert ex.probs == (1.0,)
         assert seq.tokens[len(ex.context)] == ex.tokens[0] and tuple(seq.tokens[: len(ex.context)]) == ex.context
+
+
+def test_buffer_sees_tree_steps(greedy_pair):
+    """Tree steps feed the buffer too: the context ends with the accepted path, the label is the target's next token."""
+    target, draft = greedy_pair
+    engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), 64), set())
+    buffer = AdaptationBuffer(AdaptConfig(include_undrafted=False))
+    engine.observers.append(buffer)
+    spec = SpecConfig(num_draft_tokens=3, max_new_tokens=30, stop_at_eos=False, tree=TreeConfig(shape=(2, 2, 1)))
+    seq = engine.generate([[1, 2, 3, 4]], GREEDY, spec)[0]
+    examples = buffer.drain()
+    assert len(examples) == seq.stats.recovered_tokens > 0
+    for ex in examples:
+        assert ex.probs == (1.0,)
+        assert seq.tokens[len(ex.context)] == ex.tokens[0] and tuple(seq.tokens[: len(ex.context)]) == ex.context
+
+
+def test_ngram_adaptation_with_trees_raises_acceptance(greedy_pair):
+    target = greedy_pair[0]
+    spec = SpecConfig(num_draft_tokens=4, max_new_tokens=48, stop_at_eos=False, tree=TreeConfig(budget=8, top_k=2))
+    prompts = [[1, 2, 3, 4], [9, 8, 7]]
+    plain = SpeculativeEngine(ModelRunner(target), None, set()).generate(prompts, GREEDY, replace(spec, tree=None))
+    drafter = CorpusNGramDrafter(table_from([list(range(64)) * 3], vocab_size=64), 64)
+    engine = SpeculativeEngine(ModelRunner(target), drafter, set())
+    adapter = OnlineAdapter(engine, SYNC)
+    rates = []
+    for _ in range(3):
+        seqs = engine.generate(prompts, GREEDY, spec)
+        assert [s.generated for s in seqs] == [s.generated for s in plain]
+        rates.append(sum(s.stats.accepted_tokens for s in seqs) / sum(s.stats.target_forward_passes for s in seqs))
+        adapter.adapt_now()
+    assert min(rates[1:]) > rates[0] + 0.2  # accepted tokens per target pass rise
 
 
 def acceptance(seqs) -> float:

@@ -25,7 +25,7 @@ import torch
 
 from verispec.config import AdaptConfig
 from verispec.errors import VerispecError
-from verispec.rejection import Verdict
+from verispec.rejection import TreeVerdict, Verdict
 
 log = logging.getLogger("verispec.adapt")
 
@@ -53,15 +53,25 @@ class AdaptationBuffer:
         self._examples: collections.deque[AdaptExample] = collections.deque(maxlen=config.buffer_size)
         self._lock = threading.Lock()
 
-    def __call__(self, seq, draft, p: torch.Tensor, verdict: Verdict, uniforms) -> None:
-        """p: (n + 1, V) the target's distributions at the step's positions."""
+    def __call__(self, seq, draft, p: torch.Tensor, verdict: Verdict | TreeVerdict, uniforms) -> None:
+        """p: (n + 1, V) the target's distributions at the step's positions (chains: after each draft
+        token; trees: at the root and after each node, rows made on demand)."""
         if not self.enabled:
             return
-        n, i = len(draft), verdict.num_accepted
-        if i == n and (n > 0 or not self.config.include_undrafted):
-            return  # every draft was accepted: nothing to correct
-        context = seq.tokens[-self.config.max_context :] + draft.tokens[:i].tolist()
-        top = torch.topk(p[i], min(self.config.top_k, p.shape[-1]))
+        if isinstance(verdict, TreeVerdict):  # the node where the walk stopped: its children were all rejected
+            if len(draft) and verdict.bonus:
+                return  # the accepted path reached a leaf: nothing to correct
+            if not len(draft) and not self.config.include_undrafted:
+                return
+            row, accepted = (verdict.path[-1] + 1 if verdict.path else 0), list(draft.path_tokens(verdict.path))
+        else:
+            n, row = len(draft), verdict.num_accepted
+            if row == n and (n > 0 or not self.config.include_undrafted):
+                return  # every draft was accepted: nothing to correct
+            accepted = draft.tokens[:row].tolist()
+        context = seq.tokens[-self.config.max_context :] + accepted
+        dist = p[row]  # (V,)
+        top = torch.topk(dist, min(self.config.top_k, dist.shape[-1]))
         keep = top.values > 0
         example = AdaptExample(tuple(context[-self.config.max_context :]), tuple(top.indices[keep].tolist()),
                                tuple(top.values[keep].tolist()))

@@ -87,9 +87,8 @@ class SpeculativeEngine:
         # p: (n + 1, V) (one-hot at the argmax at temperature 0) and uniforms None at temperature 0.
         # `tracer` is the slot of verispec.trace; `observers` holds the others (online adaptation).
         # The tracer also sees tree steps, with a TreeDraft, a TreeVerdict, p whose rows p[i] are made
-        # on demand ((V,) each, N + 1 of them) and the N uniforms of `verify_tree`; `observers` see
-        # chain steps only. With none set the loop stays bare. Observers only read: they never draw
-        # from seq.rng.
+        # on demand ((V,) each, N + 1 of them) and the N uniforms of `verify_tree`, and so do the
+        # `observers`. With none set the loop stays bare. Observers only read: they never draw from seq.rng.
         self.tracer: Callable | None = None
         self.observers: list[Callable] = []
 
@@ -198,17 +197,19 @@ class SpeculativeEngine:
         if cfg.repetition_penalty != 1.0:
             context = torch.tensor(seq.tokens, dtype=torch.long)
             seen = tree_seen_masks(context, draft.tokens, draft.tree.parents, logits.shape[-1])  # (N + 1, V)
+        watchers = self.observers if self.tracer is None else [self.tracer, *self.observers]
         if cfg.greedy:
             target_argmax = greedy_tokens(logits, cfg, seen)  # (N + 1,)
             verdict = verify_tree_greedy(target_argmax, draft.tree, draft.tokens)
-            if self.tracer is not None:  # at temperature 0, p is one-hot at the target's argmax
-                self.tracer(seq, draft, _OneHotRows(target_argmax, logits.shape[-1]), verdict, None)
+            for watch in watchers:  # at temperature 0, p is one-hot at the target's argmax
+                watch(seq, draft, _OneHotRows(target_argmax, logits.shape[-1]), verdict, None)
             return verdict
         p = _ProbabilityRows(logits, cfg, seen)  # (N + 1, V), rows made when the walk reaches them
-        if self.tracer is None:
+        if not watchers:
             return verify_tree(p, draft.tree, draft.tokens, draft.q, draft.siblings, seq.rng)
         verdict, u = verify_tree(p, draft.tree, draft.tokens, draft.q, draft.siblings, seq.rng, return_uniforms=True)
-        self.tracer(seq, draft, p, verdict, u)
+        for watch in watchers:
+            watch(seq, draft, p, verdict, u)
         return verdict
 
     def _commit(self, seq: Sequence, accepted: tuple[int, ...], verdict: Verdict | TreeVerdict) -> StepEvent:
