@@ -8,7 +8,7 @@ from test_exactness import V, check_distribution, sample_tokens
 from tiny_hf import char_tokenizer
 
 from verispec.cli import main
-from verispec.config import SamplingConfig, SpecConfig, TreeConfig
+from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig, TreeConfig
 from verispec.distill.data import Record, load_shard, save_shard, split_of
 from verispec.distill.model import (
     TinyDraftConfig,
@@ -19,7 +19,7 @@ from verispec.distill.model import (
     vocab_fingerprint,
 )
 from verispec.distill.teacher import TorchTeacher
-from verispec.distill.train import TrainConfig, distill_loss, evaluate, make_batch, to_example, train
+from verispec.distill.train import TrainConfig, choose_lookup, distill_loss, evaluate, make_batch, to_example, train
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
@@ -227,6 +227,12 @@ def test_distill_cli_end_to_end(tmp_path):
     assert (tmp_path / "run" / "draft" / "verispec-distilled.json").is_file()
     assert main(["generate", "--target", str(target_dir), "--draft", str(tmp_path / "run" / "draft"), "--prompt", "ab",
                  "--temperature", "0", "--max-new-tokens", "6", "--target-weights", "dense", "--json"]) == 0
+    assert main(["generate", "--target", str(target_dir), "--draft", str(tmp_path / "run" / "draft"), "--prompt", "ab",
+                 "--temperature", "0", "--max-new-tokens", "6", "--draft-lookup", "2", "--json"]) == 0
+    assert main(["generate", "--target", str(target_dir), "--draft", str(tmp_path / "run" / "draft"), "--prompt", "ab",
+                 "--draft-lookup", "-1"]) == 2
+    manifest = json.loads((tmp_path / "run" / "draft" / "verispec-distilled.json").read_text())
+    assert set(manifest["lookup_agreement"]) == {"0", "1", "2", "3"}  # measured on the validation split at export
 
 
 @pytest.mark.parametrize("tree", [TreeConfig(shape=(3, 2, 1)), TreeConfig(budget=8, top_k=3)])
@@ -265,3 +271,43 @@ def test_reduced_vocabulary_draft_adapts_online(greedy_pair):
         adapter.adapt_now()
     assert drafter.runner.model is not model  # new weights were swapped in
     assert max(rates[2:]) > rates[0] + 0.1, rates  # without adaptation the rate stays rates[0] (deterministic)
+
+
+LOOKUP = PromptLookupConfig(max_ngram=4, min_ngram=1)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5)])
+def test_lookup_first_keeps_sampling_exact(sampling_pair, sampling):
+    """Copied positions report a one-hot q, drawn ones the draft's q: the mixture stays exact (chi-square)."""
+    target, _ = sampling_pair
+    _, model, vocab = mapped_draft([0, 2, 5, 6, 7], V, seed=2)
+    drafter = DraftModelDrafter(MappedVocabRunner(model, vocab), V, lookup=LOOKUP)
+    engine = SpeculativeEngine(ModelRunner(target), drafter, eos_token_ids=set())
+    samples, seqs = sample_tokens(engine, sampling, K=3)
+    check_distribution(target, samples, sampling)
+    assert any(s.stats.accepted_tokens for s in seqs) and any(s.stats.recovered_tokens for s in seqs)
+
+
+def test_lookup_first_copies_and_stays_greedy_equal(greedy_pair):
+    target, _ = greedy_pair
+    _, model, vocab = mapped_draft(list(range(0, 64, 2)), 64, seed=3)
+    plain = SpeculativeEngine(ModelRunner(target), None, eos_token_ids=set())
+    drafter = DraftModelDrafter(MappedVocabRunner(model, vocab), 64, lookup=LOOKUP)
+    spec = SpeculativeEngine(ModelRunner(target), drafter, eos_token_ids=set())
+    greedy, cfg = SamplingConfig(temperature=0), SpecConfig(num_draft_tokens=3, max_new_tokens=24, stop_at_eos=False)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 11, 4, 8]]
+    assert [s.generated for s in spec.generate(prompts, greedy, cfg, seeds=0)] == \
+        [s.generated for s in plain.generate(prompts, greedy, cfg, seeds=0)]
+    seqs = plain.make_sequences([[1, 2, 3, 1, 2]], greedy, cfg, 0)
+    drafter.start(seqs)
+    assert drafter.propose(seqs, [1])[0].tokens.tolist() == [3]  # "1 2" was followed by 3: copied
+
+
+def test_choose_lookup_reports_every_choice(greedy_pair):
+    target, _ = greedy_pair
+    records = _tiny_training_set(target, n=2, tokens=10)
+    vocab = VocabMap.from_target_ids(torch.arange(64), 64)
+    shape = TinyDraftConfig(**{**SHAPE.__dict__, "draft_vocab_size": 64})
+    chosen = choose_lookup(shape.build(), records, vocab)
+    assert set(chosen["agreement"]) == {0, 1, 2, 3} and chosen["best"] in chosen["agreement"]
+    assert all(0 <= r <= 1 for r in chosen["agreement"].values())

@@ -105,7 +105,7 @@ class SpeculativeDecoder:
                 draft.vocab = VocabMap.from_target_ids(draft.vocab.to_target, self.runner.vocab_size)
             draft_runner = draft.make_runner()
             context_window = min(context_window, draft_runner.context_window)
-            self.drafter: Drafter | None = DraftModelDrafter(draft_runner, self.runner.vocab_size)
+            self.drafter: Drafter | None = DraftModelDrafter(draft_runner, self.runner.vocab_size, draft.lookup)
             self.draft_name = draft.name
             self.draft_weights = draft.weights
         elif isinstance(draft, Drafter):
@@ -136,6 +136,7 @@ class SpeculativeDecoder:
         draft_weights: str = DEFAULT_DRAFT_WEIGHTS,
         backend: str = DEFAULT_BACKEND,
         ngram: NGramConfig = NGramConfig(),
+        draft_lookup: int | None = None,
     ) -> SpeculativeDecoder:
         """Load by spec: a named default, a local HF model directory or a .gguf file.
 
@@ -146,13 +147,22 @@ class SpeculativeDecoder:
         `draft_weights` "int8" (default) quantizes the draft: the draft's dtype and weights change
         its speed and acceptance only, never the output distribution. `backend` "llama.cpp" runs
         GGUF models with llama.cpp's kernels (optional extra; one sequence at a time).
+        `draft_lookup` N > 0 makes a draft model copy from the context first where its last n-gram
+        (n >= N) occurred before (see DraftModelDrafter); 0 turns that off; None keeps the draft's own
+        setting (a distilled draft's manifest names the one measured best on its validation set).
         """
         loaded_target = load_model(target, dtype, target_weights, backend)
         if draft in NO_DRAFT or draft == NGRAM or is_corpus_spec(draft):
             return cls(loaded_target, draft, prompt_lookup, ngram)
         if distilled_path(draft) is not None:
-            return cls(loaded_target, load_distilled_draft(draft, loaded_target, draft_weights), prompt_lookup, ngram)
-        return cls(loaded_target, load_model(draft, draft_dtype or dtype, draft_weights, backend), prompt_lookup)
+            loaded_draft = load_distilled_draft(draft, loaded_target, draft_weights)
+        else:
+            loaded_draft = load_model(draft, draft_dtype or dtype, draft_weights, backend)
+        if draft_lookup is not None:
+            if draft_lookup < 0:
+                raise VerispecError(f"draft lookup needs an n-gram size >= 1 (0 turns it off), got {draft_lookup}")
+            loaded_draft.lookup = PromptLookupConfig(max_ngram=max(4, draft_lookup), min_ngram=draft_lookup) if draft_lookup else None
+        return cls(loaded_target, loaded_draft, prompt_lookup, ngram)
 
     # --- online adaptation -------------------------------------------------------------------------
     def enable_adaptation(self, config: AdaptConfig = AdaptConfig()) -> OnlineAdapter:

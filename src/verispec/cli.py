@@ -65,6 +65,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="llama.cpp: run GGUF models with llama.cpp's kernels (needs llama-cpp-python) (default: %(default)s)")
     p.add_argument("--ngram-max", type=int, help=f"prompt lookup: longest n-gram matched (default: {_default(PromptLookupConfig, 'max_ngram')})")
     p.add_argument("--ngram-min", type=int, help=f"prompt lookup: shortest n-gram matched (default: {_default(PromptLookupConfig, 'min_ngram')})")
+    p.add_argument("--draft-lookup", type=int, default=None, metavar="N",
+                   help="a draft model copies from the context first where its last n-gram (n >= N) occurred before; "
+                        "0 turns it off (default: the draft's own setting, e.g. the distilled draft's)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
@@ -251,7 +254,8 @@ def _load(args: argparse.Namespace):
     set_threads(args.threads)
     lookup = _build(PromptLookupConfig, args, LOOKUP_OPTIONS)
     return SpeculativeDecoder.load(args.target, args.draft, args.dtype, args.draft_dtype, lookup,
-                                   args.target_weights, args.draft_weights, args.backend)
+                                   args.target_weights, args.draft_weights, args.backend,
+                                   draft_lookup=getattr(args, "draft_lookup", None))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

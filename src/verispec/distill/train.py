@@ -152,6 +152,40 @@ def distill_loss(logq: torch.Tensor, hard: torch.Tensor, soft_ids: torch.Tensor,
     return total / (has_soft.sum() + has_hard.sum()).clamp_min(1)
 
 
+LOOKUP_CHOICES = (0, 1, 2, 3)  # "lookup first" minimum n-gram sizes tried at export (0: off)
+
+
+@torch.no_grad()
+def choose_lookup(model: torch.nn.Module, records: list[Record], vocab: VocabMap, seq_len: int = 512) -> dict:
+    """Greedy agreement with the target on `records` when the draft copies from the context first
+    (prompt lookup with n-grams of 4 down to N, else its own argmax), for N in LOOKUP_CHOICES.
+    Returns {"agreement": {N: rate}, "best": N}; N = 0 is the draft alone."""
+    from verispec.config import PromptLookupConfig
+    from verispec.drafters.prompt_lookup import lookup
+
+    model.eval()
+    hits = dict.fromkeys(LOOKUP_CHOICES, 0)
+    n = 0
+    for rec in records:
+        tokens = rec.tokens.tolist()
+        L = rec.topk_ids.shape[0]
+        for start in range(rec.label_start, rec.label_start + L, seq_len):
+            hi = min(start + seq_len, rec.label_start + L)
+            lo_ctx = max(0, hi - seq_len)
+            ctx = vocab.to_draft[rec.tokens[lo_ctx:hi]][None]  # (1, W)
+            own = vocab.to_target[draft_log_probs(model, ctx, torch.ones_like(ctx), vocab.other)[0].argmax(-1)]  # (W,)
+            for pos in range(start, hi):
+                truth = int(rec.topk_ids[pos - rec.label_start, 0])
+                mine = int(own[pos - lo_ctx])
+                n += 1
+                for choice in LOOKUP_CHOICES:
+                    copied = lookup(tokens[: pos + 1], 1, PromptLookupConfig(4, choice)) if choice else []
+                    hits[choice] += (copied[0] if copied else mine) == truth
+    model.train()
+    rates = {c: hits[c] / max(n, 1) for c in LOOKUP_CHOICES}
+    return {"agreement": rates, "best": max(LOOKUP_CHOICES, key=lambda c: (rates[c], -c))}
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, records: list[Record], vocab: VocabMap, seq_len: int = 512) -> dict:
     """greedy_acceptance and overlap (see module docstring) over the labelled positions of `records`."""
@@ -257,5 +291,12 @@ def train(model: torch.nn.Module, config: TinyDraftConfig, vocab: VocabMap, trai
                 tmp.replace(ckpt)
     model.eval()
     summary = {**meta, "train_config": asdict(cfg), "draft_config": asdict(config), "history": history[-5:]}
+    if val_records:
+        chosen = choose_lookup(model, val_records, vocab)
+        log(f"greedy agreement on validation with lookup first (min n-gram: rate; 0 = the draft alone): "
+            + ", ".join(f"{c}: {r:.3f}" for c, r in chosen["agreement"].items()))
+        summary["lookup_agreement"] = {str(c): round(r, 4) for c, r in chosen["agreement"].items()}
+        if chosen["best"]:
+            summary["draft_lookup"] = {"max_ngram": 4, "min_ngram": chosen["best"]}
     save_distilled(out / "draft", config, model, vocab, summary)
     return summary

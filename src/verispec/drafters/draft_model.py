@@ -9,6 +9,12 @@ Trees (`propose_tree`): the same catch-up pass gives the root's children; then o
 evaluates the nodes chosen for expansion with the tree's ancestor mask (`ModelRunner.forward_tree`),
 and their children are drawn (`verispec.drafters.tree_growth`). After verification the accepted
 path's entries are compacted into the draft's cache and the other nodes dropped (`commit_tree`).
+Lookup first (`lookup`, off unless configured): at each draft position where the context (with the
+tokens drafted so far) ends in an n-gram seen earlier in it, the draft proposes what followed that
+n-gram (prompt lookup) instead of its own choice, with q one-hot there; elsewhere its own token and q.
+Which source drafts a position is a function of the context, and each position reports the q its
+token was drawn from, so verification stays exact. A tiny draft gains most: on its validation set
+the copied tokens agree with the target far more often than its own guesses (see verispec.distill).
 Online adaptation (`adapt`, see `verispec.adapt` and `draft_adapt.py`) trains a copy of the draft in
 the caller's thread; the new weights wait in `_pending_model` until the start of the next `propose`,
 which swaps them in and restarts the draft's cache (it holds keys and values of the old weights).
@@ -20,8 +26,9 @@ import threading
 
 import torch
 
-from verispec.config import AdaptConfig, TreeConfig
+from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
+from verispec.drafters.prompt_lookup import lookup
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.models.runner import KVState, ModelRunner
 from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks
@@ -37,14 +44,16 @@ class DraftModelDrafter(Drafter):
         target_vocab_size: width of the target's logits; q is padded or cut to it (a draft never
             proposes a token outside the target's vocabulary, so cutting keeps q a distribution
             that the draft really samples from).
+        lookup: n-gram sizes of "lookup first" (see the module docstring); None drafts from the model only.
     """
 
     name = "draft-model"
     adaptive = True
 
-    def __init__(self, runner: ModelRunner, target_vocab_size: int) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab_size: int, lookup: PromptLookupConfig | None = None) -> None:
         self.runner = runner
         self.target_vocab_size = target_vocab_size
+        self.lookup = lookup
         self.state: KVState | None = None
         self.cached: list[int] = []  # per row: how many of the sequence's tokens the draft cache holds
         self.tree_slots: list[list[int]] = []  # per row, after propose_tree: each node's cache slot (-1: not fed)
@@ -92,7 +101,12 @@ class DraftModelDrafter(Drafter):
                 if seq.sampling.repetition_penalty != 1.0:
                     context = torch.tensor(seq.tokens + drafted[b], dtype=torch.long)
                     seen = seen_masks(context, context[:0], logits.shape[-1])  # (1, V)
-                if seq.sampling.greedy:
+                copied = lookup(seq.tokens + drafted[b], 1, self.lookup) if self.lookup is not None else []
+                if copied:  # deterministic: q is one-hot at the copied token
+                    token = copied[0]
+                    if not seq.sampling.greedy:
+                        q_rows[b].append(torch.nn.functional.one_hot(torch.tensor(token), self.target_vocab_size).float())
+                elif seq.sampling.greedy:
                     token = int(greedy_tokens(logits[b : b + 1], seq.sampling, seen)[0])
                 else:
                     q = logits_to_probs(logits[b : b + 1], seq.sampling, seen)[0]  # (V,)

@@ -52,6 +52,7 @@ class LoadedModel:
     weights: str = "dense"
     backend: str = DEFAULT_BACKEND
     vocab: object | None = None  # a distilled draft's VocabMap (its vocabulary is a subset of the target's)
+    lookup: object | None = None  # a draft's "lookup first" n-gram sizes (PromptLookupConfig; see DraftModelDrafter)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -181,8 +182,12 @@ def load_distilled_draft(spec: str, target: LoadedModel, weights: str = "dense")
     path = distilled_path(spec)
     if path is None:
         raise VerispecError(describe_spec_error(spec))
-    model, vocab, _ = load_distilled(path, target.tokenizer)
-    loaded = LoadedModel(spec, model, target.tokenizer, str(path), vocab=vocab)
+    from verispec.config import PromptLookupConfig
+
+    model, vocab, manifest = load_distilled(path, target.tokenizer)
+    lookup = manifest.get("draft_lookup")  # chosen on the draft's validation set when it was exported
+    loaded = LoadedModel(spec, model, target.tokenizer, str(path), vocab=vocab,
+                         lookup=PromptLookupConfig(**lookup) if lookup else None)
     if weights == "int8" and quantize_linear_layers(model):
         loaded.weights = "int8"
     return loaded
