@@ -2,6 +2,8 @@
 the teacher's labels, training, export / load with integrity checks, and the `distill` CLI."""
 
 
+import json
+
 import pytest
 import torch
 from test_exactness import V, check_distribution, sample_tokens
