@@ -152,7 +152,8 @@ def split_validation(records: list[Record], fraction: float, seed: int) -> tuple
     """Hold out a seeded fraction of labelled records (whole sequences) for validation."""
     labelled = [i for i, r in enumerate(records) if r.topk_ids.shape[0] > 0]
     rng = random.Random(seed)
-    held = set(rng.sample(labelled, int(len(labelled) * fraction))) if labelled else set()
+    count = max(1, int(len(labelled) * fraction)) if len(labelled) >= 2 else 0  # at least one, if any can be spared
+    held = set(rng.sample(labelled, count))
     return [r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)]
 
 
