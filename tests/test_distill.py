@@ -313,3 +313,15 @@ def test_choose_lookup_reports_every_choice(greedy_pair):
     chosen = choose_lookup(shape.build(), records, vocab)
     assert set(chosen["agreement"]) == {0, 1, 2, 3} and chosen["best"] in chosen["agreement"]
     assert all(0 <= r <= 1 for r in chosen["agreement"].values())
+
+
+def test_the_shipped_distilled_draft_loads_and_is_checked():
+    """The draft that ships with the package: files match their sha256, shapes match the config."""
+    from verispec.models.loading import DISTILLED_DRAFTS
+
+    model, vocab, manifest = load_distilled(DISTILLED_DRAFTS["distilled"])
+    assert manifest["target"] == "qwen2.5-coder-1.5b-instruct" and vocab.draft_vocab_size == 16384
+    assert manifest["split"].startswith("Spec-Bench question_id")
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, 16385) and bool(torch.isfinite(logits).all())
