@@ -25,7 +25,7 @@ from pathlib import Path
 
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
 from verispec.config import AdaptConfig
-from verispec.datasets import load_prompts
+from verispec.datasets import HELDOUT, load_prompts, split_of
 from verispec.models import DEFAULT_TARGET
 from verispec.stats import GenerationStats
 
@@ -94,10 +94,14 @@ def main() -> None:
     ap.add_argument("--adapt-prompts", type=int, default=50)
     ap.add_argument("--eval-prompts", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=0, help="measure the held-out prompts every N adaptation prompts")
+    ap.add_argument("--heldout-split", action="store_true",
+                    help="take the held-out prompts from the distillation HELDOUT split only (odd question ids), so a "
+                         "distilled draft is measured on prompts it never trained on")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--lr", type=float, default=None, help="draft-model learning rate (default: AdaptConfig's)")
+    ap.add_argument("--draft-lookup", type=int, default=None, help="as `verispec generate --draft-lookup` (default: the draft's)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out-dir", default="artifacts/online_adaptation")
     args = ap.parse_args()
@@ -108,14 +112,22 @@ def main() -> None:
     prompts = load_prompts(args.prompts, [args.category])
     if len(prompts) < args.adapt_prompts + args.eval_prompts:
         raise SystemExit(f"{args.category} has {len(prompts)} prompts, fewer than {args.adapt_prompts} + {args.eval_prompts}")
-    decoder = SpeculativeDecoder.load(args.target, args.drafter, draft_weights=args.draft_weights, backend=args.backend)
+    decoder = SpeculativeDecoder.load(args.target, args.drafter, draft_weights=args.draft_weights, backend=args.backend,
+                                      draft_lookup=args.draft_lookup)
     adapt_config = AdaptConfig(background=False, min_examples=1, **({"lr": args.lr} if args.lr else {}))
     adapter = decoder.enable_adaptation(adapt_config)
     sampling = SamplingConfig(temperature=args.temperature)
     spec = SpecConfig(num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens)
     encode = lambda ps: [(p, decoder.encode(p.text)) for p in ps]  # noqa: E731
-    held_out = encode(prompts[len(prompts) - args.eval_prompts :])
-    adapting = encode(prompts[: args.adapt_prompts])
+    if args.heldout_split:
+        eligible = [p for p in prompts if split_of(p.question_id) == HELDOUT]
+        if len(eligible) < args.eval_prompts:
+            raise SystemExit(f"{args.category} has {len(eligible)} HELDOUT prompts, fewer than {args.eval_prompts}")
+        chosen = eligible[len(eligible) - args.eval_prompts :]
+    else:
+        chosen = prompts[len(prompts) - args.eval_prompts :]
+    held_out = encode(chosen)
+    adapting = encode([p for p in prompts if p not in chosen][: args.adapt_prompts])
     start = time.perf_counter()
 
     before = evaluate(decoder, adapter, held_out, sampling, spec, "before")
