@@ -1,6 +1,8 @@
 """Continuous batching: sequences joining and leaving a running DecodeBatch decode exactly as they
 would alone, and the caches shrink back when they leave."""
 
+import copy
+
 import pytest
 import torch
 
@@ -9,6 +11,9 @@ from verispec.config import SamplingConfig, SpecConfig
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.engine import DecodeBatch, SpeculativeEngine
+from verispec.models.loading import LoadedModel
+from verispec.models.quantized import quantize_linear_layers
+from verispec.models.rowwise import RowwiseRunner
 from verispec.models.runner import ModelRunner
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [3], [20, 21, 22, 20, 21]]
@@ -49,13 +54,22 @@ def test_dropping_rows_removes_their_columns_and_keeps_the_others_exact():
 
 def make_engine(kind, greedy_pair):
     target, draft = greedy_pair
+    if kind == "int8-draft":  # the runner an int8 draft gets when loaded: row by row
+        int8 = copy.deepcopy(draft)
+        assert quantize_linear_layers(int8) > 0
+        runner = LoadedModel("int8 draft", int8, None, "", weights="int8").make_runner()
+        assert isinstance(runner, RowwiseRunner)
+        return SpeculativeEngine(ModelRunner(target), DraftModelDrafter(runner, 64), set())
     drafter = DraftModelDrafter(ModelRunner(draft), 64) if kind == "draft-model" else PromptLookupDrafter()
     return SpeculativeEngine(ModelRunner(target), drafter, set())
 
 
-@pytest.mark.parametrize("kind", ["draft-model", "ngram"])
+@pytest.mark.parametrize("kind", ["draft-model", "int8-draft", "ngram"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_sequences_joining_at_different_steps_equal_each_alone(greedy_pair, kind, temperature):
+    """Seeded sampling too: a sequence's tokens never depend on the batch it shares. (An int8 draft rounds its
+    activations to bfloat16, which turns a batched pass's last-bit differences into a different q, hence
+    different draws, unless it runs row by row; see the next test.)"""
     engine = make_engine(kind, greedy_pair)
     sampling = SamplingConfig(temperature=temperature, top_k=20)
     specs = [SpecConfig(num_draft_tokens=k, max_new_tokens=n) for k, n in [(3, 20), (1, 12), (5, 25), (2, 16)]]
@@ -122,3 +136,31 @@ def test_cache_stays_bounded_while_sequences_come_and_go(greedy_pair):
     assert not batch
     longest_life = max(len(p) for p in PROMPTS) + spec.max_new_tokens * (spec.num_draft_tokens + 1)
     assert widest <= 4 * longest_life  # without compaction the cache would grow with every step
+
+
+
+def test_row_by_row_runner_gives_each_row_bit_for_bit_what_it_gives_alone():
+    """RowwiseRunner (what int8 drafts run on): a row's logits never depend on the rows beside it, through
+    forward, rollback, tree passes and commits. (The batched ModelRunner fails this by ~4e-8 here: padding
+    a short row to a long one changes attention's float sums; an int8 draft's bfloat16 activations magnify
+    such bits into a different q, and seeded requests then drew other tokens when batched.)"""
+    runner = RowwiseRunner(ModelRunner(tiny_model("llama", vocab=64, seed=0)))
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (100, 3, 17)]
+
+    def run(indices):
+        state = runner.new_state(len(indices))
+        outs = [runner.forward(state, [rows[i] for i in indices], [1] * len(indices))]
+        outs.append(runner.forward(state, [[5, 6, 7] for _ in indices], [3] * len(indices)))
+        runner.rollback(state, [2] * len(indices))
+        outs.append(runner.forward_tree(state, [[] for _ in indices], [[8, 9, 10] for _ in indices],
+                                        [[-1, -1, 0] for _ in indices]))
+        runner.commit_tree(state, [[0, 2] for _ in indices])
+        outs.append(runner.forward(state, [[11] for _ in indices], [1] * len(indices)))
+        return outs
+
+    together = run([0, 1, 2])
+    for i in range(3):
+        alone = run([i])
+        for t, a in zip(together, alone):
+            assert torch.equal(t[i], a[0])

@@ -59,18 +59,18 @@ class LoadedModel:
         return next(self.model.parameters()).dtype if self.model is not None else torch.float32
 
     def make_runner(self):
-        """The runner that decodes with this model: a ModelRunner, or a LlamaCppRunner for backend "llama.cpp"."""
+        """The runner that decodes with this model: a ModelRunner, or a LlamaCppRunner for backend "llama.cpp".
+        int8 models run row by row (`verispec.models.rowwise`: a row's results then never depend on its batch)."""
         if self.backend == "llama.cpp":
             from verispec.models.llamacpp import LlamaCppRunner
 
             return LlamaCppRunner(Path(self.source))
-        if self.vocab is not None:
-            from verispec.models.mapped import MappedVocabRunner
-
-            return MappedVocabRunner(self.model, self.vocab)
+        from verispec.models.mapped import MappedVocabRunner
+        from verispec.models.rowwise import RowwiseRunner
         from verispec.models.runner import ModelRunner
 
-        return ModelRunner(self.model)
+        runner = MappedVocabRunner(self.model, self.vocab) if self.vocab is not None else ModelRunner(self.model)
+        return RowwiseRunner(runner) if self.weights == "int8" else runner
 
     def eos_token_ids(self) -> set[int]:
         ids: set[int] = set()

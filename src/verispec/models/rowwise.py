@@ -1,0 +1,105 @@
+"""Row by row: a batch whose rows each keep their own one-row cache and get their own forward passes.
+
+Why. In a batched pass a row's cache is padded to the longest row and its holes are masked, which
+changes the order of the float additions inside attention: the row's numbers differ from its numbers
+alone in the last bits. That never changes the output distribution, and a float32 model turns such
+differences into a different token almost never; but an int8 draft rounds its activations to bfloat16,
+which magnifies them into visibly different q. q decides which tokens a seeded sampling request draws
+(not their distribution), so a seeded request decoded with an int8 draft gave different tokens alone
+and batched (measured with the SmolLM2 pair at temperature 0.8: 4 of 6 sequences). Run row by row,
+a row's draft computes exactly what it computes alone, so a seeded request gives the same tokens
+whatever batch it shares.
+
+Cost. The int8 kernel (`torch._weight_int8pack_mm`) costs about the same per row batched or not
+(measured on this machine: 5 rows 4.8x one row), so int8 drafts lose only per-call Python overhead.
+Float drafts, whose matmuls batch almost for free, stay batched (`LoadedModel.make_runner`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.models.runner import KVState, ModelRunner
+
+
+@dataclass
+class RowStates:
+    """A batch's caches, one single-row KVState per row (the `KVState` interface the drafters use)."""
+
+    runner: ModelRunner
+    rows: list[KVState] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def speculative(self) -> bool:
+        return any(row.speculative for row in self.rows)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these rows, in this order. rows: (B',) long."""
+        if self.speculative:
+            raise ValueError("select needs the tree entries committed first (commit_tree)")
+        self.rows = [self.rows[i] for i in rows.tolist()]
+
+    def extend(self, num_rows: int) -> None:
+        self.rows += [self.runner.new_state(1) for _ in range(num_rows)]
+
+
+class RowwiseRunner:
+    """A ModelRunner's interface over RowStates: each call runs the inner runner once per row with work."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.vocab_size, self.context_window, self.dtype = runner.vocab_size, runner.context_window, runner.dtype
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @model.setter
+    def model(self, model: torch.nn.Module) -> None:  # online adaptation swaps in new weights
+        self.runner.model = model
+
+    def new_state(self, batch_size: int) -> RowStates:
+        state = RowStates(self.runner)
+        state.extend(batch_size)
+        return state
+
+    def forward(self, state: RowStates, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+        """As `ModelRunner.forward`: (B, M, V) logits, M = max(1, max(num_logits)); rows without tokens are filler."""
+        outs = {b: self.runner.forward(state.rows[b], [row], [n])[0]  # (max(1, n), V)
+                for b, (row, n) in enumerate(zip(tokens, num_logits)) if row}
+        return _stack(outs, len(tokens), max(1, max(num_logits, default=0)), self.vocab_size)
+
+    def forward_tree(self, state: RowStates, chains: list[list[int]], nodes: list[list[int]],
+                     parents: list[list[int]]) -> torch.Tensor:
+        """As `ModelRunner.forward_tree`, row by row: (B, M, V) logits."""
+        outs = {b: self.runner.forward_tree(state.rows[b], [chains[b]], [nodes[b]], [parents[b]])[0]  # (m_b, V)
+                for b in range(len(chains)) if chains[b] or nodes[b]}
+        width = max((out.shape[0] for out in outs.values()), default=1)
+        return _stack(outs, len(chains), width, self.vocab_size)
+
+    def commit_tree(self, state: RowStates, paths: list[list[int]]) -> None:
+        for row, path in zip(state.rows, paths):
+            self.runner.commit_tree(row, [path])
+
+    def rollback(self, state: RowStates, num_dropped: list[int]) -> None:
+        for row, dropped in zip(state.rows, num_dropped):
+            self.runner.rollback(row, [dropped])
+
+    def training_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        return self.runner.training_logits(model, input_ids, last)
+
+
+def _stack(outs: dict[int, torch.Tensor], batch: int, width: int, vocab: int) -> torch.Tensor:
+    """Per-row (m_b, V) logits -> (B, width, V), zeros where a row has none."""
+    if outs:
+        vocab = next(iter(outs.values())).shape[-1]
+    logits = torch.zeros(batch, width, vocab)  # (B, M, V)
+    for b, out in outs.items():
+        logits[b, : out.shape[0]] = out[:width]
+    return logits
