@@ -132,19 +132,24 @@ def run_config(decoder: SpeculativeDecoder, requests: list[dict], clients: int, 
 
 def run_load(decoder: SpeculativeDecoder, clients: int = 8, num_requests: int = 32,
              max_new_tokens: tuple[int, ...] = (16, 64), seed: int = 0, timeout_s: float = 600.0,
-             time_limit_s: float = 1800.0) -> list[dict]:
+             time_limit_s: float = 1800.0, speculation: tuple[bool, ...] = (True, False)) -> list[dict]:
     """Every configuration's summary; `mismatches` compares each batched run with its batching-off run."""
     requests = workload(num_requests, list(max_new_tokens), seed)
     summaries = []
-    for speculate in (True, False):
+    for speculate in speculation:
         reference = None
         for batching in (False, True):
             summary, results = run_config(decoder, requests, clients, batching, speculate, timeout_s, time_limit_s)
             if reference is None:
                 reference = results
-            summary["mismatches"] = sum(a is None or b is None or a["text"] != b["text"]
-                                        for a, b in zip(results, reference))
+            differing = [i for i, (a, b) in enumerate(zip(results, reference)) if a is None or b is None or a["text"] != b["text"]]
+            summary["mismatches"] = len(differing)
+            summary["mismatched_requests"] = [{"request": requests[i], "alone": reference[i] and reference[i]["text"],
+                                               "here": results[i] and results[i]["text"]} for i in differing]
             summaries.append(summary)
+            print(f"batching {'on' if batching else 'off'}, speculation {'on' if speculate else 'off'}: "
+                  f"{summary['completed']}/{summary['requests']} done, {summary['tokens_per_second']} tok/s, "
+                  f"latency p50 {summary['latency_p50']} s, {summary['mismatches']} mismatches", file=sys.stderr, flush=True)
     return summaries
 
 
@@ -167,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s (default: %(default)s)")
     parser.add_argument("--time-limit", type=float, default=1800.0, help="per-configuration limit, s (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--speculation", choices=["both", "on", "off"], default="both",
+                        help="run the configurations with speculation on, off or both (default: %(default)s)")
     parser.add_argument("--out", help="write the summaries as JSON here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -175,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     decoder = SpeculativeDecoder.load(args.target, args.draft)
     lengths = tuple(int(x) for x in args.max_new_tokens.split(","))
-    summaries = run_load(decoder, args.clients, args.requests, lengths, args.seed, args.timeout, args.time_limit)
+    speculation = {"both": (True, False), "on": (True,), "off": (False,)}[args.speculation]
+    summaries = run_load(decoder, args.clients, args.requests, lengths, args.seed, args.timeout, args.time_limit,
+                         speculation)
     print(markdown(summaries))
     if args.out:
         with open(args.out, "w") as f:
