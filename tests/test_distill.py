@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_exactness import V, check_distribution, sample_tokens
+from test_exactness import THRESHOLD, V, check_distribution, sample_tokens
 from tiny_hf import char_tokenizer
 
 from verispec.cli import main
@@ -69,14 +69,22 @@ def test_mapped_runner_matches_the_small_model_on_its_vocabulary():
     assert torch.isinf(out[:, [1, 2, 4, 7]]).all()
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_p=0.9)])
-def test_reduced_vocabulary_draft_keeps_sampling_exact(sampling_pair, sampling):
-    """q is zero outside the draft vocabulary: the residual must carry that mass (chi-square)."""
+LOOKUP = PromptLookupConfig(max_ngram=4, min_ngram=1)
+
+
+@pytest.mark.parametrize("lookup", [None, LOOKUP], ids=["draft", "lookup-first"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_p=0.9),
+                                      SamplingConfig(temperature=0.7, top_k=5)])
+def test_reduced_vocabulary_draft_keeps_sampling_exact(sampling_pair, sampling, lookup):
+    """q is zero outside the draft vocabulary: the residual must carry that mass. Lookup first: copied positions
+    report a one-hot q, drawn ones the draft's q, and the mixture stays exact too (chi-square)."""
     target, _ = sampling_pair
     _, model, vocab = mapped_draft([0, 2, 5, 6, 7], V, seed=2)
-    engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(MappedVocabRunner(model, vocab), V), eos_token_ids=set())
+    drafter = DraftModelDrafter(MappedVocabRunner(model, vocab), V, lookup=lookup)
+    engine = SpeculativeEngine(ModelRunner(target), drafter, eos_token_ids=set())
     samples, seqs = sample_tokens(engine, sampling, K=3)
-    check_distribution(target, samples, sampling)
+    for fit in check_distribution(target, samples, sampling):
+        assert fit.p_value > THRESHOLD, fit
     assert any(s.stats.accepted_tokens for s in seqs) and any(s.stats.recovered_tokens for s in seqs)
 
 
@@ -274,20 +282,6 @@ def test_reduced_vocabulary_draft_adapts_online(greedy_pair):
     assert drafter.runner.model is not model  # new weights were swapped in
     assert max(rates[2:]) > rates[0] + 0.1, rates  # without adaptation the rate stays rates[0] (deterministic)
 
-
-LOOKUP = PromptLookupConfig(max_ngram=4, min_ngram=1)
-
-
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5)])
-def test_lookup_first_keeps_sampling_exact(sampling_pair, sampling):
-    """Copied positions report a one-hot q, drawn ones the draft's q: the mixture stays exact (chi-square)."""
-    target, _ = sampling_pair
-    _, model, vocab = mapped_draft([0, 2, 5, 6, 7], V, seed=2)
-    drafter = DraftModelDrafter(MappedVocabRunner(model, vocab), V, lookup=LOOKUP)
-    engine = SpeculativeEngine(ModelRunner(target), drafter, eos_token_ids=set())
-    samples, seqs = sample_tokens(engine, sampling, K=3)
-    check_distribution(target, samples, sampling)
-    assert any(s.stats.accepted_tokens for s in seqs) and any(s.stats.recovered_tokens for s in seqs)
 
 
 def test_lookup_first_copies_and_stays_greedy_equal(greedy_pair):
