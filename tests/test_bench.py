@@ -1,6 +1,7 @@
 """`verispec bench` on tiny models: every system runs, greedy outputs agree, files are written."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +84,43 @@ def test_bench_with_online_adaptation(setup, capsys):
     assert report["config"]["adapt"] is True and report["config"]["ngram_table"] == str(root / "t.ngram")
     assert report["summary"]["verispec-ngram-corpus"]["all"]["greedy_equal_to_plain"] == "3/3"
     assert sum(r["stats"]["draft_tokens"] for r in report["runs"] if r["system"] == "verispec-ngram-corpus") > 0
+
+
+def test_bench_records_a_failing_system_and_goes_on(setup, monkeypatch):
+    """One system failing on one prompt is reported as a failure; the other runs still count, and the JSON
+    written after each prompt holds the runs so far."""
+    import verispec.bench.runner as runner
+
+    root, target, draft, prompts, _ = setup
+    build = runner.build_systems
+    seen_partial = []
+
+    def flaky_systems(*args, **kwargs):
+        systems = build(*args, **kwargs)
+        flaky = next(s for s in systems if s.name == "verispec-ngram")
+        original = flaky.run
+
+        def run(prompt, sampling, max_new_tokens, seed):
+            out = Path(root / "flaky" / "bench.json")
+            if out.is_file():
+                seen_partial.append(json.loads(out.read_text()))
+            if seed == 2:  # the rag prompt (question id 2; seeds are config.seed + question id)
+                raise ValueError("context too long for this system")
+            return original(prompt, sampling, max_new_tokens, seed)
+
+        flaky.run = run
+        return systems
+
+    monkeypatch.setattr(runner, "build_systems", flaky_systems)
+    config = BenchConfig(prompts=prompts, per_category=1, max_new_tokens=6, out_dir=str(root / "flaky"),
+                         systems=("verispec-plain", "verispec-ngram"))
+    report = run_bench(config, load_model(target), None)
+    assert [f["system"] for f in report["failures"]] == ["verispec-ngram"]
+    assert "context too long" in report["failures"][0]["error"] and "failed runs" in report["markdown"]
+    assert report["summary"]["verispec-ngram"]["all"]["prompts"] == 2
+    assert report["summary"]["verispec-plain"]["all"]["prompts"] == 3
+    assert any(p["partial"] and p["runs"] for p in seen_partial)  # written before the bench ended
+    assert json.loads((root / "flaky" / "bench.json").read_text())["partial"] is False
 
 
 def test_cost_model_formulas():

@@ -95,7 +95,7 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
-                  hf_target: LoadedModel, hf_draft: LoadedModel | None) -> list[System]:
+                  hf_target: LoadedModel, hf_draft: LoadedModel | None, context_window: int = 4096) -> list[System]:
     wanted = config.systems or SYSTEMS
     eos = target.eos_token_ids()
     k = config.num_draft_tokens
@@ -116,9 +116,10 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             if llama_target is None:
                 continue
             if name == "llamacpp-generate":
-                systems.append(LlamaCppGenerate(name, llama_target.source, eos))
+                systems.append(LlamaCppGenerate(name, llama_target.source, eos, context_window))
             elif name == "llamacpp-prompt-lookup":
-                systems.append(LlamaCppGenerate(name, llama_target.source, eos, prompt_lookup_num_tokens=k))
+                systems.append(LlamaCppGenerate(name, llama_target.source, eos, context_window,
+                                                prompt_lookup_num_tokens=k))
             elif name.startswith("verispec-llamacpp-ngram"):
                 decoder = SpeculativeDecoder(llama_target, "ngram")
                 systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
@@ -215,24 +216,43 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
                            split=None if config.split == "all" else config.split)
     if not prompts:
         raise VerispecError(f"no prompts selected from {config.prompts}")
-    systems = build_systems(config, target, draft, hf_target, hf_draft)
     encoder = SpeculativeDecoder(target, "none")
+    prompt_ids = [encoder.encode(prompt.text, chat=None) for prompt in prompts]
+    # llama.cpp's own decoding keeps an (n_ctx x vocab) score buffer: size its context from the prompts
+    context = max(len(ids) for ids in prompt_ids) + config.max_new_tokens + config.num_draft_tokens + 8
+    systems = build_systems(config, target, draft, hf_target, hf_draft, context_window=max(512, context))
     sampling = SamplingConfig(temperature=config.temperature)
     records: list[Record] = []
+    failures: list[dict] = []
     for system in systems:  # warm-up: first calls pay for kernel set-up, not for decoding
         system.run(encoder.encode("Hello"), sampling, 4, config.seed)
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=stderr_console()) as progress:
         task = progress.add_task("bench", total=len(prompts) * len(systems))
-        for prompt in prompts:
-            ids = encoder.encode(prompt.text, chat=None)
+        for prompt, ids in zip(prompts, prompt_ids):
             for system in systems:
                 progress.update(task, description=f"{prompt.category} q{prompt.question_id} {system.name}")
-                run = system.run(ids, sampling, config.max_new_tokens, config.seed + prompt.question_id)
-                records.append(Record(system.name, prompt.question_id, prompt.category, run))
+                try:
+                    run = system.run(ids, sampling, config.max_new_tokens, config.seed + prompt.question_id)
+                except Exception as err:  # noqa: BLE001 (recorded, printed and reported below)
+                    # one system failing on one prompt (a context too long for it, a backend error) is
+                    # recorded and the bench goes on: the other systems' figures are still worth having
+                    failures.append({"system": system.name, "question_id": prompt.question_id,
+                                     "category": prompt.category, "prompt_tokens": len(ids),
+                                     "error": f"{type(err).__name__}: {err}"})
+                    progress.console.print(f"[red]{system.name} failed on q{prompt.question_id}[/red]: {err}")
+                else:
+                    records.append(Record(system.name, prompt.question_id, prompt.category, run))
                 progress.advance(task)
             progress.console.print(f"{prompt.category} q{prompt.question_id}: " + ", ".join(
                 f"{r.system} {r.run.tokens_per_second:.2f} tok/s" for r in records if r.question_id == prompt.question_id))
+            # partial results after every prompt, so a bench cut short still leaves its measurements
+            _write_json(out / "bench.json", {"config": asdict(config), "partial": True, "runs": _runs(records),
+                                             "failures": failures})
+    if not records:
+        raise VerispecError(f"every system failed on every prompt; first error: {failures[0]['error']}")
     categories = list(dict.fromkeys(p.category for p in prompts))
     summary = summarize(records, greedy=sampling.greedy)
     bandwidth = memory_bandwidth_gbs()
@@ -240,25 +260,39 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     limit = bandwidth * 1e9 / bytes_per_token
     plain = summary.get("verispec-plain", {}).get("all", {}).get("median_tokens_per_second")
     report = {
-        "config": asdict(config),
+        "config": asdict(config), "partial": False,
         "target": target.name, "draft": draft.name if draft else None, "dtype": str(target.dtype),
         "target_weights": target.weights, "draft_weights": draft.weights if draft else None,
         "memory_bandwidth_gbs": bandwidth, "weight_bytes_per_token": bytes_per_token,
         "bandwidth_limit_tokens_per_second": limit,
         "plain_fraction_of_bandwidth_limit": plain / limit if plain else None,
         "summary": summary,
-        "runs": [{"system": r.system, "question_id": r.question_id, "category": r.category,
-                  "new_tokens": len(r.run.token_ids), "seconds": r.run.seconds,
-                  "stats": r.run.stats.to_dict() if r.run.stats else None} for r in records],
+        "runs": _runs(records),
+        "failures": failures,
     }
-    out = Path(config.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    _write_json(out / "bench.json", report)
     table = markdown(summary, categories)
     table += (f"\n\nmemory bandwidth {bandwidth:.1f} GB/s, {bytes_per_token / 1e9:.2f} GB of weights per token: "
               f"bandwidth limit {limit:.2f} tokens/s" + (f"; verispec-plain reaches {plain / limit:.0%} of it" if plain else ""))
+    if failures:
+        table += "\n\nfailed runs (left out of the figures above):\n" + "\n".join(
+            f"- {f['system']} on q{f['question_id']} ({f['category']}, {f['prompt_tokens']} prompt tokens): {f['error']}"
+            for f in failures)
     (out / "bench.md").write_text(table + "\n")
     report["markdown"] = table
     report["plots"] = [str(plot_speedup(summary, categories, out / "speedup_by_category.png")),
                        str(plot_acceptance_by_position(summary, out / "acceptance_by_position.png"))]
     return report
+
+
+def _runs(records: list[Record]) -> list[dict]:
+    return [{"system": r.system, "question_id": r.question_id, "category": r.category,
+             "new_tokens": len(r.run.token_ids), "seconds": r.run.seconds,
+             "stats": r.run.stats.to_dict() if r.run.stats else None} for r in records]
+
+
+def _write_json(path: Path, report: dict) -> None:
+    """Write through a temporary file, so a reader (or a killed bench) never sees half a JSON file."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(path)

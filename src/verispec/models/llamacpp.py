@@ -52,7 +52,7 @@ class LlamaCppState:
 class LlamaCppRunner:
     """ModelRunner-compatible wrapper of a `llama_cpp.Llama` built with logits for every position."""
 
-    def __init__(self, gguf: Path, context_window: int = 4096, threads: int | None = None) -> None:
+    def __init__(self, gguf: Path, context_window: int = 8192, threads: int | None = None) -> None:
         if not llamacpp_available():
             raise VerispecError(
                 "the llama.cpp backend needs llama-cpp-python (an optional extra that compiles llama.cpp, "
