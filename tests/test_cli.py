@@ -111,6 +111,8 @@ def test_auto_k_generation_is_greedy_equal(model_dirs, capsys):
     auto = run_json(capsys, *common, "--draft", model_dirs["draft"], "--auto-k")
     plain = run_json(capsys, *common, "--draft", "none")
     assert auto["token_ids"] == plain["token_ids"]
+    tree = run_json(capsys, *common, "--draft", model_dirs["draft"], "--auto-k", "--tree-budget", "8")
+    assert tree["token_ids"] == plain["token_ids"]  # a dynamic tree sized from the measured costs
 
 
 def test_tree_options_greedy_equal_with_tree_stats(model_dirs, capsys):
@@ -140,7 +142,7 @@ def test_tree_options_greedy_equal_with_tree_stats(model_dirs, capsys):
         (["--tree-top-k", "3"], "add --tree-shape or --tree-budget"),
         (["--tree-budget", "4", "--tree-top-k", "0"], "top_k"),
         (["--tree-budget", "4", "--draft", "none"], "needs a drafter"),
-        (["--tree-budget", "4", "--auto-k"], "--auto-k"),
+        (["--tree-shape", "2,1", "--auto-k"], "cannot tune a static --tree-shape"),
     ],
 )
 def test_bad_tree_options_give_a_clear_error(model_dirs, capsys, args, fragment):

@@ -86,6 +86,28 @@ def test_dynamic_tree_keeps_a_budget_of_prefix_closed_nodes(children):
     assert len(shapes) == 1  # which nodes are kept never depends on the sampled tokens
 
 
+def test_measured_costs_keep_only_the_nodes_that_pay():
+    """A node is kept while it raises (1 + kept scores) / (draft cost + v(kept)); the root's children
+    have scores 0.5, 0.3, 0.1 here and v = (1.0, 1.2, 1.4, 2.0) for passes over 1..4 tokens."""
+    logits = torch.tensor([0.5, 0.3, 0.1, 0.1]).log()
+    costs = (1.0, 1.2, 1.4, 2.0)
+    # node 1: (1 + 0.5) * v(0) = 1.5 > 1 * v(1) = 1.2, kept; node 2: 1.8 * 1.2 = 2.16 > 1.5 * 1.4 = 2.1, kept;
+    # node 3: 1.9 * 1.4 = 2.66 < 1.8 * 2.0 = 3.6: stop.
+    growth = grow(TreeConfig(budget=3, top_k=3, pass_costs=costs), logits, seed=0, depth=1)
+    assert len(growth.select()) == 2
+    assert len(grow(TreeConfig(budget=3, top_k=3), logits, seed=0, depth=1).select()) == 3  # no costs: the budget
+    flat = TreeConfig(budget=3, top_k=3, pass_costs=(1.0,) * 4)
+    assert len(grow(flat, logits, seed=0, depth=1).select()) == 3  # a free node always pays
+    # A large draft cost makes width relatively cheap: with draft_cost 12, node 3 pays (1.9 * 13.4 > 1.8 * 14.0).
+    assert len(grow(TreeConfig(budget=3, top_k=3, pass_costs=costs, draft_cost=12.0), logits, 0, depth=1).select()) == 3
+    steep = TreeConfig(budget=3, top_k=3, pass_costs=(1.0, 2.0, 3.0, 4.0))
+    assert grow(steep, logits, seed=0, depth=1).select() == []  # no node pays: the step decodes plainly
+    for bad in [dict(shape=(2,), pass_costs=(1.0, 1.0)), dict(budget=4, pass_costs=()), dict(budget=4, pass_costs=(1, -1)),
+                dict(budget=4, draft_cost=-1.0)]:
+        with pytest.raises(VerispecError):
+            TreeConfig(**bad)
+
+
 def test_without_replacement_children_are_distinct_and_static_shapes_are_full():
     logits = torch.zeros(8)
     growth = grow(TreeConfig(shape=(4, 2, 1)), logits, seed=0)
@@ -236,5 +258,19 @@ def test_trees_need_a_tree_capable_drafter_and_backend(pair):
             [[1, 2]], GREEDY, spec, 0)
     engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), 64), set())
     tuner = AdaptiveK(CostProfile({1: 1.0, 2: 1.0}, 0.1))
-    with pytest.raises(VerispecError, match="auto-K"):
+    with pytest.raises(VerispecError, match="static tree shape cannot be auto-tuned"):
         engine.generate([[1, 2]], GREEDY, spec, tuner=tuner)
+
+
+def test_auto_tuned_dynamic_trees_equal_plain_decoding_and_shrink_with_steep_costs(pair):
+    """With a tuner, dynamic trees are sized from its measured costs: still exact (greedy = plain), and
+    a steep cost curve keeps fewer nodes per step than a flat one."""
+    target, draft = pair
+    spec = SpecConfig(max_new_tokens=24, tree=TreeConfig(budget=10, top_k=3))
+    drafted = {}
+    for name, costs in [("flat", {w: 1.0 for w in range(1, 12)}), ("steep", {w: float(w) ** 0.7 for w in range(1, 12)})]:
+        engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), 64), {7})
+        seqs = engine.generate(PROMPTS, GREEDY, spec, tuner=AdaptiveK(CostProfile(costs, 0.05)))
+        assert [s.generated for s in seqs] == plain_tokens(target, PROMPTS, eos={7})
+        drafted[name] = sum(s.stats.draft_tokens for s in seqs) / sum(s.stats.target_forward_passes for s in seqs)
+    assert drafted["steep"] < drafted["flat"]

@@ -20,7 +20,7 @@ from verispec.chisquare import chi_square_test
 from verispec.config import SamplingConfig, SpecConfig, TreeConfig
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
-from verispec.drafters.tree_growth import draw_children
+from verispec.drafters.tree_growth import TreeGrowth, draw_children
 from verispec.engine import SpeculativeEngine
 from verispec.models.runner import ModelRunner
 from verispec.rejection import verify, verify_tree
@@ -148,6 +148,9 @@ CASES = [
     (TreeConfig(shape=(3, 1), children="iid"), SamplingConfig(temperature=1.2, top_p=0.7)),
     (TreeConfig(budget=6, top_k=3), SamplingConfig(temperature=1.0, min_p=0.15)),
     (TreeConfig(budget=6, top_k=3, children="top"), SamplingConfig(temperature=1.2, top_p=0.7)),
+    # sized from costs: which nodes are kept changes from step to step with the draft's scores
+    (TreeConfig(budget=6, top_k=3, pass_costs=(1.0, 1.02, 1.05, 1.1, 1.14, 1.18, 1.22), draft_cost=0.1),
+     SamplingConfig(temperature=1.0)),
     (TreeConfig(budget=5, top_k=2, children="iid"),
      SamplingConfig(temperature=0.9, top_k=6, top_p=0.9, min_p=0.05, repetition_penalty=1.5)),
 ]
@@ -155,9 +158,14 @@ CASES = [
 
 @pytest.mark.parametrize("tree,sampling", CASES, ids=lambda x: str(x.shape or x.budget) + x.children
                          if isinstance(x, TreeConfig) else f"T{x.temperature}-k{x.top_k}-p{x.top_p}-r{x.repetition_penalty}")
-def test_draft_model_trees_match_the_target_distribution(target, draft, tree, sampling):
+def test_draft_model_trees_match_the_target_distribution(target, draft, tree, sampling, monkeypatch):
+    sizes = []
+    select = TreeGrowth.select
+    monkeypatch.setattr(TreeGrowth, "select", lambda self: sizes.append(len(kept := select(self))) or kept)
     engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), V), set())
     samples, seqs = sample(engine, sampling, tree)
+    if tree.pass_costs is not None:  # the cost rule really chose different trees from step to step
+        assert len(set(sizes)) > 2, __import__("collections").Counter(sizes)
     accepted = sum(s.stats.accepted_tokens for s in seqs)
     assert 0 < accepted < sum(s.stats.draft_tokens for s in seqs)
     assert sum(s.stats.recovered_tokens for s in seqs) > 0  # rejections happened

@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, help=f"(default: {_default(SpecConfig, 'max_new_tokens')})")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--auto-k", action="store_true",
-                   help="choose K each step from measured pass costs and acceptance (speculation off where it cannot win)")
+                   help="choose K each step from measured pass costs and acceptance (speculation off where it cannot win); "
+                        "with --tree-budget, keep only the tree nodes that pay for their share of the target pass")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--no-color", action="store_true", help="plain text output")
     g.add_argument("--trace", type=Path, help="save every step's verification (p, q, min(1, p/q), u, verdict; for a tree every node) as JSON")
@@ -274,11 +275,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         if args.draft in NO_DRAFT:
             raise VerispecError("tree speculation needs a drafter that builds trees (a draft model or ngram), not --draft none")
-        if args.auto_k:
-            raise VerispecError("--auto-k chooses a chain's length; it cannot be combined with --tree-shape / --tree-budget")
+        if args.auto_k and tree.budget is None:
+            raise VerispecError("--auto-k sizes chains and dynamic trees (--tree-budget) from measured costs; "
+                                "it cannot tune a static --tree-shape")
     prompt = _read_prompt(args)
     decoder = _load(args)
-    tuner = decoder.auto_tuner(max(8, spec.num_draft_tokens)) if args.auto_k and decoder.drafter is not None else None
+    k_max = max(8, spec.num_draft_tokens, (tree.budget or 0) if tree is not None else 0)  # a tree pass's widths
+    tuner = decoder.auto_tuner(k_max) if args.auto_k and decoder.drafter is not None else None
     adapter = decoder.enable_adaptation(AdaptConfig(background=False)) if args.adapt else None
     console = Console(no_color=args.no_color, highlight=False)
     show = not args.json

@@ -73,6 +73,12 @@ class TreeConfig:
             confident; its depth is the spec's K (num_draft_tokens), so it costs a chain's draft passes.
         top_k: dynamic trees: nodes the draft model expands per depth, and children per expanded node.
             Default 4.
+        pass_costs: dynamic trees sized from measured costs (set by the engine from an auto-tuner's
+            `CostProfile`, see `verispec.tuning`): pass_costs[n] is the cost of a target pass over n + 1
+            tokens relative to one token. Nodes are then kept best first only while each raises the
+            expected tokens per step cost, (1 + sum of kept scores) / (draft_cost + pass_costs[n]);
+            the budget stays the upper bound. None: keep the budget's nodes.
+        draft_cost: the step's draft cost in the same unit (used with pass_costs). Default 0.
         children: how a sampling draft model picks a node's children from its distribution q:
             "without_replacement" (distinct samples, recursive rejection sampling), "iid" (independent
             samples, SpecInfer's rule) or "top" (the k most probable tokens, deterministic). Greedy
@@ -84,8 +90,18 @@ class TreeConfig:
     budget: int | None = None
     top_k: int = 4
     children: str = "without_replacement"
+    pass_costs: tuple[float, ...] | None = None
+    draft_cost: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.pass_costs is not None:
+            costs = tuple(float(c) for c in self.pass_costs)
+            if self.budget is None or not costs or not all(math.isfinite(c) and c > 0 for c in costs):
+                raise VerispecError("pass_costs size a dynamic tree (a budget): positive relative costs of target "
+                                    "passes over 1, 2, ... tokens")
+            object.__setattr__(self, "pass_costs", costs)
+        if not (math.isfinite(self.draft_cost) and self.draft_cost >= 0):
+            raise VerispecError(f"draft_cost must be >= 0, got {self.draft_cost}")
         if (self.shape is None) == (self.budget is None):
             raise VerispecError("a tree needs either a shape (branching factors per depth, e.g. 3,2,1) or a budget "
                                 "(nodes per tree), not both and not neither")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -307,8 +307,9 @@ class DecodeBatch:
         """Admit new sequences (from `engine.make_sequences`) at the end of the batch."""
         if not sequences:
             return
-        if self.tuner is not None and any(s.spec.tree is not None for s in sequences):
-            raise VerispecError("auto-K chooses a chain's length; it cannot be combined with tree speculation")
+        if self.tuner is not None and any(s.spec.tree is not None and s.spec.tree.budget is None for s in sequences):
+            raise VerispecError("auto-tuning sizes chains and dynamic trees (--tree-budget) from measured costs; "
+                                "a static tree shape cannot be auto-tuned")
         drafter = self.engine.drafter
         if not self.sequences:
             self.state = self.engine.target.new_state(len(sequences))
@@ -371,6 +372,10 @@ class DecodeBatch:
         # The tree's depth, never more than the tokens left after this step's own token.
         depths = [min(t.depth(s.spec.num_draft_tokens), s.max_new_tokens - s.num_generated - 1) if s.drafting else 0
                   for s, t in zip(active, trees)]
+        if self.tuner is not None:  # dynamic trees keep only the nodes that pay for their share of the pass
+            profile = self.tuner.profile
+            trees = [replace(t, pass_costs=profile.pass_costs(), draft_cost=d * profile.c) if t.budget is not None
+                     else t for t, d in zip(trees, depths)]
         t0 = time.perf_counter()
         if any(depths):
             drafts = engine.drafter.propose_tree(active, trees, depths)

@@ -37,6 +37,10 @@ class CostProfile:
         width = min(k + 1, widths[-1])
         return self.target_pass[width] / self.target_pass[1]
 
+    def pass_costs(self) -> tuple[float, ...]:
+        """v for target passes over 1, 2, ... k_max + 1 tokens (relative to one token), for sizing trees."""
+        return tuple(self.target_pass[w] / self.target_pass[1] for w in sorted(self.target_pass))
+
     @property
     def k_max(self) -> int:
         return max(self.target_pass) - 1

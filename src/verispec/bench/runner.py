@@ -26,7 +26,7 @@ LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled
 DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-distilled-tree", "verispec-llamacpp-distilled",
                      "verispec-llamacpp-distilled-auto")  # need a distilled draft (--distilled)
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram",
-           "verispec-ngram-corpus", "verispec-ngram-corpus-tree", "verispec-auto", "verispec-draft-tree", "verispec-ngram-tree", "verispec-distilled",
+           "verispec-ngram-corpus", "verispec-ngram-corpus-tree", "verispec-auto", "verispec-draft-tree", "verispec-draft-tree-auto", "verispec-ngram-tree", "verispec-distilled",
            "verispec-distilled-auto", "verispec-distilled-tree", *LLAMACPP_SYSTEMS)
 SPLITS = ("all", "heldout", "train")  # Spec-Bench question ids: odd are held out from distillation (see verispec.distill)
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
@@ -148,6 +148,9 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             systems.append(VerispecSystem(name, drafted, k))
         elif name == "verispec-draft-tree":
             systems.append(VerispecSystem(name, drafted, k, tree=config.tree))
+        elif name == "verispec-draft-tree-auto" and config.tree.budget is not None:
+            assert drafted is not None  # a dynamic tree sized every step from measured pass costs
+            systems.append(VerispecSystem(name, drafted, k, _tuner(drafted, config.tree.budget), tree=config.tree))
         elif name == "verispec-auto":
             assert drafted is not None
             systems.append(VerispecSystem(name, drafted, k, _tuner(drafted, k)))

@@ -19,6 +19,11 @@ for the slot, *not* the drawn token's own probability. This matters for exactnes
 `verispec.rejection`): whether a sampled child is kept must not depend on its value or on later
 draws, and best-first selection makes a node eligible only after its parent and its previous
 sibling are kept, so kept siblings are always the first ones drawn.
+
+With measured costs (`TreeConfig.pass_costs`), selection stops at the first node, in best-first
+order, that does not raise the expected tokens per cost (the scores standing in for acceptance
+probabilities, as in EAGLE-2): whether a node is kept then depends only on nodes popped before it
+and on its own slot score, never on its drawn token or on later draws, so the argument above holds.
 """
 
 from __future__ import annotations
@@ -128,8 +133,12 @@ class TreeGrowth:
             children.setdefault(parent, []).append(i)  # in rank order
         heap = [(-self.scores[c], c) for c in children.get(-1, [])[:1]]  # the root's first child
         kept: list[int] = []
+        gain = 1.0  # expected tokens of the step: the recovered or bonus token, plus each kept node's score
         while heap and len(kept) < self.config.budget:
             _, node = heapq.heappop(heap)
+            if not self._pays(node, gain, len(kept)):
+                break
+            gain += self.scores[node]
             kept.append(node)
             siblings = children[self.parents[node]]
             rank = self.ranks[node]
@@ -137,6 +146,17 @@ class TreeGrowth:
                 if nxt is not None:
                     heapq.heappush(heap, (-self.scores[nxt], nxt))
         return sorted(kept)
+
+    def _pays(self, node: int, gain: float, kept: int) -> bool:
+        """With measured costs: does keeping `node` (the kept + 1-th) raise expected tokens per cost?"""
+        costs = self.config.pass_costs
+        if costs is None:
+            return True
+
+        def cost(n: int) -> float:  # target pass over n nodes + 1 token, never cheaper than a narrower one
+            return self.config.draft_cost + max(costs[: min(n, len(costs) - 1) + 1])
+
+        return (gain + self.scores[node]) * cost(kept) > gain * cost(kept + 1)
 
     def finish(self) -> tuple[TreeDraft, list[int]]:
         """The draft tree (breadth first, siblings in draw order) and, per new node, its index here."""
