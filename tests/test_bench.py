@@ -55,6 +55,11 @@ def test_bench_runs_all_systems_and_writes_report(setup):
     for name in ("bench.json", "bench.md", "speedup_by_category.png", "acceptance_by_position.png"):
         assert (root / "out" / name).stat().st_size > 0
     assert report["bandwidth_limit_tokens_per_second"] > 0
+    for run in report["runs"]:  # every system notes its first output, so decoding is timed apart from the prompt
+        assert 0 < run["first_output_seconds"] < run["seconds"] and run["first_output_tokens"] >= 1, run
+        assert run["decode_tokens_per_second"] > 0
+    assert summary["verispec-draft"]["all"]["decode_speedup"]["hf-generate"] > 0
+    assert "after the first output" in report["markdown"] and report["plain_fraction_of_bandwidth_limit"] > 0
 
 
 def test_bench_cli_and_errors(setup, capsys):

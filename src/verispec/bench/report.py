@@ -40,11 +40,19 @@ def summarize(records: list[Record], greedy: bool, reference: str = "verispec-pl
                 "median_tokens_per_second": _median([r.run.tokens_per_second for r in rows]),
                 "speedup": {},
             }
+            decode = [r.run.decode_tokens_per_second for r in rows if r.run.decode_tokens_per_second is not None]
+            entry["median_decode_tokens_per_second"] = _median(decode)
+            entry["decode_speedup"] = {}
             for base in BASELINES:
                 ratios = [r.run.tokens_per_second / b.run.tokens_per_second for r in rows
                           if (b := by_prompt.get((base, r.question_id))) and b.run.tokens_per_second > 0]
                 if ratios and base != system:
                     entry["speedup"][base] = _median(ratios)
+                ratios = [r.run.decode_tokens_per_second / b.run.decode_tokens_per_second for r in rows
+                          if (b := by_prompt.get((base, r.question_id))) and r.run.decode_tokens_per_second
+                          and b.run.decode_tokens_per_second]
+                if ratios and base != system:
+                    entry["decode_speedup"][base] = _median(ratios)
             stats = [r.run.stats for r in rows if r.run.stats is not None]
             if stats:
                 merged = GenerationStats.merge(stats)
@@ -69,21 +77,27 @@ def summarize(records: list[Record], greedy: bool, reference: str = "verispec-pl
 
 
 def markdown(summary: dict, categories: list[str]) -> str:
-    """One table: rows are systems, columns are categories (tok/s and speedups), then acceptance."""
+    """Rows are systems, columns are categories: tok/s and speedups end to end, then after the first
+    output (decoding only), then tokens per target pass, acceptance and time split."""
     lines = []
     header = "| system | " + " | ".join(categories + ["all"]) + " |"
-    lines += ["median tokens/s (speedup vs verispec-plain / hf-generate / hf-assisted)", "", header,
-              "|" + "---|" * (len(categories) + 2)]
-    for system, cats in summary.items():
-        cells = []
-        for c in categories + ["all"]:
-            e = cats.get(c)
-            if not e:
-                cells.append("-")
-                continue
-            sp = " / ".join(f"{e['speedup'][b]:.2f}x" if b in e["speedup"] else "-" for b in BASELINES)
-            cells.append(f"{e['median_tokens_per_second']:.2f} ({sp})")
-        lines.append(f"| {system} | " + " | ".join(cells) + " |")
+    for title, rate, speedup in [
+        ("median tokens/s, end to end: prompt processing included (speedup vs verispec-plain / hf-generate / hf-assisted)",
+         "median_tokens_per_second", "speedup"),
+        ("median decoding tokens/s, after the first output: prompt processing excluded (speedups as above)",
+         "median_decode_tokens_per_second", "decode_speedup"),
+    ]:
+        lines += ([""] if lines else []) + [title, "", header, "|" + "---|" * (len(categories) + 2)]
+        for system, cats in summary.items():
+            cells = []
+            for c in categories + ["all"]:
+                e = cats.get(c)
+                if not e or e.get(rate) is None:
+                    cells.append("-")
+                    continue
+                sp = " / ".join(f"{e[speedup][b]:.2f}x" if b in e[speedup] else "-" for b in BASELINES)
+                cells.append(f"{e[rate]:.2f} ({sp})")
+            lines.append(f"| {system} | " + " | ".join(cells) + " |")
     lines += ["", "tokens per target pass (mean accepted length + 1; for trees, acceptance is per drafted node)", "",
               header, "|" + "---|" * (len(categories) + 2)]
     for system, cats in summary.items():

@@ -20,13 +20,44 @@ from verispec.tuning import AdaptiveK
 
 @dataclass
 class Run:
+    """One prompt decoded by one system.
+
+    seconds: wall time from the call to the last token, prompt processing included.
+    first_seconds / first_tokens: when the first output arrived and how many tokens it held (a
+    speculative first step can commit several): the prompt's prefill ends there, so the rate after it
+    is the decoding rate, the phase speculation speeds up and the bandwidth limit bounds.
+    """
+
     token_ids: list[int]
     seconds: float
     stats: GenerationStats | None = None
+    first_seconds: float = 0.0
+    first_tokens: int = 0
 
     @property
     def tokens_per_second(self) -> float:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens after the first output per second after it (None where too few tokens followed it)."""
+        tokens, seconds = len(self.token_ids) - self.first_tokens, self.seconds - self.first_seconds
+        return tokens / seconds if tokens > 0 and seconds > 0 and self.first_tokens > 0 else None
+
+
+class _FirstOutput:
+    """A Hugging Face streamer that notes when the first new tokens arrive (its first `put` is the prompt)."""
+
+    def __init__(self, start: float) -> None:
+        self.start, self.calls, self.seconds, self.tokens = start, 0, 0.0, 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.seconds, self.tokens = time.perf_counter() - self.start, int(value.numel())
+
+    def end(self) -> None:
+        pass
 
 
 class System:
@@ -47,12 +78,15 @@ class VerispecSystem(System):
 
     def run(self, prompt, sampling, max_new_tokens, seed):
         spec = SpecConfig(num_draft_tokens=self.k, max_new_tokens=max_new_tokens, tree=self.tree)
+        first_seconds, first_tokens = 0.0, 0
         start = time.perf_counter()
-        seq = self.decoder.engine.generate([prompt], sampling, spec, seeds=[seed], tuner=self.tuner)[0]
+        for _, seq in self.decoder.engine.stream([prompt], sampling, spec, seeds=[seed], tuner=self.tuner):
+            if not first_tokens and seq.generated:
+                first_seconds, first_tokens = time.perf_counter() - start, len(seq.generated)
         seconds = time.perf_counter() - start
         if self.decoder.adapter is not None:
             self.decoder.adapter.poke()  # online adaptation between prompts, outside the timed run
-        return Run(seq.generated, seconds, seq.stats)
+        return Run(seq.generated, seconds, seq.stats, first_seconds, first_tokens)
 
 
 class HFSystem(System):
@@ -75,11 +109,13 @@ class HFSystem(System):
                           repetition_penalty=sampling.repetition_penalty)
             torch.manual_seed(seed)
         start = time.perf_counter()
+        first = _FirstOutput(start)
         out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                   eos_token_id=self.eos, pad_token_id=self.eos[0] if self.eos else None, **kwargs)
+                                   eos_token_id=self.eos, pad_token_id=self.eos[0] if self.eos else None,
+                                   streamer=first, **kwargs)
         seconds = time.perf_counter() - start
         new = out[0, len(prompt):].tolist()
-        return Run(_cut_at_eos(new, set(self.eos)), seconds)
+        return Run(_cut_at_eos(new, set(self.eos)), seconds, None, first.seconds, min(first.tokens, len(new)))
 
 
 def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
@@ -112,9 +148,12 @@ class LlamaCppGenerate(System):
             temp=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p, min_p=sampling.min_p,
             repeat_penalty=sampling.repetition_penalty)
         tokens: list[int] = []
+        first_seconds = 0.0
         start = time.perf_counter()
         for token in self.llm.generate(prompt, reset=True, **kwargs):
             tokens.append(int(token))
+            if len(tokens) == 1:
+                first_seconds = time.perf_counter() - start
             if token in self.eos or len(tokens) >= max_new_tokens:
                 break
-        return Run(tokens, time.perf_counter() - start)
+        return Run(tokens, time.perf_counter() - start, None, first_seconds, min(1, len(tokens)))
