@@ -151,9 +151,13 @@ def main() -> None:
     rise = after["acceptance_rate"] / before["acceptance_rate"] - 1 if before["acceptance_rate"] else float("inf")
     tpp_rise = after["tokens_per_target_pass"] / before["tokens_per_target_pass"] - 1
     identical = before["outputs"] == after["outputs"]
+    differing = [{"question_id": q.question_id, "first_difference": next(
+                      (i for i, (x, y) in enumerate(zip(b, a)) if x != y), min(len(b), len(a)))}
+                 for (q, _), b, a in zip(held_out, before["outputs"], after["outputs"]) if b != a]
     report = {"args": vars(args), "category": args.category, "drafter": decoder.draft_name, "target": args.target,
               "relative_rise": rise, "tokens_per_target_pass_relative_rise": tpp_rise, "goal": GOAL,
               "goal_met": rise >= GOAL, "held_out_outputs_identical": identical if sampling.greedy else None,
+              "differing_outputs": differing,
               "before": {k: v for k, v in before.items() if k != "outputs"},
               "after": {k: v for k, v in after.items() if k != "outputs"},
               "held_out_curve": curve, "adapt_steps": steps, "adaptation": adapter.stats(),
@@ -167,6 +171,12 @@ def main() -> None:
           f"{GOAL:+.0%} {'met' if rise >= GOAL else 'not met'}), tokens/target pass "
           f"{before['tokens_per_target_pass']:.2f} -> {after['tokens_per_target_pass']:.2f} ({tpp_rise:+.1%})"
           + (f"; greedy outputs identical: {identical}" if sampling.greedy else ""))
+    if differing:
+        print(f"outputs that differ (question id, first differing token): "
+              + ", ".join(f"q{d['question_id']}@{d['first_difference']}" for d in differing)
+              + ("; on the llama.cpp backend a position's logits depend on how many tokens its pass holds "
+                 "(other drafts, other pass widths), so a near-tie can go the other way: verify with --backend torch"
+                 if args.backend == "llama.cpp" else "; on the torch backend this is a bug: please report it"))
     print(f"written: {out / (stem + '.json')}, {out / (stem + '.png')}")
 
 

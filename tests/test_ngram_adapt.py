@@ -316,3 +316,12 @@ def test_serve_adapts_while_idle_and_answers_stay_the_same(model_dirs):
         body = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 20, "temperature": 0}).json()
         assert body["choices"][0]["text"] == expected.text
     assert not decoder.adapter._thread.is_alive()  # stopped with the server
+
+
+def test_draft_learning_rate_follows_the_draft_size_unless_given():
+    assert AdaptConfig().draft_lr(12_600_000) == 3e-4  # a distilled draft
+    assert AdaptConfig().draft_lr(494_000_000) == 1e-5  # a pre-trained 0.5B draft
+    assert AdaptConfig(lr=2e-3).draft_lr(494_000_000) == 2e-3
+    for bad in (0.0, -1e-3, float("nan")):
+        with pytest.raises(VerispecError, match="lr must be > 0"):
+            AdaptConfig(lr=bad)

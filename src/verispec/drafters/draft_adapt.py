@@ -51,7 +51,8 @@ class DraftTrainer:
         self.master = master.float().train()
         for p in self.master.parameters():
             p.requires_grad_(True)
-        self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=config.lr, weight_decay=0.0)
+        self.lr = config.draft_lr(sum(p.numel() for p in self.master.parameters()))
+        self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=self.lr, weight_decay=0.0)
         self.steps = 0
         self.last_loss: float | None = None
         self._shuffle = torch.Generator()  # the order examples are visited in; never a sequence's generator
