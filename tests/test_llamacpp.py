@@ -70,3 +70,13 @@ def test_greedy_speculation_matches_plain_llamacpp_decoding_up_to_near_ties(smol
         assert set(top.indices.tolist()) == {out.token_ids[i], plain.token_ids[i]}
         assert float(top.values[0] - top.values[1]) <= 2 * drift
     assert exact_matches >= 1
+
+
+def test_llamacpp_prompt_lookup_system_takes_prompts_longer_than_a_batch(smol):
+    """llama-cpp-python sizes its score buffer n_batch rows unless logits_all is set, yet writes every
+    position's logits once a draft is given: a 600-token prompt failed before the bench set it."""
+    from verispec.bench.systems import LlamaCppGenerate
+
+    system = LlamaCppGenerate("lookup", smol.source, set(), context_window=1024, prompt_lookup_num_tokens=4)
+    run = system.run([(7 * i) % 1000 + 10 for i in range(600)], SamplingConfig(temperature=0), 8, 0)
+    assert len(run.token_ids) == 8 and run.first_tokens == 1 and run.decode_tokens_per_second > 0
