@@ -102,10 +102,30 @@ def test_measured_costs_keep_only_the_nodes_that_pay():
     assert len(grow(TreeConfig(budget=3, top_k=3, pass_costs=costs, draft_cost=12.0), logits, 0, depth=1).select()) == 3
     steep = TreeConfig(budget=3, top_k=3, pass_costs=(1.0, 2.0, 3.0, 4.0))
     assert grow(steep, logits, seed=0, depth=1).select() == []  # no node pays: the step decodes plainly
-    for bad in [dict(shape=(2,), pass_costs=(1.0, 1.0)), dict(budget=4, pass_costs=()), dict(budget=4, pass_costs=(1, -1)),
-                dict(budget=4, draft_cost=-1.0)]:
+    for bad in [dict(shape=(2,), pass_costs=(1.0, 1.0)), dict(budget=4, pass_costs=()), dict(budget=2, pass_costs=(1, -1, 1)),
+                dict(budget=4, pass_costs=(1.0, 1.1, 1.2)), dict(budget=4, draft_cost=-1.0)]:
         with pytest.raises(VerispecError):
             TreeConfig(**bad)
+
+
+@pytest.mark.parametrize("children", ["top", "without_replacement"])
+def test_costs_skip_expanding_nodes_whose_children_cannot_pay_and_keep_the_same_tree(children, monkeypatch):
+    logits = torch.tensor([3.0, 1.5, 1.0, 0.5, 0.0, -1.0, -2.0, -3.0])
+    costs = (1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 1.7, 1.9, 2.1, 2.3, 2.5, 2.7, 2.9)
+    config = TreeConfig(budget=12, top_k=3, children=children, pass_costs=costs, draft_cost=0.3)
+    pruned = grow(config, logits, seed=3, depth=4)
+    with monkeypatch.context() as m:
+        m.setattr(TreeGrowth, "_children_could_pay", lambda self, node: True)
+        full = grow(config, logits, seed=3, depth=4)
+    assert len(pruned.tokens) < len(full.tokens)  # fewer nodes were evaluated by the draft
+
+    def slots(g, node):  # a node's place in the tree: its rank among siblings at every depth
+        return () if node < 0 else slots(g, g.parents[node]) + (g.ranks[node],)
+
+    kept = lambda g: sorted(slots(g, i) for i in g.select())  # noqa: E731
+    assert kept(pruned) == kept(full) and len(kept(full)) > 1  # the same tree shape is kept
+    if children == "top":  # deterministic children: the same tokens too (sampled ones use fewer draws)
+        assert sorted(tuple(pruned.path(i)) for i in pruned.select()) == sorted(tuple(full.path(i)) for i in full.select())
 
 
 def test_without_replacement_children_are_distinct_and_static_shapes_are_full():

@@ -96,9 +96,9 @@ class TreeConfig:
     def __post_init__(self) -> None:
         if self.pass_costs is not None:
             costs = tuple(float(c) for c in self.pass_costs)
-            if self.budget is None or not costs or not all(math.isfinite(c) and c > 0 for c in costs):
+            if self.budget is None or not all(math.isfinite(c) and c > 0 for c in costs) or len(costs) <= self.budget:
                 raise VerispecError("pass_costs size a dynamic tree (a budget): positive relative costs of target "
-                                    "passes over 1, 2, ... tokens")
+                                    "passes over 1, 2, ..., budget + 1 tokens")
             object.__setattr__(self, "pass_costs", costs)
         if not (math.isfinite(self.draft_cost) and self.draft_cost >= 0):
             raise VerispecError(f"draft_cost must be >= 0, got {self.draft_cost}")

@@ -374,8 +374,9 @@ class DecodeBatch:
                   for s, t in zip(active, trees)]
         if self.tuner is not None:  # dynamic trees keep only the nodes that pay for their share of the pass
             profile = self.tuner.profile
-            trees = [replace(t, pass_costs=profile.pass_costs(), draft_cost=d * profile.c) if t.budget is not None
-                     else t for t, d in zip(trees, depths)]
+            costs = profile.pass_costs()  # measured widths bound the tree: wider passes were never timed
+            trees = [replace(t, budget=min(t.budget, len(costs) - 1), pass_costs=costs, draft_cost=d * profile.c)
+                     if t.budget is not None else t for t, d in zip(trees, depths)]
         t0 = time.perf_counter()
         if any(depths):
             drafts = engine.drafter.propose_tree(active, trees, depths)

@@ -121,7 +121,7 @@ class TreeGrowth:
         level = [i for i, d in enumerate(self.depths) if d == depth]
         if self.config.shape is None:
             level = sorted(level, key=lambda i: -self.scores[i])[: self.config.top_k]
-            level.sort()
+            level = sorted(i for i in level if self._children_could_pay(i))
         return level
 
     def select(self) -> list[int]:
@@ -147,16 +147,33 @@ class TreeGrowth:
                     heapq.heappush(heap, (-self.scores[nxt], nxt))
         return sorted(kept)
 
-    def _pays(self, node: int, gain: float, kept: int) -> bool:
-        """With measured costs: does keeping `node` (the kept + 1-th) raise expected tokens per cost?"""
+    def _cost(self, n: int) -> float:
+        """The step's cost with n tree nodes: draft cost + a target pass over n + 1 tokens (measured, and
+        never taken cheaper than a narrower pass)."""
         costs = self.config.pass_costs
-        if costs is None:
+        return self.config.draft_cost + max(costs[: min(n, len(costs) - 1) + 1])
+
+    def _pays(self, node: int, gain: float, kept: int) -> bool:
+        """With measured costs: does keeping `node` (the kept + 1-th) raise expected tokens per cost?
+        That is (gain + s) * cost(kept) > gain * cost(kept + 1), s the node's score."""
+        if self.config.pass_costs is None:
             return True
+        return (gain + self.scores[node]) * self._cost(kept) > gain * self._cost(kept + 1)
 
-        def cost(n: int) -> float:  # target pass over n nodes + 1 token, never cheaper than a narrower one
-            return self.config.draft_cost + max(costs[: min(n, len(costs) - 1) + 1])
-
-        return (gain + self.scores[node]) * cost(kept) > gain * cost(kept + 1)
+    def _children_could_pay(self, node: int) -> bool:
+        """With measured costs: could any child of `node` ever be kept? Its score is at most the node's, and
+        before it selection keeps (or stops at) every node scored above the node and the node itself: at
+        least that many nodes and that much gain, so `_pays` needs a score above a bound known now.
+        Not expanding such a node saves the draft the rows; the kept tree is the same."""
+        if self.config.pass_costs is None:
+            return True
+        score = self.scores[node]
+        above = [s for i, s in enumerate(self.scores) if s > score or i == node]
+        least_kept, least_gain = len(above), 1.0 + sum(above)
+        if least_kept >= self.config.budget:
+            return False
+        need = min((self._cost(n + 1) - self._cost(n)) / self._cost(n) for n in range(least_kept, self.config.budget))
+        return score > least_gain * need
 
     def finish(self) -> tuple[TreeDraft, list[int]]:
         """The draft tree (breadth first, siblings in draw order) and, per new node, its index here."""
