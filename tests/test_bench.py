@@ -123,9 +123,21 @@ def test_bench_records_a_failing_system_and_goes_on(setup, monkeypatch):
     assert [f["system"] for f in report["failures"]] == ["verispec-ngram"]
     assert "context too long" in report["failures"][0]["error"] and "failed runs" in report["markdown"]
     assert report["summary"]["verispec-ngram"]["all"]["prompts"] == 2
+    assert report["summary"]["verispec-ngram"]["all"]["greedy_equal_to_plain"] == "2/2"
     assert report["summary"]["verispec-plain"]["all"]["prompts"] == 3
     assert any(p["partial"] and p["runs"] for p in seen_partial)  # written before the bench ended
     assert json.loads((root / "flaky" / "bench.json").read_text())["partial"] is False
+
+
+def test_greedy_equality_is_only_reported_against_a_plain_run():
+    from verispec.bench.report import Record, summarize
+    from verispec.bench.systems import Run
+
+    alone = summarize([Record("verispec-draft", 1, "qa", Run([1, 2], 1.0, None, 0.5, 1))], greedy=True)
+    assert "greedy_equal_to_plain" not in alone["verispec-draft"]["all"]  # nothing to compare with: no "0/0"
+    both = summarize([Record("verispec-plain", 1, "qa", Run([1, 2], 1.0)), Record("verispec-draft", 1, "qa", Run([1, 3], 1.0))],
+                     greedy=True)
+    assert both["verispec-draft"]["all"]["greedy_equal_to_plain"] == "0/1"
 
 
 def test_cost_model_formulas():

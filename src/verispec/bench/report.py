@@ -71,7 +71,8 @@ def summarize(records: list[Record], greedy: bool, reference: str = "verispec-pl
             if greedy:
                 same = [r.run.token_ids == by_prompt[(reference, r.question_id)].run.token_ids for r in rows
                         if (reference, r.question_id) in by_prompt]
-                entry["greedy_equal_to_plain"] = f"{sum(same)}/{len(same)}"
+                if same:  # without verispec-plain in the run there is nothing to compare with
+                    entry["greedy_equal_to_plain"] = f"{sum(same)}/{len(same)}"
             summary[system][category] = entry
     return summary
 
