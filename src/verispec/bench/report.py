@@ -9,6 +9,9 @@ from verispec.bench.systems import Run
 from verispec.stats import GenerationStats
 
 BASELINES = ("verispec-plain", "hf-generate", "hf-assisted")
+# (median key, speedup key, rate of a Run or None): end to end, and after the first output (decoding only)
+RATES = (("median_tokens_per_second", "speedup", lambda run: run.tokens_per_second),
+         ("median_decode_tokens_per_second", "decode_speedup", lambda run: run.decode_tokens_per_second))
 
 
 @dataclass
@@ -35,24 +38,15 @@ def summarize(records: list[Record], greedy: bool, reference: str = "verispec-pl
             rows = [r for r in records if r.system == system and (category == "all" or r.category == category)]
             if not rows:
                 continue
-            entry: dict = {
-                "prompts": len(rows),
-                "median_tokens_per_second": _median([r.run.tokens_per_second for r in rows]),
-                "speedup": {},
-            }
-            decode = [r.run.decode_tokens_per_second for r in rows if r.run.decode_tokens_per_second is not None]
-            entry["median_decode_tokens_per_second"] = _median(decode)
-            entry["decode_speedup"] = {}
-            for base in BASELINES:
-                ratios = [r.run.tokens_per_second / b.run.tokens_per_second for r in rows
-                          if (b := by_prompt.get((base, r.question_id))) and b.run.tokens_per_second > 0]
-                if ratios and base != system:
-                    entry["speedup"][base] = _median(ratios)
-                ratios = [r.run.decode_tokens_per_second / b.run.decode_tokens_per_second for r in rows
-                          if (b := by_prompt.get((base, r.question_id))) and r.run.decode_tokens_per_second
-                          and b.run.decode_tokens_per_second]
-                if ratios and base != system:
-                    entry["decode_speedup"][base] = _median(ratios)
+            entry: dict = {"prompts": len(rows)}
+            for median_key, speedup_key, rate in RATES:  # end to end, then decoding only
+                entry[median_key] = _median([x for r in rows if (x := rate(r.run)) is not None])
+                entry[speedup_key] = {}
+                for base in BASELINES:
+                    ratios = [x / y for r in rows if (b := by_prompt.get((base, r.question_id)))
+                              and (x := rate(r.run)) is not None and (y := rate(b.run))]
+                    if ratios and base != system:
+                        entry[speedup_key][base] = _median(ratios)
             stats = [r.run.stats for r in rows if r.run.stats is not None]
             if stats:
                 merged = GenerationStats.merge(stats)

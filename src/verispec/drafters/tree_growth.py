@@ -29,6 +29,7 @@ and on its own slot score, never on its drawn token or on later draws, so the ar
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import torch
 
@@ -64,6 +65,10 @@ class TreeGrowth:
         self.config, self.max_depth, self.sampling, self.rng = config, depth, sampling, rng
         self.vocab_size = vocab_size
         self.mode = "top" if sampling.greedy else config.children
+        # with measured costs: the step's cost with n nodes, draft + target pass over n + 1 tokens, never
+        # taken cheaper than a narrower pass (measurements are noisy); computed once per tree
+        costs = config.pass_costs
+        self.step_costs = None if costs is None else [config.draft_cost + c for c in itertools.accumulate(costs, max)]
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.depths: list[int] = []
@@ -148,10 +153,8 @@ class TreeGrowth:
         return sorted(kept)
 
     def _cost(self, n: int) -> float:
-        """The step's cost with n tree nodes: draft cost + a target pass over n + 1 tokens (measured, and
-        never taken cheaper than a narrower pass)."""
-        costs = self.config.pass_costs
-        return self.config.draft_cost + max(costs[: min(n, len(costs) - 1) + 1])
+        """The step's cost with n tree nodes (`step_costs`; pass_costs cover the budget)."""
+        return self.step_costs[min(n, len(self.step_costs) - 1)]
 
     def _pays(self, node: int, gain: float, kept: int) -> bool:
         """With measured costs: does keeping `node` (the kept + 1-th) raise expected tokens per cost?
