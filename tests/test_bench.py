@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_model
 from tiny_hf import char_tokenizer, save_tiny_model_dir
 from verispec.bench.report import BASELINES
-from verispec.bench.runner import LLAMACPP_SYSTEMS, SYSTEMS, BenchConfig, run_bench
+from verispec.bench.runner import LLAMACPP_SYSTEMS, SYSTEMS, BenchConfig, by_turns, run_bench
 from verispec.cli import main
 from verispec.distill.model import TinyDraftConfig, VocabMap, save_distilled, vocab_fingerprint
 from verispec.errors import VerispecError
@@ -127,6 +127,14 @@ def test_bench_records_a_failing_system_and_goes_on(setup, monkeypatch):
     assert report["summary"]["verispec-plain"]["all"]["prompts"] == 3
     assert any(p["partial"] and p["runs"] for p in seen_partial)  # written before the bench ended
     assert json.loads((root / "flaky" / "bench.json").read_text())["partial"] is False
+
+
+def test_prompts_take_categories_in_turns():
+    from verispec.datasets import Prompt
+
+    prompts = [Prompt(1, "qa", "a"), Prompt(2, "qa", "b"), Prompt(3, "qa", "c"), Prompt(4, "rag", "d"), Prompt(5, "math", "e"),
+               Prompt(6, "math", "f")]
+    assert [p.question_id for p in by_turns(prompts)] == [1, 4, 5, 2, 6, 3]
 
 
 def test_greedy_equality_is_only_reported_against_a_plain_run():

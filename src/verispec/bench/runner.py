@@ -204,6 +204,18 @@ def _llamacpp_models(target: LoadedModel, draft: LoadedModel | None, wanted) -> 
     return load_model(target.name, backend="llama.cpp"), llama_draft
 
 
+def by_turns(prompts: list) -> list:
+    """The prompts reordered to take categories in turns (first of each, then second of each, ...), so
+    drift over a long run, or a bench cut short (its partial results), touches every category alike."""
+    groups: dict[str, list] = {}
+    for prompt in prompts:
+        groups.setdefault(prompt.category, []).append(prompt)
+    ordered = []
+    for i in range(max(len(g) for g in groups.values())):
+        ordered += [g[i] for g in groups.values() if i < len(g)]
+    return ordered
+
+
 def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
               hf_target: LoadedModel | None = None, hf_draft: LoadedModel | None = None) -> dict:
     """Run every system on every prompt (interleaved), write JSON, markdown and plots; return the report.
@@ -219,6 +231,7 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
                            split=None if config.split == "all" else config.split)
     if not prompts:
         raise VerispecError(f"no prompts selected from {config.prompts}")
+    prompts = by_turns(prompts)
     encoder = SpeculativeDecoder(target, "none")
     prompt_ids = [encoder.encode(prompt.text, chat=None) for prompt in prompts]
     # llama.cpp's own decoding keeps an (n_ctx x vocab) score buffer: size its context from the prompts
