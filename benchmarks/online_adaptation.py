@@ -101,6 +101,9 @@ def main() -> None:
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--lr", type=float, default=None, help="draft-model learning rate (default: AdaptConfig's)")
+    ap.add_argument("--epochs", type=int, default=None, help="passes over each update's examples (default: AdaptConfig's)")
+    ap.add_argument("--max-steps", type=int, default=None, help="optimizer steps per update at most (default: AdaptConfig's)")
+    ap.add_argument("--replay", type=int, default=None, help="earlier examples revisited per update (default: AdaptConfig's)")
     ap.add_argument("--draft-lookup", type=int, default=None, help="as `verispec generate --draft-lookup` (default: the draft's)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out-dir", default="artifacts/online_adaptation")
@@ -114,7 +117,8 @@ def main() -> None:
         raise SystemExit(f"{args.category} has {len(prompts)} prompts, fewer than {args.adapt_prompts} + {args.eval_prompts}")
     decoder = SpeculativeDecoder.load(args.target, args.drafter, draft_weights=args.draft_weights, backend=args.backend,
                                       draft_lookup=args.draft_lookup)
-    adapt_config = AdaptConfig(background=False, min_examples=1, **({"lr": args.lr} if args.lr else {}))
+    overrides = {name: getattr(args, name) for name in ("lr", "epochs", "max_steps", "replay") if getattr(args, name) is not None}
+    adapt_config = AdaptConfig(background=False, min_examples=1, **overrides)
     adapter = decoder.enable_adaptation(adapt_config)
     sampling = SamplingConfig(temperature=args.temperature)
     spec = SpecConfig(num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens)

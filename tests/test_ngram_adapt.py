@@ -325,3 +325,23 @@ def test_draft_learning_rate_follows_the_draft_size_unless_given():
     for bad in (0.0, -1e-3, float("nan")):
         with pytest.raises(VerispecError, match="lr must be > 0"):
             AdaptConfig(lr=bad)
+
+
+def test_replay_revisits_earlier_examples_beside_the_new_ones(sampling_pair):
+    drafter = DraftModelDrafter(ModelRunner(sampling_pair[1]), V)
+    drafter.check_adaptable(AdaptConfig(lr=1e-3, batch_size=64, max_steps=4, replay=3))
+    first = [AdaptExample(tuple(PROMPT), (t,), (1.0,)) for t in range(5)]
+    second = [AdaptExample(tuple(PROMPT) + (1,), (t,), (1.0,)) for t in range(4)]
+    drafter.adapt(first)
+    seen: list = []
+    trainer = drafter.trainer
+    original = trainer.loss
+    trainer.loss = lambda batch: seen.append(list(batch)) or original(batch)
+    drafter.adapt(second)
+    visited = [ex for batch in seen for ex in batch]
+    assert all(ex in visited for ex in second)
+    old = [ex for ex in visited if ex in first]
+    assert len(old) == 3 and len(set(old)) == 3  # `replay` earlier examples, each once, drawn from the history
+    assert len(visited) == 7
+    with pytest.raises(VerispecError, match="replay must be an integer >= 0"):
+        AdaptConfig(replay=-1)

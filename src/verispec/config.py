@@ -302,6 +302,9 @@ class AdaptConfig:
             learning rate (default None: by the draft's size, see `draft_lr`), examples per optimizer
             step (default 16), passes over the new examples (default 1), at most this many optimizer
             steps per update (default 16).
+        replay: earlier examples (kept up to buffer_size, drawn at random) revisited in each draft-model
+            update beside the new ones, so one update's few steps do not wash out what earlier ones
+            learned. 0 turns replay off. Default 0.
     """
 
     buffer_size: int = 4096
@@ -314,11 +317,14 @@ class AdaptConfig:
     batch_size: int = 16
     epochs: int = 1
     max_steps: int = 16
+    replay: int = 0
 
     def __post_init__(self) -> None:
         for name in ("buffer_size", "top_k", "max_context", "min_examples", "batch_size", "epochs", "max_steps"):
             if int(getattr(self, name)) != getattr(self, name) or getattr(self, name) < 1:
                 raise VerispecError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+        if int(self.replay) != self.replay or self.replay < 0:
+            raise VerispecError(f"replay must be an integer >= 0, got {self.replay}")
         if self.lr is not None and (not math.isfinite(self.lr) or self.lr <= 0):
             raise VerispecError(f"lr must be > 0, got {self.lr}")
 

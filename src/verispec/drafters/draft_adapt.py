@@ -13,6 +13,7 @@ vocabulary to target ids overrides, so the loss always compares distributions ov
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import torch
@@ -57,6 +58,7 @@ class DraftTrainer:
         self.last_loss: float | None = None
         self._shuffle = torch.Generator()  # the order examples are visited in; never a sequence's generator
         self._shuffle.manual_seed(0)
+        self._history: collections.deque = collections.deque(maxlen=config.buffer_size)  # examples of earlier updates
 
     def loss(self, batch: list) -> torch.Tensor:
         """Forward KL(p || q) up to p's entropy (a constant): -sum_x p(x) log q(x), averaged over examples."""
@@ -75,8 +77,14 @@ class DraftTrainer:
         return -(p * log_q).sum(dim=-1).mean()
 
     def train(self, examples: list) -> torch.nn.Module:
-        """Some optimizer steps on `examples`; returns a new serving copy (the serving format, eval mode)."""
+        """Some optimizer steps on `examples` (and up to config.replay earlier ones); returns a new
+        serving copy (the serving format, eval mode)."""
         examples = [ex for ex in examples if ex.context and ex.tokens]
+        fresh = examples
+        if self.config.replay and self._history:
+            picks = torch.randperm(len(self._history), generator=self._shuffle)[: self.config.replay].tolist()
+            examples = examples + [self._history[i] for i in picks]
+        self._history.extend(fresh)
         size = self.config.batch_size
         steps = 0
         for _ in range(self.config.epochs):
