@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_model
 from tiny_hf import char_tokenizer, save_tiny_model_dir
 from verispec.bench.report import BASELINES
+from verispec.bench.results import report_from_json
 from verispec.bench.runner import LLAMACPP_SYSTEMS, SYSTEMS, BenchConfig, by_turns, run_bench
 from verispec.cli import main
 from verispec.distill.model import TinyDraftConfig, VocabMap, save_distilled, vocab_fingerprint
@@ -60,6 +61,9 @@ def test_bench_runs_all_systems_and_writes_report(setup):
         assert run["decode_tokens_per_second"] > 0
     assert summary["verispec-draft"]["all"]["decode_speedup"]["hf-generate"] > 0
     assert "after the first output" in report["markdown"] and report["plain_fraction_of_bandwidth_limit"] > 0
+    # the same tables rebuilt from the file: what `verispec bench --report` does with a finished bench
+    again = report_from_json(root / "out" / "bench.json", root / "again")
+    assert again["summary"] == json.loads(json.dumps(summary)) and again["markdown"] == report["markdown"]
 
 
 def test_bench_cli_and_errors(setup, capsys):
@@ -126,6 +130,17 @@ def test_bench_records_a_failing_system_and_goes_on(setup, monkeypatch):
     assert report["summary"]["verispec-ngram"]["all"]["greedy_equal_to_plain"] == "2/2"
     assert report["summary"]["verispec-plain"]["all"]["prompts"] == 3
     assert any(p["partial"] and p["runs"] for p in seen_partial)  # written before the bench ended
+    partial = next(p for p in seen_partial if p["partial"] and p["runs"])
+    (root / "cut").mkdir(exist_ok=True)
+    (root / "cut" / "bench.json").write_text(json.dumps(partial))
+    assert main(["bench", "--report", str(root / "cut" / "bench.json")]) == 0  # a bench cut short, reported
+    rebuilt = json.loads((root / "cut" / "bench.json").read_text())
+    assert rebuilt["partial"] is True and rebuilt["summary"]["verispec-plain"]["all"]["greedy_equal_to_plain"] == "1/1"
+    assert (root / "cut" / "bench.md").read_text().startswith("partial results")
+    (root / "cut" / "broken.json").write_text("{not json")
+    for bad, message in ((root / "cut" / "missing.json", "not found"), (root / "cut" / "broken.json", "is not a")):
+        with pytest.raises(VerispecError, match=message):
+            report_from_json(bad)
     assert json.loads((root / "flaky" / "bench.json").read_text())["partial"] is False
 
 

@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "ngram-corpus[:TABLE] or a .ngram file, else the table shipped with verispec)")
     b.add_argument("--adapt", action="store_true", default=None,
                    help="verispec systems whose drafter can adapt learn online between prompts")
+    b.add_argument("--report", type=Path, metavar="BENCH_JSON",
+                   help="run nothing: rebuild the tables and plots from a bench.json (a finished bench or one cut "
+                        "short) into its folder, or into --out")
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API with continuous batched speculation")
     _add_model_options(s)
@@ -440,6 +443,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from verispec.drafters.ngram_corpus import is_corpus_spec
     from verispec.models.loading import load_model
 
+    if args.report is not None:
+        from verispec.bench.results import report_from_json
+
+        report = report_from_json(args.report, args.out)
+        Console().print(Markdown(report["markdown"]))
+        print(f"written: {Path(report['plots'][0]).parent}/bench.json, bench.md, " + ", ".join(Path(p).name for p in report["plots"]))
+        return 0
     split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip()) if text else None  # noqa: E731
     args.categories, args.systems = split(args.categories), split(args.systems)
     config = _build(BenchConfig, args, {"prompts": "prompts", "categories": "categories", "per_category": "per_category",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -10,8 +9,8 @@ from pathlib import Path
 import torch
 
 from verispec.api import SpeculativeDecoder
-from verispec.bench.plots import plot_acceptance_by_position, plot_speedup
-from verispec.bench.report import Record, markdown, summarize
+from verispec.bench.report import Record
+from verispec.bench.results import runs_json, write_json, write_report
 from verispec.bench.systems import HFSystem, LlamaCppGenerate, System, VerispecSystem
 from verispec.config import AdaptConfig, SamplingConfig, TreeConfig
 from verispec.console import stderr_console
@@ -244,6 +243,9 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
         system.run(encoder.encode("Hello"), sampling, 4, config.seed)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    head = {"config": asdict(config), "partial": True, "target": target.name, "draft": draft.name if draft else None,
+            "dtype": str(target.dtype), "target_weights": target.weights, "draft_weights": draft.weights if draft else None,
+            "memory_bandwidth_gbs": memory_bandwidth_gbs(), "weight_bytes_per_token": weight_bytes_per_token(hf_target.model)}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=stderr_console()) as progress:
         task = progress.add_task("bench", total=len(prompts) * len(systems))
@@ -265,53 +267,7 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
             progress.console.print(f"{prompt.category} q{prompt.question_id}: " + ", ".join(
                 f"{r.system} {r.run.tokens_per_second:.2f} tok/s" for r in records if r.question_id == prompt.question_id))
             # partial results after every prompt, so a bench cut short still leaves its measurements
-            _write_json(out / "bench.json", {"config": asdict(config), "partial": True, "runs": _runs(records),
-                                             "failures": failures})
+            write_json(out / "bench.json", {**head, "partial": True, "runs": runs_json(records), "failures": failures})
     if not records:
         raise VerispecError(f"every system failed on every prompt; first error: {failures[0]['error']}")
-    categories = list(dict.fromkeys(p.category for p in prompts))
-    summary = summarize(records, greedy=sampling.greedy)
-    bandwidth = memory_bandwidth_gbs()
-    bytes_per_token = weight_bytes_per_token(hf_target.model)
-    limit = bandwidth * 1e9 / bytes_per_token
-    # the limit bounds decoding: prompt processing (compute-bound, not a weight read per token) is left out
-    plain = summary.get("verispec-plain", {}).get("all", {}).get("median_decode_tokens_per_second")
-    report = {
-        "config": asdict(config), "partial": False,
-        "target": target.name, "draft": draft.name if draft else None, "dtype": str(target.dtype),
-        "target_weights": target.weights, "draft_weights": draft.weights if draft else None,
-        "memory_bandwidth_gbs": bandwidth, "weight_bytes_per_token": bytes_per_token,
-        "bandwidth_limit_tokens_per_second": limit,
-        "plain_fraction_of_bandwidth_limit": plain / limit if plain else None,
-        "summary": summary,
-        "runs": _runs(records),
-        "failures": failures,
-    }
-    _write_json(out / "bench.json", report)
-    table = markdown(summary, categories)
-    table += (f"\n\nmemory bandwidth {bandwidth:.1f} GB/s, {bytes_per_token / 1e9:.2f} GB of weights per token: "
-              f"bandwidth limit {limit:.2f} tokens/s" + (f"; verispec-plain decodes at {plain:.2f} tokens/s after the first "
-                                                        f"output, {plain / limit:.0%} of it" if plain else ""))
-    if failures:
-        table += "\n\nfailed runs (left out of the figures above):\n" + "\n".join(
-            f"- {f['system']} on q{f['question_id']} ({f['category']}, {f['prompt_tokens']} prompt tokens): {f['error']}"
-            for f in failures)
-    (out / "bench.md").write_text(table + "\n")
-    report["markdown"] = table
-    report["plots"] = [str(plot_speedup(summary, categories, out / "speedup_by_category.png")),
-                       str(plot_acceptance_by_position(summary, out / "acceptance_by_position.png"))]
-    return report
-
-
-def _runs(records: list[Record]) -> list[dict]:
-    return [{"system": r.system, "question_id": r.question_id, "category": r.category,
-             "new_tokens": len(r.run.token_ids), "seconds": r.run.seconds, "first_output_seconds": r.run.first_seconds,
-             "first_output_tokens": r.run.first_tokens, "decode_tokens_per_second": r.run.decode_tokens_per_second,
-             "stats": r.run.stats.to_dict() if r.run.stats else None} for r in records]
-
-
-def _write_json(path: Path, report: dict) -> None:
-    """Write through a temporary file, so a reader (or a killed bench) never sees half a JSON file."""
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(path)
+    return write_report(out, {**head, "partial": False}, records, failures, greedy=sampling.greedy)
