@@ -80,3 +80,20 @@ def test_llamacpp_prompt_lookup_system_takes_prompts_longer_than_a_batch(smol):
     system = LlamaCppGenerate("lookup", smol.source, set(), context_window=1024, prompt_lookup_num_tokens=4)
     run = system.run([(7 * i) % 1000 + 10 for i in range(600)], SamplingConfig(temperature=0), 8, 0)
     assert len(run.token_ids) == 8 and run.first_tokens == 1 and run.decode_tokens_per_second > 0
+
+
+def test_llamacpp_runs_on_the_threads_asked_for_single_and_batched(smol):
+    """llama-cpp-python gives batched passes (prompts, verification) every core unless told otherwise:
+    with --threads 1 beside other work, that oversubscribed the machine."""
+    from verispec.bench.systems import LlamaCppGenerate
+    from verispec.models.llamacpp import LlamaCppRunner
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner = LlamaCppRunner(smol.source, context_window=256)
+        system = LlamaCppGenerate("plain", smol.source, set(), context_window=256)
+    finally:
+        torch.set_num_threads(threads)
+    for llm in (runner.llm, system.llm):
+        assert (llm.context_params.n_threads, llm.context_params.n_threads_batch) == (1, 1)

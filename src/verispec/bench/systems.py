@@ -141,8 +141,9 @@ class LlamaCppGenerate(System):
         # With a draft, llama-cpp-python writes logits for every position into its score buffer but sizes
         # that buffer from the logits_all argument (n_batch rows unless it is True): a prompt longer than
         # n_batch (512) then fails ("could not broadcast ... into shape (0,)"). logits_all=True sizes it n_ctx.
-        self.llm = Llama(model_path=gguf, n_ctx=context_window, verbose=False, n_threads=torch.get_num_threads(),
-                         draft_model=draft, logits_all=draft is not None)
+        threads = torch.get_num_threads()  # for one token and for several (llama-cpp-python's default: every core)
+        self.llm = Llama(model_path=gguf, n_ctx=context_window, verbose=False, n_threads=threads,
+                         n_threads_batch=threads, draft_model=draft, logits_all=draft is not None)
 
     def run(self, prompt, sampling, max_new_tokens, seed):
         self.llm.reset()

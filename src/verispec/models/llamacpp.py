@@ -60,8 +60,12 @@ class LlamaCppRunner:
             )
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=str(gguf), n_ctx=context_window, verbose=False,
-                         n_threads=threads or torch.get_num_threads(), n_batch=512)
+        threads = threads or torch.get_num_threads()
+        # n_threads_batch too: llama-cpp-python defaults it to every core, and passes over several tokens
+        # (prompts, verification) would then run more threads than asked for (oversubscribed, ggml's
+        # spinning threads slow every process on the machine to a crawl)
+        self.llm = Llama(model_path=str(gguf), n_ctx=context_window, verbose=False, n_threads=threads,
+                         n_threads_batch=threads, n_batch=512)
         self.vocab_size = int(self.llm.n_vocab())
         self.context_window = context_window
         self.dtype = torch.float32
