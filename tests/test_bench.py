@@ -52,7 +52,8 @@ def test_bench_runs_all_systems_and_writes_report(setup):
     tree, chain = summary["verispec-draft-tree"]["all"], summary["verispec-draft"]["all"]
     assert tree["tokens_per_target_pass"] >= chain["tokens_per_target_pass"] > 1  # the draft is the target
     assert tree["mean_accepted_length"] > 0 and "tokens per target pass" in report["markdown"]
-    assert set(summary["verispec-draft"]["all"]["speedup"]) == set(BASELINES)
+    assert set(summary["verispec-draft"]["all"]["speedup"]) == set(BASELINES) - set(LLAMACPP_SYSTEMS)
+    assert "speedup vs verispec-plain / hf-generate / hf-assisted)" in report["markdown"]  # the baselines that ran
     for name in ("bench.json", "bench.md", "speedup_by_category.png", "acceptance_by_position.png"):
         assert (root / "out" / name).stat().st_size > 0
     assert report["bandwidth_limit_tokens_per_second"] > 0

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from verispec.bench.systems import Run
 from verispec.stats import GenerationStats
 
-BASELINES = ("verispec-plain", "hf-generate", "hf-assisted")
+# what speedups are measured against, where they ran: verispec's own plain decoding, the Hugging Face
+# peers, and llama.cpp's own decoding alone and with its prompt lookup (its speculative setting)
+BASELINES = ("verispec-plain", "hf-generate", "hf-assisted", "llamacpp-generate", "llamacpp-prompt-lookup")
 # (median key, speedup key, rate of a Run or None): end to end, and after the first output (decoding only)
 RATES = (("median_tokens_per_second", "speedup", lambda run: run.tokens_per_second),
          ("median_decode_tokens_per_second", "decode_speedup", lambda run: run.decode_tokens_per_second))
@@ -76,8 +78,9 @@ def markdown(summary: dict, categories: list[str]) -> str:
     output (decoding only), then tokens per target pass, acceptance and time split."""
     lines = []
     header = "| system | " + " | ".join(categories + ["all"]) + " |"
+    bases = [b for b in BASELINES if b in summary]  # the baselines that ran
     for title, rate, speedup in [
-        ("median tokens/s, end to end: prompt processing included (speedup vs verispec-plain / hf-generate / hf-assisted)",
+        (f"median tokens/s, end to end: prompt processing included (median per-prompt speedup vs {' / '.join(bases)})",
          "median_tokens_per_second", "speedup"),
         ("median decoding tokens/s, after the first output: prompt processing excluded (speedups as above)",
          "median_decode_tokens_per_second", "decode_speedup"),
@@ -90,8 +93,8 @@ def markdown(summary: dict, categories: list[str]) -> str:
                 if not e or e.get(rate) is None:
                     cells.append("-")
                     continue
-                sp = " / ".join(f"{e[speedup][b]:.2f}x" if b in e[speedup] else "-" for b in BASELINES)
-                cells.append(f"{e[rate]:.2f} ({sp})")
+                sp = " / ".join(f"{e[speedup][b]:.2f}x" if b in e[speedup] else "-" for b in bases)
+                cells.append(f"{e[rate]:.2f} ({sp})" if bases else f"{e[rate]:.2f}")
             lines.append(f"| {system} | " + " | ".join(cells) + " |")
     lines += ["", "tokens per target pass (mean accepted length + 1; for trees, acceptance is per drafted node)", "",
               header, "|" + "---|" * (len(categories) + 2)]
