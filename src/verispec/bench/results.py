@@ -5,6 +5,7 @@ measurements), bench.md and the plots, and the same report rebuilt from a bench.
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 from verispec.bench.plots import plot_acceptance_by_position, plot_speedup
@@ -13,9 +14,7 @@ from verispec.bench.systems import Run
 from verispec.errors import VerispecError
 from verispec.stats import GenerationStats
 
-STATS_COUNTERS = ("target_forward_passes", "draft_tokens", "accepted_tokens", "recovered_tokens", "bonus_tokens",
-                  "new_tokens", "accepted_per_position", "drafted_per_position", "wall_seconds", "draft_seconds",
-                  "target_seconds")
+STATS_FIELDS = tuple(f.name for f in fields(GenerationStats))  # what a run's stats are rebuilt from
 
 
 def runs_json(records: list[Record]) -> list[dict]:
@@ -94,7 +93,7 @@ def report_from_json(path: str | Path, out_dir: str | Path | None = None) -> dic
     for r in runs:
         stats = None
         if r.get("stats"):
-            stats = GenerationStats(**{k: r["stats"][k] for k in STATS_COUNTERS if k in r["stats"]})
+            stats = GenerationStats(**{k: r["stats"][k] for k in STATS_FIELDS if k in r["stats"]})
         tokens = r.get("token_ids")
         greedy = greedy and tokens is not None
         run = Run(list(tokens) if tokens is not None else [0] * r["new_tokens"], r["seconds"], stats,

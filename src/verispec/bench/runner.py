@@ -267,7 +267,7 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
             progress.console.print(f"{prompt.category} q{prompt.question_id}: " + ", ".join(
                 f"{r.system} {r.run.tokens_per_second:.2f} tok/s" for r in records if r.question_id == prompt.question_id))
             # partial results after every prompt, so a bench cut short still leaves its measurements
-            write_json(out / "bench.json", {**head, "partial": True, "runs": runs_json(records), "failures": failures})
+            write_json(out / "bench.json", {**head, "runs": runs_json(records), "failures": failures})
     if not records:
         raise VerispecError(f"every system failed on every prompt; first error: {failures[0]['error']}")
     return write_report(out, {**head, "partial": False}, records, failures, greedy=sampling.greedy)
