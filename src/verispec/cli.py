@@ -435,9 +435,6 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.markdown import Markdown
-
     from verispec.api import NGRAM, NO_DRAFT, set_threads
     from verispec.bench.runner import BenchConfig, run_bench
     from verispec.drafters.ngram_corpus import is_corpus_spec
@@ -446,10 +443,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.report is not None:
         from verispec.bench.results import report_from_json
 
-        report = report_from_json(args.report, args.out)
-        Console().print(Markdown(report["markdown"]))
-        print(f"written: {Path(report['plots'][0]).parent}/bench.json, bench.md, " + ", ".join(Path(p).name for p in report["plots"]))
-        return 0
+        return _show_bench_report(report_from_json(args.report, args.out))
     split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip()) if text else None  # noqa: E731
     args.categories, args.systems = split(args.categories), split(args.systems)
     config = _build(BenchConfig, args, {"prompts": "prompts", "categories": "categories", "per_category": "per_category",
@@ -471,9 +465,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
               "hf_draft": load_model(args.draft, draft_dtype) if has_draft else None,
               "target": load_model(args.target, args.dtype, args.target_weights),
               "draft": load_model(args.draft, draft_dtype, args.draft_weights) if has_draft else None}
-    report = run_bench(config, **models)
+    return _show_bench_report(run_bench(config, **models))
+
+
+def _show_bench_report(report: dict) -> int:
+    """Print a bench report's tables and the files it wrote (beside its plots)."""
+    from rich.console import Console
+    from rich.markdown import Markdown
+
     Console().print(Markdown(report["markdown"]))
-    print(f"written: {config.out_dir}/bench.json, bench.md, " + ", ".join(Path(p).name for p in report["plots"]))
+    print(f"written: {Path(report['plots'][0]).parent}/bench.json, bench.md, " + ", ".join(Path(p).name for p in report["plots"]))
     return 0
 
 
