@@ -134,7 +134,7 @@ class SpeculativeEngine:
             raise VerispecError("tree speculation needs a drafter that builds trees (a draft model or 'ngram'); "
                                 "this decoder decodes plainly")
         if not hasattr(self.target, "forward_tree"):
-            raise VerispecError("tree speculation needs the PyTorch backend: the llama.cpp backend verifies chains only")
+            raise VerispecError("tree speculation needs a target backend with tree passes (`forward_tree`)")
         if not self.drafter.supports_trees:
             raise VerispecError(f"the '{self.drafter.name}' drafter cannot draft trees here "
                                 "(a draft model on the llama.cpp backend, or a chain-only drafter)")

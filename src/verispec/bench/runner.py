@@ -21,12 +21,14 @@ from verispec.models.loading import LoadedModel
 
 LLAMACPP_SYSTEMS = ("llamacpp-generate", "llamacpp-prompt-lookup", "verispec-llamacpp-draft", "verispec-llamacpp-ngram",
                     "verispec-llamacpp-auto", "verispec-llamacpp-ngram-auto")  # need llama-cpp-python and GGUF files
-LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto")
-DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-distilled-tree", "verispec-llamacpp-distilled",
-                     "verispec-llamacpp-distilled-auto")  # need a distilled draft (--distilled)
+LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto", "verispec-llamacpp-distilled-tree",
+                     "verispec-llamacpp-distilled-tree-auto", "verispec-llamacpp-ngram-tree")
+DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto",
+                     "verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto", "verispec-llamacpp-distilled-tree",
+                     "verispec-llamacpp-distilled-tree-auto")  # need a distilled draft (--distilled)
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram",
            "verispec-ngram-corpus", "verispec-ngram-corpus-tree", "verispec-auto", "verispec-draft-tree", "verispec-draft-tree-auto", "verispec-ngram-tree", "verispec-distilled",
-           "verispec-distilled-auto", "verispec-distilled-tree", *LLAMACPP_SYSTEMS)
+           "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto", *LLAMACPP_SYSTEMS)
 SPLITS = ("all", "heldout", "train")  # Spec-Bench question ids: odd are held out from distillation (see verispec.distill)
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
 
@@ -108,8 +110,11 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             if distilled is None or ("llamacpp" in name and llama_target is None):
                 continue
             decoder = SpeculativeDecoder(llama_target if "llamacpp" in name else target, distilled)
-            systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None,
-                                          tree=config.tree if name.endswith("tree") else None))
+            tree = config.tree if "-tree" in name else None
+            if tree is not None and name.endswith("auto") and tree.budget is None:
+                continue  # a tree sized from measured costs is a dynamic one (a budget)
+            tuner = _tuner(decoder, tree.budget if tree is not None else k) if name.endswith("auto") else None
+            systems.append(VerispecSystem(name, decoder, k, tuner, tree=tree))
             continue
         if name in LLAMACPP_SYSTEMS:
             if llama_target is None:
@@ -121,7 +126,8 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
                                                 prompt_lookup_num_tokens=k))
             elif name.startswith("verispec-llamacpp-ngram"):
                 decoder = SpeculativeDecoder(llama_target, "ngram")
-                systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
+                systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None,
+                                              tree=config.tree if name.endswith("tree") else None))
             elif llama_draft is not None:
                 decoder = SpeculativeDecoder(llama_target, llama_draft)
                 systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))

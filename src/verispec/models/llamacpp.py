@@ -9,6 +9,14 @@ layer (151k x 1536 for the Qwen pair) and nothing is copied into llama-cpp-pytho
 matrix (`logits_all`, n_ctx x vocab floats: 2.5 GB for the Qwen target at 4096 tokens). Rollback
 truncates the token counter and removes the rejected positions from llama.cpp's KV cache.
 
+Trees (`forward_tree` / `commit_tree`) use llama.cpp's sequence ids: a query token attends to the cached
+entries that belong to its first sequence id, at positions up to its own. Tree node number `slot` has
+its own sequence, 1 + slot, which holds the committed prefix (copied from sequence 0, or from its
+parent's sequence) and, from the pass on, the node itself and its ancestors; a node's entry also
+belongs to the sequences of its descendants in the same pass. So each node sees the prefix, its
+ancestors and itself, and no sibling or cousin (they are in other sequences). Committing a path adds
+sequence 0 to the path's entries and removes every node sequence, which frees the other entries.
+
 Exactness holds with respect to the target as llama.cpp computes it in a verification pass; like
 any batched evaluation, a pass over several tokens can differ from token-by-token passes by rounding
 (see README, "Floating point").
@@ -16,7 +24,8 @@ any batched evaluation, a pass over several tokens can differ from token-by-toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,11 +40,22 @@ def llamacpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+# llama.cpp's flash attention (its default on a CPU is the other kernel): a tree node's logits then equal,
+# bit for bit, those of a same-width chain pass over its path; the other kernel's differ by up to ~0.3
+# when masked entries lie between the node's ancestors (measured; the speed is the same)
+FLASH_ATTENTION = 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED
+TREE_SEQUENCES = 256  # sequence ids in a llama.cpp context (its maximum): 0 committed, 1 + slot a tree node
+
+
 @dataclass
 class LlamaCppState:
-    """One sequence's position in llama.cpp's context. lengths: (1,) long."""
+    """One sequence's position in llama.cpp's context. lengths: (1,) long, committed tokens in the cache.
+    tree_depths[slot]: depth of tree entry `slot` (1: a child of the last committed token), and
+    tree_parents[slot] its parent slot (-1: the last committed token), for the entries since the last commit."""
 
     lengths: torch.Tensor
+    tree_depths: list[int] = field(default_factory=list)
+    tree_parents: list[int] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -66,15 +86,31 @@ class LlamaCppRunner:
         # spinning threads slow every process on the machine to a crawl)
         self.llm = Llama(model_path=str(gguf), n_ctx=context_window, verbose=False, n_threads=threads,
                          n_threads_batch=threads, n_batch=512)
+        self._reopen_with_tree_sequences()
         self.vocab_size = int(self.llm.n_vocab())
         self.context_window = context_window
         self.dtype = torch.float32
         self.owner: LlamaCppState | None = None
 
+    def _reopen_with_tree_sequences(self) -> None:
+        """Rebuild the context with a KV cache that many sequence ids share (trees need one per node):
+        llama-cpp-python has no argument for it, and its default cache holds one sequence."""
+        from llama_cpp import _internals
+
+        llm = self.llm
+        llm._ctx.close()
+        llm.context_params.n_seq_max, llm.context_params.kv_unified = TREE_SEQUENCES, True
+        llm.context_params.flash_attn_type = FLASH_ATTENTION
+        llm._ctx = llm._stack.enter_context(contextlib.closing(
+            _internals.LlamaContext(model=llm._model, params=llm.context_params, verbose=False)))
+
     def new_state(self, batch_size: int) -> LlamaCppState:
+        import llama_cpp
+
         if batch_size != 1:
             raise VerispecError("the llama.cpp backend decodes one sequence at a time (batch size 1)")
         self.llm.reset()
+        llama_cpp.llama_memory_clear(self.llm._ctx.memory, False)  # tree entries a dropped state left behind
         self.owner = LlamaCppState(torch.zeros(1, dtype=torch.long))
         return self.owner
 
@@ -84,31 +120,115 @@ class LlamaCppRunner:
 
     def forward(self, state: LlamaCppState, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
         """Append tokens[0] (at least one token); return (1, M, V) logits of its last M = num_logits[0]."""
-        import llama_cpp
-
         self._check(state)
         row, m = tokens[0], max(1, num_logits[0])
         if not row or m > len(row):
             raise VerispecError(f"a llama.cpp pass needs at least num_logits={m} new tokens, got {len(row)}")
+        if state.tree_depths:
+            raise ValueError("committed tokens cannot follow tree entries: commit_tree first")
+        n_past = self.llm.n_tokens
+        self.llm._ctx.kv_cache_seq_rm(0, n_past, -1)
+        logits = self._decode(row, list(range(n_past, n_past + len(row))), [[0]] * len(row),
+                              [i >= len(row) - m for i in range(len(row))])
+        self.llm.n_tokens = n_past + len(row)
+        state.lengths = torch.tensor([self.llm.n_tokens])
+        return logits
+
+    def _decode(self, tokens: list[int], positions: list[int], seq_ids: list[list[int]], wanted: list[bool]) -> torch.Tensor:
+        """One llama.cpp evaluation (in chunks of n_batch) of tokens at these positions, each in these
+        sequences; returns (1, M, V) logits of the M wanted tokens, in order."""
+        import llama_cpp
+
         llm, batch = self.llm, self.llm._batch.batch
-        n_past = llm.n_tokens
-        llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
         rows: list[np.ndarray] = []
-        for start in range(0, len(row), llm.n_batch):
-            chunk = row[start : start + llm.n_batch]
-            batch.n_tokens = len(chunk)
-            for i, token in enumerate(chunk):
-                batch.token[i], batch.pos[i] = token, n_past + start + i
-                batch.seq_id[i][0], batch.n_seq_id[i] = 0, 1
-                batch.logits[i] = start + i >= len(row) - m
-            llm._ctx.decode(llm._batch)
-            for i in range(len(chunk)):
-                if batch.logits[i]:
-                    pointer = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, i)
+        for start in range(0, len(tokens), llm.n_batch):
+            end = min(start + llm.n_batch, len(tokens))
+            batch.n_tokens = end - start
+            for i in range(start, end):
+                j = i - start
+                batch.token[j], batch.pos[j], batch.logits[j] = tokens[i], positions[i], wanted[i]
+                batch.n_seq_id[j] = len(seq_ids[i])
+                for k, seq in enumerate(seq_ids[i]):
+                    batch.seq_id[j][k] = seq
+            status = llama_cpp.llama_decode(llm._ctx.ctx, batch)
+            if status != 0:
+                raise VerispecError(f"llama.cpp could not evaluate a pass of {len(tokens)} tokens at position "
+                                    f"{positions[0]} (llama_decode returned {status}; 1 means the context is full)")
+            for j in range(end - start):
+                if batch.logits[j]:
+                    pointer = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, j)
                     rows.append(np.ctypeslib.as_array(pointer, shape=(self.vocab_size,)).copy())  # (V,)
-        llm.n_tokens = n_past + len(row)
-        state.lengths = torch.tensor([llm.n_tokens])
+        if not rows:
+            return torch.zeros(1, 0, self.vocab_size)
         return torch.from_numpy(np.stack(rows))[None]  # (1, M, V)
+
+    def forward_tree(self, state: LlamaCppState, chains: list[list[int]], nodes: list[list[int]],
+                     parents: list[list[int]]) -> torch.Tensor:
+        """`ModelRunner.forward_tree` for the one sequence: committed tokens chains[0], then tree nodes
+        nodes[0] with parent slots parents[0]; (1, M, V) logits after the last chain token (if any) and
+        after each node."""
+        import llama_cpp
+
+        self._check(state)
+        chain, new, new_parents = chains[0], nodes[0], parents[0]
+        held = len(state.tree_depths)
+        if chain and held:
+            raise ValueError("committed tokens cannot follow tree entries: commit_tree first")
+        if len(new) != len(new_parents):
+            raise ValueError(f"{len(new)} tree nodes but {len(new_parents)} parents")
+        for j, parent in enumerate(new_parents):
+            if not -1 <= parent < held + j:
+                raise ValueError(f"node {j} has parent slot {parent}, which does not exist yet")
+        if 1 + held + len(new) > TREE_SEQUENCES:
+            raise VerispecError(f"a llama.cpp tree holds at most {TREE_SEQUENCES - 1} nodes between commits, "
+                                f"this one would hold {held + len(new)}: use a smaller --tree-budget")
+        memory, n_past = self.llm._ctx.memory, self.llm.n_tokens
+        if chain:
+            self.llm._ctx.kv_cache_seq_rm(0, n_past, -1)
+        base = n_past + len(chain)  # the committed length once the chain is read: a depth-1 node's position
+        node_seqs: list[list[int]] = []  # per new node: its own sequence, then its descendants' in this pass
+        for j, parent in enumerate(new_parents):
+            slot = held + j
+            state.tree_depths.append(1 if parent == -1 else state.tree_depths[parent] + 1)
+            state.tree_parents.append(parent)
+            llama_cpp.llama_memory_seq_cp(memory, 0 if parent == -1 else 1 + parent, 1 + slot, -1, -1)
+            node_seqs.append([1 + slot])
+            while parent >= held:  # ancestors in this pass hold this node's sequence too
+                node_seqs[parent - held].append(1 + slot)
+                parent = state.tree_parents[parent]
+        own = [1 + held + j for j in range(len(new))]
+        tokens = chain + new
+        positions = list(range(n_past, base)) + [base + state.tree_depths[held + j] - 1 for j in range(len(new))]
+        seq_ids = [[0, *own]] * len(chain) + node_seqs
+        wanted = [i == len(chain) - 1 for i in range(len(chain))] + [True] * len(new)
+        logits = self._decode(tokens, positions, seq_ids, wanted) if tokens else torch.zeros(1, 0, self.vocab_size)
+        self.llm.n_tokens = base
+        state.lengths = torch.tensor([base])
+        return logits
+
+    def commit_tree(self, state: LlamaCppState, paths: list[list[int]]) -> None:
+        """Keep the tree entries on paths[0] (slots from the root down) as committed tokens; drop the others."""
+        import llama_cpp
+
+        self._check(state)
+        path, held = list(paths[0]), len(state.tree_depths)
+        if not held:
+            if path:
+                raise ValueError("no tree entries to commit")
+            return
+        for i, slot in enumerate(path):
+            if not 0 <= slot < held or state.tree_parents[slot] != (-1 if i == 0 else path[i - 1]):
+                raise ValueError(f"slots {path} are not a path from the root")
+        memory, base = self.llm._ctx.memory, self.llm.n_tokens
+        if path:  # the last node's sequence holds the path (and its descendants' entries, beyond it)
+            last = 1 + path[-1]
+            llama_cpp.llama_memory_seq_rm(memory, last, base + len(path), -1)
+            llama_cpp.llama_memory_seq_cp(memory, last, 0, base, base + len(path))
+        for slot in range(held):
+            llama_cpp.llama_memory_seq_rm(memory, 1 + slot, -1, -1)
+        state.tree_depths, state.tree_parents = [], []
+        self.llm.n_tokens = base + len(path)
+        state.lengths = torch.tensor([self.llm.n_tokens])
 
     def rollback(self, state: LlamaCppState, num_dropped: list[int]) -> None:
         self._check(state)
