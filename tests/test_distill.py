@@ -245,12 +245,14 @@ def test_distill_cli_end_to_end(tmp_path):
     assert set(manifest["lookup_agreement"]) == {"0", "1", "2", "3"}  # measured on the validation split at export
 
 
+@pytest.mark.parametrize("lookup", [None, LOOKUP], ids=["draft", "lookup-first"])
 @pytest.mark.parametrize("tree", [TreeConfig(shape=(3, 2, 1)), TreeConfig(budget=8, top_k=3)])
-def test_reduced_vocabulary_draft_trees_greedy_equal_plain(greedy_pair, tree):
+def test_reduced_vocabulary_draft_trees_greedy_equal_plain(greedy_pair, tree, lookup):
     target, _ = greedy_pair
     _, model, vocab = mapped_draft(list(range(0, 64, 2)), 64, seed=3)
     plain = SpeculativeEngine(ModelRunner(target), None, eos_token_ids=set())
-    spec = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(MappedVocabRunner(model, vocab), 64), eos_token_ids=set())
+    drafter = DraftModelDrafter(MappedVocabRunner(model, vocab), 64, lookup=lookup)
+    spec = SpeculativeEngine(ModelRunner(target), drafter, eos_token_ids=set())
     greedy = SamplingConfig(temperature=0)
     cfg = SpecConfig(num_draft_tokens=3, max_new_tokens=20, stop_at_eos=False)
     prompts = [[1, 2, 3], [5, 9, 11, 4, 8]]

@@ -17,7 +17,7 @@ import torch
 from test_exactness import PROMPT, THRESHOLD, V, check_distribution
 from verispec import rejection
 from verispec.chisquare import chi_square_test
-from verispec.config import SamplingConfig, SpecConfig, TreeConfig
+from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig, TreeConfig
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.drafters.tree_growth import TreeGrowth, draw_children
@@ -188,6 +188,24 @@ def test_prompt_lookup_tries_stay_exact(target):
     samples, seqs = sample(engine, sampling, TreeConfig(budget=6))
     assert sum(s.stats.accepted_tokens for s in seqs) > 0
     assert max(len(s.stats.drafted_per_position) for s in seqs) >= 2
+    for fit in check_distribution(target, samples, sampling):
+        assert fit.p_value > THRESHOLD, fit
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(shape=(2, 2)), TreeConfig(budget=6, top_k=3),
+                                  TreeConfig(shape=(3, 1), children="iid"), TreeConfig(budget=6, top_k=3, children="top")],
+                         ids=["static", "dynamic", "iid", "top"])
+def test_lookup_first_draft_trees_stay_exact(target, draft, tree, monkeypatch):
+    """Lookup first in a tree: a node whose path ends in an n-gram seen earlier gets the copied token as its
+    first child (one-hot q; the only child when children are sampled), the others the draft's children."""
+    copied = []
+    found = DraftModelDrafter._copied
+    monkeypatch.setattr(DraftModelDrafter, "_copied", lambda self, *args: copied.append(t := found(self, *args)) or t)
+    sampling = SamplingConfig(temperature=1.0)
+    drafter = DraftModelDrafter(ModelRunner(draft), V, lookup=PromptLookupConfig(max_ngram=2, min_ngram=1))
+    samples, seqs = sample(SpeculativeEngine(ModelRunner(target), drafter, set()), sampling, tree)
+    assert any(c is not None for c in copied) and any(c is None for c in copied)  # both kinds of nodes
+    assert sum(s.stats.recovered_tokens for s in seqs) > 0 and sum(s.stats.accepted_tokens for s in seqs) > 0
     for fit in check_distribution(target, samples, sampling):
         assert fit.p_value > THRESHOLD, fit
 

@@ -13,7 +13,8 @@ Lookup first (`lookup`, off unless configured): at each draft position where the
 tokens drafted so far) ends in an n-gram seen earlier in it, the draft proposes what followed that
 n-gram (prompt lookup) instead of its own choice, with q one-hot there; elsewhere its own token and q.
 Which source drafts a position is a function of the context, and each position reports the q its
-token was drawn from, so verification stays exact. A tiny draft gains most: on its validation set
+token was drawn from, so verification stays exact. In a tree, a node whose path ends in such an n-gram
+gets the copied token as its first child (one-hot q; with sampled children, its only child). A tiny draft gains most: on its validation set
 the copied tokens agree with the target far more often than its own guesses (see verispec.distill).
 Online adaptation (`adapt`, see `verispec.adapt` and `draft_adapt.py`) trains a copy of the draft in
 the caller's thread; the new weights wait in `_pending_model` until the start of the next `propose`,
@@ -136,7 +137,8 @@ class DraftModelDrafter(Drafter):
                    else None for b, seq in enumerate(sequences)]
         for b, growth in enumerate(growths):
             if growth is not None:
-                growth.add_children(-1, logits[b], self._seen(sequences[b], growth, -1, logits.shape[-1]))
+                growth.add_children(-1, logits[b], self._seen(sequences[b], growth, -1, logits.shape[-1]),
+                                    self._copied(sequences[b], growth, -1))
         slots: list[dict[int, int]] = [{} for _ in range(B)]  # node -> slot in the draft's tree entries
         for depth in range(1, max(depths, default=0)):
             expand = [growth.to_expand(depth) if growth is not None else [] for growth in growths]
@@ -151,7 +153,8 @@ class DraftModelDrafter(Drafter):
             out = self._fit_vocab(self.runner.forward_tree(self.state, [[] for _ in range(B)], tokens, parents))
             for b, nodes in enumerate(expand):
                 for j, n in enumerate(nodes):
-                    growths[b].add_children(n, out[b, j], self._seen(sequences[b], growths[b], n, out.shape[-1]))
+                    growths[b].add_children(n, out[b, j], self._seen(sequences[b], growths[b], n, out.shape[-1]),
+                                            self._copied(sequences[b], growths[b], n))
         drafts: list[TreeDraft] = []
         self.tree_slots = []
         for b, growth in enumerate(growths):
@@ -163,6 +166,13 @@ class DraftModelDrafter(Drafter):
             drafts.append(draft)
             self.tree_slots.append([slots[b].get(n, -1) for n in nodes])
         return drafts
+
+    def _copied(self, seq: Sequence, growth: TreeGrowth, node: int) -> int | None:
+        """Lookup first in a tree: the token that followed the n-gram the context and the path to `node` end in."""
+        if self.lookup is None:
+            return None
+        found = lookup(seq.tokens + growth.path(node), 1, self.lookup)
+        return found[0] if found else None
 
     @staticmethod
     def _seen(seq: Sequence, growth: TreeGrowth, node: int, vocab: int) -> torch.Tensor | None:

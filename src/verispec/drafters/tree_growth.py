@@ -89,10 +89,13 @@ class TreeGrowth:
             node = self.parents[node]
         return tokens[::-1]
 
-    def add_children(self, parent: int, logits: torch.Tensor, seen: torch.Tensor | None) -> None:
+    def add_children(self, parent: int, logits: torch.Tensor, seen: torch.Tensor | None, copied: int | None = None) -> None:
         """Draw `parent`'s children from the draft's logits after it.
 
         logits: (V',) draft logits over target token ids; seen: (1, V') repetition-penalty mask or None.
+        copied: the token that lookup first copies after `parent` (see `DraftModelDrafter`), or None. It
+            becomes the first child with a one-hot q; with sampled children it is the only one (a node's
+            sampled children all come from one q), with top-token children the draft's others follow it.
         """
         k = self.width(parent)
         if self.sampling.greedy:
@@ -103,15 +106,26 @@ class TreeGrowth:
             tokens = probs.topk(min(k, probs.numel())).indices.tolist()
             best = int(logits[0].argmax())  # the chain's greedy token comes first, whatever the tie-break
             tokens = [best] + [t for t in tokens if t != best][: k - 1]
-            q_row = None
         else:
             probs = logits_to_probs(logits[None], self.sampling, seen)[0]  # (V',)
-            tokens = draw_children(probs, k, self.mode, self.rng)
-            q_row = None if self.mode == "top" else self._pad(probs)
-        top = probs.topk(len(tokens)).values.tolist()
+            if copied is None:
+                tokens = draw_children(probs, k, self.mode, self.rng)
+            elif self.mode == "top":
+                tokens = probs.topk(min(k, probs.numel())).indices.tolist()
+            else:
+                tokens = []
+        if copied is not None:
+            tokens = [copied] + [t for t in tokens if t != copied][: k - 1]
+        sampled = not self.sampling.greedy and self.mode != "top"
+        q_rows = [None] * len(tokens)  # (V,) each, what the child was drawn from; None: deterministic
+        if sampled and copied is None:
+            q_rows = [self._pad(probs)] * len(tokens)
+        elif sampled:
+            q_rows = [torch.nn.functional.one_hot(torch.tensor(copied), max(self.vocab_size, probs.numel())).to(probs.dtype)]
+        top = probs.topk(len(tokens)).values.tolist()  # slot scores: by rank, never by the drawn token
         base = 1.0 if parent < 0 else self.scores[parent]
         depth = 1 if parent < 0 else self.depths[parent] + 1
-        for rank, token in enumerate(tokens):
+        for rank, (token, q_row) in enumerate(zip(tokens, q_rows)):
             self.tokens.append(int(token))
             self.parents.append(parent)
             self.depths.append(depth)
