@@ -128,6 +128,23 @@ def test_costs_skip_expanding_nodes_whose_children_cannot_pay_and_keep_the_same_
         assert sorted(tuple(pruned.path(i)) for i in pruned.select()) == sorted(tuple(full.path(i)) for i in full.select())
 
 
+@pytest.mark.parametrize("sampling,children", [(GREEDY, "without_replacement"), (SamplingConfig(), "top"),
+                                               (SamplingConfig(), "without_replacement"), (SamplingConfig(), "iid")])
+def test_a_copied_token_is_the_first_child_with_a_one_hot_q(sampling, children):
+    """Lookup first in trees: the copied token leads; top-token children follow it, sampled ones make way
+    for it (a node's sampled children share one q, and the copied token was not drawn from it)."""
+    logits = torch.tensor([0.0, 3.0, 2.0, 1.0, 0.5, 0.2, 0.1, 0.0])  # the draft's top tokens: 1, 2, 3
+    growth = TreeGrowth(TreeConfig(shape=(3,), children=children), 1, sampling, torch.Generator().manual_seed(0), 8)
+    growth.add_children(-1, logits, None, copied=6)
+    sampled = not sampling.greedy and children != "top"
+    assert growth.tokens == ([6] if sampled else [6, 1, 2])
+    draft, _ = growth.finish()
+    if sampled:
+        assert torch.equal(draft.q[0], torch.nn.functional.one_hot(torch.tensor(6), 8).float())
+    else:
+        assert draft.q is None and draft.siblings == "deterministic"
+
+
 def test_without_replacement_children_are_distinct_and_static_shapes_are_full():
     logits = torch.zeros(8)
     growth = grow(TreeConfig(shape=(4, 2, 1)), logits, seed=0)

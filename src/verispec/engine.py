@@ -137,7 +137,7 @@ class SpeculativeEngine:
             raise VerispecError("tree speculation needs a target backend with tree passes (`forward_tree`)")
         if not self.drafter.supports_trees:
             raise VerispecError(f"the '{self.drafter.name}' drafter cannot draft trees here "
-                                "(a draft model on the llama.cpp backend, or a chain-only drafter)")
+                                "(a chain-only drafter)")
 
     def stream(
         self,

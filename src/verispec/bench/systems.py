@@ -136,8 +136,6 @@ class LlamaCppGenerate(System):
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        from verispec.models.llamacpp import FLASH_ATTENTION
-
         self.name, self.eos = name, set(eos_token_ids)
         draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup_num_tokens) if prompt_lookup_num_tokens else None
         # With a draft, llama-cpp-python writes logits for every position into its score buffer but sizes
@@ -145,8 +143,7 @@ class LlamaCppGenerate(System):
         # n_batch (512) then fails ("could not broadcast ... into shape (0,)"). logits_all=True sizes it n_ctx.
         threads = torch.get_num_threads()  # for one token and for several (llama-cpp-python's default: every core)
         self.llm = Llama(model_path=gguf, n_ctx=context_window, verbose=False, n_threads=threads,
-                         n_threads_batch=threads, draft_model=draft, logits_all=draft is not None,
-                         flash_attn_type=FLASH_ATTENTION)  # as verispec's llama.cpp runner: the same kernels
+                         n_threads_batch=threads, draft_model=draft, logits_all=draft is not None)
 
     def run(self, prompt, sampling, max_new_tokens, seed):
         self.llm.reset()

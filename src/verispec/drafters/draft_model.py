@@ -13,9 +13,10 @@ Lookup first (`lookup`, off unless configured): at each draft position where the
 tokens drafted so far) ends in an n-gram seen earlier in it, the draft proposes what followed that
 n-gram (prompt lookup) instead of its own choice, with q one-hot there; elsewhere its own token and q.
 Which source drafts a position is a function of the context, and each position reports the q its
-token was drawn from, so verification stays exact. In a tree, a node whose path ends in such an n-gram
-gets the copied token as its first child (one-hot q; with sampled children, its only child). A tiny draft gains most: on its validation set
-the copied tokens agree with the target far more often than its own guesses (see verispec.distill).
+token was drawn from, so verification stays exact. In a tree, a node whose path ends in such an
+n-gram gets the copied token as its first child (one-hot q; with sampled children, its only child).
+A tiny draft gains most: on its validation set the copied tokens agree with the target far more
+often than its own guesses (see verispec.distill).
 Online adaptation (`adapt`, see `verispec.adapt` and `draft_adapt.py`) trains a copy of the draft in
 the caller's thread; the new weights wait in `_pending_model` until the start of the next `propose`,
 which swaps them in and restarts the draft's cache (it holds keys and values of the old weights).

@@ -40,10 +40,6 @@ def llamacpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-# llama.cpp's flash attention (its default on a CPU is the other kernel): a tree node's logits then equal,
-# bit for bit, those of a same-width chain pass over its path; the other kernel's differ by up to ~0.3
-# when masked entries lie between the node's ancestors (measured; the speed is the same)
-FLASH_ATTENTION = 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED
 TREE_SEQUENCES = 256  # sequence ids in a llama.cpp context (its maximum): 0 committed, 1 + slot a tree node
 
 
@@ -72,7 +68,13 @@ class LlamaCppState:
 class LlamaCppRunner:
     """ModelRunner-compatible wrapper of a `llama_cpp.Llama` built with logits for every position."""
 
-    def __init__(self, gguf: Path, context_window: int = 8192, threads: int | None = None) -> None:
+    def __init__(self, gguf: Path, context_window: int = 8192, threads: int | None = None,
+                 flash_attention: bool = False) -> None:
+        """flash_attention: use llama.cpp's flash attention kernel instead of its default on a CPU (the
+        other one). With it, a tree node's logits equal those of a chain pass of the same width over the
+        node's path bit for bit (the tests use it to check the tree masks); the default kernel's move by up
+        to ~0.3 where masked entries lie between a node's ancestors (rounding, as between pass widths).
+        Off by default: it is what llama.cpp itself runs, and was 2-4% slower end to end here."""
         if not llamacpp_available():
             raise VerispecError(
                 "the llama.cpp backend needs llama-cpp-python (an optional extra that compiles llama.cpp, "
@@ -86,13 +88,13 @@ class LlamaCppRunner:
         # spinning threads slow every process on the machine to a crawl)
         self.llm = Llama(model_path=str(gguf), n_ctx=context_window, verbose=False, n_threads=threads,
                          n_threads_batch=threads, n_batch=512)
-        self._reopen_with_tree_sequences()
+        self._reopen_with_tree_sequences(flash_attention)
         self.vocab_size = int(self.llm.n_vocab())
         self.context_window = context_window
         self.dtype = torch.float32
         self.owner: LlamaCppState | None = None
 
-    def _reopen_with_tree_sequences(self) -> None:
+    def _reopen_with_tree_sequences(self, flash_attention: bool) -> None:
         """Rebuild the context with a KV cache that many sequence ids share (trees need one per node):
         llama-cpp-python has no argument for it, and its default cache holds one sequence."""
         from llama_cpp import _internals
@@ -100,7 +102,8 @@ class LlamaCppRunner:
         llm = self.llm
         llm._ctx.close()
         llm.context_params.n_seq_max, llm.context_params.kv_unified = TREE_SEQUENCES, True
-        llm.context_params.flash_attn_type = FLASH_ATTENTION
+        if flash_attention:
+            llm.context_params.flash_attn_type = 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED
         llm._ctx = llm._stack.enter_context(contextlib.closing(
             _internals.LlamaContext(model=llm._model, params=llm.context_params, verbose=False)))
 
