@@ -241,6 +241,10 @@ def test_distill_cli_end_to_end(tmp_path):
                  "--temperature", "0", "--max-new-tokens", "6", "--draft-lookup", "2", "--json"]) == 0
     assert main(["generate", "--target", str(target_dir), "--draft", str(tmp_path / "run" / "draft"), "--prompt", "ab",
                  "--draft-lookup", "-1"]) == 2
+    assert main(["generate", "--target", str(target_dir), "--draft", str(tmp_path / "run" / "draft"), "--prompt", "ab",
+                 "--temperature", "0", "--max-new-tokens", "6", "--draft-context", "2", "--json"]) == 0
+    assert main(["generate", "--target", str(target_dir), "--draft", str(tmp_path / "run" / "draft"), "--prompt", "ab",
+                 "--draft-context", "0"]) == 2
     manifest = json.loads((tmp_path / "run" / "draft" / "verispec-distilled.json").read_text())
     assert set(manifest["lookup_agreement"]) == {"0", "1", "2", "3"}  # measured on the validation split at export
 

@@ -58,6 +58,31 @@ def test_draft_equal_to_target_accepts_everything_and_catches_up(greedy_pair):
     assert seq.stats.target_forward_passes == 5  # 5 tokens per pass: 4 accepted + 1 bonus
 
 
+def test_a_draft_that_reads_only_the_prompt_tail_stays_greedy_equal_and_reads_less(greedy_pair):
+    """`context`: the draft skips all but the last N prompt tokens (its prompt pass is shorter); its
+    guesses change, the output does not. Ragged prompts, some shorter than N, and tree steps too."""
+    from verispec.config import TreeConfig
+
+    target, draft = greedy_pair
+    plain = SpeculativeEngine(ModelRunner(target), None, set())
+    expected = [s.generated for s in plain.generate(PROMPTS, GREEDY, SpecConfig(max_new_tokens=20))]
+    for tree in (None, TreeConfig(budget=6, top_k=2)):
+        drafter = DraftModelDrafter(ModelRunner(draft), 64, context=3)
+        engine = SpeculativeEngine(ModelRunner(target), drafter, set())
+        seqs = engine.generate(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=20, tree=tree))
+        assert [s.generated for s in seqs] == expected
+        assert any(s.stats.accepted_tokens for s in seqs)
+    drafter = DraftModelDrafter(ModelRunner(draft), 64, context=3)
+    engine = SpeculativeEngine(ModelRunner(target), drafter, set())
+    seqs = engine.make_sequences(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=2), 0)
+    drafter.start(seqs)
+    assert drafter.cached == [len(p) - 3 for p in PROMPTS[:2]] + [0]  # the prompt of one token is read whole
+    drafter.propose(seqs, [2, 2, 2])
+    assert drafter.state.lengths.tolist() == [3 + 1, 3 + 1, 1 + 1]  # the tail, then the first draft token
+    with pytest.raises(VerispecError, match="at least 1 token"):
+        DraftModelDrafter(ModelRunner(draft), 64, context=0)
+
+
 def test_draft_vocab_padding_is_aligned(greedy_pair):
     """A draft whose output layer is padded to a larger vocabulary (as 151936 vs 152064) still works."""
     target, _ = greedy_pair

@@ -113,6 +113,16 @@ def test_draft_model_chain_matches_target_distribution(target, draft, K, samplin
         assert fit.p_value > THRESHOLD, fit
 
 
+def test_a_draft_reading_only_the_prompt_tail_stays_exact(target, draft):
+    """A draft that skips most of the prompt (`context`) proposes differently; the output does not change."""
+    sampling = SamplingConfig(temperature=1.0)
+    engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), V, context=2), set())
+    samples, seqs = sample_tokens(engine, sampling, 3)
+    assert 0 < sum(s.stats.accepted_tokens for s in seqs) < sum(s.stats.draft_tokens for s in seqs)
+    for fit in check_distribution(target, samples, sampling):
+        assert fit.p_value > THRESHOLD, fit
+
+
 @pytest.mark.parametrize("K", [1, 3, 8])
 def test_q_equal_to_p_accepts_everything_and_stays_exact(target, K):
     sampling = SamplingConfig(temperature=1.0, top_k=5)

@@ -105,7 +105,8 @@ class SpeculativeDecoder:
                 draft.vocab = VocabMap.from_target_ids(draft.vocab.to_target, self.runner.vocab_size)
             draft_runner = draft.make_runner()
             context_window = min(context_window, draft_runner.context_window)
-            self.drafter: Drafter | None = DraftModelDrafter(draft_runner, self.runner.vocab_size, draft.lookup)
+            self.drafter: Drafter | None = DraftModelDrafter(draft_runner, self.runner.vocab_size, draft.lookup,
+                                                                 draft.context)
             self.draft_name = draft.name
             self.draft_weights = draft.weights
         elif isinstance(draft, Drafter):
@@ -137,6 +138,7 @@ class SpeculativeDecoder:
         backend: str = DEFAULT_BACKEND,
         ngram: NGramConfig = NGramConfig(),
         draft_lookup: int | None = None,
+        draft_context: int | None = None,
     ) -> SpeculativeDecoder:
         """Load by spec: a named default, a local HF model directory or a .gguf file.
 
@@ -150,6 +152,8 @@ class SpeculativeDecoder:
         `draft_lookup` N > 0 makes a draft model copy from the context first where its last n-gram
         (n >= N) occurred before (see DraftModelDrafter); 0 turns that off; None keeps the draft's own
         setting (a distilled draft's manifest names the one measured best on its validation set).
+        `draft_context` N makes a draft model read only the last N tokens of each prompt (a long
+        prompt's draft pass then costs N tokens); None reads all.
         """
         loaded_target = load_model(target, dtype, target_weights, backend)
         if draft in NO_DRAFT or draft == NGRAM or is_corpus_spec(draft):
@@ -162,6 +166,9 @@ class SpeculativeDecoder:
             if draft_lookup < 0:
                 raise VerispecError(f"draft lookup needs an n-gram size >= 1 (0 turns it off), got {draft_lookup}")
             loaded_draft.lookup = PromptLookupConfig(max_ngram=max(4, draft_lookup), min_ngram=draft_lookup) if draft_lookup else None
+        if draft_context is not None and draft_context < 1:
+            raise VerispecError(f"--draft-context must be at least 1 token, got {draft_context}")
+        loaded_draft.context = draft_context
         return cls(loaded_target, loaded_draft, prompt_lookup, ngram)
 
     # --- online adaptation -------------------------------------------------------------------------

@@ -68,6 +68,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-lookup", type=int, default=None, metavar="N",
                    help="a draft model copies from the context first where its last n-gram (n >= N) occurred before; "
                         "0 turns it off (default: the draft's own setting, e.g. the distilled draft's)")
+    p.add_argument("--draft-context", type=int, default=None, metavar="N",
+                   help="a draft model reads only the last N tokens of each prompt: a long prompt's draft pass costs "
+                        "N tokens; only the draft's guesses change, never the output (default: all)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
@@ -259,7 +262,8 @@ def _load(args: argparse.Namespace):
     lookup = _build(PromptLookupConfig, args, LOOKUP_OPTIONS)
     return SpeculativeDecoder.load(args.target, args.draft, args.dtype, args.draft_dtype, lookup,
                                    args.target_weights, args.draft_weights, args.backend,
-                                   draft_lookup=getattr(args, "draft_lookup", None))
+                                   draft_lookup=getattr(args, "draft_lookup", None),
+                                   draft_context=getattr(args, "draft_context", None))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -450,7 +454,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                         "max_new_tokens": "max_new_tokens", "temperature": "temperature", "seed": "seed",
                                         "num_draft_tokens": "num_draft_tokens", "systems": "systems", "out_dir": "out",
                                         "split": "split", "distilled": "distilled",
-                                        "ngram_table": "ngram_table", "adapt": "adapt"})
+                                        "ngram_table": "ngram_table", "adapt": "adapt",
+                                        "draft_context": "draft_context"})
     tree = _tree_config(args)
     if tree is not None:
         config = dataclasses.replace(config, tree=tree)

@@ -60,6 +60,7 @@ class BenchConfig:
     out_dir: str = "artifacts/bench"
     split: str = "all"
     distilled: str | None = "distilled"
+    draft_context: int | None = None  # draft models read only a prompt's last N tokens (None: all)
     tree: TreeConfig = TreeConfig(budget=16)
     ngram_table: str | None = None
     adapt: bool = False
@@ -72,6 +73,8 @@ class BenchConfig:
             raise VerispecError(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
         if self.per_category < 1:
             raise VerispecError("per_category must be >= 1")
+        if self.draft_context is not None and self.draft_context < 1:
+            raise VerispecError(f"draft_context must be >= 1 token, got {self.draft_context}")
 
 
 def memory_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
@@ -102,9 +105,12 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
     k = config.num_draft_tokens
     systems: list[System] = []
     plain = SpeculativeDecoder(target, "none")
-    drafted = SpeculativeDecoder(target, draft) if draft is not None else None
     llama_target, llama_draft = _llamacpp_models(target, draft, wanted)
     distilled = _distilled(config, target, wanted)
+    for model in (draft, llama_draft, distilled):
+        if model is not None:
+            model.context = config.draft_context
+    drafted = SpeculativeDecoder(target, draft) if draft is not None else None
     for name in wanted:
         if name in DISTILLED_SYSTEMS:
             if distilled is None or ("llamacpp" in name and llama_target is None):

@@ -32,6 +32,7 @@ from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from verispec.drafters.prompt_lookup import lookup
 from verispec.drafters.tree_growth import TreeGrowth
+from verispec.errors import VerispecError
 from verispec.models.runner import KVState, ModelRunner
 from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks
 from verispec.sequence import Sequence
@@ -47,15 +48,22 @@ class DraftModelDrafter(Drafter):
             proposes a token outside the target's vocabulary, so cutting keeps q a distribution
             that the draft really samples from).
         lookup: n-gram sizes of "lookup first" (see the module docstring); None drafts from the model only.
+        context: the draft reads only the last `context` tokens of each prompt (then everything after
+            them); None reads all. A long prompt's draft pass then costs at most `context` tokens, at the
+            price of a draft that sees less. Only the draft's guesses change, never the output distribution.
     """
 
     name = "draft-model"
     adaptive = True
 
-    def __init__(self, runner: ModelRunner, target_vocab_size: int, lookup: PromptLookupConfig | None = None) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab_size: int, lookup: PromptLookupConfig | None = None,
+                 context: int | None = None) -> None:
+        if context is not None and context < 1:
+            raise VerispecError(f"a draft's context must be at least 1 token, got {context}")
         self.runner = runner
         self.target_vocab_size = target_vocab_size
         self.lookup = lookup
+        self.context = context
         self.state: KVState | None = None
         self.cached: list[int] = []  # per row: how many of the sequence's tokens the draft cache holds
         self.tree_slots: list[list[int]] = []  # per row, after propose_tree: each node's cache slot (-1: not fed)
@@ -70,12 +78,16 @@ class DraftModelDrafter(Drafter):
 
     def start(self, sequences: list[Sequence]) -> None:
         self.state = self.runner.new_state(len(sequences))
-        self.cached = [0] * len(sequences)
+        self.cached = [self._skipped(seq) for seq in sequences]
 
     def extend(self, sequences: list[Sequence]) -> None:
         assert self.state is not None, "start() must be called before extend()"
         self.state.extend(len(sequences))
-        self.cached += [0] * len(sequences)
+        self.cached += [self._skipped(seq) for seq in sequences]
+
+    def _skipped(self, seq: Sequence) -> int:
+        """Tokens at the start of the sequence that the draft never reads (see `context`)."""
+        return 0 if self.context is None else max(0, len(seq.tokens) - self.context)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., Vd) draft logits -> (..., min(Vd, Vt)) logits restricted to target token ids."""
@@ -87,7 +99,7 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
         assert self.state is not None, "start() must be called before propose()"
-        self._swap_pending()
+        self._swap_pending(sequences)
         B = len(sequences)
         drafted: list[list[int]] = [[] for _ in range(B)]
         q_rows: list[list[torch.Tensor]] = [[] for _ in range(B)]
@@ -229,12 +241,12 @@ class DraftModelDrafter(Drafter):
         with self._lock:
             self._pending_model = model
 
-    def _swap_pending(self) -> None:
+    def _swap_pending(self, sequences: list[Sequence]) -> None:
         with self._lock:
             model, self._pending_model = self._pending_model, None
         if model is None:
             return
         self.runner.model = model
         if self.state is not None:  # the cache holds the old weights' keys and values: read the context again
-            self.state = self.runner.new_state(len(self.cached))
-            self.cached = [0] * len(self.cached)
+            self.state = self.runner.new_state(len(sequences))
+            self.cached = [self._skipped(seq) for seq in sequences]

@@ -53,6 +53,7 @@ class LoadedModel:
     backend: str = DEFAULT_BACKEND
     vocab: object | None = None  # a distilled draft's VocabMap (its vocabulary is a subset of the target's)
     lookup: object | None = None  # a draft's "lookup first" n-gram sizes (PromptLookupConfig; see DraftModelDrafter)
+    context: int | None = None  # a draft reads only this many of a prompt's last tokens (see DraftModelDrafter)
 
     @property
     def dtype(self) -> torch.dtype:
