@@ -204,7 +204,7 @@ class LlamaCppRunner:
         positions = list(range(n_past, base)) + [base + state.tree_depths[held + j] - 1 for j in range(len(new))]
         seq_ids = [[0, *own]] * len(chain) + node_seqs
         wanted = [i == len(chain) - 1 for i in range(len(chain))] + [True] * len(new)
-        logits = self._decode(tokens, positions, seq_ids, wanted) if tokens else torch.zeros(1, 0, self.vocab_size)
+        logits = self._decode(tokens, positions, seq_ids, wanted)  # (1, M, V); M = 0 when there is nothing to read
         self.llm.n_tokens = base
         state.lengths = torch.tensor([base])
         return logits
