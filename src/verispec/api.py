@@ -166,9 +166,7 @@ class SpeculativeDecoder:
             if draft_lookup < 0:
                 raise VerispecError(f"draft lookup needs an n-gram size >= 1 (0 turns it off), got {draft_lookup}")
             loaded_draft.lookup = PromptLookupConfig(max_ngram=max(4, draft_lookup), min_ngram=draft_lookup) if draft_lookup else None
-        if draft_context is not None and draft_context < 1:
-            raise VerispecError(f"--draft-context must be at least 1 token, got {draft_context}")
-        loaded_draft.context = draft_context
+        loaded_draft.context = draft_context  # checked by DraftModelDrafter
         return cls(loaded_target, loaded_draft, prompt_lookup, ngram)
 
     # --- online adaptation -------------------------------------------------------------------------

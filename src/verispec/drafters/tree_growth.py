@@ -108,12 +108,8 @@ class TreeGrowth:
             tokens = [best] + [t for t in tokens if t != best][: k - 1]
         else:
             probs = logits_to_probs(logits[None], self.sampling, seen)[0]  # (V',)
-            if copied is None:
-                tokens = draw_children(probs, k, self.mode, self.rng)
-            elif self.mode == "top":
-                tokens = probs.topk(min(k, probs.numel())).indices.tolist()
-            else:
-                tokens = []
+            # with a copied token, sampled children make way for it; top-token children follow it
+            tokens = draw_children(probs, k, self.mode, self.rng) if copied is None or self.mode == "top" else []
         if copied is not None:
             tokens = [copied] + [t for t in tokens if t != copied][: k - 1]
         sampled = not self.sampling.greedy and self.mode != "top"
