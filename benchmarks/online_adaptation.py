@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=None, help="passes over each update's examples (default: AdaptConfig's)")
     ap.add_argument("--max-steps", type=int, default=None, help="optimizer steps per update at most (default: AdaptConfig's)")
     ap.add_argument("--replay", type=int, default=None, help="earlier examples revisited per update (default: AdaptConfig's)")
+    ap.add_argument("--learn-from", default=None, choices=["mistakes", "all"],
+                    help="positions kept for learning (default: AdaptConfig's)")
     ap.add_argument("--draft-lookup", type=int, default=None, help="as `verispec generate --draft-lookup` (default: the draft's)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out-dir", default="artifacts/online_adaptation")
@@ -117,7 +119,7 @@ def main() -> None:
         raise SystemExit(f"{args.category} has {len(prompts)} prompts, fewer than {args.adapt_prompts} + {args.eval_prompts}")
     decoder = SpeculativeDecoder.load(args.target, args.drafter, draft_weights=args.draft_weights, backend=args.backend,
                                       draft_lookup=args.draft_lookup)
-    overrides = {name: getattr(args, name) for name in ("lr", "epochs", "max_steps", "replay") if getattr(args, name) is not None}
+    overrides = {name: getattr(args, name) for name in ("lr", "epochs", "max_steps", "replay", "learn_from") if getattr(args, name) is not None}
     adapt_config = AdaptConfig(background=False, min_examples=1, **overrides)
     adapter = decoder.enable_adaptation(adapt_config)
     sampling = SamplingConfig(temperature=args.temperature)

@@ -53,6 +53,39 @@ def test_buffer_keeps_the_first_rejected_position_and_the_target_top_k():
     assert len(quiet) == 0
 
 
+def test_buffer_learning_from_all_keeps_every_settled_position():
+    """learn_from="all": the accepted drafts' positions and the stopping position, each after its own prefix;
+    rows after the first rejection (conditioned on a rejected token) are never kept."""
+    buffer = AdaptationBuffer(AdaptConfig(top_k=1, max_context=4, learn_from="all"))
+    p = torch.tensor([[0.1, 0.9, 0.0, 0.0], [0.5, 0.0, 0.3, 0.2], [0.0, 0.0, 0.0, 1.0], [0.25, 0.3, 0.2, 0.25]])  # (n + 1, V)
+    draft = Draft(torch.tensor([1, 3, 2]))
+    buffer(FakeSeq([7, 8, 9, 10, 11]), draft, p, Verdict(1, 0, bonus=False), None)  # x_1 = 1 accepted, x_2 = 3 rejected
+    buffer(FakeSeq([7]), draft, p, Verdict(3, 1, bonus=True), None)  # all accepted: four positions, the bonus's too
+    contexts = [(ex.context, ex.tokens) for ex in buffer.drain()]
+    assert contexts == [((8, 9, 10, 11), (1,)), ((9, 10, 11, 1), (0,)),
+                        ((7,), (1,)), ((7, 1), (0,)), ((7, 1, 3), (3,)), ((7, 1, 3, 2), (1,))]
+    with pytest.raises(VerispecError, match="learn_from"):
+        AdaptConfig(learn_from="everything")
+
+
+@pytest.mark.parametrize("tree", [None, TreeConfig(shape=(2, 2, 1))])
+def test_buffer_learning_from_all_labels_every_output_position(greedy_pair, tree):
+    """Through the engine, chains and trees: one example per generated token, labelled with that token."""
+    target, draft = greedy_pair
+    engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), 64), set())
+    buffer = AdaptationBuffer(AdaptConfig(learn_from="all"))
+    engine.observers.append(buffer)
+    spec = SpecConfig(num_draft_tokens=3, max_new_tokens=30, stop_at_eos=False, tree=tree)
+    seq = engine.generate([[1, 2, 3, 4]], GREEDY, spec)[0]
+    examples = buffer.drain()
+    assert seq.stats.accepted_tokens > 0
+    assert [len(ex.context) for ex in examples][: len(seq.generated)] == list(range(4, 4 + len(seq.generated)))
+    for ex in examples:  # the last step's bonus / recovered position may lie past max_new_tokens
+        assert ex.probs == (1.0,) and tuple(seq.tokens[: len(ex.context)]) == ex.context
+        if len(ex.context) < len(seq.tokens):
+            assert seq.tokens[len(ex.context)] == ex.tokens[0]
+
+
 def test_buffer_sees_what_the_engine_verified(greedy_pair):
     """Through the engine at temperature 0: each example is one-hot at the token the target emitted there."""
     target, draft = greedy_pair
@@ -345,3 +378,23 @@ def test_replay_revisits_earlier_examples_beside_the_new_ones(sampling_pair):
     assert len(visited) == 7
     with pytest.raises(VerispecError, match="replay must be an integer >= 0"):
         AdaptConfig(replay=-1)
+
+
+def test_examples_along_one_output_share_a_row_and_keep_their_loss(sampling_pair):
+    """The training loss packs prefix contexts into one row: same loss as one row per example, fewer rows."""
+    from verispec.drafters.draft_adapt import shared_rows
+
+    contexts = [(1, 2, 3), (1, 2), (4, 5), (1, 2, 3, 6), (4,), (1, 7)]
+    carriers, rows = shared_rows(contexts)
+    assert carriers == [(1, 2, 3, 6), (4, 5), (1, 7)] and rows == [0, 0, 1, 0, 1, 2]
+    drafter = DraftModelDrafter(ModelRunner(sampling_pair[1]), V)
+    drafter.check_adaptable(AdaptConfig(lr=1e-3))
+    drafter.adapt([AdaptExample(tuple(PROMPT), (0,), (1.0,))])  # makes the trainer
+    gen = torch.Generator().manual_seed(0)
+    stream = torch.randint(0, V, (40,), generator=gen).tolist()
+    batch = [AdaptExample(tuple(stream[:n]), (stream[n], 3), (0.7, 0.3)) for n in (5, 9, 17, 30, 39)]
+    batch += [AdaptExample((2, 4, 6), (1,), (1.0,))]  # a context of its own
+    loss = drafter.trainer.loss(batch)
+    alone = torch.stack([drafter.trainer.loss([ex]) for ex in batch]).mean()
+    torch.testing.assert_close(loss, alone, rtol=1e-4, atol=1e-5)
+    assert len(shared_rows([ex.context for ex in batch])[0]) == 2

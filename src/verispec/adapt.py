@@ -3,7 +3,9 @@ target distributions that verification has already computed, where its drafts we
 
     buffer   an engine observer: at each step's first rejected position (and, optionally, where
              nothing was drafted) it keeps the context and the target's p there, top-k compressed
-             (at temperature 0, p is one-hot at the argmax). It only reads: no draws from seq.rng.
+             (at temperature 0, p is one-hot at the argmax); with learn_from="all", also at every
+             accepted position and the bonus position, i.e. along the whole output. It only reads:
+             no draws from seq.rng.
     adapter  hands the buffered examples to `drafter.adapt` between requests or steps: in a
              background thread (serve, generate) or in the caller (tests, benchmarks).
 
@@ -58,26 +60,29 @@ class AdaptationBuffer:
         token; trees: at the root and after each node, rows made on demand)."""
         if not self.enabled:
             return
-        if isinstance(verdict, TreeVerdict):  # the node where the walk stopped: its children were all rejected
-            if len(draft) and verdict.bonus:
-                return  # the accepted path reached a leaf: nothing to correct
-            if not len(draft) and not self.config.include_undrafted:
-                return
-            row, accepted = (verdict.path[-1] + 1 if verdict.path else 0), list(draft.path_tokens(verdict.path))
+        if isinstance(verdict, TreeVerdict):
+            rows = [0] + [node + 1 for node in verdict.path]  # the root, then after each accepted node
+            accepted = list(draft.path_tokens(verdict.path))
+            corrected = not (len(draft) and verdict.bonus)  # the walk stopped where every child was rejected
         else:
-            n, row = len(draft), verdict.num_accepted
-            if row == n and (n > 0 or not self.config.include_undrafted):
+            rows, accepted = list(range(verdict.num_accepted + 1)), draft.tokens[: verdict.num_accepted].tolist()
+            corrected = verdict.num_accepted < len(draft)
+        if not len(draft) and not self.config.include_undrafted:
+            return
+        if self.config.learn_from == "mistakes":
+            if len(draft) and not corrected:
                 return  # every draft was accepted: nothing to correct
-            accepted = draft.tokens[:row].tolist()
-        context = seq.tokens[-self.config.max_context :] + accepted
-        dist = p[row]  # (V,)
-        top = torch.topk(dist, min(self.config.top_k, dist.shape[-1]))
-        keep = top.values > 0
-        example = AdaptExample(tuple(context[-self.config.max_context :]), tuple(top.indices[keep].tolist()),
-                               tuple(top.values[keep].tolist()))
+            rows = rows[-1:]  # only where the walk stopped
+        examples = []
+        for depth, row in enumerate(rows, start=len(accepted) + 1 - len(rows)):  # depth: accepted tokens before row
+            context = (seq.tokens[-self.config.max_context :] + accepted[:depth])[-self.config.max_context :]
+            dist = p[row]  # (V,)
+            top = torch.topk(dist, min(self.config.top_k, dist.shape[-1]))
+            keep = top.values > 0
+            examples.append(AdaptExample(tuple(context), tuple(top.indices[keep].tolist()), tuple(top.values[keep].tolist())))
         with self._lock:
-            self._examples.append(example)
-            self.collected += 1
+            self._examples.extend(examples)
+            self.collected += len(examples)
 
     def __len__(self) -> int:
         return len(self._examples)

@@ -285,6 +285,9 @@ class NGramConfig:
             raise VerispecError(f"adapted_contexts must be >= 1, got {self.adapted_contexts}")
 
 
+LEARN_FROM = ("mistakes", "all")  # AdaptConfig.learn_from
+
+
 @dataclass(frozen=True)
 class AdaptConfig:
     """Online adaptation of the drafter (`--adapt`): learn from the target's distributions that
@@ -296,6 +299,10 @@ class AdaptConfig:
         top_k: target probabilities kept per example (the rest of p is dropped). Default 8.
         max_context: tokens of context kept per example (the most recent). Default 256.
         include_undrafted: also keep the target's distribution where nothing was drafted. Default True.
+        learn_from: "mistakes" keeps p only where a step's drafts stopped being accepted (Online
+            Speculative Decoding's buffer); "all" keeps p at every position a step settled (each
+            accepted draft token's position too, and the bonus position), so a draft also learns what
+            it already got right on this traffic instead of only its failures. Default "mistakes".
         min_examples: examples buffered before an update runs. Default 8.
         background: update in a background thread (True), or in the caller between steps. Default True.
         lr, batch_size, epochs, max_steps: draft-model updates (AdamW on forward KL(p_target || q_draft)):
@@ -311,6 +318,7 @@ class AdaptConfig:
     top_k: int = 8
     max_context: int = 256
     include_undrafted: bool = True
+    learn_from: str = "mistakes"
     min_examples: int = 8
     background: bool = True
     lr: float | None = None
@@ -325,6 +333,8 @@ class AdaptConfig:
                 raise VerispecError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
         if int(self.replay) != self.replay or self.replay < 0:
             raise VerispecError(f"replay must be an integer >= 0, got {self.replay}")
+        if self.learn_from not in LEARN_FROM:
+            raise VerispecError(f"learn_from must be one of {', '.join(LEARN_FROM)}, got {self.learn_from!r}")
         if self.lr is not None and (not math.isfinite(self.lr) or self.lr <= 0):
             raise VerispecError(f"lr must be > 0, got {self.lr}")
 

@@ -32,6 +32,22 @@ def check_trainable(model: torch.nn.Module | None) -> None:
         raise VerispecError("online adaptation cannot train packed draft weights: use --draft-weights int8 or dense")
 
 
+def shared_rows(contexts: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], list[int]]:
+    """Pack contexts into as few rows as prefixes allow: returns the rows (the longest contexts that
+    are no other's prefix) and, per context, the row it is a prefix of. Causal attention makes the
+    logits after a prefix the same whether the row goes on or not."""
+    carriers: list[tuple[int, ...]] = []
+    row_of = [0] * len(contexts)
+    for i in sorted(range(len(contexts)), key=lambda i: -len(contexts[i])):
+        ctx = contexts[i]
+        row = next((r for r, carrier in enumerate(carriers) if carrier[: len(ctx)] == ctx), None)
+        if row is None:
+            carriers.append(ctx)
+            row = len(carriers) - 1
+        row_of[i] = row
+    return carriers, row_of
+
+
 class DraftTrainer:
     """Owns the float32 master copy of a draft model and its optimizer.
 
@@ -61,13 +77,16 @@ class DraftTrainer:
         self._history: collections.deque = collections.deque(maxlen=config.buffer_size)  # examples of earlier updates
 
     def loss(self, batch: list) -> torch.Tensor:
-        """Forward KL(p || q) up to p's entropy (a constant): -sum_x p(x) log q(x), averaged over examples."""
-        lengths = torch.tensor([len(ex.context) for ex in batch], dtype=torch.long)  # (B,)
-        input_ids = torch.zeros(len(batch), int(lengths.max()), dtype=torch.long)  # (B, T) right-padded
-        for b, ex in enumerate(batch):
-            input_ids[b, : len(ex.context)] = torch.tensor(ex.context, dtype=torch.long)
-        logits = self.runner.training_logits(self.master, input_ids, lengths - 1)[:, : self.width]  # (B, V')
-        log_q = torch.log_softmax(logits, dim=-1)  # (B, V')
+        """Forward KL(p || q) up to p's entropy (a constant): -sum_x p(x) log q(x), averaged over examples.
+        Examples whose contexts are prefixes of another's (positions along one output) share its row."""
+        carriers, rows = shared_rows([ex.context for ex in batch])
+        lengths = torch.tensor([len(c) for c in carriers], dtype=torch.long)  # (C,)
+        input_ids = torch.zeros(len(carriers), int(lengths.max()), dtype=torch.long)  # (C, T) right-padded
+        for c, context in enumerate(carriers):
+            input_ids[c, : len(context)] = torch.tensor(context, dtype=torch.long)
+        cols = torch.tensor([len(ex.context) - 1 for ex in batch], dtype=torch.long)  # (B,)
+        logits = self.runner.training_logits(self.master, input_ids, torch.tensor(rows, dtype=torch.long), cols)
+        log_q = torch.log_softmax(logits[:, : self.width], dim=-1)  # (B, V')
         p = torch.zeros_like(log_q)  # (B, V') the buffered top-k of p, renormalized
         for b, ex in enumerate(batch):
             ids = [t for t in ex.tokens if t < log_q.shape[-1]]

@@ -33,13 +33,14 @@ class MappedVocabRunner(ModelRunner):
         logits = super().forward(state, self.to_draft_ids(tokens), num_logits)  # (B, M, Vd + 1)
         return self.vocab.scatter(logits, self.vocab_size)  # (B, M, Vt)
 
-    def training_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """As `ModelRunner.training_logits`, in target ids: (B, Vt) logits for online adaptation.
+    def training_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor,
+                        cols: torch.Tensor) -> torch.Tensor:
+        """As `ModelRunner.training_logits`, in target ids: (N, Vt) logits for online adaptation.
 
         Outside the draft vocabulary the logits are a large finite negative rather than -inf, so the
         forward KL stays finite; its gradient then moves q towards p renormalised on the draft vocabulary."""
-        logits = super().training_logits(model, self.vocab.to_draft[input_ids], last)  # (B, Vd + 1)
-        out = logits.new_full((logits.shape[0], self.vocab_size), -1e4)  # (B, Vt)
+        logits = super().training_logits(model, self.vocab.to_draft[input_ids], rows, cols)  # (N, Vd + 1)
+        out = logits.new_full((logits.shape[0], self.vocab_size), -1e4)  # (N, Vt)
         out[:, self.vocab.to_target] = logits[:, : self.vocab.draft_vocab_size]
         return out
 

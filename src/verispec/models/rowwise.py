@@ -91,8 +91,9 @@ class RowwiseRunner:
         for row, dropped in zip(state.rows, num_dropped):
             self.runner.rollback(row, [dropped])
 
-    def training_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        return self.runner.training_logits(model, input_ids, last)
+    def training_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor,
+                        cols: torch.Tensor) -> torch.Tensor:
+        return self.runner.training_logits(model, input_ids, rows, cols)
 
 
 def _stack(outs: dict[int, torch.Tensor], batch: int, width: int, vocab: int) -> torch.Tensor:

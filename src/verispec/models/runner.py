@@ -289,22 +289,24 @@ class ModelRunner:
         state.lengths = state.lengths + torch.tensor([len(p) for p in paths], dtype=torch.long)
         state.spec_columns, state.spec_parents = [], []
         self._crop_dead_columns(state)
-    def training_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """Next-token logits with gradients at one position per row, for online adaptation of a draft
+    def training_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor,
+                        cols: torch.Tensor) -> torch.Tensor:
+        """Next-token logits with gradients at chosen positions, for online adaptation of a draft
         (`verispec.drafters.draft_adapt`). `model` is a trainable copy of this runner's model.
 
         A runner that maps its model's ids (e.g. a reduced draft vocabulary) overrides this together
         with `forward`, so both return logits over the same ids.
 
         Args:
-            input_ids: (B, T) long, right-padded (causal attention: padding never reaches `last`).
-            last: (B,) long, the position in each row whose next-token logits are wanted.
+            input_ids: (B, T) long, right-padded (causal attention: padding never reaches a chosen position).
+            rows, cols: (N,) long each: logits are wanted after token cols[i] of row rows[i] (a row may
+                serve several positions: examples whose contexts are prefixes of one another share it).
         Returns:
-            (B, V) float32 logits.
+            (N, V) float32 logits.
         """
         hidden = model.base_model(input_ids=input_ids).last_hidden_state  # (B, T, H)
-        picked = hidden[torch.arange(input_ids.shape[0]), last]  # (B, H)
-        return model.get_output_embeddings()(picked).float()  # (B, V)
+        picked = hidden[rows, cols]  # (N, H)
+        return model.get_output_embeddings()(picked).float()  # (N, V)
 
     def rollback(self, state: KVState, num_dropped: list[int]) -> None:
         """Forget each row's last num_dropped[b] live tokens (e.g. rejected drafts)."""
