@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
-from verispec.config import AdaptConfig
+from verispec.config import LEARN_FROM, AdaptConfig
 from verispec.datasets import HELDOUT, load_prompts, split_of
 from verispec.models import DEFAULT_TARGET
 from verispec.stats import GenerationStats
@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=None, help="passes over each update's examples (default: AdaptConfig's)")
     ap.add_argument("--max-steps", type=int, default=None, help="optimizer steps per update at most (default: AdaptConfig's)")
     ap.add_argument("--replay", type=int, default=None, help="earlier examples revisited per update (default: AdaptConfig's)")
-    ap.add_argument("--learn-from", default=None, choices=["mistakes", "all"],
+    ap.add_argument("--learn-from", default=None, choices=LEARN_FROM,
                     help="positions kept for learning (default: AdaptConfig's)")
     ap.add_argument("--draft-lookup", type=int, default=None, help="as `verispec generate --draft-lookup` (default: the draft's)")
     ap.add_argument("--threads", type=int, default=None)

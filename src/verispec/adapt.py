@@ -63,14 +63,14 @@ class AdaptationBuffer:
         if isinstance(verdict, TreeVerdict):
             rows = [0] + [node + 1 for node in verdict.path]  # the root, then after each accepted node
             accepted = list(draft.path_tokens(verdict.path))
-            corrected = not (len(draft) and verdict.bonus)  # the walk stopped where every child was rejected
+            all_accepted = verdict.bonus  # the path reached a leaf (else every child of its last node was rejected)
         else:
             rows, accepted = list(range(verdict.num_accepted + 1)), draft.tokens[: verdict.num_accepted].tolist()
-            corrected = verdict.num_accepted < len(draft)
+            all_accepted = verdict.num_accepted == len(draft)
         if not len(draft) and not self.config.include_undrafted:
             return
         if self.config.learn_from == "mistakes":
-            if len(draft) and not corrected:
+            if len(draft) and all_accepted:
                 return  # every draft was accepted: nothing to correct
             rows = rows[-1:]  # only where the walk stopped
         examples = []

@@ -289,6 +289,7 @@ class ModelRunner:
         state.lengths = state.lengths + torch.tensor([len(p) for p in paths], dtype=torch.long)
         state.spec_columns, state.spec_parents = [], []
         self._crop_dead_columns(state)
+
     def training_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor,
                         cols: torch.Tensor) -> torch.Tensor:
         """Next-token logits with gradients at chosen positions, for online adaptation of a draft
