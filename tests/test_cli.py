@@ -26,6 +26,13 @@ def run_json(capsys, *args):
     return json.loads(capsys.readouterr().out)
 
 
+def test_draft_stop_option_keeps_greedy_output(model_dirs, capsys):
+    common = ["--target", model_dirs["target"], "--prompt", "hello there", "--temperature", "0", "--max-new-tokens", "16"]
+    plain = run_json(capsys, *common, "--draft", "none")
+    stopped = run_json(capsys, *common, "--draft", model_dirs["draft"], "--draft-stop", "0.5")
+    assert stopped["token_ids"] == plain["token_ids"]
+
+
 def test_json_output_has_every_field_and_greedy_equals_plain_decoding(model_dirs, capsys):
     common = ["--target", model_dirs["target"], "--prompt", "hello there", "--temperature", "0", "--max-new-tokens", "20"]
     spec = run_json(capsys, *common, "--draft", model_dirs["draft"], "-k", "3")
@@ -85,6 +92,7 @@ def test_python_api_mirrors_the_cli(model_dirs, capsys):
         (["--prompt", "hi", "--top-p", "0"], "top_p"),
         (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
         (["--prompt", "hi", "--top-k", "-3"], "top_k"),
+        (["--prompt", "hi", "--draft-stop", "1.5"], "draft_stop"),
         (["--prompt", "hi " * 200, "--no-chat"], "context window"),
         (["--prompt", "hi", "--target", "no-such-model"], "unknown model spec"),
         (["--prompt", "hi", "--draft", "OTHER"], "different tokenizers"),

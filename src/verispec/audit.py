@@ -90,15 +90,18 @@ def run_audit(
     second_token_prefixes: int = 3,
     on_progress: Callable[[int], None] | None = None,
     tree: TreeConfig | None = None,
+    draft_stop: float = 0.0,
 ) -> AuditReport:
-    """Sample `samples` continuations speculatively (a chain of K, or `tree`) and test positions 1 and 2."""
+    """Sample `samples` continuations speculatively (a chain of K, or `tree`) and test positions 1 and 2.
+    `draft_stop` audits chains that stop early (SpecConfig.draft_stop)."""
     if samples < 10:
         raise VerispecError(f"an audit needs at least 10 samples, got {samples}")
     if batch_size < 1:
         raise VerispecError(f"batch size must be >= 1, got {batch_size}")
     # depth + 1 new tokens let the first step draft a full chain of K (or the whole tree).
     depth = num_draft_tokens if tree is None else tree.depth(num_draft_tokens)
-    spec = SpecConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=max(2, depth + 1), stop_at_eos=False, tree=tree)
+    spec = SpecConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=max(2, depth + 1), stop_at_eos=False, tree=tree,
+                      draft_stop=draft_stop)
     firsts: Counter[int] = Counter()
     pairs: Counter[tuple[int, int]] = Counter()
     drafted = accepted = 0

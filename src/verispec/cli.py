@@ -42,7 +42,8 @@ def _build(cls, args: argparse.Namespace, mapping: dict[str, str]):
 
 SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                     "repetition_penalty": "repetition_penalty"}
-SPEC_OPTIONS = {"num_draft_tokens": "num_draft_tokens", "max_new_tokens": "max_new_tokens", "stop": "stop"}
+SPEC_OPTIONS = {"num_draft_tokens": "num_draft_tokens", "max_new_tokens": "max_new_tokens", "stop": "stop",
+                "draft_stop": "draft_stop"}
 LOOKUP_OPTIONS = {"max_ngram": "ngram_max", "min_ngram": "ngram_min"}
 TREE_OPTIONS = {"budget": "tree_budget", "top_k": "tree_top_k", "children": "tree_children"}
 SERVE_OPTIONS = {name: name for name in ServeConfig.__dataclass_fields__}
@@ -82,6 +83,10 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, help="CTRL repetition penalty, 1.0 disables (default: 1.0)")
     p.add_argument("--seed", type=int, default=None, help="seed of this request's random generator (default: fresh entropy)")
     p.add_argument("-k", "--num-draft-tokens", type=int, help=f"K, draft tokens per step (default: {_default(SpecConfig, 'num_draft_tokens')})")
+    p.add_argument("--draft-stop", type=float, metavar="P",
+                   help="a draft model's chain stops early where the estimated chance that all its drafts are accepted "
+                        "(calibrated draft confidence) falls below P; --auto-k sets this from measured costs "
+                        f"(default: {_default(SpecConfig, 'draft_stop')}, off)")
 
 
 def _add_tree_options(p: argparse.ArgumentParser) -> None:
@@ -411,7 +416,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from verispec.audit import run_audit
 
     sampling = _build(SamplingConfig, args, SAMPLING_OPTIONS)
-    spec = _build(SpecConfig, args, {"num_draft_tokens": "num_draft_tokens"})
+    spec = _build(SpecConfig, args, {"num_draft_tokens": "num_draft_tokens", "draft_stop": "draft_stop"})
     tree = _tree_config(args)
     decoder = _load(args)
     prompt = decoder.encode(_read_prompt(args), args.chat)
@@ -419,7 +424,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("sampling", total=args.samples)
         report = run_audit(decoder, prompt, sampling, spec.num_draft_tokens, args.samples, args.batch_size,
-                           args.seed or 0, args.alpha, on_progress=lambda n: progress.advance(task, n), tree=tree)
+                           args.seed or 0, args.alpha, on_progress=lambda n: progress.advance(task, n), tree=tree,
+                           draft_stop=spec.draft_stop)
     if args.json:
         print(json.dumps(report.to_dict()))
         return 0 if report.passed else 1

@@ -149,6 +149,10 @@ class SpecConfig:
         stop: strings that end generation; the returned text stops before the first match.
         stop_at_eos: stop when the target's end-of-sequence token is committed. Default True.
         tree: draft a tree of candidates per step instead of one chain (None: a chain). Default None.
+        draft_stop: a draft model's chain stops early where the estimated probability that all of its
+            drafts so far are accepted (from the draft's calibrated confidence, see
+            `verispec.drafters.stopping`) falls below this; that token is not proposed. 0 drafts all K
+            tokens. An auto-tuner sets the thresholds from measured costs instead. Default 0.
     """
 
     num_draft_tokens: int = 4
@@ -156,8 +160,11 @@ class SpecConfig:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_at_eos: bool = True
     tree: TreeConfig | None = None
+    draft_stop: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.draft_stop, (int, float)) and 0.0 <= self.draft_stop < 1.0):
+            raise VerispecError(f"draft_stop is a probability in [0, 1) (0 turns it off), got {self.draft_stop}")
         if int(self.num_draft_tokens) != self.num_draft_tokens or self.num_draft_tokens < 1:
             raise VerispecError(f"num_draft_tokens (K) must be an integer >= 1, got {self.num_draft_tokens}")
         if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:

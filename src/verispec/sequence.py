@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.stats import GenerationStats
+
+if TYPE_CHECKING:
+    from verispec.drafters.stopping import DraftStop
 
 
 @dataclass
@@ -23,6 +27,8 @@ class Sequence:
     spec: K, stop strings and EOS handling for this sequence.
     drafting: False decodes this sequence plainly (no drafts, one token per target pass) in any batch.
     target_cached: how many of `tokens` the target's KV cache holds.
+    draft_stop: where this step's draft chain stops early (set by the engine each step from
+        spec.draft_stop or an auto-tuner's costs; None: the drafter drafts its budget). See drafters.stopping.
     finish_reason: None while running, then "eos", "stop" or "length" ("cancelled" when removed early).
     """
 
@@ -35,6 +41,7 @@ class Sequence:
     spec: SpecConfig = field(default_factory=SpecConfig)
     drafting: bool = True
     target_cached: int = 0
+    draft_stop: DraftStop | None = None
     finish_reason: str | None = None
     text_end: int | None = None  # where a stop string cut the text, if one did
     stats: GenerationStats = field(default_factory=GenerationStats)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from verispec.drafters.stopping import DraftStop
 from verispec.models.runner import ModelRunner
 
 
@@ -113,6 +114,9 @@ class AdaptiveK:
     maximum-likelihood rate is accepted / (accepted + rejections). Both counts decay by `decay` per
     observation (a window of about 1 / (1 - decay) steps) so K follows the text being written; they
     start as pseudo-counts worth `prior_weight` tokens at rate `prior`.
+
+    stop_drafts: K is then the longest chain, and a draft model's chain also stops early where its
+    calibrated confidence no longer pays for the next token's costs (`draft_stop`).
     """
 
     profile: CostProfile
@@ -120,6 +124,7 @@ class AdaptiveK:
     prior_weight: float = 4.0
     decay: float = 0.95
     probe_every: int = 16
+    stop_drafts: bool = True
     accepted: float = field(default=-1.0)
     rejections: float = field(default=-1.0)
     steps_off: int = field(default=0)
@@ -142,6 +147,10 @@ class AdaptiveK:
             return k
         self.steps_off += 1
         return 1 if self.steps_off % self.probe_every == 0 else 0
+
+    def draft_stop(self) -> DraftStop | None:
+        """The per-position stopping thresholds that the measured costs give (None with stop_drafts off)."""
+        return DraftStop.from_costs(self.profile.c, self.profile.pass_costs()) if self.stop_drafts else None
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         self.accepted = self.decay * self.accepted + num_accepted

@@ -17,6 +17,9 @@ token was drawn from, so verification stays exact. In a tree, a node whose path 
 n-gram gets the copied token as its first child (one-hot q; with sampled children, its only child).
 A tiny draft gains most: on its validation set the copied tokens agree with the target far more
 often than its own guesses (see verispec.distill).
+Dynamic draft length (a sequence's `draft_stop`, see `verispec.drafters.stopping`): a chain stops where
+the calibrated chance that all its drafts are accepted no longer pays for the next token; `fed` counts
+the drafts that went into the draft's cache (all kept ones where a chain ends by dropping its next draft).
 Online adaptation (`adapt`, see `verispec.adapt` and `draft_adapt.py`) trains a copy of the draft in
 the caller's thread; the new weights wait in `_pending_model` until the start of the next `propose`,
 which swaps them in and restarts the draft's cache (it holds keys and values of the old weights).
@@ -30,7 +33,8 @@ import torch
 
 from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
-from verispec.drafters.prompt_lookup import lookup
+from verispec.drafters.prompt_lookup import lookup, lookup_match
+from verispec.drafters.stopping import AcceptanceCalibration
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.models.runner import KVState, ModelRunner
@@ -66,6 +70,9 @@ class DraftModelDrafter(Drafter):
         self.context = context
         self.state: KVState | None = None
         self.cached: list[int] = []  # per row: how many of the sequence's tokens the draft cache holds
+        self.fed: list[int] = []  # per row, after propose: draft tokens fed to the draft model
+        self.stop_keys: list[list[tuple]] = []  # per row, after propose: calibration keys of its drafts
+        self.calibration = AcceptanceCalibration()  # where chains stop (seq.draft_stop, see drafters.stopping)
         self.tree_slots: list[list[int]] = []  # per row, after propose_tree: each node's cache slot (-1: not fed)
         self.adapt_config = AdaptConfig()
         self.trainer = None  # a DraftTrainer, made at the first update
@@ -103,38 +110,58 @@ class DraftModelDrafter(Drafter):
         B = len(sequences)
         drafted: list[list[int]] = [[] for _ in range(B)]
         q_rows: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        self.stop_keys = [[] for _ in range(B)]  # per row: calibration key of each draft (stopping rows only)
+        p_all = [1.0] * B  # per row: estimated probability that every draft so far is accepted
+        limits = list(max_tokens)  # per row: drafts still allowed; cut to the last one where the chain stops
+        self.fed = [0] * B  # per row: draft tokens fed to the draft model (in its cache until `commit`)
         inputs = [seq.tokens[self.cached[b] :] for b, seq in enumerate(sequences)]
         for step in range(max(max_tokens, default=0)):
+            if step > 0 and not any(inputs):
+                break  # every row's chain has ended
             logits = self.runner.forward(self.state, inputs, [1 if row else 0 for row in inputs])[:, 0]  # (B, Vd)
             logits = self._fit_vocab(logits)
             inputs = [[] for _ in range(B)]
             for b, seq in enumerate(sequences):
-                if step >= max_tokens[b]:
+                if step >= limits[b]:
                     continue
                 seen = None
                 if seq.sampling.repetition_penalty != 1.0:
                     context = torch.tensor(seq.tokens + drafted[b], dtype=torch.long)
                     seen = seen_masks(context, context[:0], logits.shape[-1])  # (1, V)
-                copied = lookup(seq.tokens + drafted[b], 1, self.lookup) if self.lookup is not None else []
+                copied, ngram = lookup_match(seq.tokens + drafted[b], 1, self.lookup) if self.lookup else ([], 0)
+                q = None
                 if copied:  # deterministic: q is one-hot at the copied token
                     token = copied[0]
-                    if not seq.sampling.greedy:
-                        q_rows[b].append(torch.nn.functional.one_hot(torch.tensor(token), self.target_vocab_size).float())
                 elif seq.sampling.greedy:
                     token = int(greedy_tokens(logits[b : b + 1], seq.sampling, seen)[0])
                 else:
                     q = logits_to_probs(logits[b : b + 1], seq.sampling, seen)[0]  # (V,)
+                    token = -1  # drawn below, once the chain goes on
+                stop = seq.draft_stop
+                if stop is not None and not self._pays(seq, p_all[b], stop.keep_at(step + 1), logits[b], q, token, ngram):
+                    limits[b] = step  # x_{step+1} does not pay for its share of the target pass
+                    continue
+                if q is not None:
                     token = int(torch.multinomial(q, 1, generator=seq.rng))
-                    q_rows[b].append(self._pad_q(q))
+                if stop is not None:
+                    key = self._stop_key(seq, logits[b], q, token, ngram)
+                    p_all[b] *= self.calibration.estimate(key)
+                    self.stop_keys[b].append(key)
+                    if p_all[b] < stop.go_on_at(step + 1):
+                        limits[b] = step + 1  # no next draft could pay for its draft pass and its width
+                if not seq.sampling.greedy:
+                    q_rows[b].append(self._pad_q(q) if q is not None else
+                                     torch.nn.functional.one_hot(torch.tensor(token), self.target_vocab_size).float())
                 drafted[b].append(token)
-                if step + 1 < max_tokens[b]:
+                if step + 1 < limits[b]:
                     inputs[b] = [token]  # the last draft token is never fed: the target scores it
+                    self.fed[b] += 1  # (unless a chain stops by dropping its next draft: then every kept one is)
         if max(max_tokens, default=0) == 0:
             # Nothing to draft, but keep the cache caught up so the next step stays one token wide.
             if any(inputs):
                 self.runner.forward(self.state, inputs, [0] * B)
         for b, seq in enumerate(sequences):
-            self.cached[b] = len(seq.tokens) + max(len(drafted[b]) - 1, 0)
+            self.cached[b] = len(seq.tokens) + self.fed[b]
         return [
             Draft(torch.tensor(d, dtype=torch.long), torch.stack(q_rows[b]) if q_rows[b] else None) if d else EMPTY_DRAFT
             for b, d in enumerate(drafted)
@@ -210,11 +237,36 @@ class DraftModelDrafter(Drafter):
         assert self.state is not None
         drop = []
         for b, (seq, draft, accepted) in enumerate(zip(sequences, drafts, num_accepted)):
-            in_cache = max(len(draft) - 1, 0)  # drafts x_1..x_{n-1} were fed to the draft model
+            in_cache = self.fed[b] if b < len(self.fed) else 0  # drafts x_1..x_fed are in the draft's cache
             kept = min(accepted, in_cache)
             drop.append(in_cache - kept)
             self.cached[b] -= in_cache - kept
+            if b < len(self.stop_keys) and self.stop_keys[b]:
+                self.calibration.observe(self.stop_keys[b], accepted)
         self.runner.rollback(self.state, drop)
+        self.fed, self.stop_keys = [], []
+
+    def _pays(self, seq: Sequence, p_all: float, threshold: float, logits: torch.Tensor, q: torch.Tensor | None,
+              token: int, ngram: int) -> bool:
+        """Whether the next draft is proposed: P_s = p_all * a_s reaches the threshold (or its key is still
+        being explored). A copied or greedy token is a function of the context, so a_s may be its own
+        estimate; a sampled token's may not (proposing x only where q(x) is high would propose from
+        another distribution than the q the verifier is given), so there a_s is the expected estimate
+        under q, and the token is drawn only after. logits: (V,); q: (V,) or None."""
+        if q is None:
+            key = self._stop_key(seq, logits, None, token, ngram)
+            return p_all * self.calibration.estimate(key) >= threshold or self.calibration.explore(key)
+        top = AcceptanceCalibration.model_key(float(q.max()), False)
+        return p_all * self.calibration.expected(q) >= threshold or self.calibration.explore(top)
+
+    def _stop_key(self, seq: Sequence, logits: torch.Tensor, q: torch.Tensor | None, token: int, ngram: int) -> tuple:
+        """The calibration key of a draft token: the n-gram it was copied after, or the draft's confidence
+        in it (q(x) when sampled; at temperature 0 the draft's softmax at the argmax). logits: (V,)."""
+        greedy = seq.sampling.greedy
+        if ngram:
+            return AcceptanceCalibration.copy_key(ngram, greedy)
+        confidence = float(q[token]) if q is not None else float(torch.softmax(logits.float(), -1)[token])
+        return AcceptanceCalibration.model_key(confidence, greedy)
 
     def keep(self, rows: list[int]) -> None:
         assert self.state is not None

@@ -6,6 +6,9 @@ and recovers from p with x removed; at temperature 0 it accepts while x equals t
 Trees: the continuations of several earlier matches (longest n-gram first, most recent match first)
 are merged into a trie, so candidates that share a start share nodes. A static shape caps each
 node's children per depth; a budget caps the trie's nodes (its depth is K).
+
+Chains stop early under a sequence's `draft_stop` (see verispec.drafters.stopping): the chance that a
+copied token is accepted is calibrated online by the length of the match it follows.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 from verispec.config import PromptLookupConfig, TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
+from verispec.drafters.stopping import AcceptanceCalibration, chain_length
 from verispec.sequence import Sequence
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft, breadth_first, tree_from_parents
 
@@ -23,8 +27,13 @@ MAX_MATCHES = 64  # continuations read per trie; more only cost time
 
 def lookup(tokens: list[int], max_tokens: int, config: PromptLookupConfig) -> list[int]:
     """Continuation of the most recent earlier match of the longest suffix n-gram (max_ngram down to min_ngram)."""
+    return lookup_match(tokens, max_tokens, config)[0]
+
+
+def lookup_match(tokens: list[int], max_tokens: int, config: PromptLookupConfig) -> tuple[list[int], int]:
+    """`lookup`, with the length n of the matched suffix n-gram (0 where nothing matched)."""
     if max_tokens <= 0:
-        return []
+        return [], 0
     arr = np.asarray(tokens, dtype=np.int64)  # (T,)
     T = arr.size
     for n in range(min(config.max_ngram, T - 1), config.min_ngram - 1, -1):
@@ -32,8 +41,8 @@ def lookup(tokens: list[int], max_tokens: int, config: PromptLookupConfig) -> li
         hits = np.flatnonzero((windows == arr[T - n :]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return arr[start : start + max_tokens].tolist()
-    return []
+            return arr[start : start + max_tokens].tolist(), n
+    return [], 0
 
 
 def lookup_all(tokens: list[int], max_tokens: int, config: PromptLookupConfig, limit: int = MAX_MATCHES) -> list[list[int]]:
@@ -94,13 +103,28 @@ class PromptLookupDrafter(Drafter):
 
     def __init__(self, config: PromptLookupConfig = PromptLookupConfig()) -> None:
         self.config = config
+        self.calibration = AcceptanceCalibration()  # where chains stop (seq.draft_stop, see drafters.stopping)
+        self.stop_keys: list[list[tuple]] = []  # per row, after propose: calibration keys of its drafts
 
     def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
-        drafts = []
+        drafts, self.stop_keys = [], []
         for seq, n in zip(sequences, max_tokens):
-            found = lookup(seq.tokens, n, self.config)
+            found, ngram = lookup_match(seq.tokens, n, self.config)
+            keys = []
+            if found and seq.draft_stop is not None:
+                # Following a copy, the s-th copied token comes after a match ngram + s - 1 tokens long.
+                keys = [AcceptanceCalibration.copy_key(ngram + s, seq.sampling.greedy) for s in range(len(found))]
+                found = found[: chain_length(keys, seq.draft_stop, self.calibration)]
+                keys = keys[: len(found)]
+            self.stop_keys.append(keys)
             drafts.append(Draft(torch.tensor(found, dtype=torch.long)) if found else EMPTY_DRAFT)
         return drafts
+
+    def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
+        for keys, accepted in zip(self.stop_keys, num_accepted):
+            if keys:
+                self.calibration.observe(keys, accepted)
+        self.stop_keys = []
 
     @property
     def supports_trees(self) -> bool:
