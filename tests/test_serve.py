@@ -66,6 +66,14 @@ def test_completion_equals_the_python_api(decoder, client):
     assert spec["tokens_per_target_pass"] > 1 and len(spec["drafted_per_position"]) == 3
 
 
+def test_a_request_can_stop_its_chains_early_and_keeps_its_output(decoder, client):
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 20, "temperature": 0}
+    full = client.post("/v1/completions", json={**body, "speculative": {"K": 4}}).json()
+    stopped = client.post("/v1/completions", json={**body, "speculative": {"K": 4, "draft_stop": 0.9}}).json()
+    assert stopped["choices"][0]["text"] == full["choices"][0]["text"]
+    assert 0 < stopped["usage"]["speculative"]["draft_tokens"]
+
+
 def test_chat_completion_uses_the_chat_template(decoder, client):
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi there"}],
                                                   "max_tokens": 15, "temperature": 0})
@@ -213,6 +221,7 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "speculative": {"drafter": "eagle"}}, 400, "speculative.drafter"),
     ({"prompt": "hi", "speculative": {"K": 17}}, 400, "speculative.K"),
     ({"prompt": "hi", "speculative": {"K": 0}}, 400, "speculative.K"),
+    ({"prompt": "hi", "speculative": {"draft_stop": 1.0}}, 400, "speculative.draft_stop"),
     ({"prompt": "hi", "max_tokens": 127}, 400, "max_tokens"),  # 2 prompt tokens + 127 > 128
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "a" * 200}, 400, "prompt"),

@@ -192,6 +192,8 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
             spec_fields["max_new_tokens"] = max_tokens
         if spec_options.K is not None:
             spec_fields["num_draft_tokens"] = spec_options.K
+        if spec_options.draft_stop is not None:
+            spec_fields["draft_stop"] = spec_options.draft_stop
         if tree is not None:
             spec_fields["tree"] = tree
         try:

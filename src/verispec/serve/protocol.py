@@ -39,13 +39,15 @@ class Strict(BaseModel):
 class SpeculativeOptions(Strict):
     """Per-request speculation: `drafter` (the server's drafter, or "none" for plain decoding), `K`
     draft tokens per step, `tree` (tree speculation: {"shape": [3, 2, 1]} or {"budget": 16}, optionally
-    with "top_k" and "children"; see `TreeConfig`, read by `tree_config`)."""
+    with "top_k" and "children"; see `TreeConfig`, read by `tree_config`), `draft_stop` (chains stop
+    early below this estimated chance that all their drafts are accepted; see `SpecConfig.draft_stop`)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     drafter: str | None = None
     K: int | None = Field(default=None, ge=1)
     tree: Any = None
+    draft_stop: float | None = Field(default=None, ge=0.0, lt=1.0)
 
 
 def tree_config(value: Any) -> TreeConfig | None:
