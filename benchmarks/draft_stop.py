@@ -143,11 +143,14 @@ def main() -> None:
                   f"{row['tokens_per_pass']:.2f} |")
     if sampling.greedy:
         print(f"greedy outputs equal to plain decoding: {'all' if not mismatches else f'{mismatches} differ'}")
-    title = f"{args.drafter} draft on {args.backend}: acceptance by source, learned online"
-    plot_calibration(decoders["auto-stop"].drafter.calibration, out / f"calibration_{args.drafter}_{args.backend}.png", title)
+    # The k-stop drafter proposes the most under a stop rule, so its calibration has seen the most outcomes.
+    calibration = decoders["k-stop"].drafter.calibration
+    title = f"{args.drafter} draft on {args.backend}: acceptance by source, learned online (k-stop)"
+    plot_calibration(calibration, out / f"calibration_{args.drafter}_{args.backend}.png", title)
     (out / f"draft_stop_{args.drafter}_{args.backend}.json").write_text(json.dumps(
         {"args": vars(args), "c": profile.c, "pass_costs": profile.pass_costs(), "table": table, "runs": rows,
-         "calibration": {str(k): v for k, v in decoders["auto-stop"].drafter.calibration.counts.items()}}, indent=1))
+         "calibration": {name: {str(k): v for k, v in decoders[name].drafter.calibration.counts.items()}
+                         for name in ("auto-stop", "k-stop")}}, indent=1))
 
 
 if __name__ == "__main__":
