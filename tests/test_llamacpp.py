@@ -46,6 +46,14 @@ def block_vs_stepwise_drift(smol, ids, block=5):
     return float((together - stepwise).abs().max())
 
 
+def width_drift(smol, ids) -> float:
+    """The largest block_vs_stepwise_drift over the pass widths speculation uses (2 to 8 tokens). One width
+    alone can understate it: on an AVX-512 machine blocks of up to 6 tokens gave logits equal to
+    token-by-token ones on the probe (drift 0), 8 tokens differed by 0.57, and speculative runs still
+    resolved near ties 0.0015 and 0.05 apart the other way."""
+    return max(block_vs_stepwise_drift(smol, ids, block) for block in range(2, 9))
+
+
 def equal_up_to_a_near_tie(smol, out, plain, drift) -> bool:
     """True if the outputs are equal; else assert that where they first differ the two tokens are the
     target's top two, closer than twice the measured drift (a near tie), and return False."""
@@ -67,7 +75,7 @@ def test_greedy_speculation_matches_plain_llamacpp_decoding_up_to_near_ties(smol
     closer than the drift this test measures between block and token-by-token passes."""
     greedy, spec = SamplingConfig(temperature=0), SpecConfig(num_draft_tokens=4, max_new_tokens=32)
     probe = smol.tokenizer("The quick brown fox jumps over the lazy dog because it wanted to see the hill")["input_ids"]
-    drift = block_vs_stepwise_drift(smol, probe)
+    drift = width_drift(smol, probe)
     plain_decoder, spec_decoder = SpeculativeDecoder(smol, "none"), SpeculativeDecoder(smol, "ngram")
     exact_matches = 0
     for prompt in ["List three prime numbers.", "Write a haiku about the sea.", "def add(a, b):"]:
@@ -202,7 +210,7 @@ def test_greedy_tree_speculation_on_llamacpp_matches_plain_decoding_up_to_near_t
     tree_spec = SpecConfig(num_draft_tokens=4, max_new_tokens=32, tree=TreeConfig(budget=8))
     plain_spec = SpecConfig(num_draft_tokens=4, max_new_tokens=32)
     probe = smol.tokenizer("The quick brown fox jumps over the lazy dog because it wanted to see the hill")["input_ids"]
-    drift = max(block_vs_stepwise_drift(smol, probe), cell_order_drift(smol, probe))
+    drift = max(width_drift(smol, probe), cell_order_drift(smol, probe))
     plain_decoder = SpeculativeDecoder(smol, "none")
     tree_decoder = SpeculativeDecoder(smol, "ngram" if drafter == "ngram" else smol)  # the model drafts for itself
     exact, multi_node = 0, 0

@@ -115,8 +115,8 @@ class AdaptiveK:
     observation (a window of about 1 / (1 - decay) steps) so K follows the text being written; they
     start as pseudo-counts worth `prior_weight` tokens at rate `prior`.
 
-    stop_drafts: K is then the longest chain, and a draft model's chain also stops early where its
-    calibrated confidence no longer pays for the next token's costs (`draft_stop`).
+    stop_drafts: chains (of a draft model or prompt lookup) stop early where their calibrated confidence
+    no longer pays for the next token's costs (`draft_stop`), and K is then only their cap (`k`).
     """
 
     profile: CostProfile
@@ -140,11 +140,13 @@ class AdaptiveK:
 
     def k(self) -> int:
         """K for the next step; while speculation is off, one token is drafted every
-        `probe_every` steps so that a rising acceptance rate can switch it back on."""
+        `probe_every` steps so that a rising acceptance rate can switch it back on. With
+        `stop_drafts`, K is the longest measured chain whenever speculation pays at all: where each
+        chain stops is then the stopping rule's call, token by token, rather than this average's."""
         k = best_k(self.alpha, self.profile)
         if k > 0:
             self.steps_off = 0
-            return k
+            return self.profile.k_max if self.stop_drafts else k
         self.steps_off += 1
         return 1 if self.steps_off % self.probe_every == 0 else 0
 
