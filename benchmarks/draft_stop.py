@@ -5,8 +5,9 @@
     .venv/bin/python benchmarks/draft_stop.py --backend llama.cpp --drafter ngram --per-category 2
 
 Systems, interleaved prompt by prompt on held-out Spec-Bench prompts (odd question ids, never trained on):
-plain target decoding; the drafter auto-tuned (--auto-k) with every chain K long ("auto-full"), and with
-chains stopping where they no longer pay ("auto-stop", the default of --auto-k); the drafter at fixed K
+plain target decoding; the drafter auto-tuned (--auto-k) with every chain K long ("auto-full", the default),
+and with chains stopping where measured costs say they no longer pay ("auto-stop": AdaptiveK(stop_drafts=True),
+K then only a cap); the drafter at fixed K
 ("k", every chain K long) and at fixed K with --draft-stop P ("k-stop"). All systems share one
 target and one measured cost profile. Prints per category and overall: median decoding tokens/s
 (after the first output), its median per-prompt ratio to plain decoding, acceptance (accepted / drafted)
@@ -102,7 +103,7 @@ def main() -> None:
     tuner = decoders["auto-stop"].auto_tuner(max(8, args.num_draft_tokens))
     profile = tuner.profile
     print(f"c = {profile.c:.3f}, v = {[round(v, 2) for v in profile.pass_costs()]}", flush=True)
-    tuners = {"auto-full": dataclasses.replace(tuner, stop_drafts=False), "auto-stop": tuner}
+    tuners = {"auto-full": tuner, "auto-stop": dataclasses.replace(tuner, stop_drafts=True)}
     sampling = SamplingConfig(temperature=args.temperature)
     rows: dict[str, list[dict]] = defaultdict(list)
     mismatches = 0

@@ -205,3 +205,18 @@ def test_stopped_prompt_lookup_chains_keep_the_target_distribution(chi_target, t
     assert 0 < drafted < 3 * sum(s.stats.target_forward_passes for s in seqs)
     for fit in check_distribution(chi_target, samples, sampling):
         assert fit.p_value > THRESHOLD, fit
+
+
+def test_a_fixed_threshold_applies_under_an_auto_tuner_without_cost_thresholds(greedy_pair):
+    """--auto-k --draft-stop P: the tuner picks K, the chains stop at P; output unchanged."""
+    target, draft = greedy_pair
+    plain = SpeculativeEngine(ModelRunner(target), None, set())
+    expected = [s.generated for s in plain.generate(PROMPTS, GREEDY, SpecConfig(max_new_tokens=24))]
+    drafter = CheckedDrafter(ModelRunner(draft), 64)
+    drafter.calibration = AcceptanceCalibration(min_observations=0)
+    engine = SpeculativeEngine(ModelRunner(target), drafter, set())
+    tuner = AdaptiveK(CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.01), prior=0.9)
+    assert tuner.draft_stop() is None  # cost thresholds are opt-in
+    seqs = engine.generate(PROMPTS, GREEDY, SpecConfig(max_new_tokens=24, draft_stop=0.5), tuner=tuner)
+    assert [s.generated for s in seqs] == expected
+    assert 0 < drafter.stopped < drafter.steps

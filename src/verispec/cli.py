@@ -84,9 +84,9 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of this request's random generator (default: fresh entropy)")
     p.add_argument("-k", "--num-draft-tokens", type=int, help=f"K, draft tokens per step (default: {_default(SpecConfig, 'num_draft_tokens')})")
     p.add_argument("--draft-stop", type=float, metavar="P",
-                   help="a draft model's chain stops early where the estimated chance that all its drafts are accepted "
-                        "(calibrated draft confidence) falls below P; --auto-k sets this from measured costs "
-                        f"(default: {_default(SpecConfig, 'draft_stop')}, off)")
+                   help="a draft model's or prompt lookup's chain stops early where the estimated chance that all its "
+                        "drafts are accepted (calibrated draft confidence) falls below P; with --auto-k, K is "
+                        f"still the tuner's (default: {_default(SpecConfig, 'draft_stop')}, off)")
 
 
 def _add_tree_options(p: argparse.ArgumentParser) -> None:

@@ -152,7 +152,7 @@ class SpecConfig:
         draft_stop: a draft model's chain stops early where the estimated probability that all of its
             drafts so far are accepted (from the draft's calibrated confidence, see
             `verispec.drafters.stopping`) falls below this; that token is not proposed. 0 drafts all K
-            tokens. An auto-tuner sets the thresholds from measured costs instead. Default 0.
+            tokens. An auto-tuner with `stop_drafts` sets the thresholds from measured costs instead. Default 0.
     """
 
     num_draft_tokens: int = 4

@@ -344,10 +344,9 @@ class DecodeBatch:
         k = None if self.tuner is None else self.tuner.k()
         budgets = [min(s.spec.num_draft_tokens if k is None else k, s.max_new_tokens - s.num_generated - 1)
                    if s.drafting else 0 for s in active]
-        tuned_stop = None if self.tuner is None else self.tuner.draft_stop()
+        tuned_stop = None if self.tuner is None else self.tuner.draft_stop()  # thresholds from measured costs
         for s in active:
-            s.draft_stop = tuned_stop if self.tuner is not None else (
-                DraftStop.fixed(s.spec.draft_stop) if s.spec.draft_stop > 0 else None)
+            s.draft_stop = tuned_stop or (DraftStop.fixed(s.spec.draft_stop) if s.spec.draft_stop > 0 else None)
         t0 = time.perf_counter()
         if engine.drafter is not None and any(budgets):
             drafts = engine.drafter.propose(active, budgets)
