@@ -137,14 +137,16 @@ class DraftModelDrafter(Drafter):
                 else:
                     q = logits_to_probs(logits[b : b + 1], seq.sampling, seen)[0]  # (V,)
                     token = -1  # drawn below, once the chain goes on
-                stop = seq.draft_stop
-                if stop is not None and not self._pays(seq, p_all[b], stop.keep_at(step + 1), logits[b], q, token, ngram):
-                    limits[b] = step  # x_{step+1} does not pay for its share of the target pass
-                    continue
+                stop, key = seq.draft_stop, None
+                if stop is not None:
+                    key = self._stop_key(seq, logits[b], None, token, ngram) if q is None else None
+                    if not self._pays(p_all[b], stop.keep_at(step + 1), q, key):
+                        limits[b] = step  # x_{step+1} does not pay for its share of the target pass
+                        continue
                 if q is not None:
                     token = int(torch.multinomial(q, 1, generator=seq.rng))
                 if stop is not None:
-                    key = self._stop_key(seq, logits[b], q, token, ngram)
+                    key = key or self._stop_key(seq, logits[b], q, token, ngram)
                     p_all[b] *= self.calibration.estimate(key)
                     self.stop_keys[b].append(key)
                     if p_all[b] < stop.go_on_at(step + 1):
@@ -246,15 +248,13 @@ class DraftModelDrafter(Drafter):
         self.runner.rollback(self.state, drop)
         self.fed, self.stop_keys = [], []
 
-    def _pays(self, seq: Sequence, p_all: float, threshold: float, logits: torch.Tensor, q: torch.Tensor | None,
-              token: int, ngram: int) -> bool:
+    def _pays(self, p_all: float, threshold: float, q: torch.Tensor | None, key: tuple | None) -> bool:
         """Whether the next draft is proposed: P_s = p_all * a_s reaches the threshold (or its key is still
         being explored). A copied or greedy token is a function of the context, so a_s may be its own
-        estimate; a sampled token's may not (proposing x only where q(x) is high would propose from
+        estimate (`key`); a sampled token's may not (proposing x only where q(x) is high would propose from
         another distribution than the q the verifier is given), so there a_s is the expected estimate
-        under q, and the token is drawn only after. logits: (V,); q: (V,) or None."""
-        if q is None:
-            key = self._stop_key(seq, logits, None, token, ngram)
+        under q (V,), and the token is drawn only after."""
+        if key is not None:
             return p_all * self.calibration.estimate(key) >= threshold or self.calibration.explore(key)
         top = AcceptanceCalibration.model_key(float(q.max()), False)
         return p_all * self.calibration.expected(q) >= threshold or self.calibration.explore(top)
