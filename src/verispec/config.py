@@ -149,7 +149,7 @@ class SpecConfig:
         stop: strings that end generation; the returned text stops before the first match.
         stop_at_eos: stop when the target's end-of-sequence token is committed. Default True.
         tree: draft a tree of candidates per step instead of one chain (None: a chain). Default None.
-        draft_stop: a draft model's chain stops early where the estimated probability that all of its
+        draft_stop: a draft model's or prompt lookup's chain stops early where the estimated probability that all of its
             drafts so far are accepted (from the draft's calibrated confidence, see
             `verispec.drafters.stopping`) falls below this; that token is not proposed. 0 drafts all K
             tokens. An auto-tuner with `stop_drafts` sets the thresholds from measured costs instead. Default 0.

@@ -140,7 +140,7 @@ class DraftModelDrafter(Drafter):
                 stop, key = seq.draft_stop, None
                 if stop is not None:
                     key = self._stop_key(seq, logits[b], None, token, ngram) if q is None else None
-                    if not self._pays(p_all[b], stop.keep_at(step + 1), q, key):
+                    if not self.calibration.proposes(p_all[b], stop.keep_at(step + 1), key, q):
                         limits[b] = step  # x_{step+1} does not pay for its share of the target pass
                         continue
                 if q is not None:
@@ -247,17 +247,6 @@ class DraftModelDrafter(Drafter):
                 self.calibration.observe(self.stop_keys[b], accepted)
         self.runner.rollback(self.state, drop)
         self.fed, self.stop_keys = [], []
-
-    def _pays(self, p_all: float, threshold: float, q: torch.Tensor | None, key: tuple | None) -> bool:
-        """Whether the next draft is proposed: P_s = p_all * a_s reaches the threshold (or its key is still
-        being explored). A copied or greedy token is a function of the context, so a_s may be its own
-        estimate (`key`); a sampled token's may not (proposing x only where q(x) is high would propose from
-        another distribution than the q the verifier is given), so there a_s is the expected estimate
-        under q (V,), and the token is drawn only after."""
-        if key is not None:
-            return p_all * self.calibration.estimate(key) >= threshold or self.calibration.explore(key)
-        top = AcceptanceCalibration.model_key(float(q.max()), False)
-        return p_all * self.calibration.expected(q) >= threshold or self.calibration.explore(top)
 
     def _stop_key(self, seq: Sequence, logits: torch.Tensor, q: torch.Tensor | None, token: int, ngram: int) -> tuple:
         """The calibration key of a draft token: the n-gram it was copied after, or the draft's confidence

@@ -102,6 +102,17 @@ class AcceptanceCalibration:
         bins = (q * CONFIDENCE_BINS).long().clamp_(max=CONFIDENCE_BINS - 1)  # (V,)
         return float((q * table[bins]).sum())
 
+    def proposes(self, p_all: float, threshold: float, key: tuple | None = None, q: torch.Tensor | None = None) -> bool:
+        """Whether the next draft is proposed: P_s = p_all * a_s reaches the threshold, or its key is still
+        being explored. A copied or greedy token is a function of the context, so a_s may be its own
+        estimate (`key`); a sampled token's may not (proposing x only where q(x) is high would propose from
+        another distribution than the q the verifier is given), so then a_s is the expected estimate under
+        q (V,), read before the token is drawn, and exploration follows q's most likely token."""
+        if key is None:
+            key = self.model_key(float(q.max()), False)
+            return p_all * self.expected(q) >= threshold or self.explore(key)
+        return p_all * self.estimate(key) >= threshold or self.explore(key)
+
     def explore(self, key: tuple) -> bool:
         """Whether too few outcomes of this key were seen to trust its estimate below a threshold."""
         return self.counts.get(key, (0.0, 0.0))[1] < self.min_observations
@@ -120,10 +131,9 @@ def chain_length(keys: list[tuple], stop: DraftStop, calibration: AcceptanceCali
     propose under `stop`: each token is a function of the context, so the rule may read its own key."""
     p_all = 1.0
     for s, key in enumerate(keys, 1):
-        estimate = p_all * calibration.estimate(key)
-        if estimate < stop.keep_at(s) and not calibration.explore(key):
+        if not calibration.proposes(p_all, stop.keep_at(s), key):
             return s - 1
-        p_all = estimate
+        p_all *= calibration.estimate(key)
         if p_all < stop.go_on_at(s):
             return s
     return len(keys)
