@@ -37,9 +37,9 @@ from verispec.models.registry import DEFAULT_TARGET
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "spec_bench" / "question.jsonl"
 
 
-def make_decoder(target, drafter: str) -> SpeculativeDecoder:
+def make_decoder(target, drafter: str, draft_weights: str = "int8") -> SpeculativeDecoder:
     if drafter == "distilled":
-        return SpeculativeDecoder(target, load_distilled_draft("distilled", target, "dense"))
+        return SpeculativeDecoder(target, load_distilled_draft("distilled", target, draft_weights))
     return SpeculativeDecoder(target, drafter)
 
 
@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     ap.add_argument("--backend", default="llama.cpp", choices=["torch", "llama.cpp"])
     ap.add_argument("--drafter", default="distilled", choices=["distilled", "ngram"])
+    ap.add_argument("--draft-weights", default="int8", choices=["int8", "dense"],
+                    help="the distilled draft's weights (int8: as `verispec generate` runs it)")
     ap.add_argument("--categories", nargs="*", default=None)
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -99,7 +101,7 @@ def main() -> None:
     weights = "packed" if args.backend == "torch" else "dense"
     target = load_model(DEFAULT_TARGET, "float32", weights, args.backend)
     plain = SpeculativeDecoder(target, "none")
-    decoders = {name: make_decoder(target, args.drafter) for name in ("auto-full", "auto-stop", "k", "k-stop")}
+    decoders = {name: make_decoder(target, args.drafter, args.draft_weights) for name in ("auto-full", "auto-stop", "k", "k-stop")}
     tuner = decoders["auto-stop"].auto_tuner(max(8, args.num_draft_tokens))
     profile = tuner.profile
     print(f"c = {profile.c:.3f}, v = {[round(v, 2) for v in profile.pass_costs()]}", flush=True)

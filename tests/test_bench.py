@@ -1,5 +1,6 @@
 """`verispec bench` on tiny models: every system runs, greedy outputs agree, files are written."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -82,6 +83,29 @@ def test_bench_cli_and_errors(setup, capsys):
         BenchConfig(split="test")
     assert main(["bench", "--target", target, "--prompts", prompts, "--systems", "verispec-distilled",
                  "--distilled", str(root)]) == 2  # not a distilled draft directory
+    with pytest.raises(VerispecError, match="weight format"):
+        BenchConfig(distilled_weights="fp4")
+
+
+def test_bench_runs_the_distilled_draft_with_the_draft_weight_format(setup):
+    """The distilled draft runs as `generate` runs it (int8 by default); --draft-weights dense keeps float32."""
+    root, target, _, prompts, distilled = setup
+    for weights in ("int8", "dense"):
+        out = root / f"distilled-{weights}"
+        assert main(["bench", "--target", target, "--draft", "none", "--prompts", prompts, "--per-category", "1",
+                     "--max-new-tokens", "6", "--systems", "verispec-plain,verispec-distilled", "--distilled", distilled,
+                     "--draft-weights", weights, "--out", str(out)]) == 0
+        report = json.loads((out / "bench.json").read_text())
+        assert report["config"]["distilled_weights"] == weights
+        assert report["summary"]["verispec-distilled"]["all"]["greedy_equal_to_plain"] == "3/3"
+    config = BenchConfig(prompts=prompts, distilled=distilled, systems=("verispec-distilled",))
+    from verispec.bench.runner import build_systems
+
+    loaded = load_model(target, weights="dense")
+    for weights, layer in (("int8", "Int8Linear"), ("dense", "Linear")):
+        systems = build_systems(dataclasses.replace(config, distilled_weights=weights), loaded, None, loaded, None)
+        model = systems[0].decoder.drafter.runner.model
+        assert type(model.lm_head).__name__ == layer
 
 
 def test_bench_with_online_adaptation(setup, capsys):
@@ -186,3 +210,46 @@ def test_adaptive_k_follows_acceptance_and_probes_when_off():
     assert tuner.alpha < 0.1
     ks = [tuner.k() for _ in range(32)]
     assert ks.count(0) == 30 and ks.count(1) == 2
+
+
+def _probe_steps(tuner: AdaptiveK, steps: int, accept: bool) -> list[int]:
+    """Run `steps` steps with speculation off; every probe drafts one token, accepted or not. Returns the probe steps."""
+    probes = []
+    for step in range(steps):
+        if tuner.k():
+            probes.append(step)
+            tuner.observe(1, int(accept))
+    return probes
+
+
+def test_rejected_probes_back_off_and_accepted_ones_come_back():
+    steep = CostProfile({1: 1.0, 2: 1.8, 3: 2.6}, draft_token=0.1)  # K = 0 at any alpha < 0.8
+    tuner = AdaptiveK(steep, prior=0.1, probe_every=4, probe_max=32)
+    assert tuner.k() == 0
+    probes = _probe_steps(tuner, 200, accept=False)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [8, 16, 32, 32]  # doubled after each rejection, then capped at probe_max
+    probes = _probe_steps(tuner, 60, accept=True)  # accepted probes (alpha stays below 0.8: K stays 0)
+    assert tuner.probe_gap < 32 and [b - a for a, b in zip(probes, probes[1:])][:2] == [16, 8]
+
+
+def test_a_free_drafter_keeps_its_probe_pending_until_it_drafts():
+    steep = CostProfile({1: 1.0, 2: 1.8, 3: 2.6}, draft_token=0.0)
+    tuner = AdaptiveK(steep, prior=0.1, probe_every=4)
+    assert [tuner.k() for _ in range(6)] == [0, 0, 0, 1, 1, 1]  # nothing drafted yet: still probing
+    tuner.observe(1, 0)
+    assert tuner.k() == 0 and tuner.probe_gap == 8
+    costly = AdaptiveK(CostProfile({1: 1.0, 2: 1.8, 3: 2.6}, draft_token=0.2), prior=0.1, probe_every=4)
+    assert [costly.k() for _ in range(9)] == [0, 0, 0, 1, 0, 0, 0, 1, 0]  # a draft model's probe is one step
+    with pytest.raises(ValueError, match="probe_every"):
+        AdaptiveK(steep, probe_every=64, probe_max=16)
+
+
+def test_speculation_switched_back_on_resets_the_probe_gap():
+    profile = CostProfile({1: 1.0, 2: 1.05, 3: 1.1}, draft_token=0.05)
+    tuner = AdaptiveK(profile, prior=0.01, prior_weight=40.0, probe_every=2, probe_max=64)
+    _probe_steps(tuner, 40, accept=False)
+    assert tuner.probe_gap > 2
+    for _ in range(60):
+        tuner.observe(2, 2)
+    assert tuner.k() > 0 and tuner.probe_gap == 2

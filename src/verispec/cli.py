@@ -459,7 +459,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = _build(BenchConfig, args, {"prompts": "prompts", "categories": "categories", "per_category": "per_category",
                                         "max_new_tokens": "max_new_tokens", "temperature": "temperature", "seed": "seed",
                                         "num_draft_tokens": "num_draft_tokens", "systems": "systems", "out_dir": "out",
-                                        "split": "split", "distilled": "distilled",
+                                        "split": "split", "distilled": "distilled", "distilled_weights": "draft_weights",
                                         "ngram_table": "ngram_table", "adapt": "adapt",
                                         "draft_context": "draft_context"})
     tree = _tree_config(args)

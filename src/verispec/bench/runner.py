@@ -17,7 +17,7 @@ from verispec.console import stderr_console
 from verispec.datasets import load_prompts
 from verispec.drafters.ngram_corpus import DEFAULT_TABLE, is_corpus_spec
 from verispec.errors import VerispecError
-from verispec.models.loading import LoadedModel
+from verispec.models.loading import DEFAULT_DRAFT_WEIGHTS, WEIGHT_FORMATS, LoadedModel
 
 LLAMACPP_SYSTEMS = ("llamacpp-generate", "llamacpp-prompt-lookup", "verispec-llamacpp-draft", "verispec-llamacpp-ngram",
                     "verispec-llamacpp-auto", "verispec-llamacpp-ngram-auto")  # need llama-cpp-python and GGUF files
@@ -41,6 +41,7 @@ class BenchConfig:
     per_category: prompts per category. systems: names from SYSTEMS (None: all that apply).
     split: "heldout" keeps the prompts the distilled draft never saw (odd question ids), "train" the
     others, "all" both. distilled: the distilled draft spec of the verispec-*distilled* systems (None: skip them).
+    distilled_weights: the distilled draft's weight format ("int8", as `generate` runs it by default, or "dense").
     num_draft_tokens: K of the chain systems, and the depth of a dynamic tree (equal draft passes).
     tree: the tree the *-tree systems draft (default: a dynamic tree of 16 nodes).
     ngram_table: the table of verispec-ngram-corpus: "ngram-corpus[:PATH]" or a .ngram path (None: the
@@ -60,6 +61,7 @@ class BenchConfig:
     out_dir: str = "artifacts/bench"
     split: str = "all"
     distilled: str | None = "distilled"
+    distilled_weights: str = DEFAULT_DRAFT_WEIGHTS
     draft_context: int | None = None  # draft models read only a prompt's last N tokens (None: all)
     tree: TreeConfig = TreeConfig(budget=16)
     ngram_table: str | None = None
@@ -73,6 +75,9 @@ class BenchConfig:
             raise VerispecError(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
         if self.per_category < 1:
             raise VerispecError("per_category must be >= 1")
+        if self.distilled_weights not in WEIGHT_FORMATS:
+            raise VerispecError(f"unknown weight format '{self.distilled_weights}' for the distilled draft; "
+                                f"choose one of {', '.join(WEIGHT_FORMATS)}")
         if self.draft_context is not None and self.draft_context < 1:
             raise VerispecError(f"draft_context must be >= 1 token, got {self.draft_context}")
 
@@ -182,7 +187,7 @@ def _distilled(config: BenchConfig, target: LoadedModel, wanted) -> LoadedModel 
         return None
     if distilled_path(config.distilled) is None:
         raise VerispecError(f"--distilled '{config.distilled}' is not a distilled draft directory")
-    return load_distilled_draft(config.distilled, target, "dense")
+    return load_distilled_draft(config.distilled, target, config.distilled_weights)
 def _corpus_decoder(config: BenchConfig, target: LoadedModel) -> SpeculativeDecoder | None:
     """The corpus n-gram system's decoder: the configured table, else the shipped one if it fits the target."""
     if config.ngram_table is not None:
