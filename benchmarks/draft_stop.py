@@ -60,7 +60,7 @@ def plot_calibration(calibration, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, source, label in ((axes[0], "model", "draft's q of its token (bin)"), (axes[1], "copy", "copied after a match of n tokens")):
+    for ax, source, label in ((axes[0], "model", "draft's q of its token (bin)"), (axes[1], "copy", "copied after a match of >= n tokens (bins)")):
         keys = sorted(k for k in calibration.counts if k[0] == source)
         for greedy in (True, False):
             ks = [k for k in keys if k[2] == greedy and calibration.counts[k][1] > 0]
@@ -71,6 +71,8 @@ def plot_calibration(calibration, path: Path, title: str) -> None:
             ax.plot(xs, ys, "o-", label=f"{'greedy' if greedy else 'sampled'} (n = {sum(calibration.counts[k][1] for k in ks):.0f})")
         if source == "model":
             ax.plot([0, 1], [0, 1], "k--", lw=0.8, label="calibrated")
+        else:
+            ax.set_xscale("log", base=2)
         ax.set_xlabel(label)
         ax.set_ylabel("accepted")
         ax.set_ylim(0, 1)

@@ -11,7 +11,7 @@ from conftest import tiny_model
 from test_exactness import THRESHOLD, V, check_distribution, sample_tokens
 from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig
 from verispec.drafters.draft_model import DraftModelDrafter
-from verispec.drafters.prompt_lookup import PromptLookupDrafter
+from verispec.drafters.prompt_lookup import MAX_MATCH, PromptLookupDrafter, lookup_match
 from verispec.drafters.stopping import COPY_PRIOR, AcceptanceCalibration, DraftStop, chain_length
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
@@ -220,3 +220,41 @@ def test_a_fixed_threshold_applies_under_an_auto_tuner_without_cost_thresholds(g
     seqs = engine.generate(PROMPTS, GREEDY, SpecConfig(max_new_tokens=24, draft_stop=0.5), tuner=tuner)
     assert [s.generated for s in seqs] == expected
     assert 0 < drafter.stopped < drafter.steps
+
+
+def test_a_copy_is_keyed_by_the_length_of_its_verbatim_match():
+    """lookup_match counts the match past the n-gram that found it (up to MAX_MATCH), and the copy keys
+    bin that length: a copy after a long verbatim quote is calibrated apart from one after a repeated bigram."""
+    config = PromptLookupConfig(max_ngram=3, min_ngram=1)
+    tokens = [9, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6]
+    assert lookup_match(tokens, 2, config) == ([7, 8], 6)  # found by (4, 5, 6), matched back to the 1
+    assert lookup_match([5, 1, 2, 7, 1, 2], 3, config) == ([7, 1, 2], 2)
+    assert lookup_match([1, 2, 3], 2, config) == ([], 0)
+    quote = list(range(10, 60))
+    assert lookup_match(quote + [0] + quote, 1, config)[1] == MAX_MATCH == 32
+    key = AcceptanceCalibration.copy_key
+    assert key(1, True) != key(2, True) != key(3, True) and key(4, True) == key(5, True) != key(6, True)
+    assert key(32, True) == key(100, True) != key(24, True) and key(12, False) != key(12, True)
+
+
+def test_a_free_drafter_under_cost_thresholds_is_gated_by_its_own_calibration(greedy_pair):
+    """AdaptiveK(stop_drafts=True) with prompt lookup: where the average copy does not pay (K would be 0),
+    copies after matches whose calibrated acceptance pays are still proposed; output unchanged."""
+    steep = CostProfile({1: 1.0, 2: 1.8, 3: 2.6, 4: 3.4, 5: 4.2}, draft_token=0.0)
+    tuner = AdaptiveK(steep, prior=0.3, stop_drafts=True)
+    assert tuner.k(stops_chains=True) == 4 and tuner.k() == 0  # a drafter that ignores the rule stays gated
+    assert AdaptiveK(CostProfile(steep.target_pass, draft_token=0.1), prior=0.3, stop_drafts=True).k(True) == 0
+    target, _ = greedy_pair
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 3, [20, 21, 22, 23, 24, 25] * 4]
+    plain = SpeculativeEngine(ModelRunner(target), None, set())
+    expected = [s.generated for s in plain.generate(prompts, GREEDY, SpecConfig(max_new_tokens=24))]
+    drafted = {}
+    for stop in (False, True):
+        drafter = PromptLookupDrafter()
+        engine = SpeculativeEngine(ModelRunner(target), drafter, set())
+        seqs = engine.generate(prompts, GREEDY, SpecConfig(max_new_tokens=24),
+                               tuner=AdaptiveK(steep, prior=0.3, stop_drafts=stop))
+        assert [s.generated for s in seqs] == expected
+        drafted[stop] = sum(s.stats.draft_tokens for s in seqs)
+        assert bool(drafter.calibration.counts) == stop
+    assert drafted[True] > drafted[False]

@@ -341,7 +341,7 @@ class DecodeBatch:
         if engine.drafter is not None and any(s.drafting and s.spec.tree is not None for s in active):
             return self._tree_step()
         # At most K drafts, and never more than the tokens left after this step's own token.
-        k = None if self.tuner is None else self.tuner.k()
+        k = None if self.tuner is None else self.tuner.k(getattr(engine.drafter, "stops_chains", False))
         budgets = [min(s.spec.num_draft_tokens if k is None else k, s.max_new_tokens - s.num_generated - 1)
                    if s.drafting else 0 for s in active]
         tuned_stop = None if self.tuner is None else self.tuner.draft_stop()  # thresholds from measured costs

@@ -156,10 +156,15 @@ class AdaptiveK:
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejections)
 
-    def k(self) -> int:
+    def k(self, stops_chains: bool = False) -> int:
         """K for the next step; while speculation is off, 1 on probe steps (see the class docstring), else 0.
         With `stop_drafts`, K is the longest measured chain whenever speculation pays at all: where each
-        chain stops is then the stopping rule's call, token by token, rather than this average's."""
+        chain stops is then the stopping rule's call, token by token, rather than this average's. For a free
+        drafter whose chains honour the rule (`stops_chains`: prompt lookup; measured draft cost 0) it is
+        so always: the rule then also decides whether a step drafts at all (a copy after a long verbatim match
+        may pay where the average copy does not), at no cost where it drafts nothing."""
+        if self.stop_drafts and stops_chains and self.profile.draft_token == 0:
+            return self.profile.k_max  # a free drafter's chains are gated one by one, by their own calibration
         k = best_k(self.alpha, self.profile)
         if k > 0:
             self.steps_off, self.probe_gap, self.probing = 0, self.probe_every, False

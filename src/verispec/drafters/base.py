@@ -50,6 +50,7 @@ class Drafter(ABC):
 
     name: str = "drafter"
     adaptive: bool = False  # True for drafters that implement `adapt` (online adaptation, verispec.adapt)
+    stops_chains: bool = False  # True for drafters whose chains honour a sequence's `draft_stop` (drafters.stopping)
 
     @property
     def supports_trees(self) -> bool:

@@ -59,6 +59,7 @@ class DraftModelDrafter(Drafter):
 
     name = "draft-model"
     adaptive = True
+    stops_chains = True
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int, lookup: PromptLookupConfig | None = None,
                  context: int | None = None) -> None:
@@ -128,7 +129,7 @@ class DraftModelDrafter(Drafter):
                 if seq.sampling.repetition_penalty != 1.0:
                     context = torch.tensor(seq.tokens + drafted[b], dtype=torch.long)
                     seen = seen_masks(context, context[:0], logits.shape[-1])  # (1, V)
-                copied, ngram = lookup_match(seq.tokens + drafted[b], 1, self.lookup) if self.lookup else ([], 0)
+                copied, match = lookup_match(seq.tokens + drafted[b], 1, self.lookup) if self.lookup else ([], 0)
                 q = None
                 if copied:  # deterministic: q is one-hot at the copied token
                     token = copied[0]
@@ -139,14 +140,14 @@ class DraftModelDrafter(Drafter):
                     token = -1  # drawn below, once the chain goes on
                 stop, key = seq.draft_stop, None
                 if stop is not None:
-                    key = self._stop_key(seq, logits[b], None, token, ngram) if q is None else None
+                    key = self._stop_key(seq, logits[b], None, token, match) if q is None else None
                     if not self.calibration.proposes(p_all[b], stop.keep_at(step + 1), key, q):
                         limits[b] = step  # x_{step+1} does not pay for its share of the target pass
                         continue
                 if q is not None:
                     token = int(torch.multinomial(q, 1, generator=seq.rng))
                 if stop is not None:
-                    key = key or self._stop_key(seq, logits[b], q, token, ngram)
+                    key = key or self._stop_key(seq, logits[b], q, token, match)
                     p_all[b] *= self.calibration.estimate(key)
                     self.stop_keys[b].append(key)
                     if p_all[b] < stop.go_on_at(step + 1):
@@ -248,12 +249,12 @@ class DraftModelDrafter(Drafter):
         self.runner.rollback(self.state, drop)
         self.fed, self.stop_keys = [], []
 
-    def _stop_key(self, seq: Sequence, logits: torch.Tensor, q: torch.Tensor | None, token: int, ngram: int) -> tuple:
-        """The calibration key of a draft token: the n-gram it was copied after, or the draft's confidence
+    def _stop_key(self, seq: Sequence, logits: torch.Tensor, q: torch.Tensor | None, token: int, match: int) -> tuple:
+        """The calibration key of a draft token: the length of the match it was copied after, or the draft's confidence
         in it (q(x) when sampled; at temperature 0 the draft's softmax at the argmax). logits: (V,)."""
         greedy = seq.sampling.greedy
-        if ngram:
-            return AcceptanceCalibration.copy_key(ngram, greedy)
+        if match:
+            return AcceptanceCalibration.copy_key(match, greedy)
         confidence = float(q[token]) if q is not None else float(torch.softmax(logits.float(), -1)[token])
         return AcceptanceCalibration.model_key(confidence, greedy)
 

@@ -8,7 +8,8 @@ are merged into a trie, so candidates that share a start share nodes. A static s
 node's children per depth; a budget caps the trie's nodes (its depth is K).
 
 Chains stop early under a sequence's `draft_stop` (see verispec.drafters.stopping): the chance that a
-copied token is accepted is calibrated online by the length of the match it follows.
+copied token is accepted is calibrated online by the length of the match it follows: how many tokens
+before the copy agree with the context's end, counted past the n-gram that found it (up to MAX_MATCH).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from verispec.sequence import Sequence
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft, breadth_first, tree_from_parents
 
 MAX_MATCHES = 64  # continuations read per trie; more only cost time
+MAX_MATCH = 32  # a match's length is counted up to this many tokens (see lookup_match)
 
 
 def lookup(tokens: list[int], max_tokens: int, config: PromptLookupConfig) -> list[int]:
@@ -31,7 +33,9 @@ def lookup(tokens: list[int], max_tokens: int, config: PromptLookupConfig) -> li
 
 
 def lookup_match(tokens: list[int], max_tokens: int, config: PromptLookupConfig) -> tuple[list[int], int]:
-    """`lookup`, with the length n of the matched suffix n-gram (0 where nothing matched)."""
+    """`lookup`, with the length of the match it copies after (0 where nothing matched): the number of
+    tokens before the copied continuation that equal the context's last tokens, at least the n-gram
+    that found it and at most MAX_MATCH."""
     if max_tokens <= 0:
         return [], 0
     arr = np.asarray(tokens, dtype=np.int64)  # (T,)
@@ -41,8 +45,18 @@ def lookup_match(tokens: list[int], max_tokens: int, config: PromptLookupConfig)
         hits = np.flatnonzero((windows == arr[T - n :]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return arr[start : start + max_tokens].tolist(), n
+            return arr[start : start + max_tokens].tolist(), _match_length(arr, start, n)
     return [], 0
+
+
+def _match_length(arr: np.ndarray, start: int, n: int) -> int:
+    """How many tokens before arr[start] equal the last tokens of arr (n of them are known to), up to MAX_MATCH.
+    arr: (T,)."""
+    width = min(MAX_MATCH, start)
+    before = arr[start - width : start][::-1]  # (width,) the tokens before the copy, nearest first
+    suffix = arr[arr.size - width :][::-1]  # (width,) the context's last tokens, last first
+    differ = np.flatnonzero(before != suffix)
+    return int(differ[0]) if differ.size else width
 
 
 def lookup_all(tokens: list[int], max_tokens: int, config: PromptLookupConfig, limit: int = MAX_MATCHES) -> list[list[int]]:
@@ -100,6 +114,7 @@ class PromptLookupDrafter(Drafter):
     """n-gram match in the sequence's own context (prompt and generated tokens)."""
 
     name = "ngram"
+    stops_chains = True
 
     def __init__(self, config: PromptLookupConfig = PromptLookupConfig()) -> None:
         self.config = config
@@ -109,11 +124,11 @@ class PromptLookupDrafter(Drafter):
     def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
         drafts, self.stop_keys = [], []
         for seq, n in zip(sequences, max_tokens):
-            found, ngram = lookup_match(seq.tokens, n, self.config)
+            found, match = lookup_match(seq.tokens, n, self.config)
             keys = []
             if found and seq.draft_stop is not None:
-                # Following a copy, the s-th copied token comes after a match ngram + s - 1 tokens long.
-                keys = [AcceptanceCalibration.copy_key(ngram + s, seq.sampling.greedy) for s in range(len(found))]
+                # Following a copy, the s-th copied token comes after a match match + s - 1 tokens long.
+                keys = [AcceptanceCalibration.copy_key(match + s, seq.sampling.greedy) for s in range(len(found))]
                 found = found[: chain_length(keys, seq.draft_stop, self.calibration)]
                 keys = keys[: len(found)]
             self.stop_keys.append(keys)
