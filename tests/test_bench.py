@@ -253,3 +253,36 @@ def test_speculation_switched_back_on_resets_the_probe_gap():
     for _ in range(60):
         tuner.observe(2, 2)
     assert tuner.k() > 0 and tuner.probe_gap == 2
+
+
+def test_the_report_gives_llama_cpp_systems_the_bandwidth_limit_of_their_quantized_weights(setup, tmp_path):
+    """llama.cpp reads the GGUF's quantized weights, not the float32 copy: its systems get their own limit."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from verispec.bench.runner import gguf_bytes_per_token
+
+    path = tmp_path / "w.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((64, 16), dtype=np.float32))  # one row per token: not counted
+    writer.add_tensor("output.weight", np.zeros((64, 16), dtype=np.float16))
+    writer.add_tensor("blk.0.ffn_up.weight", np.zeros((32, 16), dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    assert gguf_bytes_per_token(str(path)) == 64 * 16 * 2 + 32 * 16 * 4
+    root, target, _, prompts, _ = setup
+    assert main(["bench", "--target", target, "--draft", "ngram", "--prompts", prompts, "--per-category", "1",
+                 "--max-new-tokens", "6", "--systems", "verispec-plain,verispec-ngram", "--out", str(tmp_path / "b")]) == 0
+    data = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert data["gguf_bandwidth_limit_tokens_per_second"] is None  # no llama.cpp system ran
+    for run in data["runs"]:  # as if verispec-ngram had been llama.cpp's own decoding
+        run["system"] = run["system"].replace("verispec-ngram", "llamacpp-generate")
+    data["gguf_bytes_per_token"] = 1e8
+    (tmp_path / "b" / "bench.json").write_text(json.dumps(data))
+    report = report_from_json(tmp_path / "b" / "bench.json", tmp_path / "again")
+    limit = report["gguf_bandwidth_limit_tokens_per_second"]
+    assert limit == pytest.approx(report["memory_bandwidth_gbs"] * 10)
+    rate = report["summary"]["llamacpp-generate"]["all"]["median_decode_tokens_per_second"]
+    assert report["fraction_of_gguf_bandwidth_limit"] == {"llamacpp-generate": pytest.approx(rate / limit)}
+    assert "0.10 GB of quantized weights per token" in report["markdown"]

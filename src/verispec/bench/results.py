@@ -32,6 +32,18 @@ def _stats_json(stats: GenerationStats | None) -> dict | None:
     return {**stats.to_dict(), **{k: getattr(stats, k) for k in ("wall_seconds", "draft_seconds", "target_seconds")}}
 
 
+def _gguf_limit(head: dict, summary: dict) -> tuple[float | None, dict[str, float]]:
+    """The bandwidth limit of the llama.cpp systems (quantized weights per token) and each one's median
+    decoding rate as a fraction of it."""
+    bandwidth, gguf_bytes = head.get("memory_bandwidth_gbs"), head.get("gguf_bytes_per_token")
+    if not bandwidth or not gguf_bytes:
+        return None, {}
+    limit = bandwidth * 1e9 / gguf_bytes
+    rates = {name: cats.get("all", {}).get("median_decode_tokens_per_second") for name, cats in summary.items()
+             if "llamacpp" in name}
+    return limit, {name: rate / limit for name, rate in rates.items() if rate}
+
+
 def write_json(path: Path, report: dict) -> None:
     """Write through a temporary file, so a reader (or a killed bench) never sees half a JSON file."""
     tmp = path.with_suffix(".json.tmp")
@@ -50,8 +62,10 @@ def write_report(out: Path, head: dict, records: list[Record], failures: list[di
     limit = bandwidth * 1e9 / bytes_per_token if bandwidth and bytes_per_token else None
     # the limit bounds decoding: prompt processing (compute-bound, not a weight read per token) is left out
     plain = summary.get("verispec-plain", {}).get("all", {}).get("median_decode_tokens_per_second")
+    gguf_limit, gguf_fractions = _gguf_limit(head, summary)
     report = {**head, "bandwidth_limit_tokens_per_second": limit,
               "plain_fraction_of_bandwidth_limit": plain / limit if plain and limit else None,
+              "gguf_bandwidth_limit_tokens_per_second": gguf_limit, "fraction_of_gguf_bandwidth_limit": gguf_fractions,
               "summary": summary, "runs": runs_json(records), "failures": failures}
     write_json(out / "bench.json", report)
     table = markdown(summary, categories)
@@ -62,6 +76,10 @@ def write_report(out: Path, head: dict, records: list[Record], failures: list[di
         table += (f"\n\nmemory bandwidth {bandwidth:.1f} GB/s, {bytes_per_token / 1e9:.2f} GB of weights per token: "
                   f"bandwidth limit {limit:.2f} tokens/s" + (f"; verispec-plain decodes at {plain:.2f} tokens/s after "
                                                             f"the first output, {plain / limit:.0%} of it" if plain else ""))
+    if gguf_limit:
+        table += (f"\n\nllama.cpp's kernels read {head['gguf_bytes_per_token'] / 1e9:.2f} GB of quantized weights per token "
+                  f"(the GGUF): bandwidth limit {gguf_limit:.2f} tokens/s; decoding after the first output reaches "
+                  + ", ".join(f"{fraction:.0%} ({name})" for name, fraction in gguf_fractions.items()))
     if failures:
         table += "\n\nfailed runs (left out of the figures above):\n" + "\n".join(
             f"- {f['system']} on q{f['question_id']} ({f['category']}, {f['prompt_tokens']} prompt tokens): {f['error']}"

@@ -23,6 +23,7 @@ LLAMACPP_SYSTEMS = ("llamacpp-generate", "llamacpp-prompt-lookup", "verispec-lla
                     "verispec-llamacpp-auto", "verispec-llamacpp-ngram-auto")  # need llama-cpp-python and GGUF files
 LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto", "verispec-llamacpp-distilled-tree",
                      "verispec-llamacpp-distilled-tree-auto", "verispec-llamacpp-ngram-tree")
+LLAMACPP_PREFIXES = ("llamacpp-", "verispec-llamacpp-")  # systems on llama.cpp's kernels
 DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto",
                      "verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto", "verispec-llamacpp-distilled-tree",
                      "verispec-llamacpp-distilled-tree-auto")  # need a distilled draft (--distilled)
@@ -101,6 +102,14 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     if emb.data_ptr() != out.data_ptr():
         total -= emb.numel() * emb.element_size()
     return total
+
+
+def gguf_bytes_per_token(path: str) -> int:
+    """Bytes of quantized weights one llama.cpp decoding step reads from a GGUF file: every tensor once,
+    except the token embedding (one row per token)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name != "token_embd.weight")
 
 
 def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
@@ -263,6 +272,8 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     head = {"config": asdict(config), "partial": True, "target": target.name, "draft": draft.name if draft else None,
             "dtype": str(target.dtype), "target_weights": target.weights, "draft_weights": draft.weights if draft else None,
             "memory_bandwidth_gbs": memory_bandwidth_gbs(), "weight_bytes_per_token": weight_bytes_per_token(hf_target.model)}
+    if any(s.name.startswith(LLAMACPP_PREFIXES) for s in systems):  # llama.cpp reads the GGUF's quantized weights
+        head["gguf_bytes_per_token"] = gguf_bytes_per_token(target.source)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=stderr_console()) as progress:
         task = progress.add_task("bench", total=len(prompts) * len(systems))
