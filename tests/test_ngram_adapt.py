@@ -18,7 +18,7 @@ from tiny_hf import save_tiny_model_dir
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
 from verispec.adapt import AdaptationBuffer, AdaptExample, OnlineAdapter
 from verispec.cli import main
-from verispec.config import AdaptConfig, NGramConfig, ServeConfig, TreeConfig
+from verispec.config import AdaptConfig, NGramConfig, PromptLookupConfig, ServeConfig, TreeConfig
 from verispec.drafters.base import Draft
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram_corpus import CorpusNGramDrafter
@@ -181,9 +181,9 @@ def test_draft_model_adaptation_raises_acceptance(greedy_pair, int8):
     assert max(rates[2:]) > rates[0] + 0.2
 
 
-def sample_adapting(engine, adapter, sampling, K, n=3000, seed=0):
+def sample_adapting(engine, adapter, sampling, K, n=3000, seed=0, draft_stop=0.0):
     """Like test_exactness.sample_tokens, stepping the batch by hand and adapting between steps."""
-    spec = SpecConfig(num_draft_tokens=K, max_new_tokens=max(3, K + 1), stop_at_eos=False)
+    spec = SpecConfig(num_draft_tokens=K, max_new_tokens=max(3, K + 1), stop_at_eos=False, draft_stop=draft_stop)
     seqs = engine.make_sequences([PROMPT] * n, sampling, spec, seed)
     batch = DecodeBatch(engine)
     batch.add(seqs)
@@ -219,6 +219,22 @@ def test_chi_square_with_draft_model_adaptation_on(target, sampling_pair):
     adapter = OnlineAdapter(engine, AdaptConfig(background=False, min_examples=1, lr=1e-2, batch_size=32, max_steps=4))
     samples, _ = sample_adapting(engine, adapter, sampling, 1)
     assert adapter.updates >= 2 and drafter.runner.model is not sampling_pair[1]
+    for fit in check_distribution(target, samples, sampling):
+        assert fit.p_value > THRESHOLD, fit
+
+
+def test_chi_square_with_draft_model_adaptation_and_stopping_chains(target, sampling_pair):
+    """Both change only what the draft proposes: the weights between steps (adaptation) and where each chain
+    stops (calibrated on earlier outcomes, with lookup-first copies); together they still sample from p."""
+    sampling = SamplingConfig(temperature=0.9, top_k=6)
+    drafter = DraftModelDrafter(ModelRunner(sampling_pair[1]), V, lookup=PromptLookupConfig(max_ngram=2, min_ngram=1))
+    engine = SpeculativeEngine(ModelRunner(target), drafter, set())
+    adapter = OnlineAdapter(engine, AdaptConfig(background=False, min_examples=1, lr=1e-2, batch_size=32, max_steps=4))
+    samples, seqs = sample_adapting(engine, adapter, sampling, 3, draft_stop=0.4)
+    drafted = sum(s.stats.draft_tokens for s in seqs)
+    assert adapter.updates >= 2 and drafter.runner.model is not sampling_pair[1]
+    assert 0 < drafted < 3 * sum(s.stats.target_forward_passes for s in seqs)  # chains stopped early
+    assert drafter.calibration.counts
     for fit in check_distribution(target, samples, sampling):
         assert fit.p_value > THRESHOLD, fit
 
