@@ -116,3 +116,45 @@ def test_verify_is_deterministic_for_a_seed():
     a = [verify(P, x, Q, torch.Generator().manual_seed(s)) for s in range(20)]
     b = [verify(P, x, Q, torch.Generator().manual_seed(s)) for s in range(20)]
     assert a == b
+
+
+@pytest.mark.parametrize("V, block", [(12, 4), (13, 4), (3000, 1024), (5, 1024)])
+def test_the_categorical_sampler_draws_its_weights(V, block, monkeypatch):
+    """`sample` (the two-level float64 inverse CDF behind every recovered, bonus and sampled draft token)
+    draws each id with its weight's share, never an id of weight 0, and takes only its generator's state."""
+    import verispec.sampling as sampling
+
+    monkeypatch.setattr(sampling, "SAMPLE_BLOCK", block)
+    gen = torch.Generator().manual_seed(5)
+    weights = random_dist(V, gen, zeros=V // 3).float() * 7.0  # unnormalised, a third of the ids impossible
+    if V >= 1024:
+        weights[: V // 2] = 0.0  # whole blocks without mass
+        weights[-1] = 0.0  # the last id too (rounding past the end must not land on it)
+    rng = torch.Generator().manual_seed(6)
+    counts = torch.zeros(V)
+    for _ in range(6000 if V < 100 else 20000):
+        counts[sampling.sample(weights, rng)] += 1
+    assert counts[weights == 0].sum() == 0
+    live = weights > 0
+    fit = chi_square_test(counts[live], (weights[live] / weights[live].sum()).double())
+    assert fit.p_value > 1e-3, fit
+    a, b = torch.Generator().manual_seed(6), torch.Generator().manual_seed(6)
+    assert [sampling.sample(weights, a) for _ in range(8)] == [sampling.sample(weights, b) for _ in range(8)]
+    with pytest.raises(ValueError, match="total"):
+        sampling.sample(torch.zeros(V), rng)
+
+
+def test_the_categorical_sampler_with_a_biased_block_choice_is_caught():
+    """Negative control: picking the block uniformly instead of by its mass fails the same test."""
+    from verispec.sampling import _first_above
+
+    gen = torch.Generator().manual_seed(5)
+    weights = random_dist(12, gen).float()
+    blocks = weights.view(3, 4)
+    rng = torch.Generator().manual_seed(6)
+    counts = torch.zeros(12)
+    for _ in range(6000):
+        b = int(torch.randint(3, (), generator=rng))
+        inner = blocks[b].cumsum(0, dtype=torch.float64)
+        counts[4 * b + _first_above(inner, float(torch.rand((), generator=rng, dtype=torch.float64)) * float(inner[-1]))] += 1
+    assert chi_square_test(counts, weights.double() / weights.sum()).p_value < 1e-6

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.sampling import sample
 from verispec.tree import Tree
 
 
@@ -122,7 +123,7 @@ def verify(
     accepted = u * q_x < p_x  # (n,)  <=>  u < p/q, without dividing
     num_accepted = int(accepted.to(torch.int64).cumprod(dim=0).sum()) if n else 0
     if num_accepted == n:
-        verdict = Verdict(n, int(torch.multinomial(p[n], 1, generator=rng)), bonus=True)
+        verdict = Verdict(n, sample(p[n], rng), bonus=True)
     else:
         i = num_accepted
         if q is None:
@@ -130,7 +131,7 @@ def verify(
             q_i[draft_tokens[i]] = 1.0  # (V,) one-hot
         else:
             q_i = q[i]
-        recovered = int(torch.multinomial(residual_distribution(p[i], q_i), 1, generator=rng))
+        recovered = sample(residual_distribution(p[i], q_i), rng)
         verdict = Verdict(num_accepted, recovered, bonus=False)
     return (verdict, u) if return_uniforms else verdict
 
@@ -271,7 +272,7 @@ def verify_tree(
     """
     u = torch.rand(tree.size, generator=rng)  # (N,)
     path, final, leaf = walk_tree(p, tree, tokens, q, siblings, u)
-    verdict = TreeVerdict(path, int(torch.multinomial(final, 1, generator=rng)), bonus=leaf)
+    verdict = TreeVerdict(path, sample(final, rng), bonus=leaf)
     return (verdict, u) if return_uniforms else verdict
 
 

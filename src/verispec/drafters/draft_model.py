@@ -38,7 +38,7 @@ from verispec.drafters.stopping import AcceptanceCalibration
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.models.runner import KVState, ModelRunner
-from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks
+from verispec.sampling import greedy_tokens, logits_to_probs, sample, seen_masks
 from verispec.sequence import Sequence
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
@@ -145,7 +145,7 @@ class DraftModelDrafter(Drafter):
                         limits[b] = step  # x_{step+1} does not pay for its share of the target pass
                         continue
                 if q is not None:
-                    token = int(torch.multinomial(q, 1, generator=seq.rng))
+                    token = sample(q, seq.rng)
                 if stop is not None:
                     key = key or self._stop_key(seq, logits[b], q, token, match)
                     p_all[b] *= self.calibration.estimate(key)

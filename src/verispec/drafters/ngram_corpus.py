@@ -31,6 +31,7 @@ from verispec.config import NGramConfig, TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from verispec.errors import VerispecError
 from verispec.ngram.table import NGramCounts, NGramTable
+from verispec.sampling import sample
 from verispec.sequence import Sequence
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft, breadth_first, tree_from_parents
 
@@ -218,7 +219,7 @@ class CorpusNGramDrafter(Drafter):
                 token = ids[best]
             else:
                 q = sharpen(probs, temperature)  # (m,)
-                token = ids[int(torch.multinomial(q, 1, generator=seq.rng))]
+                token = ids[sample(q, seq.rng)]
                 row = torch.zeros(self.vocab_size, dtype=torch.float32)  # (V,)
                 row[torch.tensor(ids, dtype=torch.long)] = q
                 q_rows.append(row)
