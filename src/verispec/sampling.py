@@ -1,7 +1,8 @@
 """From logits to the distribution a token is sampled from.
 
-One function, `logits_to_probs`, turns logits into probabilities under a `SamplingConfig`.
-The engine calls it on the target's logits (giving p) and on the draft's logits (giving q),
+One function, `logits_to_probs`, turns logits into probabilities under a `SamplingConfig`, and
+one, `sample`, draws a token from them (every recovered, bonus and sampled draft token).
+The engine calls `logits_to_probs` on the target's logits (giving p) and on the draft's logits (giving q),
 so both sides of verification see the same processing: repetition penalty, temperature,
 top-k, top-p, min-p, in that order (the order Hugging Face applies them).
 
