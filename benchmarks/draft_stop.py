@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--drafter", default="distilled", choices=["distilled", "ngram"])
     ap.add_argument("--draft-weights", default="int8", choices=["int8", "dense"],
                     help="the distilled draft's weights (int8: as `verispec generate` runs it)")
-    ap.add_argument("--categories", nargs="*", default=None)
+    ap.add_argument("--categories", nargs="*", default=None, help="Spec-Bench categories, or MT-Bench ones (coding, extraction)")
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=4)

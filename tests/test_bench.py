@@ -286,3 +286,19 @@ def test_the_report_gives_llama_cpp_systems_the_bandwidth_limit_of_their_quantiz
     rate = report["summary"]["llamacpp-generate"]["all"]["median_decode_tokens_per_second"]
     assert report["fraction_of_gguf_bandwidth_limit"] == {"llamacpp-generate": pytest.approx(rate / limit)}
     assert "0.10 GB of quantized weights per token" in report["markdown"]
+
+
+def test_an_mt_bench_category_asked_for_by_name_is_reported_apart(setup, tmp_path):
+    """--categories coding keeps MT-Bench's coding questions under their own name (the issue's code and
+    extraction-like categories); mt_bench keeps its eight together."""
+    from verispec.datasets import load_prompts
+
+    root, target, _, prompts, _ = setup
+    assert [(p.category, p.question_id) for p in load_prompts(prompts)] == [("mt_bench", 0), ("qa", 1), ("rag", 2)]
+    assert [p.category for p in load_prompts(prompts, ["coding", "rag"])] == ["coding", "rag"]
+    assert [p.category for p in load_prompts(prompts, ["mt_bench"])] == ["mt_bench"]
+    with pytest.raises(VerispecError, match="coding"):  # the error lists what can be asked for
+        load_prompts(prompts, ["poetry"])
+    assert main(["bench", "--target", target, "--draft", "ngram", "--prompts", prompts, "--categories", "coding,qa",
+                 "--max-new-tokens", "4", "--systems", "verispec-plain,verispec-ngram", "--out", str(tmp_path)]) == 0
+    assert set(json.loads((tmp_path / "bench.json").read_text())["summary"]["verispec-ngram"]) == {"coding", "qa", "all"}

@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     from verispec.bench.runner import SYSTEMS, BenchConfig
 
     b.add_argument("--prompts", help=f"Spec-Bench-format JSONL (default: {_default(BenchConfig, 'prompts')})")
-    b.add_argument("--categories", help="comma-separated Spec-Bench categories (default: all)")
+    b.add_argument("--categories", help="comma-separated Spec-Bench categories, or MT-Bench ones (coding, extraction, ...) to report them apart from mt_bench (default: all)")
     b.add_argument("--per-category", type=int, help=f"prompts per category (default: {_default(BenchConfig, 'per_category')})")
     b.add_argument("--max-new-tokens", type=int, help=f"(default: {_default(BenchConfig, 'max_new_tokens')})")
     b.add_argument("--temperature", type=float, help="0 is greedy (default: 0)")

@@ -39,7 +39,8 @@ def load_prompts(path: str | Path, categories: list[str] | None = None, per_cate
     Args:
         path: the JSONL file.
         categories: keep only these (Spec-Bench names: mt_bench, translation, summarization, qa,
-            math_reasoning, rag); None keeps all.
+            math_reasoning, rag; or one of MT-Bench's eight, e.g. coding or extraction, which keeps that
+            part of mt_bench under its own name); None keeps all.
         per_category: keep the first N prompts of each category; None keeps all.
         split: HELDOUT or TRAIN keeps one side of the distillation split (`split_of`); None keeps both.
     """
@@ -47,6 +48,7 @@ def load_prompts(path: str | Path, categories: list[str] | None = None, per_cate
     if not path.is_file():
         raise VerispecError(f"prompt file not found: {path}")
     prompts: list[Prompt] = []
+    raw: list[str] = []  # each prompt's category as the file names it (MT-Bench's own for mt_bench rows)
     with open(path) as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -54,14 +56,17 @@ def load_prompts(path: str | Path, categories: list[str] | None = None, per_cate
             try:
                 row = json.loads(line)
                 prompts.append(Prompt(int(row["question_id"]), spec_bench_category(row["category"]), row["turns"][0]))
+                raw.append(str(row["category"]))
             except (ValueError, KeyError, IndexError, TypeError) as err:
                 raise VerispecError(f"{path}:{line_no}: not a Spec-Bench row ({type(err).__name__}: {err})") from None
-    known = sorted({p.category for p in prompts})
+    known = sorted({p.category for p in prompts} | (set(raw) & MT_BENCH_CATEGORIES))
     if categories:
         unknown = set(categories) - set(known)
         if unknown:
             raise VerispecError(f"unknown categories {sorted(unknown)}; {path} has {known}")
-        prompts = [p for p in prompts if p.category in categories]
+        # an MT-Bench category asked for by name keeps its name (reported apart from the rest of mt_bench)
+        prompts = [Prompt(p.question_id, r, p.text) if r in categories and r in MT_BENCH_CATEGORIES else p
+                   for p, r in zip(prompts, raw) if r in categories or p.category in categories]
     if split is not None:
         prompts = [p for p in prompts if split_of(p.question_id) == split]
     if per_category is not None:
