@@ -34,7 +34,7 @@ import itertools
 import torch
 
 from verispec.config import SamplingConfig, TreeConfig
-from verispec.sampling import apply_repetition_penalty, logits_to_probs
+from verispec.sampling import apply_repetition_penalty, logits_to_probs, sample
 from verispec.tree import TreeDraft, breadth_first, tree_from_parents
 
 
@@ -45,8 +45,10 @@ def draw_children(probs: torch.Tensor, k: int, mode: str, rng: torch.Generator) 
         return probs.topk(min(k, available)).indices.tolist()
     if mode == "without_replacement":
         k = min(k, available)
-    # One sample is the chain drafter's own call, so single-child trees draw what chains draw.
-    return torch.multinomial(probs, k, replacement=mode == "iid" and k > 1, generator=rng).tolist()
+    if mode == "iid" or k == 1:
+        # One sample is the chain drafter's own call, so single-child trees draw what chains draw.
+        return [sample(probs, rng) for _ in range(k)]
+    return torch.multinomial(probs, k, replacement=False, generator=rng).tolist()
 
 
 class TreeGrowth:
