@@ -23,7 +23,6 @@ LLAMACPP_SYSTEMS = ("llamacpp-generate", "llamacpp-prompt-lookup", "verispec-lla
                     "verispec-llamacpp-auto", "verispec-llamacpp-ngram-auto")  # need llama-cpp-python and GGUF files
 LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto", "verispec-llamacpp-distilled-tree",
                      "verispec-llamacpp-distilled-tree-auto", "verispec-llamacpp-ngram-tree")
-LLAMACPP_PREFIXES = ("llamacpp-", "verispec-llamacpp-")  # systems on llama.cpp's kernels
 DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto",
                      "verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto", "verispec-llamacpp-distilled-tree",
                      "verispec-llamacpp-distilled-tree-auto")  # need a distilled draft (--distilled)
@@ -272,7 +271,7 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     head = {"config": asdict(config), "partial": True, "target": target.name, "draft": draft.name if draft else None,
             "dtype": str(target.dtype), "target_weights": target.weights, "draft_weights": draft.weights if draft else None,
             "memory_bandwidth_gbs": memory_bandwidth_gbs(), "weight_bytes_per_token": weight_bytes_per_token(hf_target.model)}
-    if any(s.name.startswith(LLAMACPP_PREFIXES) for s in systems):  # llama.cpp reads the GGUF's quantized weights
+    if any(s.name in LLAMACPP_SYSTEMS for s in systems):  # llama.cpp reads the GGUF's quantized weights
         head["gguf_bytes_per_token"] = gguf_bytes_per_token(target.source)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=stderr_console()) as progress:

@@ -45,13 +45,12 @@ def lookup_match(tokens: list[int], max_tokens: int, config: PromptLookupConfig)
         hits = np.flatnonzero((windows == arr[T - n :]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return arr[start : start + max_tokens].tolist(), _match_length(arr, start, n)
+            return arr[start : start + max_tokens].tolist(), _match_length(arr, start)
     return [], 0
 
 
-def _match_length(arr: np.ndarray, start: int, n: int) -> int:
-    """How many tokens before arr[start] equal the last tokens of arr (n of them are known to), up to MAX_MATCH.
-    arr: (T,)."""
+def _match_length(arr: np.ndarray, start: int) -> int:
+    """How many tokens before arr[start] equal the last tokens of arr, up to MAX_MATCH. arr: (T,)."""
     width = min(MAX_MATCH, start)
     before = arr[start - width : start][::-1]  # (width,) the tokens before the copy, nearest first
     suffix = arr[arr.size - width :][::-1]  # (width,) the context's last tokens, last first
@@ -127,7 +126,7 @@ class PromptLookupDrafter(Drafter):
             found, match = lookup_match(seq.tokens, n, self.config)
             keys = []
             if found and seq.draft_stop is not None:
-                # Following a copy, the s-th copied token comes after a match match + s - 1 tokens long.
+                # Copied token s (from 0) follows a match `match + s` tokens long: the copies before it extend it.
                 keys = [AcceptanceCalibration.copy_key(match + s, seq.sampling.greedy) for s in range(len(found))]
                 found = found[: chain_length(keys, seq.draft_stop, self.calibration)]
                 keys = keys[: len(found)]
