@@ -53,8 +53,10 @@ def test_bench_runs_all_systems_and_writes_report(setup):
     tree, chain = summary["verispec-draft-tree"]["all"], summary["verispec-draft"]["all"]
     assert tree["tokens_per_target_pass"] >= chain["tokens_per_target_pass"] > 1  # the draft is the target
     assert tree["mean_accepted_length"] > 0 and "tokens per target pass" in report["markdown"]
-    assert set(summary["verispec-draft"]["all"]["speedup"]) == set(BASELINES) - set(LLAMACPP_SYSTEMS)
-    assert "speedup vs verispec-plain / hf-generate / hf-assisted)" in report["markdown"]  # the baselines that ran
+    # the baselines that ran, and Hugging Face's faster speculative setting (assisted or prompt lookup)
+    assert set(summary["verispec-draft"]["all"]["speedup"]) == set(BASELINES) - set(LLAMACPP_SYSTEMS) | {"hf-best-speculative"}
+    assert "speedup vs verispec-plain / hf-generate / hf-assisted / hf-best-speculative)" in report["markdown"]
+    assert report["best_speculative"]["hf-best-speculative"] in ("hf-assisted", "hf-prompt-lookup")
     for name in ("bench.json", "bench.md", "speedup_by_category.png", "acceptance_by_position.png"):
         assert (root / "out" / name).stat().st_size > 0
     assert report["bandwidth_limit_tokens_per_second"] > 0
@@ -302,3 +304,33 @@ def test_an_mt_bench_category_asked_for_by_name_is_reported_apart(setup, tmp_pat
     assert main(["bench", "--target", target, "--draft", "ngram", "--prompts", prompts, "--categories", "coding,qa",
                  "--max-new-tokens", "4", "--systems", "verispec-plain,verispec-ngram", "--out", str(tmp_path)]) == 0
     assert set(json.loads((tmp_path / "bench.json").read_text())["summary"]["verispec-ngram"]) == {"coding", "qa", "all"}
+
+
+def test_the_peers_lookup_k_sweep_names_their_best_speculative_setting(setup):
+    """--peer-k runs each K of the peers' prompt lookup as a system of its own; the report takes the one with
+    the highest median decoding rate as the peer's best speculative setting, a baseline of its own."""
+    root, target, draft, prompts, _ = setup
+    out = root / "peers"
+    assert main(["bench", "--target", target, "--draft", draft, "--prompts", prompts, "--per-category", "1",
+                 "--max-new-tokens", "8", "--peer-k", "1,3", "--out", str(out),
+                 "--systems", "verispec-plain,verispec-ngram,hf-assisted,hf-prompt-lookup"]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    summary = report["summary"]
+    peers = ("hf-assisted", "hf-prompt-lookup-k1", "hf-prompt-lookup-k3")
+    assert set(summary) == {"verispec-plain", "verispec-ngram", *peers}
+    rates = {p: summary[p]["all"]["median_decode_tokens_per_second"] for p in peers}
+    best = report["best_speculative"]["hf-best-speculative"]
+    assert rates[best] == max(rates.values())
+    # speedups against the alias are those against the best setting itself
+    rate = {(r["system"], r["question_id"]): r["decode_tokens_per_second"] for r in report["runs"]}
+    ratios = [rate[("verispec-ngram", q)] / rate[(best, q)] for q in range(3)]
+    assert summary["verispec-ngram"]["all"]["decode_speedup"]["hf-best-speculative"] == pytest.approx(sorted(ratios)[1])
+    assert "hf-best-speculative" not in summary[best]["all"]["decode_speedup"]  # not measured against itself
+    assert f"hf-best-speculative: {best}" in (out / "bench.md").read_text()
+    assert report["config"]["peer_num_draft_tokens"] == [1, 3]
+    again = report_from_json(out / "bench.json", root / "peers-again")
+    assert again["best_speculative"] == report["best_speculative"]
+    assert again["markdown"] + "\n" == (out / "bench.md").read_text()
+    with pytest.raises(VerispecError, match="peer_num_draft_tokens"):
+        BenchConfig(peer_num_draft_tokens=(0, 2))
+    assert main(["bench", "--target", target, "--prompts", prompts, "--peer-k", "one"]) == 2

@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, help="base seed; prompt q gets seed + q (default: 0)")
     b.add_argument("-k", "--num-draft-tokens", type=int, help=f"K for fixed-K systems (default: {_default(BenchConfig, 'num_draft_tokens')})")
     b.add_argument("--systems", help=f"comma-separated subset of: {', '.join(SYSTEMS)} (default: all)")
+    b.add_argument("--peer-k", help="comma-separated K values for the peers' prompt lookup (llama.cpp's, Hugging Face's), "
+                                    "each run as its own system; the report takes the fastest as the peer's best "
+                                    "speculative setting (default: -k)")
     _add_tree_options(b)  # the tree of the *-tree systems (default: a dynamic tree of 16 nodes, depth K)
     b.add_argument("--out", help=f"output folder for bench.json, bench.md and plots (default: {_default(BenchConfig, 'out_dir')})")
     b.add_argument("--split", choices=["all", "heldout", "train"],
@@ -456,12 +459,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _show_bench_report(report_from_json(args.report, args.out))
     split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip()) if text else None  # noqa: E731
     args.categories, args.systems = split(args.categories), split(args.systems)
+    try:
+        args.peer_k = tuple(int(k) for k in split(args.peer_k)) if args.peer_k else None
+    except ValueError:
+        raise VerispecError(f"--peer-k takes comma-separated integers, got '{args.peer_k}'") from None
     config = _build(BenchConfig, args, {"prompts": "prompts", "categories": "categories", "per_category": "per_category",
                                         "max_new_tokens": "max_new_tokens", "temperature": "temperature", "seed": "seed",
                                         "num_draft_tokens": "num_draft_tokens", "systems": "systems", "out_dir": "out",
                                         "split": "split", "distilled": "distilled", "distilled_weights": "draft_weights",
                                         "ngram_table": "ngram_table", "adapt": "adapt",
-                                        "draft_context": "draft_context"})
+                                        "draft_context": "draft_context", "peer_num_draft_tokens": "peer_k"})
     tree = _tree_config(args)
     if tree is not None:
         config = dataclasses.replace(config, tree=tree)

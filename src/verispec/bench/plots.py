@@ -14,18 +14,21 @@ def _pyplot():
     return plt
 
 
-def plot_speedup(summary: dict, categories: list[str], path: Path, baseline: str = "hf-generate") -> Path:
+def plot_speedup(summary: dict, categories: list[str], path: Path, baseline: str = "hf-generate",
+                 rate: str = "speedup") -> Path:
+    """rate: "speedup" (end to end) or "decode_speedup" (after the first output)."""
     plt = _pyplot()
-    systems = [s for s, cats in summary.items() if any(baseline in e["speedup"] for e in cats.values())]
+    systems = [s for s, cats in summary.items() if any(baseline in e[rate] for e in cats.values())]
     cols = categories + ["all"]
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(cols)), 4))
     width = 0.8 / max(1, len(systems))
     for i, system in enumerate(systems):
-        values = [summary[system].get(c, {}).get("speedup", {}).get(baseline, 0.0) for c in cols]
+        values = [summary[system].get(c, {}).get(rate, {}).get(baseline, 0.0) for c in cols]
         ax.bar([x + i * width for x in range(len(cols))], values, width, label=system)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(cols))], cols, rotation=20)
-    ax.set_ylabel(f"speedup vs {baseline} (median per prompt)")
+    what = "decoding speedup" if rate == "decode_speedup" else "speedup"
+    ax.set_ylabel(f"{what} vs {baseline} (median per prompt)")
     if systems:
         ax.legend(fontsize=8)
     fig.tight_layout()

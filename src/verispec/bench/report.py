@@ -11,6 +11,11 @@ from verispec.stats import GenerationStats
 # what speedups are measured against, where they ran: verispec's own plain decoding, the Hugging Face
 # peers, and llama.cpp's own decoding alone and with its prompt lookup (its speculative setting)
 BASELINES = ("verispec-plain", "hf-generate", "hf-assisted", "llamacpp-generate", "llamacpp-prompt-lookup")
+# a peer's best speculative setting, chosen from what ran: its speculative systems (a name, or a name with
+# "-k<K>" when `peer_num_draft_tokens` swept K) whose median decoding rate over all prompts is highest;
+# a baseline of its own where two or more ran
+BEST_SPECULATIVE = {"llamacpp-best-speculative": ("llamacpp-prompt-lookup",),
+                    "hf-best-speculative": ("hf-assisted", "hf-prompt-lookup")}
 # (median key, speedup key, rate of a Run or None): end to end, and after the first output (decoding only)
 RATES = (("median_tokens_per_second", "speedup", lambda run: run.tokens_per_second),
          ("median_decode_tokens_per_second", "decode_speedup", lambda run: run.decode_tokens_per_second))
@@ -28,9 +33,32 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _rate(run: Run) -> float | None:
+    """What a best setting is chosen by: decoding tok/s after the first output, else end to end."""
+    return run.decode_tokens_per_second if run.decode_tokens_per_second is not None else run.tokens_per_second
+
+
+def best_speculative(records: list[Record]) -> dict[str, str]:
+    """Per peer (a BEST_SPECULATIVE key), its speculative system with the highest median rate over all
+    prompts, where two or more of them ran."""
+    best = {}
+    for alias, families in BEST_SPECULATIVE.items():
+        rates = {}
+        for system in dict.fromkeys(r.system for r in records):
+            if any(system == f or system.startswith(f + "-k") for f in families):
+                rates[system] = _median([x for r in records if r.system == system and (x := _rate(r.run)) is not None])
+        rates = {s: x for s, x in rates.items() if x is not None}
+        if len(rates) >= 2:
+            best[alias] = max(rates, key=rates.__getitem__)
+    return best
+
+
 def summarize(records: list[Record], greedy: bool, reference: str = "verispec-plain") -> dict:
     """Per system, per category (and "all"): medians, speedups, acceptance, time split, equality."""
     by_prompt: dict[tuple[str, int], Record] = {(r.system, r.question_id): r for r in records}
+    best = best_speculative(records)
+    for alias, system in best.items():  # the best setting's runs, under the peer's alias too
+        by_prompt.update({(alias, r.question_id): r for r in records if r.system == system})
     systems = list(dict.fromkeys(r.system for r in records))
     categories = list(dict.fromkeys(r.category for r in records))
     summary: dict = {}
@@ -44,10 +72,10 @@ def summarize(records: list[Record], greedy: bool, reference: str = "verispec-pl
             for median_key, speedup_key, rate in RATES:  # end to end, then decoding only
                 entry[median_key] = _median([x for r in rows if (x := rate(r.run)) is not None])
                 entry[speedup_key] = {}
-                for base in BASELINES:
+                for base in (*BASELINES, *best):
                     ratios = [x / y for r in rows if (b := by_prompt.get((base, r.question_id)))
                               and (x := rate(r.run)) is not None and (y := rate(b.run))]
-                    if ratios and base != system:
+                    if ratios and base != system and best.get(base) != system:
                         entry[speedup_key][base] = _median(ratios)
             stats = [r.run.stats for r in rows if r.run.stats is not None]
             if stats:
@@ -73,12 +101,14 @@ def summarize(records: list[Record], greedy: bool, reference: str = "verispec-pl
     return summary
 
 
-def markdown(summary: dict, categories: list[str]) -> str:
+def markdown(summary: dict, categories: list[str], best: dict[str, str] | None = None) -> str:
     """Rows are systems, columns are categories: tok/s and speedups end to end, then after the first
-    output (decoding only), then tokens per target pass, acceptance and time split."""
+    output (decoding only), then tokens per target pass, acceptance and time split. best: the peers'
+    best speculative settings (`best_speculative`), baselines of their own."""
     lines = []
     header = "| system | " + " | ".join(categories + ["all"]) + " |"
-    bases = [b for b in BASELINES if b in summary]  # the baselines that ran
+    best = best or {}
+    bases = [b for b in (*BASELINES, *best) if b in summary or b in best]  # the baselines that ran
     for title, rate, speedup in [
         (f"median tokens/s, end to end: prompt processing included (median per-prompt speedup vs {' / '.join(bases)})",
          "median_tokens_per_second", "speedup"),
@@ -111,4 +141,7 @@ def markdown(summary: dict, categories: list[str]) -> str:
         acc = f"{e['acceptance_rate']:.3f}" if "acceptance_rate" in e else "-"
         tpp = f"{e['tokens_per_target_pass']:.2f}" if "tokens_per_target_pass" in e else "-"
         lines.append(f"| {system} | {acc} | {tpp} | {split_text} | {e.get('greedy_equal_to_plain', '-')} |")
+    for alias, system in best.items():
+        lines += ["", f"{alias}: {system} (of the peer's speculative settings that ran, the highest median decoding "
+                      f"tokens/s over all prompts: {summary[system]['all']['median_decode_tokens_per_second']:.2f})"]
     return "\n".join(lines)

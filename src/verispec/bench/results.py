@@ -9,7 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from verispec.bench.plots import plot_acceptance_by_position, plot_speedup
-from verispec.bench.report import Record, markdown, summarize
+from verispec.bench.report import Record, best_speculative, markdown, summarize
 from verispec.bench.systems import Run
 from verispec.errors import VerispecError
 from verispec.stats import GenerationStats
@@ -58,6 +58,7 @@ def write_report(out: Path, head: dict, records: list[Record], failures: list[di
     """
     categories = list(dict.fromkeys(r.category for r in records))
     summary = summarize(records, greedy=greedy)
+    best = best_speculative(records)
     bandwidth, bytes_per_token = head.get("memory_bandwidth_gbs"), head.get("weight_bytes_per_token")
     limit = bandwidth * 1e9 / bytes_per_token if bandwidth and bytes_per_token else None
     # the limit bounds decoding: prompt processing (compute-bound, not a weight read per token) is left out
@@ -66,9 +67,9 @@ def write_report(out: Path, head: dict, records: list[Record], failures: list[di
     report = {**head, "bandwidth_limit_tokens_per_second": limit,
               "plain_fraction_of_bandwidth_limit": plain / limit if plain and limit else None,
               "gguf_bandwidth_limit_tokens_per_second": gguf_limit, "fraction_of_gguf_bandwidth_limit": gguf_fractions,
-              "summary": summary, "runs": runs_json(records), "failures": failures}
+              "best_speculative": best, "summary": summary, "runs": runs_json(records), "failures": failures}
     write_json(out / "bench.json", report)
-    table = markdown(summary, categories)
+    table = markdown(summary, categories, best)
     if head.get("partial"):
         table = (f"partial results: the bench ended before every prompt ran "
                  f"({len({r.question_id for r in records})} prompts)\n\n") + table
@@ -88,6 +89,9 @@ def write_report(out: Path, head: dict, records: list[Record], failures: list[di
     report["markdown"] = table
     report["plots"] = [str(plot_speedup(summary, categories, out / "speedup_by_category.png")),
                        str(plot_acceptance_by_position(summary, out / "acceptance_by_position.png"))]
+    if "llamacpp-best-speculative" in best:  # the issue's bar: llama.cpp's best speculative setting
+        report["plots"].append(str(plot_speedup(summary, categories, out / "speedup_vs_llamacpp_best.png",
+                                                baseline="llamacpp-best-speculative", rate="decode_speedup")))
     return report
 
 
@@ -117,7 +121,7 @@ def report_from_json(path: str | Path, out_dir: str | Path | None = None) -> dic
         run = Run(list(tokens) if tokens is not None else [0] * r["new_tokens"], r["seconds"], stats,
                   r.get("first_output_seconds", 0.0), r.get("first_output_tokens", 0))
         records.append(Record(r["system"], r["question_id"], r["category"], run))
-    head = {k: v for k, v in data.items() if k not in ("summary", "runs", "failures", "markdown", "plots")}
+    head = {k: v for k, v in data.items() if k not in ("summary", "runs", "failures", "markdown", "plots", "best_speculative")}
     out = Path(out_dir) if out_dir is not None else path.parent
     out.mkdir(parents=True, exist_ok=True)
     return write_report(out, head, records, data.get("failures", []), greedy)

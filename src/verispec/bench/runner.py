@@ -48,6 +48,9 @@ class BenchConfig:
         table shipped with verispec; without one the system is skipped).
     adapt: verispec systems whose drafter can adapt (ngram-corpus, draft models) learn online between
         prompts (their acceptance then depends on the prompts before).
+    peer_num_draft_tokens: K of the peers' prompt lookup (llama.cpp's, Hugging Face's); None: num_draft_tokens.
+        With several, each K runs as a system of its own (`llamacpp-prompt-lookup-k1`, ...) and the report
+        takes the fastest as the peer's best speculative setting (`report.best_speculative`).
     """
 
     prompts: str = str(DEFAULT_PROMPTS)
@@ -66,6 +69,7 @@ class BenchConfig:
     tree: TreeConfig = TreeConfig(budget=16)
     ngram_table: str | None = None
     adapt: bool = False
+    peer_num_draft_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -78,6 +82,9 @@ class BenchConfig:
         if self.distilled_weights not in WEIGHT_FORMATS:
             raise VerispecError(f"unknown weight format '{self.distilled_weights}' for the distilled draft; "
                                 f"choose one of {', '.join(WEIGHT_FORMATS)}")
+        if self.peer_num_draft_tokens is not None and (not self.peer_num_draft_tokens
+                                                        or min(self.peer_num_draft_tokens) < 1):
+            raise VerispecError(f"peer_num_draft_tokens must be one or more K >= 1, got {self.peer_num_draft_tokens}")
         if self.draft_context is not None and self.draft_context < 1:
             raise VerispecError(f"draft_context must be >= 1 token, got {self.draft_context}")
 
@@ -111,6 +118,12 @@ def gguf_bytes_per_token(path: str) -> int:
     return sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name != "token_embd.weight")
 
 
+def _peer_ks(config: BenchConfig, name: str) -> list[tuple[str, int]]:
+    """(system name, K) of a peer's prompt lookup: its own name for one K, name-k<K> for each of several."""
+    ks = config.peer_num_draft_tokens or (config.num_draft_tokens,)
+    return [(name, ks[0])] if len(ks) == 1 else [(f"{name}-k{k}", k) for k in dict.fromkeys(ks)]
+
+
 def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
                   hf_target: LoadedModel, hf_draft: LoadedModel | None, context_window: int = 4096) -> list[System]:
     wanted = config.systems or SYSTEMS
@@ -141,8 +154,8 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             if name == "llamacpp-generate":
                 systems.append(LlamaCppGenerate(name, llama_target.source, eos, context_window))
             elif name == "llamacpp-prompt-lookup":
-                systems.append(LlamaCppGenerate(name, llama_target.source, eos, context_window,
-                                                prompt_lookup_num_tokens=k))
+                systems += [LlamaCppGenerate(peer, llama_target.source, eos, context_window, prompt_lookup_num_tokens=peer_k)
+                            for peer, peer_k in _peer_ks(config, name)]
             elif name.startswith("verispec-llamacpp-ngram"):
                 decoder = SpeculativeDecoder(llama_target, "ngram")
                 systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None,
@@ -155,7 +168,8 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
         elif name == "hf-generate":
             systems.append(HFSystem(name, hf_target.model, eos))
         elif name == "hf-prompt-lookup":
-            systems.append(HFSystem(name, hf_target.model, eos, prompt_lookup_num_tokens=k))
+            systems += [HFSystem(peer, hf_target.model, eos, prompt_lookup_num_tokens=peer_k)
+                        for peer, peer_k in _peer_ks(config, name)]
         elif name == "verispec-ngram":
             systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k))
         elif name == "verispec-ngram-tree":
@@ -271,7 +285,7 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     head = {"config": asdict(config), "partial": True, "target": target.name, "draft": draft.name if draft else None,
             "dtype": str(target.dtype), "target_weights": target.weights, "draft_weights": draft.weights if draft else None,
             "memory_bandwidth_gbs": memory_bandwidth_gbs(), "weight_bytes_per_token": weight_bytes_per_token(hf_target.model)}
-    if any(s.name in LLAMACPP_SYSTEMS for s in systems):  # llama.cpp reads the GGUF's quantized weights
+    if any(s.family == "llama.cpp" or s.name in LLAMACPP_SYSTEMS for s in systems):  # llama.cpp reads the GGUF's quantized weights
         head["gguf_bytes_per_token"] = gguf_bytes_per_token(target.source)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=stderr_console()) as progress:
