@@ -190,6 +190,26 @@ def test_greedy_equality_is_only_reported_against_a_plain_run():
     assert both["verispec-draft"]["all"]["greedy_equal_to_plain"] == "0/1"
 
 
+def test_systems_on_llama_cpp_kernels_are_compared_with_llama_cpp_plain_decoding():
+    """Greedy equality on llama.cpp's kernels is checked against llama.cpp's own loop (same kernels), the
+    torch-route systems against verispec-plain; a llama.cpp bench without verispec-plain still says it."""
+    from verispec.bench.report import Record, markdown, summarize
+    from verispec.bench.systems import Run
+
+    runs = {"verispec-plain": [1, 2, 3], "llamacpp-generate": [1, 2, 4], "verispec-llamacpp-ngram-auto": [1, 2, 4],
+            "verispec-llamacpp-distilled-auto": [1, 2, 5], "verispec-ngram": [1, 2, 3]}
+    records = [Record(name, 7, "qa", Run(ids, 1.0, None, 0.5, 1)) for name, ids in runs.items()]
+    summary = summarize(records, greedy=True)
+    same = {name: (cats["all"]["greedy_equal_to_plain"], cats["all"]["greedy_reference"]) for name, cats in summary.items()}
+    assert same["verispec-llamacpp-ngram-auto"] == ("1/1", "llamacpp-generate")
+    assert same["verispec-llamacpp-distilled-auto"] == ("0/1", "llamacpp-generate")
+    assert same["verispec-ngram"] == ("1/1", "verispec-plain")
+    assert same["llamacpp-generate"] == ("0/1", "verispec-plain")  # llama.cpp's own loop against the torch route
+    assert "| 0/1 (llamacpp-generate) |" in markdown(summary, ["qa"])
+    without_plain = summarize([r for r in records if r.system != "verispec-plain"], greedy=True)
+    assert without_plain["verispec-llamacpp-ngram-auto"]["all"]["greedy_equal_to_plain"] == "1/1"
+
+
 def test_cost_model_formulas():
     assert expected_tokens(0.5, 3) == pytest.approx((1 - 0.5 ** 4) / 0.5)
     assert expected_tokens(1.0, 3) == 4

@@ -53,6 +53,14 @@ def best_speculative(records: list[Record]) -> dict[str, str]:
     return best
 
 
+def greedy_reference(system: str, systems: list[str], reference: str = "verispec-plain") -> str:
+    """The plain decoding a system's greedy output is compared with: llama.cpp's own loop for the other
+    systems on llama.cpp's kernels where it ran (the same kernels; their logits, not torch's, decide near
+    ties), else `reference` (llama.cpp's own loop too: the two implementations of the target compared)."""
+    on_llamacpp = "llamacpp" in system and system != "llamacpp-generate"
+    return "llamacpp-generate" if on_llamacpp and "llamacpp-generate" in systems else reference
+
+
 def summarize(records: list[Record], greedy: bool, reference: str = "verispec-plain") -> dict:
     """Per system, per category (and "all"): medians, speedups, acceptance, time split, equality."""
     by_prompt: dict[tuple[str, int], Record] = {(r.system, r.question_id): r for r in records}
@@ -93,10 +101,12 @@ def summarize(records: list[Record], greedy: bool, reference: str = "verispec-pl
                     if wall > 0 else None,
                 )
             if greedy:
-                same = [r.run.token_ids == by_prompt[(reference, r.question_id)].run.token_ids for r in rows
-                        if (reference, r.question_id) in by_prompt]
-                if same:  # without verispec-plain in the run there is nothing to compare with
+                base = greedy_reference(system, systems, reference)
+                same = [r.run.token_ids == by_prompt[(base, r.question_id)].run.token_ids for r in rows
+                        if (base, r.question_id) in by_prompt]
+                if same:  # without a plain decoding in the run there is nothing to compare with
                     entry["greedy_equal_to_plain"] = f"{sum(same)}/{len(same)}"
+                    entry["greedy_reference"] = base
             summary[system][category] = entry
     return summary
 
@@ -132,7 +142,7 @@ def markdown(summary: dict, categories: list[str], best: dict[str, str] | None =
         if "tokens_per_target_pass" in cats.get("all", {}):
             cells = [f"{cats[c]['tokens_per_target_pass']:.2f}" if c in cats else "-" for c in categories + ["all"]]
             lines.append(f"| {system} | " + " | ".join(cells) + " |")
-    lines += ["", "| system | acceptance | tokens/target pass | time split draft/target/overhead | greedy = plain |",
+    lines += ["", "| system | acceptance | tokens/target pass | time split draft/target/overhead | greedy = plain (which) |",
               "|---|---|---|---|---|"]
     for system, cats in summary.items():
         e = cats["all"]
@@ -140,7 +150,8 @@ def markdown(summary: dict, categories: list[str], best: dict[str, str] | None =
         split_text = f"{split['draft']:.0%} / {split['target']:.0%} / {split['overhead']:.0%}" if split else "-"
         acc = f"{e['acceptance_rate']:.3f}" if "acceptance_rate" in e else "-"
         tpp = f"{e['tokens_per_target_pass']:.2f}" if "tokens_per_target_pass" in e else "-"
-        lines.append(f"| {system} | {acc} | {tpp} | {split_text} | {e.get('greedy_equal_to_plain', '-')} |")
+        same = f"{e['greedy_equal_to_plain']} ({e['greedy_reference']})" if "greedy_equal_to_plain" in e else "-"
+        lines.append(f"| {system} | {acc} | {tpp} | {split_text} | {same} |")
     for alias, system in best.items():
         lines += ["", f"{alias}: {system} (of the peer's speculative settings that ran, the highest median decoding "
                       f"tokens/s over all prompts: {summary[system]['all']['median_decode_tokens_per_second']:.2f})"]
