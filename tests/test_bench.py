@@ -205,7 +205,11 @@ def test_systems_on_llama_cpp_kernels_are_compared_with_llama_cpp_plain_decoding
     assert same["verispec-llamacpp-distilled-auto"] == ("0/1", "llamacpp-generate")
     assert same["verispec-ngram"] == ("1/1", "verispec-plain")
     assert same["llamacpp-generate"] == ("0/1", "verispec-plain")  # llama.cpp's own loop against the torch route
-    assert "| 0/1 (llamacpp-generate) |" in markdown(summary, ["qa"])
+    table = markdown(summary, ["qa"])
+    assert "| 0/1 (llamacpp-generate) |" in table
+    assert "part from llamacpp-generate (verispec-llamacpp-distilled-auto)" in table  # and says why
+    all_equal = summarize([r for r in records if r.system != "verispec-llamacpp-distilled-auto"], greedy=True)
+    assert "part from" not in markdown(all_equal, ["qa"])
     without_plain = summarize([r for r in records if r.system != "verispec-plain"], greedy=True)
     assert without_plain["verispec-llamacpp-ngram-auto"]["all"]["greedy_equal_to_plain"] == "1/1"
 

@@ -152,6 +152,13 @@ def markdown(summary: dict, categories: list[str], best: dict[str, str] | None =
         tpp = f"{e['tokens_per_target_pass']:.2f}" if "tokens_per_target_pass" in e else "-"
         same = f"{e['greedy_equal_to_plain']} ({e['greedy_reference']})" if "greedy_equal_to_plain" in e else "-"
         lines.append(f"| {system} | {acc} | {tpp} | {split_text} | {same} |")
+    parted = [s for s, cats in summary.items() if cats["all"].get("greedy_reference") == "llamacpp-generate"
+              and (n := cats["all"]["greedy_equal_to_plain"].split("/"))[0] != n[1]]
+    if parted:
+        lines += ["", f"greedy outputs that part from llamacpp-generate ({', '.join(parted)}): llama.cpp's quantized "
+                      "kernels round a pass over several tokens differently from one-token passes, so a greedy run "
+                      "that verifies several tokens at once can pick the other of two nearly tied tokens "
+                      "(tests/test_llamacpp.py checks on a small model that each parting is such a near tie)"]
     for alias, system in best.items():
         lines += ["", f"{alias}: {system} (of the peer's speculative settings that ran, the highest median decoding "
                       f"tokens/s over all prompts: {summary[system]['all']['median_decode_tokens_per_second']:.2f})"]
