@@ -220,3 +220,19 @@ def test_greedy_tree_speculation_on_llamacpp_matches_plain_decoding_up_to_near_t
         multi_node += out.stats.draft_tokens > out.stats.target_forward_passes
         exact += equal_up_to_a_near_tie(smol, out, plain, drift)
     assert exact >= 1 and multi_node >= 1
+
+
+def test_llamacpp_draft_model_peer_with_the_target_as_its_draft_keeps_greedy_output(smol):
+    """llama.cpp's speculative loop with a draft GGUF (a bench peer): with the target as its own draft every
+    draft token is the target's greedy choice, so the output is llama.cpp's plain greedy output up to
+    pass-width numerics, and each call drafts from the draft's cached prefix."""
+    from verispec.bench.systems import LlamaCppGenerate
+
+    greedy = SamplingConfig(temperature=0)
+    prompt = smol.tokenizer("def fibonacci(n):")["input_ids"]
+    plain = LlamaCppGenerate("plain", smol.source, set(), context_window=512).run(prompt, greedy, 24, 0)
+    peer = LlamaCppGenerate("draft", smol.source, set(), context_window=512, draft_gguf=smol.source, num_draft_tokens=3)
+    run = peer.run(prompt, greedy, 24, 0)
+    assert len(run.token_ids) == 24
+    assert run.token_ids[:8] == plain.token_ids[:8]
+    assert peer.llm.draft_model.llm.n_tokens > len(prompt)  # the draft decoded past the prompt, on its own cache

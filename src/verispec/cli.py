@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, help="base seed; prompt q gets seed + q (default: 0)")
     b.add_argument("-k", "--num-draft-tokens", type=int, help=f"K for fixed-K systems (default: {_default(BenchConfig, 'num_draft_tokens')})")
     b.add_argument("--systems", help=f"comma-separated subset of: {', '.join(SYSTEMS)} (default: all)")
-    b.add_argument("--peer-k", help="comma-separated K values for the peers' prompt lookup (llama.cpp's, Hugging Face's), "
+    b.add_argument("--peer-k", help="comma-separated K values for the peers' speculative decoding (llama.cpp's and Hugging Face's "
+                                    "prompt lookup, llama.cpp's draft model), "
                                     "each run as its own system; the report takes the fastest as the peer's best "
                                     "speculative setting (default: -k)")
     _add_tree_options(b)  # the tree of the *-tree systems (default: a dynamic tree of 16 nodes, depth K)

@@ -14,7 +14,7 @@ BASELINES = ("verispec-plain", "hf-generate", "hf-assisted", "llamacpp-generate"
 # a peer's best speculative setting, chosen from what ran: its speculative systems (a name, or a name with
 # "-k<K>" when `peer_num_draft_tokens` swept K) whose median decoding rate over all prompts is highest;
 # a baseline of its own where two or more ran
-BEST_SPECULATIVE = {"llamacpp-best-speculative": ("llamacpp-prompt-lookup",),
+BEST_SPECULATIVE = {"llamacpp-best-speculative": ("llamacpp-prompt-lookup", "llamacpp-draft-model"),
                     "hf-best-speculative": ("hf-assisted", "hf-prompt-lookup")}
 # (median key, speedup key, rate of a Run or None): end to end, and after the first output (decoding only)
 RATES = (("median_tokens_per_second", "speedup", lambda run: run.tokens_per_second),

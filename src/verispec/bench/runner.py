@@ -19,7 +19,7 @@ from verispec.drafters.ngram_corpus import DEFAULT_TABLE, is_corpus_spec
 from verispec.errors import VerispecError
 from verispec.models.loading import DEFAULT_DRAFT_WEIGHTS, WEIGHT_FORMATS, LoadedModel
 
-LLAMACPP_SYSTEMS = ("llamacpp-generate", "llamacpp-prompt-lookup", "verispec-llamacpp-draft", "verispec-llamacpp-ngram",
+LLAMACPP_SYSTEMS = ("llamacpp-generate", "llamacpp-prompt-lookup", "llamacpp-draft-model", "verispec-llamacpp-draft", "verispec-llamacpp-ngram",
                     "verispec-llamacpp-auto", "verispec-llamacpp-ngram-auto")  # need llama-cpp-python and GGUF files
 LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto", "verispec-llamacpp-distilled-tree",
                      "verispec-llamacpp-distilled-tree-auto", "verispec-llamacpp-ngram-tree")
@@ -48,7 +48,8 @@ class BenchConfig:
         table shipped with verispec; without one the system is skipped).
     adapt: verispec systems whose drafter can adapt (ngram-corpus, draft models) learn online between
         prompts (their acceptance then depends on the prompts before).
-    peer_num_draft_tokens: K of the peers' prompt lookup (llama.cpp's, Hugging Face's); None: num_draft_tokens.
+    peer_num_draft_tokens: K of the peers' speculative decoding (llama.cpp's and Hugging Face's prompt lookup,
+        llama.cpp's draft model: llama-cpp-python's loop with the draft GGUF); None: num_draft_tokens.
         With several, each K runs as a system of its own (`llamacpp-prompt-lookup-k1`, ...) and the report
         takes the fastest as the peer's best speculative setting (`report.best_speculative`).
     """
@@ -119,7 +120,7 @@ def gguf_bytes_per_token(path: str) -> int:
 
 
 def _peer_ks(config: BenchConfig, name: str) -> list[tuple[str, int]]:
-    """(system name, K) of a peer's prompt lookup: its own name for one K, name-k<K> for each of several."""
+    """(system name, K) of a peer's speculative system: its own name for one K, name-k<K> for each of several."""
     ks = config.peer_num_draft_tokens or (config.num_draft_tokens,)
     return [(name, ks[0])] if len(ks) == 1 else [(f"{name}-k{k}", k) for k in dict.fromkeys(ks)]
 
@@ -156,6 +157,11 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             elif name == "llamacpp-prompt-lookup":
                 systems += [LlamaCppGenerate(peer, llama_target.source, eos, context_window, prompt_lookup_num_tokens=peer_k)
                             for peer, peer_k in _peer_ks(config, name)]
+            elif name == "llamacpp-draft-model":
+                if llama_draft is not None:  # llama-cpp-python's speculative loop with the draft GGUF
+                    systems += [LlamaCppGenerate(peer, llama_target.source, eos, context_window,
+                                                 draft_gguf=llama_draft.source, num_draft_tokens=peer_k)
+                                for peer, peer_k in _peer_ks(config, name)]
             elif name.startswith("verispec-llamacpp-ngram"):
                 decoder = SpeculativeDecoder(llama_target, "ngram")
                 systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None,

@@ -125,23 +125,50 @@ def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
+def _llamacpp_draft_model(gguf: str, num_tokens: int, context_window: int, threads: int):
+    """A llama-cpp-python draft model (its `LlamaDraftModel` interface: the context in, draft tokens out)
+    that decodes a draft GGUF greedily for `num_tokens` tokens, keeping the draft's KV cache for the
+    prefix it shares with the last call (llama-cpp-python's `generate` reuses a matching prefix)."""
+    import numpy as np
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaDraftModel
+
+    class GreedyDraftModel(LlamaDraftModel):
+        def __init__(self):
+            self.llm = Llama(model_path=gguf, n_ctx=context_window, verbose=False, n_threads=threads,
+                             n_threads_batch=threads)
+
+        def __call__(self, input_ids, /, **kwargs):
+            draft = []
+            for token in self.llm.generate(input_ids.tolist(), reset=True, temp=0.0):
+                draft.append(token)
+                if len(draft) == num_tokens:
+                    break
+            return np.array(draft, dtype=np.intc)
+
+    return GreedyDraftModel()
+
+
 class LlamaCppGenerate(System):
     """llama.cpp decoding the target with its own sampling loop (the CPU peer): alone, or with
-    llama-cpp-python's own speculative decoding by prompt lookup when `prompt_lookup_num_tokens` > 0."""
+    llama-cpp-python's own speculative decoding, by prompt lookup when `prompt_lookup_num_tokens` > 0 or
+    with `draft_gguf` drafting `num_draft_tokens` greedily."""
 
     family = "llama.cpp"
 
     def __init__(self, name: str, gguf: str, eos_token_ids: set[int], context_window: int = 4096,
-                 prompt_lookup_num_tokens: int = 0):
+                 prompt_lookup_num_tokens: int = 0, draft_gguf: str | None = None, num_draft_tokens: int = 0):
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         self.name, self.eos = name, set(eos_token_ids)
+        threads = torch.get_num_threads()  # for one token and for several (llama-cpp-python's default: every core)
         draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup_num_tokens) if prompt_lookup_num_tokens else None
+        if draft_gguf is not None:
+            draft = _llamacpp_draft_model(draft_gguf, num_draft_tokens, context_window, threads)
         # With a draft, llama-cpp-python writes logits for every position into its score buffer but sizes
         # that buffer from the logits_all argument (n_batch rows unless it is True): a prompt longer than
         # n_batch (512) then fails ("could not broadcast ... into shape (0,)"). logits_all=True sizes it n_ctx.
-        threads = torch.get_num_threads()  # for one token and for several (llama-cpp-python's default: every core)
         self.llm = Llama(model_path=gguf, n_ctx=context_window, verbose=False, n_threads=threads,
                          n_threads_batch=threads, draft_model=draft, logits_all=draft is not None)
 
