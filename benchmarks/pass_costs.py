@@ -4,13 +4,19 @@ Speculation pays only where v stays near 1 for a few tokens. This prints the mea
 for a model on a backend (the same measurement `--auto-k` makes before decoding), e.g.
 
     .venv/bin/python benchmarks/pass_costs.py --model qwen2.5-coder-1.5b-instruct --backend llama.cpp
-    .venv/bin/python benchmarks/pass_costs.py --model qwen2.5-coder-1.5b-instruct --weights packed
+    .venv/bin/python benchmarks/pass_costs.py --model qwen2.5-coder-1.5b-instruct --weights packed \
+        --json artifacts/pass_costs/torch.json --overlay artifacts/pass_costs/llamacpp.json --plot artifacts/pass_costs/v.png
+
+--plot draws v(k) against k for this run and any earlier runs' --json files (--overlay), with the line
+v = k: a pass over k tokens yields at most k tokens (all drafts accepted), so speculation can pay only
+where a route's curve lies well below it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from verispec.api import set_threads
 from verispec.models import load_model
@@ -27,6 +33,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    parser.add_argument("--overlay", type=Path, nargs="*", default=[], help="earlier runs' --json files to plot beside")
+    parser.add_argument("--plot", type=Path, help="PNG of v(k) for this run and the overlays")
     args = parser.parse_args()
     set_threads(args.threads)
     model = load_model(args.model, weights=args.weights, backend=args.backend)
@@ -34,8 +43,40 @@ def main() -> None:
                             repeats=args.repeats)
     for width, seconds in sorted(profile.target_pass.items()):
         print(f"{width:3d} tokens: {seconds * 1000:8.1f} ms   v = {seconds / profile.target_pass[1]:.2f}")
-    print(json.dumps({"model": args.model, "backend": args.backend, "weights": model.weights,
-                      "pass_seconds": profile.target_pass}))
+    result = {"model": args.model, "backend": args.backend, "weights": model.weights, "threads": args.threads,
+              "pass_seconds": profile.target_pass}
+    print(json.dumps(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    if args.plot:
+        plot([result] + [json.loads(path.read_text()) for path in args.overlay], args.plot)
+        print(f"written: {args.plot}")
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    widest = 1
+    for r in results:
+        passes = {int(k): v for k, v in r["pass_seconds"].items()}
+        widths = sorted(passes)
+        widest = max(widest, widths[-1])
+        label = f"{Path(str(r['model'])).name} on {r['backend']}" + (f" ({r['weights']})" if r["backend"] == "torch" else "")
+        ax.plot(widths, [passes[w] / passes[1] for w in widths], marker="o",
+                label=f"{label}: {passes[1] * 1000:.0f} ms for 1 token")
+    ax.plot([1, widest], [1, widest], color="grey", linestyle="--", label="v = k (no gain even if all accepted)")
+    ax.set_xlabel("tokens in one target pass (k)")
+    ax.set_ylabel("pass cost / one-token pass cost, v(k)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
