@@ -197,10 +197,14 @@ def test_systems_on_llama_cpp_kernels_are_compared_with_llama_cpp_plain_decoding
     from verispec.bench.systems import Run
 
     runs = {"verispec-plain": [1, 2, 3], "llamacpp-generate": [1, 2, 4], "verispec-llamacpp-ngram-auto": [1, 2, 4],
-            "verispec-llamacpp-distilled-auto": [1, 2, 5], "verispec-ngram": [1, 2, 3]}
+            "verispec-llamacpp-distilled-auto": [1, 2, 5], "verispec-ngram": [1, 2, 3], "verispec-llamacpp-plain": [1, 2, 4]}
     records = [Record(name, 7, "qa", Run(ids, 1.0, None, 0.5, 1)) for name, ids in runs.items()]
+    records[-1] = Record("verispec-llamacpp-plain", 7, "qa", Run([1, 2, 4], 2.0, None, 0.5, 1))  # half the rate
     summary = summarize(records, greedy=True)
     same = {name: (cats["all"]["greedy_equal_to_plain"], cats["all"]["greedy_reference"]) for name, cats in summary.items()}
+    assert same["verispec-llamacpp-plain"] == ("1/1", "llamacpp-generate")
+    # verispec's own plain loop on llama.cpp's kernels is a baseline: speculation there is measured against it
+    assert summary["verispec-llamacpp-ngram-auto"]["all"]["speedup"]["verispec-llamacpp-plain"] == pytest.approx(2.0)
     assert same["verispec-llamacpp-ngram-auto"] == ("1/1", "llamacpp-generate")
     assert same["verispec-llamacpp-distilled-auto"] == ("0/1", "llamacpp-generate")
     assert same["verispec-ngram"] == ("1/1", "verispec-plain")

@@ -236,3 +236,15 @@ def test_llamacpp_draft_model_peer_with_the_target_as_its_draft_keeps_greedy_out
     assert len(run.token_ids) == 24
     assert run.token_ids[:8] == plain.token_ids[:8]
     assert peer.llm.draft_model.llm.n_tokens > len(prompt)  # the draft decoded past the prompt, on its own cache
+
+
+def test_verispec_plain_decoding_on_llamacpp_equals_llamacpps_own_loop(smol):
+    """The bench's verispec-llamacpp-plain baseline: verispec's loop without a drafter on llama.cpp's kernels
+    runs the same one-token passes as llama.cpp's own loop, so greedy output is the same token for token."""
+    from verispec.bench.systems import LlamaCppGenerate, VerispecSystem
+
+    greedy = SamplingConfig(temperature=0)
+    prompt = smol.tokenizer("The three primary colours are")["input_ids"]
+    own = LlamaCppGenerate("llamacpp-generate", smol.source, set(), context_window=512).run(prompt, greedy, 32, 0)
+    ours = VerispecSystem("verispec-llamacpp-plain", SpeculativeDecoder(smol, "none"), 4).run(prompt, greedy, 32, 0)
+    assert len(ours.token_ids) == 32 and ours.token_ids == own.token_ids

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from verispec.bench.systems import Run
 from verispec.stats import GenerationStats
 
-# what speedups are measured against, where they ran: verispec's own plain decoding, the Hugging Face
-# peers, and llama.cpp's own decoding alone and with its prompt lookup (its speculative setting)
-BASELINES = ("verispec-plain", "hf-generate", "hf-assisted", "llamacpp-generate", "llamacpp-prompt-lookup")
+# what speedups are measured against, where they ran: verispec's own plain decoding (on torch, and on
+# llama.cpp's kernels), the Hugging Face peers, and llama.cpp's own decoding alone and with its prompt lookup
+BASELINES = ("verispec-plain", "verispec-llamacpp-plain", "hf-generate", "hf-assisted", "llamacpp-generate", "llamacpp-prompt-lookup")
 # a peer's best speculative setting, chosen from what ran: its speculative systems (a name, or a name with
 # "-k<K>" when `peer_num_draft_tokens` swept K) whose median decoding rate over all prompts is highest;
 # a baseline of its own where two or more ran

@@ -19,7 +19,7 @@ from verispec.drafters.ngram_corpus import DEFAULT_TABLE, is_corpus_spec
 from verispec.errors import VerispecError
 from verispec.models.loading import DEFAULT_DRAFT_WEIGHTS, WEIGHT_FORMATS, LoadedModel
 
-LLAMACPP_SYSTEMS = ("llamacpp-generate", "llamacpp-prompt-lookup", "llamacpp-draft-model", "verispec-llamacpp-draft", "verispec-llamacpp-ngram",
+LLAMACPP_SYSTEMS = ("llamacpp-generate", "llamacpp-prompt-lookup", "llamacpp-draft-model", "verispec-llamacpp-plain", "verispec-llamacpp-draft", "verispec-llamacpp-ngram",
                     "verispec-llamacpp-auto", "verispec-llamacpp-ngram-auto")  # need llama-cpp-python and GGUF files
 LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto", "verispec-llamacpp-distilled-tree",
                      "verispec-llamacpp-distilled-tree-auto", "verispec-llamacpp-ngram-tree")
@@ -162,6 +162,8 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
                     systems += [LlamaCppGenerate(peer, llama_target.source, eos, context_window,
                                                  draft_gguf=llama_draft.source, num_draft_tokens=peer_k)
                                 for peer, peer_k in _peer_ks(config, name)]
+            elif name == "verispec-llamacpp-plain":  # verispec's own loop on llama.cpp's kernels, no drafter
+                systems.append(VerispecSystem(name, SpeculativeDecoder(llama_target, "none"), k))
             elif name.startswith("verispec-llamacpp-ngram"):
                 decoder = SpeculativeDecoder(llama_target, "ngram")
                 systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None,
