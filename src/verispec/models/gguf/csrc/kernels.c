@@ -1,0 +1,832 @@
+/* verispec's CPU kernels for GGUF models: repacked quantized matmuls over int8 activations, and the
+ * per-row ops of a Llama / Qwen2 forward (RMSNorm, RoPE, attention over a KV cache, SwiGLU).
+ *
+ * Batch invariance is the rule every function here keeps: a token's outputs are computed with the same
+ * sequence of operations whatever else is in the call (how many tokens, which thread, which tile).
+ * Integer dot products are exact, and the float epilogues use explicit fmaf in one fixed order, so the
+ * AVX-512 VNNI path and the portable path give the same bits (the tests check it).
+ *
+ * Repacked layout ("lane-interleaved"). Output rows are taken 16 at a time (a group); lane r of a
+ * 512-bit register belongs to row r of the group. A group's data is its super-blocks (Q weights of each
+ * of its 16 rows: 256 for K-quants, 32 for Q4_0 / Q4_1 / Q8_0), one after the other along K:
+ *
+ *   super-block = [d: 16 x fp16][dmin: 16 x fp16, if stored][sc: nsc x 16 x int8][m: nsc x 16 x int8]
+ *                 [planes of sub-block 0 (32 weights)][planes of sub-block 1] ...
+ *
+ *   A "slot" is 4 consecutive weights k..k+3 of all 16 rows, 64 bytes: byte 4r + j = q(row r, k + j).
+ *   Sub-block planes hold its 8 slots (weights 0-3, 4-7, ..., 28-31):
+ *     4 bits: P0..P3 (4 x 64 B); slot t is the low nibbles of P[t], slot t + 4 the high nibbles.
+ *     5 bits: + H (64 B): bit t of H's byte is the fifth bit of slot t.
+ *     6 bits: + H0, H1 (2 x 64 B): bits 2s, 2s+1 of Hh are bits 4-5 of slot 4h + s.
+ *     8 bits: S0..S7 (8 x 64 B), the values themselves.
+ *
+ *   A row's weight is  d * sc * q - dmin * m  with q >= 0 (unsigned: vpdpbusd multiplies u8 x s8);
+ *   sc, m per sub-block of 32 (Q4_K, Q5_K) or 16 (Q6_K, where m = sc and dmin = 32 d); Q4_0: sc = m = 1,
+ *   dmin = 8 d; Q8_0: q + 128 stored, dmin = 128 d; Q4_1: dmin = -min.
+ *
+ * With int8 activations a (scale da per super-block, bsum = sums of a over 16), a token's output is
+ *   acc += (d da) * float(sum_j sc_j dot_j)  -  (dmin da) * float(sum_j m_j bsum_j)   per super-block,
+ * each dot_j a vpdpbusd chain: the unpacked weights of a sub-block are reused by every token of a tile.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h> /* only so that Python can import this file (and find it); the functions use ctypes */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define VS_X86 1
+#endif
+
+static struct PyModuleDef vs_module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, NULL, NULL, NULL, NULL, NULL};
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&vs_module); }
+
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+enum { GROUP = 16, TILE = 4 };
+enum { PATH_GENERIC = 0, PATH_AVX512 = 1, PATH_AVX2 = 2 };
+
+typedef struct {
+    int q;          /* weights per super-block */
+    int bits;       /* bits per stored value */
+    int scsub;      /* weights per scale (0: no scales, sc = m = 1) */
+    int has_m;      /* an m array is stored (else m = sc, or 1) */
+    int dmin_kind;  /* 0: stored; else dmin = d * dmin_kind */
+    int src_bytes;  /* bytes of one GGUF block */
+} layout_t;
+
+static int get_layout(int type, layout_t *L) {
+    switch (type) {
+        case T_Q4_0: *L = (layout_t){32, 4, 0, 0, 8, 18}; return 0;
+        case T_Q4_1: *L = (layout_t){32, 4, 0, 0, 0, 20}; return 0;
+        case T_Q8_0: *L = (layout_t){32, 8, 0, 0, 128, 34}; return 0;
+        case T_Q4_K: *L = (layout_t){256, 4, 32, 1, 0, 144}; return 0;
+        case T_Q5_K: *L = (layout_t){256, 5, 32, 1, 0, 176}; return 0;
+        case T_Q6_K: *L = (layout_t){256, 6, 16, 0, 32, 210}; return 0;
+        default: return -1;
+    }
+}
+
+static int plane_bytes(int bits) { return bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 384 : 512; }
+static int header_bytes(const layout_t *L) { return L->dmin_kind ? 32 : 64; }
+static int nscales(const layout_t *L) { return L->scsub ? L->q / L->scsub : 0; }
+static int64_t sb_bytes(const layout_t *L) {
+    return header_bytes(L) + (int64_t)nscales(L) * GROUP * (1 + L->has_m) + (int64_t)(L->q / 32) * plane_bytes(L->bits);
+}
+static int64_t planes_offset(const layout_t *L) { return header_bytes(L) + (int64_t)nscales(L) * GROUP * (1 + L->has_m); }
+
+/* ------------------------------------------------------------------ fp16 / bf16 */
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (mant == 0) { bits = sign; }
+        else { /* subnormal: value = mant * 2^-24, exact in float */
+            float f = (float)mant * 5.9604644775390625e-08f;
+            memcpy(&bits, &f, 4);
+            bits |= sign;
+        }
+    } else if (exp == 31) { bits = sign | 0x7F800000u | (mant << 13); }
+    else { bits = sign | ((exp + 112) << 23) | (mant << 13); }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+static float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+/* ------------------------------------------------------------------ CPU features and path */
+
+static int vs_path = -1;
+static int vs_threads = 1;
+
+int vs_cpu_features(void) {
+    /* bit 0 avx2, 1 fma, 2 avx512f, 3 avx512bw, 4 avx512vl, 5 avx512vnni, 6 f16c */
+    int f = 0;
+#ifdef VS_X86
+    __builtin_cpu_init();
+    f |= __builtin_cpu_supports("avx2") ? 1 : 0;
+    f |= __builtin_cpu_supports("fma") ? 2 : 0;
+    f |= __builtin_cpu_supports("avx512f") ? 4 : 0;
+    f |= __builtin_cpu_supports("avx512bw") ? 8 : 0;
+    f |= __builtin_cpu_supports("avx512vl") ? 16 : 0;
+    f |= __builtin_cpu_supports("avx512vnni") ? 32 : 0;
+    f |= __builtin_cpu_supports("f16c") ? 64 : 0;
+#endif
+    return f;
+}
+
+static int path_supported(int path) {
+    int f = vs_cpu_features();
+    if (path == PATH_AVX512) return (f & 0x7E) == 0x7E;
+    if (path == PATH_AVX2) return (f & 0x43) == 0x43; /* avx2, fma, f16c */
+    return path == PATH_GENERIC;
+}
+
+static int best_path(void) {
+    return path_supported(PATH_AVX512) ? PATH_AVX512 : path_supported(PATH_AVX2) ? PATH_AVX2 : PATH_GENERIC;
+}
+
+int vs_get_path(void) {
+    if (vs_path < 0) vs_path = best_path();
+    return vs_path;
+}
+
+/* Force a path (tests compare them); returns the path in force (a path this CPU lacks is refused). */
+int vs_set_path(int path) {
+    vs_path = path_supported(path) ? path : PATH_GENERIC;
+    return vs_path;
+}
+
+void vs_set_threads(int n) { vs_threads = n > 0 ? n : 1; }
+
+/* ------------------------------------------------------------------ repacking */
+
+static void scale_min_k4(int j, const uint8_t *q, int8_t *sc, int8_t *m) {
+    if (j < 4) { *sc = q[j] & 63; *m = q[j + 4] & 63; }
+    else { *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+}
+
+static uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* One GGUF block -> unsigned values q[Q], scales, mins, d and (stored) dmin as fp16 bits. */
+static void decode_block(int type, const uint8_t *b, uint8_t *q, int8_t *sc, int8_t *m, uint16_t *d, uint16_t *dmin) {
+    *d = 0;
+    *dmin = 0;
+    switch (type) {
+        case T_Q4_0:
+            *d = rd16(b);
+            for (int l = 0; l < 16; l++) { q[l] = b[2 + l] & 0xF; q[l + 16] = b[2 + l] >> 4; }
+            break;
+        case T_Q4_1:
+            *d = rd16(b);
+            *dmin = rd16(b + 2) ^ 0x8000; /* dmin = -min: the sign flip is exact */
+            for (int l = 0; l < 16; l++) { q[l] = b[4 + l] & 0xF; q[l + 16] = b[4 + l] >> 4; }
+            break;
+        case T_Q8_0:
+            *d = rd16(b);
+            for (int l = 0; l < 32; l++) q[l] = (uint8_t)((int)(int8_t)b[2 + l] + 128);
+            break;
+        case T_Q4_K: {
+            *d = rd16(b); *dmin = rd16(b + 2);
+            const uint8_t *scales = b + 4, *qs = b + 16;
+            for (int j = 0; j < 8; j++) scale_min_k4(j, scales, &sc[j], &m[j]);
+            for (int c = 0; c < 4; c++)
+                for (int l = 0; l < 32; l++) { q[64 * c + l] = qs[32 * c + l] & 0xF; q[64 * c + 32 + l] = qs[32 * c + l] >> 4; }
+            break;
+        }
+        case T_Q5_K: {
+            *d = rd16(b); *dmin = rd16(b + 2);
+            const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + 48;
+            for (int j = 0; j < 8; j++) scale_min_k4(j, scales, &sc[j], &m[j]);
+            for (int c = 0; c < 4; c++) {
+                uint8_t u1 = (uint8_t)(1u << (2 * c)), u2 = (uint8_t)(2u << (2 * c));
+                for (int l = 0; l < 32; l++) {
+                    q[64 * c + l] = (qs[32 * c + l] & 0xF) + ((qh[l] & u1) ? 16 : 0);
+                    q[64 * c + 32 + l] = (qs[32 * c + l] >> 4) + ((qh[l] & u2) ? 16 : 0);
+                }
+            }
+            break;
+        }
+        case T_Q6_K: {
+            const uint8_t *ql = b, *qh = b + 128;
+            for (int j = 0; j < 16; j++) sc[j] = (int8_t)b[192 + j];
+            *d = rd16(b + 208);
+            for (int n = 0; n < 2; n++) {
+                const uint8_t *l4 = ql + 64 * n, *h2 = qh + 32 * n;
+                uint8_t *y = q + 128 * n;
+                for (int l = 0; l < 32; l++) {
+                    y[l] = (l4[l] & 0xF) | ((h2[l] & 3) << 4);
+                    y[l + 32] = (l4[l + 32] & 0xF) | (((h2[l] >> 2) & 3) << 4);
+                    y[l + 64] = (l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4);
+                    y[l + 96] = (l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4);
+                }
+            }
+            break;
+        }
+    }
+}
+
+/* Lane r of one sub-block's planes <- q[0..31] of row r. */
+static void write_planes(uint8_t *pl, int bits, int r, const uint8_t *q) {
+    for (int k = 0; k < 32; k++) {
+        int slot = k / 4, byte = 4 * r + (k % 4), v = q[k];
+        if (bits == 8) { pl[64 * slot + byte] = (uint8_t)v; continue; }
+        pl[64 * (slot % 4) + byte] |= (uint8_t)((v & 0xF) << (4 * (slot / 4)));
+        if (bits == 5) pl[256 + byte] |= (uint8_t)(((v >> 4) & 1) << slot);
+        if (bits == 6) pl[256 + 64 * (slot / 4) + byte] |= (uint8_t)(((v >> 4) & 3) << (2 * (slot % 4)));
+    }
+}
+
+int64_t vs_packed_bytes(int type, int64_t rows, int64_t cols) {
+    layout_t L;
+    if (get_layout(type, &L) || cols % L.q) return -1;
+    return (rows + GROUP - 1) / GROUP * (cols / L.q) * sb_bytes(&L);
+}
+
+/* GGUF rows (rows x cols weights, row-major blocks) -> the lane-interleaved layout. Rows past the
+ * last one (up to a multiple of 16) are zero. Returns 0, or -1 for an unknown type or shape. */
+int vs_repack(int type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
+    layout_t L;
+    if (get_layout(type, &L) || cols % L.q) return -1;
+    const int64_t nsb = cols / L.q, SB = sb_bytes(&L), ngroups = (rows + GROUP - 1) / GROUP;
+    const int64_t row_bytes = nsb * L.src_bytes;
+    const int nsc = nscales(&L);
+    memset(dst, 0, (size_t)(ngroups * nsb * SB));
+#pragma omp parallel for schedule(static) num_threads(vs_threads)
+    for (int64_t g = 0; g < ngroups; g++) {
+        uint8_t q[256];
+        int8_t sc[16], m[16];
+        uint16_t d, dmin;
+        for (int64_t s = 0; s < nsb; s++) {
+            uint8_t *sb = dst + (g * nsb + s) * SB;
+            for (int r = 0; r < GROUP; r++) {
+                int64_t row = g * GROUP + r;
+                if (row >= rows) break;
+                decode_block(type, src + row * row_bytes + s * L.src_bytes, q, sc, m, &d, &dmin);
+                memcpy(sb + 2 * r, &d, 2);
+                if (!L.dmin_kind) memcpy(sb + 32 + 2 * r, &dmin, 2);
+                for (int j = 0; j < nsc; j++) {
+                    ((int8_t *)sb)[header_bytes(&L) + j * GROUP + r] = sc[j];
+                    if (L.has_m) ((int8_t *)sb)[header_bytes(&L) + (nsc + j) * GROUP + r] = m[j];
+                }
+                for (int u = 0; u < L.q / 32; u++)
+                    write_planes(sb + planes_offset(&L) + u * plane_bytes(L.bits), L.bits, r, q + 32 * u);
+            }
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ reading the packed layout */
+
+static int unpack_value(const uint8_t *pl, int bits, int r, int k) {
+    int slot = k / 4, byte = 4 * r + (k % 4);
+    if (bits == 8) return pl[64 * slot + byte];
+    int v = (pl[64 * (slot % 4) + byte] >> (4 * (slot / 4))) & 0xF;
+    if (bits == 5) v |= ((pl[256 + byte] >> slot) & 1) << 4;
+    if (bits == 6) v |= ((pl[256 + 64 * (slot / 4) + byte] >> (2 * (slot % 4))) & 3) << 4;
+    return v;
+}
+
+static float sb_d(const uint8_t *sb, int r) { return half_to_float(rd16(sb + 2 * r)); }
+static float sb_dmin(const layout_t *L, const uint8_t *sb, int r) {
+    return L->dmin_kind ? sb_d(sb, r) * (float)L->dmin_kind : half_to_float(rd16(sb + 32 + 2 * r));
+}
+static int sb_sc(const layout_t *L, const uint8_t *sb, int j, int r) {
+    return L->scsub ? ((const int8_t *)sb)[header_bytes(L) + j * GROUP + r] : 1;
+}
+static int sb_m(const layout_t *L, const uint8_t *sb, int j, int r) {
+    if (!L->scsub) return 1;
+    return L->has_m ? ((const int8_t *)sb)[header_bytes(L) + (nscales(L) + j) * GROUP + r] : sb_sc(L, sb, j, r);
+}
+
+/* Rows of a packed weight back to float32: (d sc) q - dmin m (a row of the token embedding). */
+int vs_dequantize_rows(int type, const uint8_t *packed, int64_t rows, int64_t cols, const int64_t *ids, int64_t n, float *out) {
+    layout_t L;
+    if (get_layout(type, &L) || cols % L.q) return -1;
+    const int64_t nsb = cols / L.q, SB = sb_bytes(&L);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t row = ids[i];
+        if (row < 0 || row >= rows) return -2;
+        const uint8_t *grp = packed + (row / GROUP) * nsb * SB;
+        int r = (int)(row % GROUP);
+        for (int64_t s = 0; s < nsb; s++) {
+            const uint8_t *sb = grp + s * SB;
+            float d = sb_d(sb, r), dmin = sb_dmin(&L, sb, r);
+            for (int k = 0; k < L.q; k++) {
+                int j = L.scsub ? k / L.scsub : 0;
+                int v = unpack_value(sb + planes_offset(&L) + (k / 32) * plane_bytes(L.bits), L.bits, r, k % 32);
+                out[i * cols + s * L.q + k] = d * (float)sb_sc(&L, sb, j, r) * (float)v - dmin * (float)sb_m(&L, sb, j, r);
+            }
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ activations */
+
+/* x (n, k) float32 -> q (n, k) int8, d (n, k / block) float32, bsum (n, k / 16) int32. The arithmetic is
+ * the contract that verispec.models.gguf.reference.quantize_activations states. */
+void vs_quantize_rows(const float *x, int64_t n, int64_t k, int block, int8_t *q, float *d, int32_t *bsum) {
+#pragma omp parallel for schedule(static) num_threads(vs_threads) if (n * k > 65536)
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t b0 = 0; b0 < k; b0 += block) {
+            const float *xb = x + i * k + b0;
+            float amax = 0.0f;
+            for (int l = 0; l < block; l++) amax = fmaxf(amax, fabsf(xb[l]));
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            if (isinf(inv)) inv = 0.0f; /* amax below 127 / FLT_MAX: the block quantizes to zeros */
+            d[i * (k / block) + b0 / block] = amax / 127.0f;
+            for (int l = 0; l < block; l++) {
+                float v = nearbyintf(xb[l] * inv);
+                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+                q[i * k + b0 + l] = (int8_t)v;
+            }
+        }
+        for (int64_t j = 0; j < k / 16; j++) {
+            int32_t s = 0;
+            for (int l = 0; l < 16; l++) s += q[i * k + 16 * j + l];
+            bsum[i * (k / 16) + j] = s;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ quantized matmul: portable path */
+
+typedef struct {
+    const int8_t *q;     /* this token's activations (k) */
+    const float *d;      /* its scales (k / q) */
+    const int32_t *bsum; /* its sums over 16 (k / 16) */
+    float *out;          /* its 16 outputs of this group */
+} token_t;
+
+/* One group, any number of tokens: exactly the arithmetic of the SIMD path (integers exact; the float
+ * epilogue in the same fmaf order). */
+static void group_generic(const layout_t *L, const uint8_t *grp, int64_t nsb, const token_t *tok, int T) {
+    const int64_t SB = sb_bytes(L);
+    const int nsc = nscales(L);
+    for (int t = 0; t < T; t++) {
+        float acc[GROUP] = {0};
+        for (int64_t s = 0; s < nsb; s++) {
+            const uint8_t *sb = grp + s * SB;
+            int32_t isum[GROUP] = {0}, imin[GROUP] = {0};
+            for (int u = 0; u < L->q / 32; u++) {
+                const uint8_t *pl = sb + planes_offset(L) + u * plane_bytes(L->bits);
+                const int8_t *a = tok[t].q + s * L->q + 32 * u;
+                const int32_t *bs = tok[t].bsum + (s * L->q + 32 * u) / 16;
+                for (int r = 0; r < GROUP; r++) {
+                    int32_t dot[2] = {0, 0};
+                    for (int k = 0; k < 32; k++) dot[k / 16] += unpack_value(pl, L->bits, r, k) * (int32_t)a[k];
+                    if (L->scsub == 16) {
+                        for (int h = 0; h < 2; h++) {
+                            int sc = sb_sc(L, sb, 2 * u + h, r);
+                            isum[r] += sc * dot[h];
+                            imin[r] += sb_m(L, sb, 2 * u + h, r) * bs[h];
+                        }
+                    } else {
+                        int j = L->scsub ? u : 0;
+                        isum[r] += sb_sc(L, sb, j, r) * (dot[0] + dot[1]);
+                        imin[r] += sb_m(L, sb, j, r) * (bs[0] + bs[1]);
+                    }
+                }
+            }
+            (void)nsc;
+            float da = tok[t].d[s];
+            for (int r = 0; r < GROUP; r++) {
+                float dd = sb_d(sb, r) * da, dm = sb_dmin(L, sb, r) * da;
+                acc[r] = fmaf(dd, (float)isum[r], acc[r]);
+                acc[r] = fmaf(-dm, (float)imin[r], acc[r]);
+            }
+        }
+        memcpy(tok[t].out, acc, sizeof acc);
+    }
+}
+
+/* ------------------------------------------------------------------ quantized matmul: AVX-512 VNNI */
+#ifdef VS_X86
+#define VS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+#define VS_INLINE static inline __attribute__((always_inline))
+
+VS_INLINE VS_AVX512 void unpack8(const uint8_t *pl, const int bits, __m512i v[8]) {
+    if (bits == 8) {
+        for (int i = 0; i < 8; i++) v[i] = _mm512_loadu_si512(pl + 64 * i);
+        return;
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int t = 0; t < 4; t++) {
+        __m512i p = _mm512_loadu_si512(pl + 64 * t);
+        v[t] = _mm512_and_si512(p, m4);
+        v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+    }
+    if (bits == 5) {
+        const __m512i one = _mm512_set1_epi8(1);
+        __m512i h = _mm512_loadu_si512(pl + 256);
+        for (int i = 0; i < 8; i++)
+            v[i] = _mm512_or_si512(v[i], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, i), one), 4));
+    } else if (bits == 6) {
+        const __m512i three = _mm512_set1_epi8(3);
+        __m512i h0 = _mm512_loadu_si512(pl + 256), h1 = _mm512_loadu_si512(pl + 320);
+        for (int i = 0; i < 8; i++) {
+            __m512i h = i < 4 ? h0 : h1;
+            v[i] = _mm512_or_si512(v[i], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * (i % 4)), three), 4));
+        }
+    }
+}
+
+VS_INLINE VS_AVX512 __m512i dot_slots(const __m512i v[8], const int8_t *a, int first, int count) {
+    __m512i p = _mm512_setzero_si512();
+    for (int i = first; i < first + count; i++) {
+        int32_t a4;
+        memcpy(&a4, a + 4 * i, 4);
+        p = _mm512_dpbusd_epi32(p, v[i], _mm512_set1_epi32(a4));
+    }
+    return p;
+}
+
+VS_INLINE VS_AVX512 __m512i load_i8x16(const uint8_t *p) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* One group, a tile of T <= 4 tokens; each token's operations do not depend on T. */
+VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const uint8_t *grp, int64_t nsb, const token_t *tok) {
+    layout_t L;
+    get_layout(type, &L);
+    const int64_t SB = sb_bytes(&L), poff = planes_offset(&L);
+    const int hdr = header_bytes(&L), nsc = nscales(&L), pb = plane_bytes(L.bits);
+    __m512 acc[TILE];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *sb = grp + s * SB;
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+        __m512 dmin = L.dmin_kind ? _mm512_mul_ps(d, _mm512_set1_ps((float)L.dmin_kind))
+                                  : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
+        __m512i isum[TILE], imin[TILE];
+        for (int t = 0; t < T; t++) { isum[t] = _mm512_setzero_si512(); imin[t] = _mm512_setzero_si512(); }
+        for (int u = 0; u < L.q / 32; u++) {
+            __m512i v[8];
+            unpack8(sb + poff + u * pb, L.bits, v);
+            if (L.scsub == 32) {
+                __m512i sc = load_i8x16(sb + hdr + u * GROUP), m = load_i8x16(sb + hdr + (nsc + u) * GROUP);
+                for (int t = 0; t < T; t++) {
+                    const int8_t *a = tok[t].q + s * L.q + 32 * u;
+                    const int32_t *bs = tok[t].bsum + (s * L.q + 32 * u) / 16;
+                    __m512i p = dot_slots(v, a, 0, 8);
+                    isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sc, p));
+                    imin[t] = _mm512_add_epi32(imin[t], _mm512_mullo_epi32(m, _mm512_set1_epi32(bs[0] + bs[1])));
+                }
+            } else if (L.scsub == 16) {
+                __m512i sc0 = load_i8x16(sb + hdr + (2 * u) * GROUP), sc1 = load_i8x16(sb + hdr + (2 * u + 1) * GROUP);
+                for (int t = 0; t < T; t++) {
+                    const int8_t *a = tok[t].q + s * L.q + 32 * u;
+                    const int32_t *bs = tok[t].bsum + (s * L.q + 32 * u) / 16;
+                    __m512i p0 = dot_slots(v, a, 0, 4), p1 = dot_slots(v, a, 4, 4);
+                    isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sc0, p0));
+                    isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sc1, p1));
+                    imin[t] = _mm512_add_epi32(imin[t], _mm512_mullo_epi32(sc0, _mm512_set1_epi32(bs[0])));
+                    imin[t] = _mm512_add_epi32(imin[t], _mm512_mullo_epi32(sc1, _mm512_set1_epi32(bs[1])));
+                }
+            } else {
+                for (int t = 0; t < T; t++) {
+                    const int8_t *a = tok[t].q + s * L.q;
+                    const int32_t *bs = tok[t].bsum + (s * L.q) / 16;
+                    isum[t] = dot_slots(v, a, 0, 8);
+                    imin[t] = _mm512_set1_epi32(bs[0] + bs[1]);
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            __m512 da = _mm512_set1_ps(tok[t].d[s]);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[t]), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(imin[t]), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(tok[t].out, acc[t]);
+}
+
+#define VS_TILES(TYPE)                                                   \
+    switch (T) {                                                         \
+        case 1: group_tile_avx512(TYPE, 1, grp, nsb, tok); break;         \
+        case 2: group_tile_avx512(TYPE, 2, grp, nsb, tok); break;         \
+        case 3: group_tile_avx512(TYPE, 3, grp, nsb, tok); break;         \
+        default: group_tile_avx512(TYPE, 4, grp, nsb, tok); break;        \
+    }
+
+static VS_AVX512 void group_avx512(int type, const uint8_t *grp, int64_t nsb, const token_t *tok, int T) {
+    switch (type) {
+        case T_Q4_0: VS_TILES(T_Q4_0); break;
+        case T_Q4_1: VS_TILES(T_Q4_1); break;
+        case T_Q8_0: VS_TILES(T_Q8_0); break;
+        case T_Q4_K: VS_TILES(T_Q4_K); break;
+        case T_Q5_K: VS_TILES(T_Q5_K); break;
+        case T_Q6_K: VS_TILES(T_Q6_K); break;
+    }
+}
+
+/* ------------------------------------------------------------------ quantized matmul: AVX2 */
+/* The same lanes as the AVX-512 path, 8 rows (half a group) at a time in 256-bit registers. There is no
+ * vpdpbusd: vpmaddubsw (u8 x s8 pairs to s16) then vpmaddwd by 1 (pairs to s32) computes the same 4-byte
+ * dot per lane, exactly while a pair's sum fits 16 bits (values < 64: 63 * 127 * 2 < 32767). Q8_0's 8-bit
+ * values are split into nibbles, dot = 16 dot(high) + dot(low). Integer sums are exact and the float
+ * epilogue is the same fma sequence, so the results are the AVX-512 path's bits. */
+#define VS_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+VS_INLINE VS_AVX2 void unpack8_avx2(const uint8_t *pl, const int bits, const int o, __m256i v[8]) {
+    if (bits == 8) {
+        for (int i = 0; i < 8; i++) v[i] = _mm256_loadu_si256((const __m256i *)(pl + 64 * i + o));
+        return;
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int t = 0; t < 4; t++) {
+        __m256i p = _mm256_loadu_si256((const __m256i *)(pl + 64 * t + o));
+        v[t] = _mm256_and_si256(p, m4);
+        v[t + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+    }
+    if (bits == 5) {
+        const __m256i one = _mm256_set1_epi8(1);
+        __m256i h = _mm256_loadu_si256((const __m256i *)(pl + 256 + o));
+        for (int i = 0; i < 8; i++)
+            v[i] = _mm256_or_si256(v[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, i), one), 4));
+    } else if (bits == 6) {
+        const __m256i three = _mm256_set1_epi8(3);
+        __m256i h0 = _mm256_loadu_si256((const __m256i *)(pl + 256 + o));
+        __m256i h1 = _mm256_loadu_si256((const __m256i *)(pl + 320 + o));
+        for (int i = 0; i < 8; i++) {
+            __m256i h = i < 4 ? h0 : h1;
+            v[i] = _mm256_or_si256(v[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * (i % 4)), three), 4));
+        }
+    }
+}
+
+VS_INLINE VS_AVX2 __m256i dot4_avx2(__m256i w, __m256i a) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+}
+
+VS_INLINE VS_AVX2 __m256i dot_slots_avx2(const __m256i v[8], const int8_t *a, int first, int count, const int bits) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i p = _mm256_setzero_si256();
+    for (int i = first; i < first + count; i++) {
+        int32_t a4;
+        memcpy(&a4, a + 4 * i, 4);
+        __m256i av = _mm256_set1_epi32(a4);
+        if (bits == 8) {
+            p = _mm256_add_epi32(p, dot4_avx2(_mm256_and_si256(v[i], m4), av));
+            p = _mm256_add_epi32(p, _mm256_slli_epi32(dot4_avx2(_mm256_and_si256(_mm256_srli_epi16(v[i], 4), m4), av), 4));
+        } else {
+            p = _mm256_add_epi32(p, dot4_avx2(v[i], av));
+        }
+    }
+    return p;
+}
+
+VS_INLINE VS_AVX2 __m256i load_i8x8(const uint8_t *p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+/* Rows 8 half .. 8 half + 7 of one group, a tile of T <= 4 tokens. */
+VS_INLINE VS_AVX2 void half_tile_avx2(const int type, const int T, const uint8_t *grp, int64_t nsb, const token_t *tok,
+                                      const int half) {
+    layout_t L;
+    get_layout(type, &L);
+    const int64_t SB = sb_bytes(&L), poff = planes_offset(&L);
+    const int hdr = header_bytes(&L), nsc = nscales(&L), pb = plane_bytes(L.bits), r0 = 8 * half;
+    __m256 acc[TILE];
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *sb = grp + s * SB;
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 2 * r0)));
+        __m256 dmin = L.dmin_kind ? _mm256_mul_ps(d, _mm256_set1_ps((float)L.dmin_kind))
+                                  : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 32 + 2 * r0)));
+        __m256i isum[TILE], imin[TILE];
+        for (int t = 0; t < T; t++) { isum[t] = _mm256_setzero_si256(); imin[t] = _mm256_setzero_si256(); }
+        for (int u = 0; u < L.q / 32; u++) {
+            __m256i v[8];
+            unpack8_avx2(sb + poff + u * pb, L.bits, 4 * r0, v);
+            if (L.scsub == 32) {
+                __m256i sc = load_i8x8(sb + hdr + u * GROUP + r0), m = load_i8x8(sb + hdr + (nsc + u) * GROUP + r0);
+                for (int t = 0; t < T; t++) {
+                    const int8_t *a = tok[t].q + s * L.q + 32 * u;
+                    const int32_t *bs = tok[t].bsum + (s * L.q + 32 * u) / 16;
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc, dot_slots_avx2(v, a, 0, 8, L.bits)));
+                    imin[t] = _mm256_add_epi32(imin[t], _mm256_mullo_epi32(m, _mm256_set1_epi32(bs[0] + bs[1])));
+                }
+            } else if (L.scsub == 16) {
+                __m256i sc0 = load_i8x8(sb + hdr + (2 * u) * GROUP + r0), sc1 = load_i8x8(sb + hdr + (2 * u + 1) * GROUP + r0);
+                for (int t = 0; t < T; t++) {
+                    const int8_t *a = tok[t].q + s * L.q + 32 * u;
+                    const int32_t *bs = tok[t].bsum + (s * L.q + 32 * u) / 16;
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc0, dot_slots_avx2(v, a, 0, 4, L.bits)));
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc1, dot_slots_avx2(v, a, 4, 4, L.bits)));
+                    imin[t] = _mm256_add_epi32(imin[t], _mm256_mullo_epi32(sc0, _mm256_set1_epi32(bs[0])));
+                    imin[t] = _mm256_add_epi32(imin[t], _mm256_mullo_epi32(sc1, _mm256_set1_epi32(bs[1])));
+                }
+            } else {
+                for (int t = 0; t < T; t++) {
+                    const int32_t *bs = tok[t].bsum + (s * L.q) / 16;
+                    isum[t] = dot_slots_avx2(v, tok[t].q + s * L.q, 0, 8, L.bits);
+                    imin[t] = _mm256_set1_epi32(bs[0] + bs[1]);
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            __m256 da = _mm256_set1_ps(tok[t].d[s]);
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+            acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(imin[t]), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) _mm256_storeu_ps(tok[t].out + r0, acc[t]);
+}
+
+#define VS_HALF_TILES(TYPE)                                                               \
+    for (int half = 0; half < 2; half++) switch (T) {                                     \
+            case 1: half_tile_avx2(TYPE, 1, grp, nsb, tok, half); break;                  \
+            case 2: half_tile_avx2(TYPE, 2, grp, nsb, tok, half); break;                  \
+            case 3: half_tile_avx2(TYPE, 3, grp, nsb, tok, half); break;                  \
+            default: half_tile_avx2(TYPE, 4, grp, nsb, tok, half); break;                 \
+        }
+
+static VS_AVX2 void group_avx2(int type, const uint8_t *grp, int64_t nsb, const token_t *tok, int T) {
+    switch (type) {
+        case T_Q4_0: VS_HALF_TILES(T_Q4_0); break;
+        case T_Q4_1: VS_HALF_TILES(T_Q4_1); break;
+        case T_Q8_0: VS_HALF_TILES(T_Q8_0); break;
+        case T_Q4_K: VS_HALF_TILES(T_Q4_K); break;
+        case T_Q5_K: VS_HALF_TILES(T_Q5_K); break;
+        case T_Q6_K: VS_HALF_TILES(T_Q6_K); break;
+    }
+}
+#endif
+
+/* out (n, rows) = x (n, cols) W^T with x given quantized (vs_quantize_rows with block = the type's Q). */
+int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64_t n, const int8_t *q, const float *d,
+              const int32_t *bsum, float *out) {
+    layout_t L;
+    if (get_layout(type, &L) || cols % L.q) return -1;
+    const int64_t nsb = cols / L.q, SB = sb_bytes(&L), ngroups = (rows + GROUP - 1) / GROUP;
+    const int path = vs_get_path();
+#pragma omp parallel num_threads(vs_threads)
+    {
+        token_t tok[TILE];
+        float spill[TILE][GROUP];
+        /* dynamic: a thread the OS parks for a while leaves its groups to the others (a group's result
+         * does not depend on which thread computes it) */
+#pragma omp for schedule(dynamic, 8)
+        for (int64_t g = 0; g < ngroups; g++) {
+            const uint8_t *grp = packed + g * nsb * SB;
+            int full = (g + 1) * GROUP <= rows;
+            for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+                int T = (int)(n - t0 < TILE ? n - t0 : TILE);
+                for (int t = 0; t < T; t++) {
+                    int64_t i = t0 + t;
+                    tok[t] = (token_t){q + i * cols, d + i * (cols / L.q), bsum + i * (cols / 16),
+                                       full ? out + i * rows + g * GROUP : spill[t]};
+                }
+#ifdef VS_X86
+                if (path == PATH_AVX512) group_avx512(type, grp, nsb, tok, T);
+                else if (path == PATH_AVX2) group_avx2(type, grp, nsb, tok, T);
+                else
+#endif
+                    group_generic(&L, grp, nsb, tok, T);
+                if (!full)
+                    for (int t = 0; t < T; t++)
+                        memcpy(out + (t0 + t) * rows + g * GROUP, spill[t], sizeof(float) * (size_t)(rows - g * GROUP));
+            }
+        }
+    }
+    (void)path;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ float helpers (one fixed order) */
+
+/* sum_i a[i] b[i] in 16 lanes (lane l takes i = l mod 16), then a fixed halving tree. */
+__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+static float dot16(const float *a, const float *b, int64_t n) {
+    float lane[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) lane[l] = fmaf(a[i + l], b[i + l], lane[l]);
+    for (int l = 0; i + l < n; l++) lane[l] = fmaf(a[i + l], b[i + l], lane[l]);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] += lane[l + w];
+    return lane[0];
+}
+
+static void to_float_row(int type, const uint8_t *src, int64_t cols, float *dst) {
+    if (type == T_F32) memcpy(dst, src, sizeof(float) * (size_t)cols);
+    else if (type == T_F16) for (int64_t k = 0; k < cols; k++) dst[k] = half_to_float(rd16(src + 2 * k));
+    else for (int64_t k = 0; k < cols; k++) dst[k] = bf16_to_float(rd16(src + 2 * k));
+}
+
+/* out (n, rows) = x (n, cols) W^T for float weights (F32 / F16 / BF16, GGUF's row-major layout). */
+int vs_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t n, const float *x, float *out) {
+    if (type != T_F32 && type != T_F16 && type != T_BF16) return -1;
+    const int64_t row_bytes = cols * (type == T_F32 ? 4 : 2);
+#pragma omp parallel num_threads(vs_threads)
+    {
+        float *row = malloc(sizeof(float) * (size_t)cols);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            to_float_row(type, w + r * row_bytes, cols, row);
+            for (int64_t i = 0; i < n; i++) out[i * rows + r] = dot16(row, x + i * cols, cols);
+        }
+        free(row);
+    }
+    return 0;
+}
+
+int vs_float_rows(int type, const uint8_t *w, int64_t rows, int64_t cols, const int64_t *ids, int64_t n, float *out) {
+    const int64_t row_bytes = cols * (type == T_F32 ? 4 : 2);
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= rows) return -2;
+        to_float_row(type, w + ids[i] * row_bytes, cols, out + i * cols);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ per-row ops */
+
+/* out = x / sqrt(mean(x^2) + eps) * w, row by row. */
+void vs_rmsnorm(const float *x, int64_t n, int64_t e, const float *w, float eps, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *xi = x + i * e;
+        float mean = dot16(xi, xi, e) / (float)e;
+        float scale = 1.0f / sqrtf(mean + eps);
+        for (int64_t k = 0; k < e; k++) out[i * e + k] = (xi[k] * scale) * w[k];
+    }
+}
+
+/* RoPE's cos / sin per position: table (n, dim/2, 2) for pair j at pos[i]: angle = pos * theta^(-2j/dim),
+ * computed in double once per pass (every layer, q and k use it). */
+void vs_rope_table(const int64_t *pos, int64_t n, int dim, double theta, float *table) {
+    for (int64_t i = 0; i < n; i++)
+        for (int j = 0; j < dim / 2; j++) {
+            double angle = (double)pos[i] * pow(theta, -2.0 * j / dim);
+            table[(i * (dim / 2) + j) * 2] = (float)cos(angle);
+            table[(i * (dim / 2) + j) * 2 + 1] = (float)sin(angle);
+        }
+}
+
+/* Rotary embedding in place on x (n, heads, dim) with a vs_rope_table: pairs (2j, 2j+1) ("norm", Llama
+ * GGUFs, whose Q and K rows llama.cpp's converter permuted) or (j, j + dim/2) ("neox", Qwen2). */
+void vs_rope(float *x, int64_t n, int heads, int dim, const float *table, int neox) {
+    const int half = dim / 2;
+    for (int64_t i = 0; i < n; i++) {
+        const float *cs = table + i * half * 2;
+        for (int h = 0; h < heads; h++) {
+            float *v = x + (i * heads + h) * dim;
+            for (int j = 0; j < half; j++) {
+                int a = neox ? j : 2 * j, b = neox ? j + half : 2 * j + 1;
+                float c = cs[2 * j], sn = cs[2 * j + 1], x0 = v[a], x1 = v[b];
+                v[a] = x0 * c - x1 * sn;
+                v[b] = x0 * sn + x1 * c;
+            }
+        }
+    }
+}
+
+/* o += s * v (elementwise fmaf: the same bits scalar or vectorized). */
+__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+static void axpy(float *o, float s, const float *v, int64_t n) {
+    for (int64_t k = 0; k < n; k++) o[k] = fmaf(s, v[k], o[k]);
+}
+
+/* out = silu(g) * u, elementwise. */
+void vs_silu_mul(const float *g, const float *u, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* Attention of n queries over their rows' caches.
+ * q (n, hq, dim); for query i: keys at kbase[i] + c * stride (c a cache column; a column holds hkv * dim
+ * floats), values likewise at vbase[i]; it attends to columns 0 .. prefix[i]-1, then to the columns
+ * extra[extra_off[i] .. extra_off[i+1]-1] (increasing). out (n, hq, dim).
+ * Scores, softmax and the weighted sum run over the attended columns in order: a query's result is the
+ * same whatever other queries the call has, and a tree node's equals the chain's over the same entries. */
+void vs_attention(const float *q, int64_t n, int hq, int hkv, int dim, float scale, const int64_t *kbase, const int64_t *vbase,
+                  int64_t stride, const int32_t *prefix, const int32_t *extra_off, const int32_t *extra, float *out) {
+    int64_t most = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t c = prefix[i] + extra_off[i + 1] - extra_off[i];
+        most = c > most ? c : most;
+    }
+    const int group = hq / hkv;
+#pragma omp parallel num_threads(vs_threads) if (n * hq > 1)
+    {
+        float *score = malloc(sizeof(float) * (size_t)(most + 1));
+        int32_t *cols = malloc(sizeof(int32_t) * (size_t)(most + 1));
+#pragma omp for schedule(static)
+        for (int64_t ih = 0; ih < n * hq; ih++) {
+            int64_t i = ih / hq;
+            int h = (int)(ih % hq), kvh = h / group;
+            const float *qi = q + ih * dim;
+            const float *K = (const float *)(intptr_t)kbase[i], *V = (const float *)(intptr_t)vbase[i];
+            int64_t m = 0;
+            for (int32_t c = 0; c < prefix[i]; c++) cols[m++] = c;
+            for (int32_t e = extra_off[i]; e < extra_off[i + 1]; e++) cols[m++] = extra[e];
+            float top = -INFINITY;
+            for (int64_t j = 0; j < m; j++) {
+                score[j] = dot16(qi, K + cols[j] * stride + kvh * dim, dim) * scale;
+                top = score[j] > top ? score[j] : top;
+            }
+            float total = 0.0f;
+            for (int64_t j = 0; j < m; j++) { score[j] = expf(score[j] - top); total += score[j]; }
+            float *o = out + ih * dim;
+            for (int k = 0; k < dim; k++) o[k] = 0.0f;
+            for (int64_t j = 0; j < m; j++) {
+                const float *vj = V + cols[j] * stride + kvh * dim;
+                axpy(o, score[j], vj, dim);
+            }
+            for (int k = 0; k < dim; k++) o[k] = o[k] / total;
+        }
+        free(score);
+        free(cols);
+    }
+}

@@ -1,0 +1,75 @@
+"""The C kernels (csrc/kernels.c, compiled by the package's install) through ctypes.
+
+Arrays cross as numpy arrays (C-contiguous, the dtypes named); nothing here copies. The SIMD path is
+chosen once by the library (AVX-512 with VNNI where the CPU has it, else AVX2, else portable C); all three
+compute the same bits. `set_path` forces one, for tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import numpy as np
+
+from verispec.errors import VerispecError
+
+PATHS = {0: "portable", 1: "avx512-vnni", 2: "avx2"}
+_P, _I, _I64, _F, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_double
+_SIGNATURES = {
+    "vs_cpu_features": ([], _I),
+    "vs_get_path": ([], _I),
+    "vs_set_path": ([_I], _I),
+    "vs_set_threads": ([_I], None),
+    "vs_packed_bytes": ([_I, _I64, _I64], _I64),
+    "vs_repack": ([_I, _P, _I64, _I64, _P], _I),
+    "vs_dequantize_rows": ([_I, _P, _I64, _I64, _P, _I64, _P], _I),
+    "vs_quantize_rows": ([_P, _I64, _I64, _I, _P, _P, _P], None),
+    "vs_matmul": ([_I, _P, _I64, _I64, _I64, _P, _P, _P, _P], _I),
+    "vs_matmul_float": ([_I, _P, _I64, _I64, _I64, _P, _P], _I),
+    "vs_float_rows": ([_I, _P, _I64, _I64, _P, _I64, _P], _I),
+    "vs_rmsnorm": ([_P, _I64, _I64, _P, _F, _P], None),
+    "vs_rope_table": ([_P, _I64, _I, _D, _P], None),
+    "vs_rope": ([_P, _I64, _I, _I, _P, _I], None),
+    "vs_silu_mul": ([_P, _P, _I64, _P], None),
+    "vs_attention": ([_P, _I64, _I, _I, _I, _F, _P, _P, _I64, _P, _P, _P, _P], None),
+}
+
+
+@lru_cache(maxsize=1)
+def lib() -> ctypes.CDLL:
+    """The loaded library, its functions typed. A missing build is one clear error."""
+    try:
+        from verispec.models.gguf import _native
+    except ImportError:
+        raise VerispecError("verispec's C kernels are not built in this installation: reinstall it with "
+                            "`pip install -e .` (needs gcc), or use --backend torch") from None
+    so = ctypes.CDLL(_native.__file__)
+    for name, (args, result) in _SIGNATURES.items():
+        fn = getattr(so, name)
+        fn.argtypes, fn.restype = args, result
+    return so
+
+
+def ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def cpu_features() -> dict[str, bool]:
+    bits = lib().vs_cpu_features()
+    names = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512vnni", "f16c")
+    return {name: bool(bits >> i & 1) for i, name in enumerate(names)}
+
+
+def path() -> str:
+    return PATHS[lib().vs_get_path()]
+
+
+def set_path(name: str) -> str:
+    """Force 'portable', 'avx2' or 'avx512-vnni' (one the CPU lacks falls back to portable); returns the one in force."""
+    code = {v: k for k, v in PATHS.items()}[name]
+    return PATHS[lib().vs_set_path(code)]
+
+
+def set_threads(n: int) -> None:
+    lib().vs_set_threads(int(n))

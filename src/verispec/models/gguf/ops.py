@@ -1,0 +1,131 @@
+"""Weights and the forward's ops over numpy float32 arrays, each one C kernel call (see csrc/kernels.c).
+
+`Weight` holds one matmul weight: a quantized GGUF tensor repacked once into the kernels' lane-interleaved
+layout (about the size it has in the file), or a float tensor as stored. `Activations` quantizes an input
+once per activation block size and lets every weight that reads it (q, k and v; gate and up) share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from verispec.errors import VerispecError
+from verispec.models.gguf.native import lib, ptr
+from verispec.models.gguf.reference import SUPPORTED, activation_block, block_shape
+
+FLOAT_TYPES = frozenset({0, 1, 30})  # F32, F16, BF16
+
+
+def type_name(qtype: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"#{qtype}"
+
+
+@dataclass
+class Activations:
+    """x (N, K) float32, with its int8 quantization per block size, made on first use."""
+
+    x: np.ndarray
+    quantized: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    def quantize(self, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """-> q (N, K) int8, d (N, K / block) float32, bsum (N, K / 16) int32."""
+        if block not in self.quantized:
+            n, k = self.x.shape
+            q = np.empty((n, k), np.int8)
+            d = np.empty((n, k // block), np.float32)
+            bsum = np.empty((n, k // 16), np.int32)
+            lib().vs_quantize_rows(ptr(self.x), n, k, block, ptr(q), ptr(d), ptr(bsum))
+            self.quantized[block] = (q, d, bsum)
+        return self.quantized[block]
+
+
+@dataclass
+class Weight:
+    """A (rows, cols) matmul weight. data: the packed bytes (quantized types) or the raw rows (float types)."""
+
+    name: str
+    qtype: int
+    rows: int
+    cols: int
+    data: np.ndarray
+
+    @classmethod
+    def from_raw(cls, name: str, qtype: int, raw: np.ndarray, rows: int, cols: int) -> "Weight":
+        """raw: the tensor's bytes as stored in the GGUF file (any shape, uint8 or the float dtype)."""
+        if qtype not in SUPPORTED:
+            raise VerispecError(f"tensor '{name}' has GGUF type {type_name(qtype)}, which verispec's CPU runner "
+                                f"does not support (supported: {', '.join(sorted(type_name(t) for t in SUPPORTED))})")
+        raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+        per_block, block_bytes = block_shape(qtype)
+        if cols % per_block or raw.size != rows * cols // per_block * block_bytes:
+            raise VerispecError(f"tensor '{name}' ({type_name(qtype)}, {rows} x {cols}) holds {raw.size} bytes, "
+                                f"not {rows * cols // per_block * block_bytes}: the file is damaged or truncated")
+        if qtype in FLOAT_TYPES:
+            return cls(name, qtype, rows, cols, raw)
+        size = lib().vs_packed_bytes(qtype, rows, cols)
+        packed = np.empty(size, np.uint8)
+        if lib().vs_repack(qtype, ptr(raw), rows, cols, ptr(packed)) != 0:
+            raise VerispecError(f"tensor '{name}' could not be repacked ({type_name(qtype)}, {rows} x {cols})")
+        return cls(name, qtype, rows, cols, packed)
+
+    @property
+    def block(self) -> int:
+        return activation_block(self.qtype)
+
+    def __call__(self, x: Activations) -> np.ndarray:
+        """x (N, cols) -> (N, rows) float32."""
+        n = x.x.shape[0]
+        out = np.empty((n, self.rows), np.float32)
+        if self.qtype in FLOAT_TYPES:
+            status = lib().vs_matmul_float(self.qtype, ptr(self.data), self.rows, self.cols, n, ptr(x.x), ptr(out))
+        else:
+            q, d, bsum = x.quantize(self.block)
+            status = lib().vs_matmul(self.qtype, ptr(self.data), self.rows, self.cols, n, ptr(q), ptr(d), ptr(bsum), ptr(out))
+        if status != 0:
+            raise VerispecError(f"matmul with '{self.name}' failed (status {status})")
+        return out
+
+    def take_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows ids (n,) int64 as float32 (n, cols): an embedding lookup."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = np.empty((ids.size, self.cols), np.float32)
+        if self.qtype in FLOAT_TYPES:
+            status = lib().vs_float_rows(self.qtype, ptr(self.data), self.rows, self.cols, ptr(ids), ids.size, ptr(out))
+        else:
+            status = lib().vs_dequantize_rows(self.qtype, ptr(self.data), self.rows, self.cols, ptr(ids), ids.size, ptr(out))
+        if status != 0:
+            raise VerispecError(f"token id out of range 0..{self.rows - 1} for '{self.name}'")
+        return out
+
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x (N, E) -> (N, E)."""
+    out = np.empty_like(x)
+    lib().vs_rmsnorm(ptr(x), x.shape[0], x.shape[1], ptr(weight), eps, ptr(out))
+    return out
+
+
+def rope_table(positions: np.ndarray, dim: int, theta: float) -> np.ndarray:
+    """positions (N,) int64 -> (N, D/2, 2) float32 cos, sin of each pair's angle."""
+    table = np.empty((positions.size, dim // 2, 2), np.float32)
+    lib().vs_rope_table(ptr(positions), positions.size, dim, theta, ptr(table))
+    return table
+
+
+def rope(x: np.ndarray, heads: int, table: np.ndarray, neox: bool) -> None:
+    """In place on x (N, H D), read as (N, H, D), with a rope_table of its positions."""
+    lib().vs_rope(ptr(x), x.shape[0], heads, x.shape[1] // heads, ptr(table), int(neox))
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """(N, F), (N, F) -> silu(gate) * up (N, F)."""
+    out = np.empty_like(gate)
+    lib().vs_silu_mul(ptr(gate), ptr(up), gate.size, ptr(out))
+    return out

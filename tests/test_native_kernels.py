@@ -1,0 +1,192 @@
+"""The C kernels against the pure-torch reference (verispec.models.gguf.reference), per type and shape;
+the SIMD and portable paths against each other, bit for bit; every kernel's batch invariance."""
+
+import numpy as np
+import pytest
+import torch
+
+from tiny_gguf import ALL_TYPES, QUANTIZED, T, random_raw
+from verispec.errors import VerispecError
+from verispec.models.gguf import native, reference
+from verispec.models.gguf.ops import Activations, Weight, rmsnorm, rope, rope_table, silu_mul
+from verispec.models.gguf.native import lib, ptr
+
+BEST = native.path()
+PATHS = [p for p in ("portable", "avx2", "avx512-vnni") if native.set_path(p) == p]
+native.set_path(BEST)
+
+
+@pytest.fixture(autouse=True)
+def best_path_afterwards():
+    yield
+    native.set_path(BEST)
+
+
+def make(qtype, rows, cols, seed=0):
+    raw = random_raw(np.random.default_rng(seed), qtype, rows, cols)
+    return raw, Weight.from_raw("w", int(qtype), raw, rows, cols)
+
+
+def raw_rows(raw: np.ndarray, rows: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,cols,n", [(16, 256, 1), (40, 512, 7), (300, 768, 5)])
+def test_matmul_equals_the_reference_up_to_float32_summation_order(qtype, rows, cols, n):
+    raw, weight = make(qtype, rows, cols)
+    x = np.random.default_rng(1).standard_normal((n, cols)).astype(np.float32)
+    expected = reference.reference_matmul(raw_rows(raw, rows), qtype, cols, torch.from_numpy(x)).numpy()  # (n, rows)
+    for path in PATHS:
+        native.set_path(path)
+        out = weight(Activations(x))
+        assert out.shape == (n, rows)
+        np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6 * np.abs(expected).max(), err_msg=path)
+
+
+@pytest.mark.skipif(len(PATHS) < 2, reason="this CPU has no SIMD path to compare")
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_simd_and_portable_paths_give_the_same_bits(qtype):
+    raw, weight = make(qtype, 48, 512, seed=2)
+    x = np.random.default_rng(3).standard_normal((6, 512)).astype(np.float32)
+    outs = []
+    for path in PATHS:
+        assert native.set_path(path) == path
+        outs.append(weight(Activations(x)))
+    for other in outs[1:]:
+        assert np.array_equal(outs[0], other)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_a_tokens_matmul_row_is_the_same_bits_in_any_batch(qtype):
+    raw, weight = make(qtype, 40, 512, seed=4)
+    x = np.random.default_rng(5).standard_normal((9, 512)).astype(np.float32)
+    for path in PATHS:
+        native.set_path(path)
+        alone = np.concatenate([weight(Activations(x[i : i + 1].copy())) for i in range(9)])
+        for n in (2, 3, 4, 5, 8, 9):  # tiles of 4 tokens: full, partial and several
+            assert np.array_equal(weight(Activations(x[:n].copy())), alone[:n]), (path, n)
+
+
+def test_thread_count_does_not_change_the_bits():
+    raw, weight = make(T.Q4_K, 160, 512, seed=6)
+    x = np.random.default_rng(7).standard_normal((5, 512)).astype(np.float32)
+    native.set_threads(1)
+    one = weight(Activations(x))
+    native.set_threads(2)
+    two = weight(Activations(x))
+    assert np.array_equal(one, two)
+
+
+@pytest.mark.parametrize("block", [32, 256])
+def test_activation_quantization_is_the_reference_bit_for_bit(block):
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((5, 512)) * rng.uniform(0.01, 100, size=(5, 1))).astype(np.float32)
+    x[2, :block] = 0.0  # an all-zero block
+    x[3, :block] = 1e-39  # 127 / amax overflows: zeros, not NaN
+    q, d, bsum = Activations(x).quantize(block)
+    q_ref, d_ref = reference.quantize_activations(torch.from_numpy(x), block)
+    assert np.array_equal(q, q_ref.numpy()) and np.array_equal(d, d_ref.numpy())
+    assert np.array_equal(bsum, q.reshape(5, -1, 16).astype(np.int32).sum(-1))
+    assert not q[3, :block].any()
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_embedding_rows_equal_the_reference_dequantization(qtype):
+    raw, weight = make(qtype, 40, 512, seed=9)
+    ids = np.array([0, 17, 39, 17])
+    expected = reference.dequantize(raw_rows(raw, 40), qtype, 512)[torch.from_numpy(ids)].numpy()
+    np.testing.assert_allclose(weight.take_rows(ids), expected, rtol=1e-6, atol=1e-9)
+    with pytest.raises(VerispecError, match="out of range"):
+        weight.take_rows(np.array([40]))
+
+
+def test_an_unsupported_type_or_a_truncated_tensor_is_one_clear_error():
+    rng = np.random.default_rng(0)
+    with pytest.raises(VerispecError, match=r"blk\.3\.ffn_up\.weight.*Q2_K.*supported: "):
+        Weight.from_raw("blk.3.ffn_up.weight", int(T.Q2_K), rng.integers(0, 255, (16, 84), dtype=np.uint8), 16, 256)
+    raw = random_raw(rng, T.Q4_K, 16, 256)
+    with pytest.raises(VerispecError, match="damaged or truncated"):
+        Weight.from_raw("token_embd.weight", int(T.Q4_K), raw[:-1], 16, 256)
+
+
+def torch_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, neox: bool) -> torch.Tensor:
+    """x (N, H, D): the rotation as transformers writes it (halves), or on adjacent pairs."""
+    d = x.shape[-1]
+    freqs = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # (D/2,)
+    angle = positions.double()[:, None] * freqs[None]  # (N, D/2)
+    cos, sin = angle.cos().float()[:, None], angle.sin().float()[:, None]  # (N, 1, D/2)
+    a, b = (x[..., : d // 2], x[..., d // 2 :]) if neox else (x[..., 0::2], x[..., 1::2])
+    ra, rb = a * cos - b * sin, a * sin + b * cos
+    return torch.cat([ra, rb], -1) if neox else torch.stack([ra, rb], -1).flatten(-2)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_rope_equals_the_torch_rotation(neox):
+    x = torch.randn(6, 3 * 64)
+    positions = torch.tensor([0, 1, 7, 100, 1000, 4095])
+    mine = x.numpy().copy()
+    rope(mine, 3, rope_table(positions.numpy(), 64, 10000.0), neox)
+    expected = torch_rope(x.reshape(6, 3, 64), positions, 10000.0, neox).reshape(6, -1)
+    torch.testing.assert_close(torch.from_numpy(mine), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rmsnorm_and_swiglu_equal_torch_and_are_row_invariant():
+    x = torch.randn(5, 300)
+    w = torch.randn(300)
+    out = rmsnorm(x.numpy(), w.numpy(), 1e-6)
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(rmsnorm(x[2:3].numpy().copy(), w.numpy(), 1e-6)[0], out[2])
+    g, u = torch.randn(4, 64), torch.randn(4, 64)
+    torch.testing.assert_close(torch.from_numpy(silu_mul(g.numpy(), u.numpy())), torch.nn.functional.silu(g) * u)
+
+
+def attend(q, keys, values, prefix, extra):
+    """vs_attention on one cache for all queries. q (N, Hq, D); keys, values (L, Hkv, D)."""
+    n, hq, d = q.shape
+    hkv = keys.shape[1]
+    keys, values = np.ascontiguousarray(keys), np.ascontiguousarray(values)
+    q = np.ascontiguousarray(q)
+    kb = np.full(n, keys.ctypes.data, np.int64)
+    vb = np.full(n, values.ctypes.data, np.int64)
+    off = np.zeros(n + 1, np.int32)
+    off[1:] = np.cumsum([len(e) for e in extra])
+    flat = np.array([c for e in extra for c in e] or [0], np.int32)
+    pre = np.array(prefix, np.int32)
+    out = np.empty((n, hq * d), np.float32)
+    lib().vs_attention(ptr(q), n, hq, hkv, d, 1 / np.sqrt(d), ptr(kb), ptr(vb), hkv * d, ptr(pre), ptr(off), ptr(flat), ptr(out))
+    return out.reshape(n, hq, d)
+
+
+def test_attention_equals_torch_and_each_query_is_the_same_bits_alone():
+    rng = np.random.default_rng(10)
+    keys = rng.standard_normal((20, 2, 32)).astype(np.float32)  # (L, Hkv, D)
+    values = rng.standard_normal((20, 2, 32)).astype(np.float32)
+    q = rng.standard_normal((4, 6, 32)).astype(np.float32)  # (N, Hq, D): 3 query heads per key/value head
+    prefix, extra = [5, 12, 10, 10], [[], [], [13, 15], [12, 16, 19]]  # the last two: tree nodes
+    out = attend(q, keys, values, prefix, extra)
+    for i in range(4):
+        columns = list(range(prefix[i])) + extra[i]
+        k = torch.from_numpy(keys[columns]).repeat_interleave(3, dim=1)  # (C, Hq, D)
+        v = torch.from_numpy(values[columns]).repeat_interleave(3, dim=1)
+        weights = torch.softmax(torch.einsum("hd,chd->hc", torch.from_numpy(q[i]), k) / np.sqrt(32), -1)  # (Hq, C)
+        torch.testing.assert_close(torch.from_numpy(out[i]), torch.einsum("hc,chd->hd", weights, v), rtol=1e-5, atol=1e-5)
+        assert np.array_equal(attend(q[i : i + 1], keys, values, prefix[i : i + 1], extra[i : i + 1])[0], out[i])
+
+
+def test_a_tree_nodes_attention_equals_the_chains_over_the_same_entries_bit_for_bit():
+    rng = np.random.default_rng(11)
+    keys = rng.standard_normal((12, 1, 16)).astype(np.float32)
+    values = rng.standard_normal((12, 1, 16)).astype(np.float32)
+    chain_keys, chain_values = keys.copy(), values.copy()
+    chain_keys[8:10], chain_values[8:10] = keys[[9, 11]], values[[9, 11]]  # the node's path laid out as a chain
+    q = rng.standard_normal((1, 2, 16)).astype(np.float32)
+    node = attend(q, keys, values, [8], [[9, 11]])
+    chain = attend(q, chain_keys, chain_values, [10], [[]])
+    assert np.array_equal(node, chain)
+
+
+def test_every_supported_type_is_covered_here():
+    assert {int(t) for t in ALL_TYPES} == {int(t) for t in reference.SUPPORTED}
+    assert set(QUANTIZED) == set(reference.SUPPORTED) - {T.F32, T.F16, T.BF16}

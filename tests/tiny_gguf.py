@@ -1,0 +1,147 @@
+"""Tiny GGUF files with random weights, written with gguf's own writer, for the native runner's tests.
+
+Every matmul weight can take any supported type; quantized blocks are random bytes with sane fp16 scales
+(every bit pattern of the values is a valid block), so the kernels see all of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+T = GGMLQuantizationType
+QUANTIZED = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+ALL_TYPES = QUANTIZED + (T.F16, T.BF16, T.F32)
+# fp16 scale fields (byte offset in the block) of each quantized type
+SCALE_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def random_raw(rng: np.random.Generator, qtype, rows: int, cols: int, scale: float = 0.02) -> np.ndarray:
+    """A (rows, cols) tensor of this type as it is stored: (rows, bytes per row) uint8, or the float dtype."""
+    if qtype in (T.F32, T.F16):
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32 if qtype == T.F32 else np.float16)
+    if qtype == T.BF16:
+        values = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        return (values.view(np.uint32) >> 16).astype(np.uint16)
+    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // per_block, block_bytes), dtype=np.uint8)
+    unit = scale / (16 if qtype in (T.Q4_0, T.Q4_1) else 64 if qtype == T.Q8_0 else 256)
+    for offset in SCALE_FIELDS[qtype]:
+        halves = rng.uniform(0.25 * unit, unit, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int = 0, hidden: int = 256,
+                    heads: int = 4, kv_heads: int = 2, ffn: int = 512, vocab: int = 300, layers: int = 2,
+                    tied: bool = False, context: int = 512) -> Path:
+    """Write a random Llama / Qwen2 model; matmul weights take `types` in turn (cycled)."""
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    order = [types[i % len(types)] for i in range(8 * layers + 2)]
+    picks = iter(order)
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        qtype = next(picks)
+        raw = random_raw(rng, qtype, rows, cols)
+        if qtype == T.BF16:
+            raw = raw.view(np.uint8)  # gguf's writer takes a BF16 tensor as its bytes
+        writer.add_tensor(name, raw, raw_dtype=qtype if qtype in QUANTIZED or qtype == T.BF16 else None)
+
+    def vector(name: str, size: int, around: float = 1.0) -> None:
+        writer.add_tensor(name, (around + 0.1 * rng.standard_normal(size)).astype(np.float32))
+
+    head_dim = hidden // heads
+    matrix("token_embd.weight", vocab, hidden)
+    for i in range(layers):
+        p = f"blk.{i}."
+        vector(p + "attn_norm.weight", hidden)
+        matrix(p + "attn_q.weight", heads * head_dim, hidden)
+        matrix(p + "attn_k.weight", kv_heads * head_dim, hidden)
+        matrix(p + "attn_v.weight", kv_heads * head_dim, hidden)
+        if arch == "qwen2":
+            for name, size in (("attn_q.bias", heads * head_dim), ("attn_k.bias", kv_heads * head_dim),
+                               ("attn_v.bias", kv_heads * head_dim)):
+                vector(p + name, size, around=0.0)
+        matrix(p + "attn_output.weight", hidden, heads * head_dim)
+        vector(p + "ffn_norm.weight", hidden)
+        matrix(p + "ffn_gate.weight", ffn, hidden)
+        matrix(p + "ffn_up.weight", ffn, hidden)
+        matrix(p + "ffn_down.weight", hidden, ffn)
+    vector("output_norm.weight", hidden)
+    if not tied:
+        matrix("output.weight", vocab, hidden)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _permute_for_llama(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF's Q / K rows -> GGUF's (llama.cpp's converter does this): RoPE then pairs adjacent rows."""
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def gguf_from_hf(model, path: Path, qtype=T.F32) -> Path:
+    """Write a transformers Llama / Qwen2 model (tiny_model) as a GGUF with its matmul weights in `qtype`
+    (F32, F16, BF16, Q8_0, Q4_0 or Q4_1: the types gguf's numpy code can quantize)."""
+    from gguf import quants
+
+    config = model.config
+    arch = "llama" if config.model_type == "llama" else "qwen2"
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+
+    def matrix(name: str, w: np.ndarray) -> None:
+        if qtype == T.F32:
+            writer.add_tensor(name, w.astype(np.float32))
+        elif qtype == T.F16:
+            writer.add_tensor(name, w.astype(np.float16))
+        else:
+            writer.add_tensor(name, quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
+
+    matrix("token_embd.weight", state["model.embed_tokens.weight"])
+    for i in range(config.num_hidden_layers):
+        p, h = f"blk.{i}.", f"model.layers.{i}."
+        writer.add_tensor(p + "attn_norm.weight", state[h + "input_layernorm.weight"])
+        q, k = state[h + "self_attn.q_proj.weight"], state[h + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q, k = _permute_for_llama(q, config.num_attention_heads), _permute_for_llama(k, config.num_key_value_heads)
+        matrix(p + "attn_q.weight", q)
+        matrix(p + "attn_k.weight", k)
+        matrix(p + "attn_v.weight", state[h + "self_attn.v_proj.weight"])
+        if arch == "qwen2":
+            for name in ("q", "k", "v"):
+                writer.add_tensor(p + f"attn_{name}.bias", state[h + f"self_attn.{name}_proj.bias"])
+        matrix(p + "attn_output.weight", state[h + "self_attn.o_proj.weight"])
+        writer.add_tensor(p + "ffn_norm.weight", state[h + "post_attention_layernorm.weight"])
+        matrix(p + "ffn_gate.weight", state[h + "mlp.gate_proj.weight"])
+        matrix(p + "ffn_up.weight", state[h + "mlp.up_proj.weight"])
+        matrix(p + "ffn_down.weight", state[h + "mlp.down_proj.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    matrix("output.weight", state["lm_head.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
