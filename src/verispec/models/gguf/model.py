@@ -1,0 +1,176 @@
+"""A Llama / Qwen2 model read from a GGUF file: its configuration and its weights as kernel-ready `Weight`s.
+
+The file is memory-mapped (gguf's reader); each matmul weight is repacked once into the kernels' layout
+(about its size in the file; the mapped pages are only read), norms and biases stay float32 views. The
+token embedding is a weight too: a lookup dequantizes only the rows asked for.
+
+Architectures: `llama` (RoPE on adjacent pairs, as llama.cpp's converter permutes Q and K) and `qwen2`
+(RoPE on halves, biases on Q, K and V). Anything else, or RoPE scaling, is refused with one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from verispec.console import progress
+from verispec.errors import VerispecError
+from verispec.models.gguf.ops import FLOAT_TYPES, Weight
+
+ARCHITECTURES = {"llama": False, "qwen2": True}  # name -> RoPE on halves ("neox")
+
+
+@dataclass(frozen=True)
+class GGUFConfig:
+    """What the forward needs to know, read from the file's metadata."""
+
+    architecture: str
+    layers: int
+    hidden: int  # embedding length E
+    heads: int  # query heads Hq
+    kv_heads: int  # key/value heads Hkv (grouped-query attention: Hq / Hkv queries share one)
+    head_dim: int  # D
+    ffn: int  # feed-forward width F
+    vocab: int  # V
+    context: int  # trained context length
+    rope_theta: float
+    rms_eps: float
+    neox: bool  # RoPE pairs (i, i + D/2) instead of (2i, 2i + 1)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass
+class Layer:
+    attn_norm: np.ndarray  # (E,)
+    q: Weight  # (Hq D, E)
+    k: Weight  # (Hkv D, E)
+    v: Weight  # (Hkv D, E)
+    q_bias: np.ndarray | None  # (Hq D,)
+    k_bias: np.ndarray | None  # (Hkv D,)
+    v_bias: np.ndarray | None  # (Hkv D,)
+    out: Weight  # (E, Hq D)
+    ffn_norm: np.ndarray  # (E,)
+    gate: Weight  # (F, E)
+    up: Weight  # (F, E)
+    down: Weight  # (E, F)
+
+
+@dataclass
+class GGUFModel:
+    path: Path
+    config: GGUFConfig
+    embed: Weight  # (V, E)
+    layers: list[Layer]
+    norm: np.ndarray  # (E,)
+    head: Weight  # (V, E); the embedding itself where the file ties them
+
+    @property
+    def nbytes(self) -> int:
+        weights = [self.embed, self.head] + [w for layer in self.layers for w in (layer.q, layer.k, layer.v, layer.out,
+                                                                                 layer.gate, layer.up, layer.down)]
+        return sum({id(w): w.data.nbytes for w in weights}.values())
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+def read_config(reader, path: Path) -> GGUFConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise VerispecError(f"{path.name}: architecture '{arch}' is not supported by verispec's CPU runner "
+                            f"(supported: {', '.join(ARCHITECTURES)}); use --backend torch or llama.cpp")
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise VerispecError(f"{path.name}: RoPE scaling '{scaling}' is not supported by verispec's CPU runner")
+
+    def need(key: str):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise VerispecError(f"{path.name}: metadata '{arch}.{key}' is missing: not a complete {arch} GGUF")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    embed = _tensor(reader, "token_embd.weight", path)
+    return GGUFConfig(
+        architecture=arch, layers=int(need("block_count")), hidden=hidden, heads=heads,
+        kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
+        ffn=int(need("feed_forward_length")), vocab=int(embed.shape[1]), context=int(need("context_length")),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_eps=float(need("attention.layer_norm_rms_epsilon")), neox=ARCHITECTURES[arch],
+    )
+
+
+def _tensor(reader, name: str, path: Path, required: bool = True):
+    for tensor in reader.tensors:
+        if tensor.name == name:
+            return tensor
+    if required:
+        raise VerispecError(f"{path.name}: tensor '{name}' is missing")
+    return None
+
+
+def _weight(reader, name: str, path: Path, rows: int, cols: int) -> Weight:
+    tensor = _tensor(reader, name, path)
+    shape = [int(n) for n in tensor.shape]  # ggml order: (cols, rows)
+    if shape != [cols, rows]:
+        raise VerispecError(f"{path.name}: tensor '{name}' has shape {shape[::-1]}, expected [{rows}, {cols}]")
+    raw = tensor.data
+    if int(tensor.tensor_type) in FLOAT_TYPES:
+        raw = np.array(raw)  # float weights run as stored: a copy, so the file's mapping can close
+    return Weight.from_raw(name, int(tensor.tensor_type), raw, rows, cols)
+
+
+def _vector(reader, name: str, path: Path, size: int, required: bool = True) -> np.ndarray | None:
+    tensor = _tensor(reader, name, path, required)
+    if tensor is None:
+        return None
+    if int(tensor.tensor_type) != 0 or int(tensor.n_elements) != size:
+        raise VerispecError(f"{path.name}: tensor '{name}' should be {size} float32 values")
+    return np.array(tensor.data, dtype=np.float32).reshape(size)  # a copy: the file's mapping can close
+
+
+def load_gguf(path: Path, show_progress: bool = True) -> GGUFModel:
+    """Read and repack a GGUF model. Damaged files and unsupported content are one VerispecError."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as err:  # the reader raises whatever its parsing hits on a damaged file
+        raise VerispecError(f"{path}: not a readable GGUF file ({type(err).__name__}: {str(err)[:120]}); "
+                            "the file is damaged or truncated") from None
+    c = read_config(reader, path)
+    qkv = (c.heads * c.head_dim, c.kv_dim, c.kv_dim)
+    layers = []
+    with progress(f"repacking {path.name}", c.layers, enabled=show_progress) as advance:
+        for i in range(c.layers):
+            p = f"blk.{i}."
+            layers.append(Layer(
+                attn_norm=_vector(reader, p + "attn_norm.weight", path, c.hidden),
+                q=_weight(reader, p + "attn_q.weight", path, qkv[0], c.hidden),
+                k=_weight(reader, p + "attn_k.weight", path, qkv[1], c.hidden),
+                v=_weight(reader, p + "attn_v.weight", path, qkv[2], c.hidden),
+                q_bias=_vector(reader, p + "attn_q.bias", path, qkv[0], required=False),
+                k_bias=_vector(reader, p + "attn_k.bias", path, qkv[1], required=False),
+                v_bias=_vector(reader, p + "attn_v.bias", path, qkv[2], required=False),
+                out=_weight(reader, p + "attn_output.weight", path, c.hidden, qkv[0]),
+                ffn_norm=_vector(reader, p + "ffn_norm.weight", path, c.hidden),
+                gate=_weight(reader, p + "ffn_gate.weight", path, c.ffn, c.hidden),
+                up=_weight(reader, p + "ffn_up.weight", path, c.ffn, c.hidden),
+                down=_weight(reader, p + "ffn_down.weight", path, c.hidden, c.ffn),
+            ))
+            advance()
+    embed = _weight(reader, "token_embd.weight", path, c.vocab, c.hidden)
+    head = _weight(reader, "output.weight", path, c.vocab, c.hidden) if _tensor(reader, "output.weight", path, False) else embed
+    norm = _vector(reader, "output_norm.weight", path, c.hidden)
+    return GGUFModel(path, c, embed, layers, norm, head)

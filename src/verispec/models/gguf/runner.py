@@ -1,0 +1,300 @@
+"""The quantized CPU runner: `ModelRunner`'s interface (new_state / forward / rollback / forward_tree /
+commit_tree) over a `GGUFModel`, every op a C kernel.
+
+Caches. Each row (sequence) owns a static, position-indexed cache per layer, (capacity, Hkv D) float32
+for keys and for values, grown by doubling. Committed token c sits in column c, so rollback only moves
+the row's length (the rejected columns are overwritten by the next pass), and rows never pad each other.
+
+Trees. Between commits a row may hold speculative entries: slot s (numbered in the order added) sits in
+column base + s, base being the committed length, at position base + depth - 1. A node attends to columns
+0 .. base - 1, then its ancestors' columns and its own, in increasing order. A chain token at the same
+depth attends to the same keys and values in the same order, and the kernels compute each query alone
+in a fixed order, so a node's logits equal the chain's bit for bit. `commit_tree` copies the accepted
+path's entries to columns base, base + 1, ... and forgets the others.
+
+Batch invariance. Every op computes a token's row with the same arithmetic whatever else the pass holds
+(csrc/kernels.c says how): a token's logits are the same bits alone, in a wide verification pass, in a
+ragged batch or in a tree. The tests check it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from verispec.errors import VerispecError
+from verispec.models.gguf import ops
+from verispec.models.gguf.model import GGUFModel
+from verispec.models.gguf.native import lib, ptr, set_threads
+from verispec.models.runner import training_logits
+
+MAX_PASS_TOKENS = 4096  # tokens in one pass (all rows together): a longer prompt is read in chunks
+
+
+@dataclass
+class RowCache:
+    """One sequence: keys and values (layers, capacity, Hkv D), its committed length, its tree entries."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    length: int = 0
+    spec_parents: list[int] = field(default_factory=list)  # slot -> parent slot (-1: the last committed token)
+    spec_depths: list[int] = field(default_factory=list)  # slot -> depth (1: a child of the last committed token)
+
+    def reserve(self, columns: int) -> None:
+        capacity = self.keys.shape[1]
+        if columns <= capacity:
+            return
+        while capacity < columns:
+            capacity *= 2
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = np.empty((old.shape[0], capacity, old.shape[2]), np.float32)
+            new[:, : old.shape[1]] = old
+            setattr(self, name, new)
+
+
+@dataclass
+class NativeState:
+    """A batch's caches, one `RowCache` per row. lengths: (B,) long, committed tokens per row."""
+
+    runner: "NativeRunner"
+    rows: list[RowCache]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([row.length for row in self.rows], dtype=torch.long)
+
+    @property
+    def speculative(self) -> bool:
+        return any(row.spec_parents for row in self.rows)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these rows, in this order. rows: (B',) long."""
+        if self.speculative:
+            raise ValueError("select needs the tree entries committed first (commit_tree)")
+        self.rows = [self.rows[i] for i in rows.tolist()]
+
+    def extend(self, num_rows: int) -> None:
+        self.rows += [self.runner.new_row() for _ in range(num_rows)]
+
+
+@dataclass
+class _Query:
+    """One token of a pass: its row, id, position, cache column, and what it attends to."""
+
+    row: int
+    token: int
+    position: int
+    column: int
+    prefix: int  # attends to columns 0 .. prefix - 1
+    extra: list[int]  # then to these columns (increasing)
+
+
+class NativeRunner:
+    """verispec's quantized CPU runner over a GGUF model."""
+
+    def __init__(self, model: GGUFModel, threads: int | None = None, initial_capacity: int = 256,
+                 source: torch.nn.Module | None = None) -> None:
+        """source: the torch module a converted draft came from (`convert.model_from_torch`): online
+        adaptation trains it, and assigning `model` converts the new weights. None for a GGUF file."""
+        self._source = source
+        self.gguf = model
+        self.config = model.config
+        self.vocab_size = model.config.vocab
+        self.context_window = model.config.context
+        self.dtype = torch.float32
+        self.threads = threads or torch.get_num_threads()
+        self.initial_capacity = initial_capacity
+        set_threads(self.threads)
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        return self._source
+
+    @model.setter
+    def model(self, module: torch.nn.Module) -> None:  # online adaptation swaps in new weights
+        from verispec.models.gguf.convert import model_from_torch
+
+        self.gguf = model_from_torch(module, str(self.gguf.path), qtype=self.gguf.head.qtype)  # in the same format
+        self._source = module
+
+    def training_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor,
+                        cols: torch.Tensor) -> torch.Tensor:
+        """As `ModelRunner.training_logits`: the torch source model's logits, for online adaptation."""
+        return training_logits(model, input_ids, rows, cols)
+
+    def new_row(self) -> RowCache:
+        c = self.config
+        shape = (c.layers, self.initial_capacity, c.kv_dim)
+        return RowCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+
+    def new_state(self, batch_size: int) -> NativeState:
+        return NativeState(self, [self.new_row() for _ in range(batch_size)])
+
+    # ------------------------------------------------------------------ the interface
+
+    def forward(self, state: NativeState, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+        """Append each row's tokens; (B, M, V) logits at each row's last num_logits[b] positions,
+        M = max(1, max(num_logits)) (see `ModelRunner.forward`)."""
+        if state.speculative:
+            raise ValueError("forward needs the tree entries committed first (commit_tree)")
+        queries, wanted = [], []
+        for b, row_tokens in enumerate(tokens):
+            row = state.rows[b]
+            if num_logits[b] > len(row_tokens):
+                raise ValueError(f"row {b}: {num_logits[b]} logits asked for {len(row_tokens)} new tokens")
+            for j, token in enumerate(row_tokens):
+                column = row.length + j
+                queries.append(_Query(b, token, column, column, column + 1, []))
+                wanted.append(j >= len(row_tokens) - num_logits[b])
+        logits = self._run(state, queries, wanted, len(tokens), max(1, max(num_logits, default=0)))
+        for b, row_tokens in enumerate(tokens):
+            state.rows[b].length += len(row_tokens)
+        return logits
+
+    def rollback(self, state: NativeState, num_dropped: list[int]) -> None:
+        """Forget each row's last num_dropped[b] committed tokens: only the length moves."""
+        if state.speculative:
+            raise ValueError("rollback needs the tree entries committed first (commit_tree)")
+        for row, drop in zip(state.rows, num_dropped):
+            if drop > row.length:
+                raise ValueError("cannot roll back more tokens than a row holds")
+        for row, drop in zip(state.rows, num_dropped):
+            row.length -= drop
+
+    def forward_tree(self, state: NativeState, chains: list[list[int]], nodes: list[list[int]],
+                     parents: list[list[int]]) -> torch.Tensor:
+        """Committed tokens chains[b], then tree nodes nodes[b] with parent slots parents[b] (see
+        `ModelRunner.forward_tree`); (B, M, V) logits after the last chain token (if any) and each node."""
+        for b, row in enumerate(state.rows):  # check everything before the state changes
+            held = len(row.spec_parents)
+            if chains[b] and held:
+                raise ValueError("committed tokens cannot follow tree entries: commit_tree first")
+            if len(nodes[b]) != len(parents[b]):
+                raise ValueError(f"row {b}: {len(nodes[b])} tree nodes but {len(parents[b])} parents")
+            for j, parent in enumerate(parents[b]):
+                if not -1 <= parent < held + j:
+                    raise ValueError(f"row {b}: node {j} has parent slot {parent}, which does not exist yet")
+        queries, wanted, counts = [], [], []
+        for b, row in enumerate(state.rows):
+            chain, base = chains[b], row.length + len(chains[b])
+            for j, token in enumerate(chain):
+                column = row.length + j
+                queries.append(_Query(b, token, column, column, column + 1, []))
+                wanted.append(j == len(chain) - 1)
+            held = len(row.spec_parents)
+            for j, (token, parent) in enumerate(zip(nodes[b], parents[b])):
+                slot = held + j
+                row.spec_parents.append(parent)
+                row.spec_depths.append(1 if parent < 0 else row.spec_depths[parent] + 1)
+                path = []
+                while slot >= 0:
+                    path.append(base + slot)
+                    slot = row.spec_parents[slot]
+                queries.append(_Query(b, token, base + row.spec_depths[-1] - 1, base + held + j, base, path[::-1]))
+                wanted.append(True)
+            counts.append(sum(1 for q, w in zip(queries, wanted) if q.row == b and w))
+        logits = self._run(state, queries, wanted, len(chains), max(1, max(counts, default=0)))
+        for b, row in enumerate(state.rows):
+            row.length += len(chains[b])
+        return logits
+
+    def commit_tree(self, state: NativeState, paths: list[list[int]]) -> None:
+        """Keep each row's accepted path of tree slots (root first) as committed tokens; drop the rest."""
+        for b, (row, path) in enumerate(zip(state.rows, paths)):
+            if not row.spec_parents and path:
+                raise ValueError(f"row {b} holds no tree entries")
+            for i, slot in enumerate(path):
+                expected = -1 if i == 0 else path[i - 1]
+                if not 0 <= slot < len(row.spec_parents) or row.spec_parents[slot] != expected:
+                    raise ValueError(f"row {b}: slots {path} are not a path from the root")
+        for row, path in zip(state.rows, paths):
+            base = row.length
+            for i, slot in enumerate(path):  # sources lie at or right of their destinations: copy in order
+                if slot != i:
+                    row.keys[:, base + i] = row.keys[:, base + slot]
+                    row.values[:, base + i] = row.values[:, base + slot]
+            row.length += len(path)
+            row.spec_parents, row.spec_depths = [], []
+
+    # ------------------------------------------------------------------ one pass
+
+    def _check(self, state: NativeState, queries: list[_Query]) -> None:
+        bad = [q.token for q in queries if not 0 <= q.token < self.vocab_size]
+        if bad:
+            raise VerispecError(f"token id {bad[0]} is outside the model's vocabulary (0..{self.vocab_size - 1})")
+        for q in queries:
+            if q.position >= self.context_window:
+                raise VerispecError(f"position {q.position} is past the model's context window ({self.context_window})")
+
+    def _run(self, state: NativeState, queries: list[_Query], wanted: list[bool], batch: int, width: int) -> torch.Tensor:
+        """Evaluate the queries (in chunks of MAX_PASS_TOKENS) and return (batch, width, V) logits of the wanted ones."""
+        self._check(state, queries)
+        out = torch.zeros(batch, width, self.vocab_size)  # (B, M, V)
+        filled = [0] * batch
+        for start in range(0, len(queries), MAX_PASS_TOKENS):
+            chunk, keep = queries[start : start + MAX_PASS_TOKENS], wanted[start : start + MAX_PASS_TOKENS]
+            logits = self._pass(state, chunk, keep)  # (n_wanted, V)
+            for q, row_logits in zip([q for q, k in zip(chunk, keep) if k], logits):
+                out[q.row, filled[q.row]] = torch.from_numpy(row_logits)
+                filled[q.row] += 1
+        return out
+
+    def _pass(self, state: NativeState, queries: list[_Query], wanted: list[bool]) -> np.ndarray:
+        """One forward over these tokens: writes their keys and values, returns (n_wanted, V) float32 logits."""
+        c, model = self.config, self.gguf
+        n = len(queries)
+        if n == 0:
+            return np.zeros((0, self.vocab_size), np.float32)
+        for q in queries:
+            state.rows[q.row].reserve(q.column + 1)
+        ids = np.array([q.token for q in queries], np.int64)  # (N,)
+        positions = np.array([q.position for q in queries], np.int64)  # (N,)
+        rows = [state.rows[q.row] for q in queries]
+        prefix = np.array([q.prefix for q in queries], np.int32)  # (N,)
+        extra_off = np.zeros(n + 1, np.int32)  # (N + 1,)
+        extra_off[1:] = np.cumsum([len(q.extra) for q in queries])
+        extra = np.array([col for q in queries for col in q.extra] or [0], np.int32)
+        # Keys and values of a row's new tokens go to consecutive columns: (row, first query, count, first column).
+        runs: list[tuple[RowCache, int, int, int]] = []
+        for i, q in enumerate(queries):
+            if runs and runs[-1][0] is rows[i] and runs[-1][3] + runs[-1][2] == q.column:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1, runs[-1][3])
+            else:
+                runs.append((rows[i], i, 1, q.column))
+        key_base = np.array([r.keys.ctypes.data for r in rows], np.int64)  # (N,) addresses of layer 0
+        value_base = np.array([r.values.ctypes.data for r in rows], np.int64)
+        layer_bytes = np.array([r.keys.shape[1] * c.kv_dim * 4 for r in rows], np.int64)  # (N,)
+        scale = 1.0 / float(np.sqrt(c.head_dim))
+        angles = ops.rope_table(positions, c.head_dim, c.rope_theta)  # (N, D/2, 2)
+        x = model.embed.take_rows(ids)  # (N, E)
+        attn = np.empty((n, c.heads * c.head_dim), np.float32)  # (N, Hq D)
+        for i, layer in enumerate(model.layers):
+            a = ops.Activations(ops.rmsnorm(x, layer.attn_norm, c.rms_eps))
+            q, k, v = layer.q(a), layer.k(a), layer.v(a)  # (N, Hq D), (N, Hkv D), (N, Hkv D)
+            for t, bias in ((q, layer.q_bias), (k, layer.k_bias), (v, layer.v_bias)):
+                if bias is not None:
+                    t += bias
+            ops.rope(q, c.heads, angles, c.neox)
+            ops.rope(k, c.kv_heads, angles, c.neox)
+            for row, first, count, column in runs:
+                row.keys[i, column : column + count] = k[first : first + count]
+                row.values[i, column : column + count] = v[first : first + count]
+            keys, values = key_base + i * layer_bytes, value_base + i * layer_bytes  # (N,) this layer's addresses
+            lib().vs_attention(ptr(q), n, c.heads, c.kv_heads, c.head_dim, scale, ptr(keys), ptr(values), c.kv_dim,
+                               ptr(prefix), ptr(extra_off), ptr(extra), ptr(attn))
+            x = x + layer.out(ops.Activations(attn))
+            a = ops.Activations(ops.rmsnorm(x, layer.ffn_norm, c.rms_eps))
+            x = x + layer.down(ops.Activations(ops.silu_mul(layer.gate(a), layer.up(a))))
+        keep = np.flatnonzero(np.array(wanted))
+        if keep.size == 0:
+            return np.zeros((0, self.vocab_size), np.float32)
+        final = ops.rmsnorm(np.ascontiguousarray(x[keep]), model.norm, c.rms_eps)  # (M, E)
+        return model.head(ops.Activations(final))  # (M, V)
