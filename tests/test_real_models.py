@@ -1,8 +1,9 @@
 """Real weights (slow, opt-in: `pytest -m slow`; needs `bash scripts/setup.sh --models`).
 
-Greedy speculative decoding of the default Qwen pair on the default fast path (packed target,
-int8 draft) equals plain greedy decoding of the target as loaded, token for token, in float32,
-with both drafters; and Hugging Face `generate` agrees.
+Greedy speculative decoding of the default Qwen pair on the torch route (packed target, int8 draft)
+equals plain greedy decoding of the target as loaded, token for token, in float32, with both drafters;
+and Hugging Face `generate` agrees. On the native runner (the default for GGUF files), greedy speculative
+decoding with every drafter equals the runner's own plain decoding.
 """
 
 import pytest
@@ -23,8 +24,9 @@ N = 40
 @pytest.fixture(scope="module")
 def models():
     """The reference target as loaded, and the default fast path: packed target, int8 draft."""
-    return (load_model(DEFAULT_TARGET, "float32"), load_model(DEFAULT_TARGET, "float32", "packed"),
-            load_model(DEFAULT_DRAFT, "float32", "int8"))
+    return (load_model(DEFAULT_TARGET, "float32", backend="torch"),
+            load_model(DEFAULT_TARGET, "float32", "packed", backend="torch"),
+            load_model(DEFAULT_DRAFT, "float32", "int8", backend="torch"))
 
 
 def test_default_pair_greedy_equals_plain_decoding(models):
@@ -40,3 +42,16 @@ def test_default_pair_greedy_equals_plain_decoding(models):
             out = SpeculativeDecoder(fast_target, drafter).generate(prompt, greedy, SpecConfig(num_draft_tokens=4, max_new_tokens=N))
             assert out.token_ids == reference.token_ids
             assert out.stats.tokens_per_target_pass >= 1.0
+
+
+def test_default_pair_on_the_native_runner_greedy_equals_its_plain_decoding():
+    target, draft = load_model(DEFAULT_TARGET), load_model(DEFAULT_DRAFT)
+    assert target.backend == draft.backend == "native"
+    plain = SpeculativeDecoder(target, "none")
+    greedy = SamplingConfig(temperature=0)
+    for prompt in PROMPTS:
+        reference = plain.generate(prompt, greedy, SpecConfig(max_new_tokens=N))
+        for drafter in (draft, "ngram", "distilled"):
+            decoder = SpeculativeDecoder.load(DEFAULT_TARGET, "distilled") if drafter == "distilled" else SpeculativeDecoder(target, drafter)
+            out = decoder.generate(prompt, greedy, SpecConfig(num_draft_tokens=4, max_new_tokens=N))
+            assert out.token_ids == reference.token_ids

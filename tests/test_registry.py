@@ -87,12 +87,12 @@ def test_damaged_converted_copy_is_rebuilt(tmp_path, monkeypatch, capsys):
         (out / loading._COMPLETE).write_text("{}")
 
     monkeypatch.setattr(loading, "_convert_gguf", fake_convert)
-    first = loading.load_model(str(gguf))
+    first = loading.load_model(str(gguf), backend="torch")
     assert len(conversions) == 1
-    loading.load_model(str(gguf))
+    loading.load_model(str(gguf), backend="torch")
     assert len(conversions) == 1  # second load reads the cached copy
     weights = next(loading._converted_dir(gguf).glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:100])
-    again = loading.load_model(str(gguf))
+    again = loading.load_model(str(gguf), backend="torch")
     assert len(conversions) == 2 and "failed to load" in capsys.readouterr().err
     assert type(again.model) is type(first.model)

@@ -29,7 +29,9 @@ _COMPLETE = "verispec-converted.json"
 
 
 WEIGHT_FORMATS = ("dense", "packed", "int8")
-BACKENDS = ("torch", "llama.cpp")
+# auto: GGUF files and the named defaults run on verispec's own quantized CPU runner ("native"),
+# Hugging Face directories on torch.
+BACKENDS = ("auto", "native", "torch", "llama.cpp")
 # The decoding defaults, used by the API and the CLI alike.
 DEFAULT_DTYPE = "float32"
 DEFAULT_TARGET_WEIGHTS = "packed"
@@ -54,6 +56,7 @@ class LoadedModel:
     vocab: object | None = None  # a distilled draft's VocabMap (its vocabulary is a subset of the target's)
     lookup: object | None = None  # a draft's "lookup first" n-gram sizes (PromptLookupConfig; see DraftModelDrafter)
     context: int | None = None  # a draft reads only this many of a prompt's last tokens (see DraftModelDrafter)
+    gguf: object | None = None  # the GGUFModel of backend "native"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -66,6 +69,12 @@ class LoadedModel:
             from verispec.models.llamacpp import LlamaCppRunner
 
             return LlamaCppRunner(Path(self.source))
+        if self.backend == "native":
+            from verispec.models.gguf.runner import NativeRunner
+            from verispec.models.mapped import MappedVocabRunner
+
+            runner = NativeRunner(self.gguf, source=self.model)
+            return MappedVocabRunner(runner, self.vocab) if self.vocab is not None else runner
         from verispec.models.mapped import MappedVocabRunner
         from verispec.models.rowwise import RowwiseRunner
         from verispec.models.runner import ModelRunner
@@ -189,7 +198,12 @@ def load_distilled_draft(spec: str, target: LoadedModel, weights: str = "dense")
     lookup = manifest.get("draft_lookup")  # chosen on the draft's validation set when it was exported
     loaded = LoadedModel(spec, model, target.tokenizer, str(path), vocab=vocab,
                          lookup=PromptLookupConfig(**lookup) if lookup else None)
-    if weights == "int8" and quantize_linear_layers(model):
+    if weights == "int8" and target.backend == "native":
+        # beside a native target, the draft runs on the same kernels: its weights in Q8_0 (int8 blocks)
+        from verispec.models.gguf.convert import model_from_torch
+
+        loaded.gguf, loaded.backend, loaded.weights = model_from_torch(model, str(path)), "native", "q8_0"
+    elif weights == "int8" and quantize_linear_layers(model):
         loaded.weights = "int8"
     return loaded
 
@@ -207,8 +221,12 @@ def load_model(spec: str, dtype: str = DEFAULT_DTYPE, weights: str = "dense", ba
         raise VerispecError(f"unknown weight format '{weights}'; choose one of {', '.join(WEIGHT_FORMATS)}")
     if backend not in BACKENDS:
         raise VerispecError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        backend = "native" if resolve(spec)[0] == "gguf" else "torch"
     if backend == "llama.cpp":
         return _load_for_llamacpp(spec)
+    if backend == "native":
+        return _load_native(spec)
     loaded = _load(spec, dtype)
     if weights == "packed" and pack_linear_layers(loaded.model):
         loaded.weights = "packed"
@@ -252,6 +270,32 @@ def _load_for_llamacpp(spec: str) -> LoadedModel:
     if not llamacpp_available():
         raise VerispecError("the llama.cpp backend needs llama-cpp-python; see README, 'llama.cpp backend'")
     return LoadedModel(spec, None, load_tokenizer(spec), str(path), weights="gguf", backend="llama.cpp")
+
+
+def _load_native(spec: str) -> LoadedModel:
+    """A GGUF on verispec's quantized CPU runner: weights repacked from the memory-mapped file (seconds)."""
+    from verispec.models.gguf.model import load_gguf
+
+    kind, path = resolve(spec)
+    if kind != "gguf":
+        raise VerispecError(f"the native backend runs GGUF models, and '{spec}' is a Hugging Face directory "
+                            "(use --backend torch)")
+    _notice_kernel_path()
+    model = load_gguf(path)
+    return LoadedModel(spec, None, load_tokenizer(spec), str(path), weights="gguf", backend="native", gguf=model)
+
+
+def _notice_kernel_path() -> None:
+    """One line where the CPU lacks the fast kernels' instructions, naming the fallback in use."""
+    from verispec.models.gguf import native
+
+    path = native.path()
+    if path == "avx2":
+        notice("[yellow]this CPU has no AVX-512 VNNI: the native runner uses its AVX2 kernels (same results, "
+               "slower passes over several tokens)[/yellow]")
+    elif path == "portable":
+        notice("[yellow]this CPU has no AVX2: the native runner uses its portable C kernels (same results, several "
+               "times slower); --backend llama.cpp may be faster here[/yellow]")
 
 
 def _load(spec: str, dtype: str) -> LoadedModel:
