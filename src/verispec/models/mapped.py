@@ -11,26 +11,46 @@ from __future__ import annotations
 import torch
 
 from verispec.distill.model import VocabMap
-from verispec.models.runner import KVState, ModelRunner
+from verispec.models.runner import ModelRunner, training_logits
 
 
-class MappedVocabRunner(ModelRunner):
-    """`ModelRunner` over a reduced-vocabulary model; `vocab_size` is the target's."""
+class MappedVocabRunner:
+    """A runner over a reduced-vocabulary model, in target ids; `vocab_size` is the target's.
 
-    def __init__(self, model: torch.nn.Module, vocab: VocabMap, context_window: int | None = None) -> None:
-        super().__init__(model)
+    runner: the draft's own runner (a `ModelRunner`, or the native runner of a converted draft); a torch
+    module is wrapped in a `ModelRunner`."""
+
+    def __init__(self, runner, vocab: VocabMap, context_window: int | None = None) -> None:
+        self.runner = ModelRunner(runner) if isinstance(runner, torch.nn.Module) else runner
         self.vocab = vocab
         self.vocab_size = int(vocab.to_draft.numel())
-        if context_window:
-            self.context_window = context_window
+        self.context_window = context_window or self.runner.context_window
+        self.dtype = self.runner.dtype
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    @model.setter
+    def model(self, model) -> None:  # online adaptation swaps in new weights
+        self.runner.model = model
+
+    def new_state(self, batch_size: int):
+        return self.runner.new_state(batch_size)
+
+    def rollback(self, state, num_dropped: list[int]) -> None:
+        self.runner.rollback(state, num_dropped)
+
+    def commit_tree(self, state, paths: list[list[int]]) -> None:
+        self.runner.commit_tree(state, paths)
 
     def to_draft_ids(self, tokens: list[list[int]]) -> list[list[int]]:
         table = self.vocab.to_draft
         return [table[torch.as_tensor(row, dtype=torch.long)].tolist() if row else [] for row in tokens]
 
-    def forward(self, state: KVState, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+    def forward(self, state, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
         """As `ModelRunner.forward`, in target ids: returns (B, M, Vt) logits, -inf outside the draft vocabulary."""
-        logits = super().forward(state, self.to_draft_ids(tokens), num_logits)  # (B, M, Vd + 1)
+        logits = self.runner.forward(state, self.to_draft_ids(tokens), num_logits)  # (B, M, Vd + 1)
         return self.vocab.scatter(logits, self.vocab_size)  # (B, M, Vt)
 
     def training_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor,
@@ -39,13 +59,13 @@ class MappedVocabRunner(ModelRunner):
 
         Outside the draft vocabulary the logits are a large finite negative rather than -inf, so the
         forward KL stays finite; its gradient then moves q towards p renormalised on the draft vocabulary."""
-        logits = super().training_logits(model, self.vocab.to_draft[input_ids], rows, cols)  # (N, Vd + 1)
+        logits = training_logits(model, self.vocab.to_draft[input_ids], rows, cols)  # (N, Vd + 1)
         out = logits.new_full((logits.shape[0], self.vocab_size), -1e4)  # (N, Vt)
         out[:, self.vocab.to_target] = logits[:, : self.vocab.draft_vocab_size]
         return out
 
-    def forward_tree(self, state: KVState, chains: list[list[int]], nodes: list[list[int]],
+    def forward_tree(self, state, chains: list[list[int]], nodes: list[list[int]],
                      parents: list[list[int]]) -> torch.Tensor:
         """As `ModelRunner.forward_tree`, in target ids: (B, M, Vt) logits, -inf outside the draft vocabulary."""
-        logits = super().forward_tree(state, self.to_draft_ids(chains), self.to_draft_ids(nodes), parents)
+        logits = self.runner.forward_tree(state, self.to_draft_ids(chains), self.to_draft_ids(nodes), parents)
         return self.vocab.scatter(logits, self.vocab_size)  # (B, M, Vt)

@@ -294,20 +294,8 @@ class ModelRunner:
                         cols: torch.Tensor) -> torch.Tensor:
         """Next-token logits with gradients at chosen positions, for online adaptation of a draft
         (`verispec.drafters.draft_adapt`). `model` is a trainable copy of this runner's model.
-
-        A runner that maps its model's ids (e.g. a reduced draft vocabulary) overrides this together
-        with `forward`, so both return logits over the same ids.
-
-        Args:
-            input_ids: (B, T) long, right-padded (causal attention: padding never reaches a chosen position).
-            rows, cols: (N,) long each: logits are wanted after token cols[i] of row rows[i] (a row may
-                serve several positions: examples whose contexts are prefixes of one another share it).
-        Returns:
-            (N, V) float32 logits.
-        """
-        hidden = model.base_model(input_ids=input_ids).last_hidden_state  # (B, T, H)
-        picked = hidden[rows, cols]  # (N, H)
-        return model.get_output_embeddings()(picked).float()  # (N, V)
+        See `training_logits` below."""
+        return training_logits(model, input_ids, rows, cols)
 
     def rollback(self, state: KVState, num_dropped: list[int]) -> None:
         """Forget each row's last num_dropped[b] live tokens (e.g. rejected drafts)."""
@@ -330,6 +318,24 @@ class ModelRunner:
         if dead > 0:
             state.cache.crop(-dead)
             state.valid = state.valid[:, :new_len]
+
+
+def training_logits(model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Next-token logits with gradients at chosen positions of a transformers causal LM.
+
+    A runner that maps its model's ids (e.g. a reduced draft vocabulary) wraps this together with
+    `forward`, so both return logits over the same ids.
+
+    Args:
+        input_ids: (B, T) long, right-padded (causal attention: padding never reaches a chosen position).
+        rows, cols: (N,) long each: logits are wanted after token cols[i] of row rows[i] (a row may
+            serve several positions: examples whose contexts are prefixes of one another share it).
+    Returns:
+        (N, V) float32 logits.
+    """
+    hidden = model.base_model(input_ids=input_ids).last_hidden_state  # (B, T, H)
+    picked = hidden[rows, cols]  # (N, H)
+    return model.get_output_embeddings()(picked).float()  # (N, V)
 
 
 def _pad_rows(rows: list[list[int]], width: int) -> torch.Tensor:

@@ -1,0 +1,70 @@
+"""A transformers Llama / Qwen2 model as a `GGUFModel` in memory, its matmul weights quantized to Q8_0
+(gguf's own quantizer), so a small torch draft (the distilled draft) runs on the native kernels.
+
+Transformers' RoPE rotates halves, so the model runs with `neox` RoPE and no permutation of Q and K. The
+draft's numbers change only its speed and acceptance, never the output distribution.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from verispec.errors import VerispecError
+from verispec.models.gguf.model import GGUFConfig, GGUFModel, Layer
+from verispec.models.gguf.ops import Weight
+
+Q8_0 = 8
+
+
+def _weight(name: str, tensor: torch.Tensor, qtype: int) -> Weight:
+    from gguf import GGMLQuantizationType, quants
+
+    w = tensor.detach().float().numpy()  # (rows, cols)
+    rows, cols = w.shape
+    if qtype == 0:
+        return Weight.from_raw(name, 0, np.ascontiguousarray(w), rows, cols)
+    return Weight.from_raw(name, qtype, quants.quantize(w, GGMLQuantizationType(qtype)), rows, cols)
+
+
+def _vector(tensor: torch.Tensor | None) -> np.ndarray | None:
+    return None if tensor is None else tensor.detach().float().numpy().copy()
+
+
+def model_from_torch(model: torch.nn.Module, source: str = "", qtype: int = Q8_0) -> GGUFModel:
+    """model: a transformers LlamaForCausalLM / Qwen2ForCausalLM. qtype: Q8_0 (8) or F32 (0)."""
+    config = model.config
+    if config.model_type not in ("llama", "qwen2"):
+        raise VerispecError(f"the native runner takes Llama / Qwen2 drafts, not '{config.model_type}'")
+    if qtype and (config.hidden_size % 32 or config.intermediate_size % 32):
+        raise VerispecError("Q8_0 weights need hidden and feed-forward sizes that are multiples of 32")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    theta = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    c = GGUFConfig(
+        architecture=config.model_type, layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
+        kv_heads=config.num_key_value_heads, head_dim=head_dim, ffn=config.intermediate_size,
+        vocab=int(model.get_output_embeddings().weight.shape[0]), context=config.max_position_embeddings,
+        rope_theta=float(theta), rms_eps=float(config.rms_norm_eps), neox=True,
+    )
+    base = model.model
+    layers = []
+    for i, block in enumerate(base.layers):
+        attn, mlp = block.self_attn, block.mlp
+        p = f"blk.{i}."
+        layers.append(Layer(
+            attn_norm=_vector(block.input_layernorm.weight),
+            q=_weight(p + "attn_q", attn.q_proj.weight, qtype), k=_weight(p + "attn_k", attn.k_proj.weight, qtype),
+            v=_weight(p + "attn_v", attn.v_proj.weight, qtype),
+            q_bias=_vector(attn.q_proj.bias), k_bias=_vector(attn.k_proj.bias), v_bias=_vector(attn.v_proj.bias),
+            out=_weight(p + "attn_output", attn.o_proj.weight, qtype), ffn_norm=_vector(block.post_attention_layernorm.weight),
+            gate=_weight(p + "ffn_gate", mlp.gate_proj.weight, qtype), up=_weight(p + "ffn_up", mlp.up_proj.weight, qtype),
+            down=_weight(p + "ffn_down", mlp.down_proj.weight, qtype),
+        ))
+    head_tensor = model.get_output_embeddings().weight
+    embed = _weight("token_embd", base.embed_tokens.weight, qtype)
+    tied = head_tensor.data_ptr() == base.embed_tokens.weight.data_ptr()
+    head = embed if tied else _weight("output", head_tensor, qtype)
+    return GGUFModel(Path(source), c, embed, layers, _vector(base.norm.weight), head)
