@@ -247,3 +247,21 @@ def test_a_reduced_vocabulary_draft_on_the_kernels_stays_greedy_equal_and_adapts
         adapter.adapt_now()
     assert draft.model is not model  # trained weights were converted and swapped in
     assert max(rates[1:]) > rates[0], rates
+
+
+def test_the_lean_gguf_reader_agrees_with_ggufs_own(mixed):
+    from gguf import GGUFReader
+
+    from verispec.models.gguf.gguf_file import GGUFFile
+
+    ours, theirs = GGUFFile(mixed.gguf.path), GGUFReader(str(mixed.gguf.path))
+    assert set(ours.tensors) == {t.name for t in theirs.tensors}
+    for tensor in theirs.tensors:
+        info = ours.tensors[tensor.name]
+        assert info.qtype == int(tensor.tensor_type) and list(info.shape) == [int(n) for n in tensor.shape]
+        assert np.array_equal(ours.read(tensor.name), np.asarray(tensor.data).view(np.uint8).reshape(-1))
+    for key, field in theirs.fields.items():
+        if key.startswith("GGUF."):  # the reader's own entries (version, counts), not metadata
+            continue
+        value = field.contents()
+        assert ours.fields[key] == (len(value) if isinstance(value, list) else value), key

@@ -114,9 +114,9 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 def gguf_bytes_per_token(path: str) -> int:
     """Bytes of quantized weights one llama.cpp decoding step reads from a GGUF file: every tensor once,
     except the token embedding (one row per token)."""
-    from gguf import GGUFReader
+    from verispec.models.gguf.gguf_file import GGUFFile
 
-    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name != "token_embd.weight")
+    return sum(t.nbytes for t in GGUFFile(Path(path)).tensors.values() if t.name != "token_embd.weight")
 
 
 def _peer_ks(config: BenchConfig, name: str) -> list[tuple[str, int]]:

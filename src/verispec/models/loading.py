@@ -254,9 +254,33 @@ def load_tokenizer(spec: str):
         converted = _converted_dir(path)
         if (converted / _COMPLETE).is_file():
             return AutoTokenizer.from_pretrained(str(converted))
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        saved = _tokenizer_dir(path)
+        if (saved / _COMPLETE).is_file():
+            return AutoTokenizer.from_pretrained(str(saved))
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (ValueError, OSError, KeyError) as err:
         raise VerispecError(f"cannot load the tokenizer of '{spec}': {err}") from None
+    _save_tokenizer(tokenizer, saved)
+    return tokenizer
+
+
+def _tokenizer_dir(gguf: Path) -> Path:
+    """Where a GGUF's tokenizer is kept once transformers has built it (10 s for the Qwen vocabulary)."""
+    return cache_dir() / "tokenizers" / _converted_dir(gguf).name
+
+
+def _save_tokenizer(tokenizer, out: Path) -> None:
+    """Save through a temporary directory, so a reader never sees half a tokenizer; a failure only costs speed."""
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / _COMPLETE).write_text("{}")
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    except OSError as err:
+        notice(f"[yellow]could not cache the tokenizer at {out}: {err}[/yellow]")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_for_llamacpp(spec: str) -> LoadedModel:

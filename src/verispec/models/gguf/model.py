@@ -1,8 +1,8 @@
 """A Llama / Qwen2 model read from a GGUF file: its configuration and its weights as kernel-ready `Weight`s.
 
-The file is memory-mapped (gguf's reader); each matmul weight is repacked once into the kernels' layout
-(about its size in the file; the mapped pages are only read), norms and biases stay float32 views. The
-token embedding is a weight too: a lookup dequantizes only the rows asked for.
+The file is read tensor by tensor (`gguf_file.GGUFFile`); each matmul weight is repacked once into the
+kernels' layout (about its size in the file) and its source buffer dropped, norms and biases become
+float32 arrays. The token embedding is a weight too: a lookup dequantizes only the rows asked for.
 
 Architectures: `llama` (RoPE on adjacent pairs, as llama.cpp's converter permutes Q and K) and `qwen2`
 (RoPE on halves, biases on Q, K and V). Anything else, or RoPE scaling, is refused with one line.
@@ -13,11 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import struct
+
 import numpy as np
+import torch
 
 from verispec.console import progress
 from verispec.errors import VerispecError
-from verispec.models.gguf.ops import FLOAT_TYPES, Weight
+from verispec.models.gguf.gguf_file import GGUFFile, TensorInfo
+from verispec.models.gguf.native import set_threads
+from verispec.models.gguf.ops import Weight
 
 ARCHITECTURES = {"llama": False, "qwen2": True}  # name -> RoPE on halves ("neox")
 
@@ -76,15 +81,11 @@ class GGUFModel:
         return sum({id(w): w.data.nbytes for w in weights}.values())
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
-def read_config(reader, path: Path) -> GGUFConfig:
+def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise VerispecError(f"{path.name}: architecture '{arch}' is not supported by verispec's CPU runner "
@@ -111,44 +112,37 @@ def read_config(reader, path: Path) -> GGUFConfig:
     )
 
 
-def _tensor(reader, name: str, path: Path, required: bool = True):
-    for tensor in reader.tensors:
-        if tensor.name == name:
-            return tensor
-    if required:
+def _tensor(reader: GGUFFile, name: str, path: Path, required: bool = True) -> TensorInfo | None:
+    tensor = reader.tensors.get(name)
+    if tensor is None and required:
         raise VerispecError(f"{path.name}: tensor '{name}' is missing")
-    return None
+    return tensor
 
 
-def _weight(reader, name: str, path: Path, rows: int, cols: int) -> Weight:
+def _weight(reader: GGUFFile, name: str, path: Path, rows: int, cols: int) -> Weight:
     tensor = _tensor(reader, name, path)
-    shape = [int(n) for n in tensor.shape]  # ggml order: (cols, rows)
-    if shape != [cols, rows]:
-        raise VerispecError(f"{path.name}: tensor '{name}' has shape {shape[::-1]}, expected [{rows}, {cols}]")
-    raw = tensor.data
-    if int(tensor.tensor_type) in FLOAT_TYPES:
-        raw = np.array(raw)  # float weights run as stored: a copy, so the file's mapping can close
-    return Weight.from_raw(name, int(tensor.tensor_type), raw, rows, cols)
+    if list(tensor.shape) != [cols, rows]:  # ggml order: (cols, rows)
+        raise VerispecError(f"{path.name}: tensor '{name}' has shape {list(tensor.shape[::-1])}, expected [{rows}, {cols}]")
+    return Weight.from_raw(name, tensor.qtype, reader.read(name), rows, cols)
 
 
-def _vector(reader, name: str, path: Path, size: int, required: bool = True) -> np.ndarray | None:
+def _vector(reader: GGUFFile, name: str, path: Path, size: int, required: bool = True) -> np.ndarray | None:
     tensor = _tensor(reader, name, path, required)
     if tensor is None:
         return None
-    if int(tensor.tensor_type) != 0 or int(tensor.n_elements) != size:
+    if tensor.qtype != 0 or tensor.n_elements != size:
         raise VerispecError(f"{path.name}: tensor '{name}' should be {size} float32 values")
-    return np.array(tensor.data, dtype=np.float32).reshape(size)  # a copy: the file's mapping can close
+    return reader.read(name).view(np.float32)
 
 
 def load_gguf(path: Path, show_progress: bool = True) -> GGUFModel:
     """Read and repack a GGUF model. Damaged files and unsupported content are one VerispecError."""
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(str(path))
-    except Exception as err:  # the reader raises whatever its parsing hits on a damaged file
+        reader = GGUFFile(path)
+    except (OSError, ValueError, struct.error, MemoryError) as err:
         raise VerispecError(f"{path}: not a readable GGUF file ({type(err).__name__}: {str(err)[:120]}); "
                             "the file is damaged or truncated") from None
+    set_threads(torch.get_num_threads())  # repacking runs on the kernels' threads
     c = read_config(reader, path)
     qkv = (c.heads * c.head_dim, c.kv_dim, c.kv_dim)
     layers = []
