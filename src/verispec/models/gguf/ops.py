@@ -33,6 +33,7 @@ class Activations:
 
     x: np.ndarray
     quantized: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    pointers: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
     def quantize(self, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """-> q (N, K) int8, d (N, K / block) float32, bsum (N, K / 16) int32."""
@@ -41,7 +42,8 @@ class Activations:
             q = np.empty((n, k), np.int8)
             d = np.empty((n, k // block), np.float32)
             bsum = np.empty((n, k // 16), np.int32)
-            lib().vs_quantize_rows(ptr(self.x), n, k, block, ptr(q), ptr(d), ptr(bsum))
+            self.pointers[block] = (ptr(q), ptr(d), ptr(bsum))
+            lib().vs_quantize_rows(ptr(self.x), n, k, block, *self.pointers[block])
             self.quantized[block] = (q, d, bsum)
         return self.quantized[block]
 
@@ -75,19 +77,20 @@ class Weight:
             raise VerispecError(f"tensor '{name}' could not be repacked ({type_name(qtype)}, {rows} x {cols})")
         return cls(name, qtype, rows, cols, packed)
 
-    @property
-    def block(self) -> int:
-        return activation_block(self.qtype)
+    def __post_init__(self) -> None:
+        self.block = activation_block(self.qtype)
+        self.address = ptr(self.data)  # looked up once: a pointer lookup costs ~1 us, and a pass makes ~200 calls
+        self._matmul, self._matmul_float = lib().vs_matmul, lib().vs_matmul_float
 
     def __call__(self, x: Activations) -> np.ndarray:
         """x (N, cols) -> (N, rows) float32."""
         n = x.x.shape[0]
         out = np.empty((n, self.rows), np.float32)
         if self.qtype in FLOAT_TYPES:
-            status = lib().vs_matmul_float(self.qtype, ptr(self.data), self.rows, self.cols, n, ptr(x.x), ptr(out))
+            status = self._matmul_float(self.qtype, self.address, self.rows, self.cols, n, ptr(x.x), ptr(out))
         else:
-            q, d, bsum = x.quantize(self.block)
-            status = lib().vs_matmul(self.qtype, ptr(self.data), self.rows, self.cols, n, ptr(q), ptr(d), ptr(bsum), ptr(out))
+            x.quantize(self.block)
+            status = self._matmul(self.qtype, self.address, self.rows, self.cols, n, *x.pointers[self.block], ptr(out))
         if status != 0:
             raise VerispecError(f"matmul with '{self.name}' failed (status {status})")
         return out

@@ -103,6 +103,29 @@ static float bf16_to_float(uint16_t h) {
     return out;
 }
 
+/* e^x from IEEE operations only (no libm): Cody-Waite reduction x = n ln2 + r, a degree-6 polynomial for
+ * e^r, and 2^n put into the exponent. The compiler vectorises it, and a lane computes exactly what the
+ * scalar code computes (-ffp-contract=off), so results never depend on where an element falls in a vector.
+ * Relative error about 2e-7 on [-87, 88]; below -87 it returns 0. */
+static inline float vs_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float t = x * 1.44269504088896341f + 12582912.0f; /* round(x / ln2) by the 1.5 * 2^23 trick */
+    float n = t - 12582912.0f;
+    float r = x - n * 0.693359375f;  /* ln2's high part: n * it is exact */
+    r = r - n * -2.12194440e-4f;      /* its low part */
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
 /* ------------------------------------------------------------------ CPU features and path */
 
 static int vs_path = -1;
@@ -314,28 +337,42 @@ int vs_dequantize_rows(int type, const uint8_t *packed, int64_t rows, int64_t co
 
 /* ------------------------------------------------------------------ activations */
 
+/* One block (a multiple of 16 values) to int8: amax = max |x| (exact in any order), inv = 127 / amax,
+ * q = round half to even (x inv), clamped to +-127; returns d = amax / 127. Written in 16 lanes so that
+ * the compiler vectorises every loop. */
+static inline float quantize_block(const float *xb, int block, int8_t *qb) {
+    float lane[16] = {0};
+    for (int l0 = 0; l0 < block; l0 += 16)
+        for (int l = 0; l < 16; l++) {
+            float a = fabsf(xb[l0 + l]);
+            lane[l] = a > lane[l] ? a : lane[l];
+        }
+    float amax = 0.0f;
+    for (int l = 0; l < 16; l++) amax = lane[l] > amax ? lane[l] : amax;
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    if (isinf(inv)) inv = 0.0f; /* amax below 127 / FLT_MAX: the block quantizes to zeros */
+    for (int l = 0; l < block; l++) {
+        /* round half to even: |x inv| <= 127 < 2^22, so adding and removing 1.5 * 2^23 rounds it
+         * exactly as nearbyintf does (which the compiler does not vectorise) */
+        float v = (xb[l] * inv + 12582912.0f) - 12582912.0f;
+        v = v > 127.0f ? 127.0f : v;
+        v = v < -127.0f ? -127.0f : v;
+        qb[l] = (int8_t)(int32_t)v;
+    }
+    return amax / 127.0f;
+}
+
 /* x (n, k) float32 -> q (n, k) int8, d (n, k / block) float32, bsum (n, k / 16) int32. The arithmetic is
  * the contract that verispec.models.gguf.reference.quantize_activations states. */
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 void vs_quantize_rows(const float *x, int64_t n, int64_t k, int block, int8_t *q, float *d, int32_t *bsum) {
-#pragma omp parallel for schedule(static) num_threads(vs_threads) if (n * k > 65536)
     for (int64_t i = 0; i < n; i++) {
-        for (int64_t b0 = 0; b0 < k; b0 += block) {
-            const float *xb = x + i * k + b0;
-            float amax = 0.0f;
-            for (int l = 0; l < block; l++) amax = fmaxf(amax, fabsf(xb[l]));
-            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            if (isinf(inv)) inv = 0.0f; /* amax below 127 / FLT_MAX: the block quantizes to zeros */
-            d[i * (k / block) + b0 / block] = amax / 127.0f;
-            for (int l = 0; l < block; l++) {
-                float v = nearbyintf(xb[l] * inv);
-                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-                q[i * k + b0 + l] = (int8_t)v;
-            }
-        }
+        for (int64_t b0 = 0; b0 < k; b0 += block)
+            d[i * (k / block) + b0 / block] = quantize_block(x + i * k + b0, block, q + i * k + b0);
         for (int64_t j = 0; j < k / 16; j++) {
-            int32_t s = 0;
-            for (int l = 0; l < 16; l++) s += q[i * k + 16 * j + l];
-            bsum[i * (k / 16) + j] = s;
+            int32_t sum = 0;
+            for (int l = 0; l < 16; l++) sum += q[i * k + 16 * j + l];
+            bsum[i * (k / 16) + j] = sum;
         }
     }
 }
@@ -688,7 +725,7 @@ int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64
 /* ------------------------------------------------------------------ float helpers (one fixed order) */
 
 /* sum_i a[i] b[i] in 16 lanes (lane l takes i = l mod 16), then a fixed halving tree. */
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 static float dot16(const float *a, const float *b, int64_t n) {
     float lane[16] = {0};
     int64_t i = 0;
@@ -774,15 +811,83 @@ void vs_rope(float *x, int64_t n, int heads, int dim, const float *table, int ne
 }
 
 /* o += s * v (elementwise fmaf: the same bits scalar or vectorized). */
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 static void axpy(float *o, float s, const float *v, int64_t n) {
     for (int64_t k = 0; k < n; k++) o[k] = fmaf(s, v[k], o[k]);
 }
 
 /* out = silu(g) * u, elementwise. */
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 void vs_silu_mul(const float *g, const float *u, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + vs_exp(-g[i])) * u[i];
 }
+
+/* score[j] = e^(score[j] - top); returns their sum, in 16 lanes then a halving tree (one fixed order). */
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+static float exp_and_sum(float *score, int64_t m, float top) {
+    float lane[16] = {0};
+    for (int64_t j = 0; j < m; j++) score[j] = vs_exp(score[j] - top);
+    int64_t j = 0;
+    for (; j + 16 <= m; j += 16)
+        for (int l = 0; l < 16; l++) lane[l] += score[j + l];
+    for (int l = 0; j + l < m; l++) lane[l] += score[j + l];
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] += lane[l + w];
+    return lane[0];
+}
+
+/* One query's attention for the G query heads that share one key/value head (grouped-query attention).
+ * qg (G, dim); K, V: that head's first key / value, column c at + c * stride; cols (m): the attended
+ * columns in order; score (G, m) scratch; og (G, dim) out. Per head: score_j = dot16(q, k_j) * scale, then
+ * e^(score - max) and their sum (exp_and_sum), then o = sum_j p_j v_j in column order (fmaf), o / total. */
+static void attend_group_generic(const float *qg, int G, int dim, const float *K, const float *V, int64_t stride,
+                                 const int32_t *cols, int64_t m, float scale, float *score, float *og) {
+    for (int g = 0; g < G; g++) {
+        float *sg = score + g * m, top = -INFINITY;
+        for (int64_t j = 0; j < m; j++) {
+            sg[j] = dot16(qg + g * dim, K + cols[j] * stride, dim) * scale;
+            top = sg[j] > top ? sg[j] : top;
+        }
+        float total = exp_and_sum(sg, m, top);
+        float *o = og + g * dim;
+        for (int k = 0; k < dim; k++) o[k] = 0.0f;
+        for (int64_t j = 0; j < m; j++) axpy(o, sg[j], V + cols[j] * stride, dim);
+        for (int k = 0; k < dim; k++) o[k] = o[k] / total;
+    }
+}
+
+#ifdef VS_X86
+/* The same operations in 512-bit registers (dim a multiple of 16): a lane of the 16-lane dot is a lane of
+ * a register, _mm512_reduce_add_ps halves 8, 4, 2, 1 as dot16 does, and each key and value is loaded once
+ * for all G heads. */
+static VS_AVX512 void attend_group_avx512(const float *qg, int G, int dim, const float *K, const float *V, int64_t stride,
+                                          const int32_t *cols, int64_t m, float scale, float *score, float *og) {
+    float top[64];
+    for (int g = 0; g < G; g++) top[g] = -INFINITY;
+    for (int64_t j = 0; j < m; j++) {
+        const float *k = K + cols[j] * stride;
+        for (int g = 0; g < G; g++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int d0 = 0; d0 < dim; d0 += 16)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + g * dim + d0), _mm512_loadu_ps(k + d0), acc);
+            float sj = _mm512_reduce_add_ps(acc) * scale;
+            score[g * m + j] = sj;
+            top[g] = sj > top[g] ? sj : top[g];
+        }
+    }
+    float total[64];
+    for (int g = 0; g < G; g++) total[g] = exp_and_sum(score + g * m, m, top[g]);
+    for (int d0 = 0; d0 < dim; d0 += 16) {
+        __m512 acc[64];
+        for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < m; j++) {
+            __m512 v = _mm512_loadu_ps(V + cols[j] * stride + d0);
+            for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(score[g * m + j]), v, acc[g]);
+        }
+        for (int g = 0; g < G; g++) _mm512_storeu_ps(og + g * dim + d0, _mm512_div_ps(acc[g], _mm512_set1_ps(total[g])));
+    }
+}
+#endif
 
 /* Attention of n queries over their rows' caches.
  * q (n, hq, dim); for query i: keys at kbase[i] + c * stride (c a cache column; a column holds hkv * dim
@@ -797,36 +902,30 @@ void vs_attention(const float *q, int64_t n, int hq, int hkv, int dim, float sca
         int64_t c = prefix[i] + extra_off[i + 1] - extra_off[i];
         most = c > most ? c : most;
     }
-    const int group = hq / hkv;
-#pragma omp parallel num_threads(vs_threads) if (n * hq > 1)
+    const int G = hq / hkv;
+    const int simd = vs_get_path() == PATH_AVX512 && dim % 16 == 0 && G <= 64;
+#pragma omp parallel num_threads(vs_threads) if (n * hkv > 1)
     {
-        float *score = malloc(sizeof(float) * (size_t)(most + 1));
+        float *score = malloc(sizeof(float) * (size_t)(G * (most + 1)));
         int32_t *cols = malloc(sizeof(int32_t) * (size_t)(most + 1));
-#pragma omp for schedule(static)
-        for (int64_t ih = 0; ih < n * hq; ih++) {
-            int64_t i = ih / hq;
-            int h = (int)(ih % hq), kvh = h / group;
-            const float *qi = q + ih * dim;
-            const float *K = (const float *)(intptr_t)kbase[i], *V = (const float *)(intptr_t)vbase[i];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t ih = 0; ih < n * hkv; ih++) {
+            int64_t i = ih / hkv;
+            int kvh = (int)(ih % hkv);
+            const float *K = (const float *)(intptr_t)kbase[i] + kvh * dim, *V = (const float *)(intptr_t)vbase[i] + kvh * dim;
             int64_t m = 0;
             for (int32_t c = 0; c < prefix[i]; c++) cols[m++] = c;
             for (int32_t e = extra_off[i]; e < extra_off[i + 1]; e++) cols[m++] = extra[e];
-            float top = -INFINITY;
-            for (int64_t j = 0; j < m; j++) {
-                score[j] = dot16(qi, K + cols[j] * stride + kvh * dim, dim) * scale;
-                top = score[j] > top ? score[j] : top;
-            }
-            float total = 0.0f;
-            for (int64_t j = 0; j < m; j++) { score[j] = expf(score[j] - top); total += score[j]; }
-            float *o = out + ih * dim;
-            for (int k = 0; k < dim; k++) o[k] = 0.0f;
-            for (int64_t j = 0; j < m; j++) {
-                const float *vj = V + cols[j] * stride + kvh * dim;
-                axpy(o, score[j], vj, dim);
-            }
-            for (int k = 0; k < dim; k++) o[k] = o[k] / total;
+            const float *qg = q + (i * hq + kvh * G) * dim;
+            float *og = out + (i * hq + kvh * G) * dim;
+#ifdef VS_X86
+            if (simd) attend_group_avx512(qg, G, dim, K, V, stride, cols, m, scale, score, og);
+            else
+#endif
+                attend_group_generic(qg, G, dim, K, V, stride, cols, m, scale, score, og);
         }
         free(score);
         free(cols);
     }
+    (void)simd;
 }
