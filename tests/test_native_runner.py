@@ -265,3 +265,38 @@ def test_the_lean_gguf_reader_agrees_with_ggufs_own(mixed):
             continue
         value = field.contents()
         assert ours.fields[key] == (len(value) if isinstance(value, list) else value), key
+
+
+def test_the_server_batches_requests_on_the_native_runner_as_it_answers_them_alone(tmp_path):
+    import asyncio
+
+    import httpx
+    from test_serve import post_all
+    from tiny_hf import save_tiny_model_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verispec import SpeculativeDecoder
+    from verispec.config import ServeConfig
+    from verispec.models.loading import LoadedModel
+    from verispec.serve.server import BackgroundServer
+
+    folder = save_tiny_model_dir(tmp_path / "tiny", "llama", seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    path = gguf_from_hf(AutoModelForCausalLM.from_pretrained(str(folder)), tmp_path / "tiny.gguf", T.Q8_0)
+
+    def native(name):
+        return LoadedModel(name, None, tokenizer, str(path), weights="gguf", backend="native",
+                           gguf=load_gguf(path, show_progress=False))
+
+    decoder = SpeculativeDecoder(native("target"), native("draft"))
+    bodies = [{"prompt": "hello there", "max_tokens": 20, "temperature": 0},
+              {"prompt": "a longer prompt, with more words", "max_tokens": 9, "temperature": 0, "speculative": {"K": 5}},
+              {"prompt": "abc", "max_tokens": 30, "temperature": 1.0, "seed": 11, "top_p": 0.9},
+              {"prompt": "q", "max_tokens": 12, "temperature": 0.7, "seed": 5, "speculative": {"drafter": "none"}}]
+    with BackgroundServer(decoder, ServeConfig(port=0, served_model_name="tiny", max_batch_size=4)) as server:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            alone = [client.post("/v1/completions", json={"model": "tiny", **b}).json() for b in bodies]
+        together = asyncio.run(post_all(server.url, [{"model": "tiny", **b} for b in bodies]))
+        assert server.app.state.scheduler.cache_rows() == 0
+    for a, t in zip(alone, together):
+        assert t["choices"][0]["text"] == a["choices"][0]["text"]

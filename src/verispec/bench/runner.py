@@ -26,7 +26,7 @@ LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled
 DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto",
                      "verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto", "verispec-llamacpp-distilled-tree",
                      "verispec-llamacpp-distilled-tree-auto")  # need a distilled draft (--distilled)
-SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram",
+SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram", "verispec-ngram-auto",
            "verispec-ngram-corpus", "verispec-ngram-corpus-tree", "verispec-auto", "verispec-draft-tree", "verispec-draft-tree-auto", "verispec-ngram-tree", "verispec-distilled",
            "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto", *LLAMACPP_SYSTEMS)
 SPLITS = ("all", "heldout", "train")  # Spec-Bench question ids: odd are held out from distillation (see verispec.distill)
@@ -180,8 +180,9 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
         elif name == "hf-prompt-lookup":
             systems += [HFSystem(peer, hf_target.model, eos, prompt_lookup_num_tokens=peer_k)
                         for peer, peer_k in _peer_ks(config, name)]
-        elif name == "verispec-ngram":
-            systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k))
+        elif name in ("verispec-ngram", "verispec-ngram-auto"):
+            decoder = SpeculativeDecoder(target, "ngram")
+            systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
         elif name == "verispec-ngram-tree":
             systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k, tree=config.tree))
         elif name in ("verispec-ngram-corpus", "verispec-ngram-corpus-tree"):

@@ -11,6 +11,8 @@ order may differ from it.
 Block layouts (little-endian; fp16 fields read with `.view(torch.float16)`):
   Q4_0  32 weights, 18 bytes:  d, qs[16]                  y = (q - 8) * d
   Q4_1  32 weights, 20 bytes:  d, m, qs[16]               y = q * d + m
+  Q5_0  32 weights, 22 bytes:  d, qh[4], qs[16]           y = (q - 16) * d, q's 5th bit l from bit l of qh
+  Q5_1  32 weights, 24 bytes:  d, m, qh[4], qs[16]        y = q * d + m
   Q8_0  32 weights, 34 bytes:  d, qs[32] int8             y = q * d
   Q4_K 256 weights, 144 bytes: d, dmin, scales[12], qs[128]           y = (d*sc) * q - (dmin*m)
   Q5_K 256 weights, 176 bytes: d, dmin, scales[12], qh[32], qs[128]   same, q gets a 5th bit from qh
@@ -24,7 +26,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 T = GGMLQuantizationType
 FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
-SUPPORTED = FLOAT_TYPES | {T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K}
+SUPPORTED = FLOAT_TYPES | {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K}
 
 
 def _qtype(qtype: GGMLQuantizationType | int) -> GGMLQuantizationType:
@@ -47,7 +49,7 @@ def block_shape(qtype: GGMLQuantizationType | int) -> tuple[int, int]:
 
 def activation_block(qtype: GGMLQuantizationType | int) -> int:
     """How many activations share one int8 scale when multiplied with weights of this type:
-    256 for Q4_K / Q5_K / Q6_K, 32 for Q4_0 / Q4_1 / Q8_0, 0 for float types (activations stay float32)."""
+    256 for Q4_K / Q5_K / Q6_K, 32 for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, 0 for float types (activations stay float32)."""
     qtype = _qtype(qtype)
     return 0 if qtype in FLOAT_TYPES else block_shape(qtype)[0]
 
@@ -72,6 +74,25 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
     d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])  # (B,), (B,)
     q = _nibbles(b[:, 4:20]).flatten(1).float()  # (B, 32)
     return q * d[:, None] + m[:, None]  # (B, 32): product then sum, two float32 roundings
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """(B, 4) uint8, a little-endian 32-bit word -> (B, 32) uint8: bit l of the word, times 16."""
+    bits = torch.arange(32)  # (32,)
+    word = qh.long()[:, bits // 8] >> (bits % 8)  # (B, 32)
+    return ((word & 1) << 4).to(torch.uint8)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[:, 0:2])  # (B,)
+    q = (_nibbles(b[:, 6:22]).flatten(1) | _fifth_bits(b[:, 2:6])).float() - 16  # (B, 32)
+    return q * d[:, None]  # (B, 32)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])  # (B,), (B,)
+    q = (_nibbles(b[:, 8:24]).flatten(1) | _fifth_bits(b[:, 4:8])).float()  # (B, 32)
+    return q * d[:, None] + m[:, None]  # (B, 32)
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -123,7 +144,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return ((d[:, None] * sc)[..., None] * q).flatten(1)  # (B, 256): (d * sc) * q, as ggml
 
 
-_BLOCK_DEQUANT = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+_BLOCK_DEQUANT = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
 
 
 def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType | int, cols: int) -> torch.Tensor:

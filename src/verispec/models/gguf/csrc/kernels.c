@@ -22,7 +22,7 @@
  *
  *   A row's weight is  d * sc * q - dmin * m  with q >= 0 (unsigned: vpdpbusd multiplies u8 x s8);
  *   sc, m per sub-block of 32 (Q4_K, Q5_K) or 16 (Q6_K, where m = sc and dmin = 32 d); Q4_0: sc = m = 1,
- *   dmin = 8 d; Q8_0: q + 128 stored, dmin = 128 d; Q4_1: dmin = -min.
+ *   dmin = 8 d; Q5_0: dmin = 16 d; Q8_0: q + 128 stored, dmin = 128 d; Q4_1, Q5_1: dmin = -min.
  *
  * With int8 activations a (scale da per super-block, bsum = sums of a over 16), a token's output is
  *   acc += (d da) * float(sum_j sc_j dot_j)  -  (dmin da) * float(sum_j m_j bsum_j)   per super-block,
@@ -45,7 +45,7 @@
 static struct PyModuleDef vs_module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, NULL, NULL, NULL, NULL, NULL};
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&vs_module); }
 
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 enum { GROUP = 16, TILE = 4 };
 enum { PATH_GENERIC = 0, PATH_AVX512 = 1, PATH_AVX2 = 2 };
 
@@ -62,6 +62,8 @@ static int get_layout(int type, layout_t *L) {
     switch (type) {
         case T_Q4_0: *L = (layout_t){32, 4, 0, 0, 8, 18}; return 0;
         case T_Q4_1: *L = (layout_t){32, 4, 0, 0, 0, 20}; return 0;
+        case T_Q5_0: *L = (layout_t){32, 5, 0, 0, 16, 22}; return 0;
+        case T_Q5_1: *L = (layout_t){32, 5, 0, 0, 0, 24}; return 0;
         case T_Q8_0: *L = (layout_t){32, 8, 0, 0, 128, 34}; return 0;
         case T_Q4_K: *L = (layout_t){256, 4, 32, 1, 0, 144}; return 0;
         case T_Q5_K: *L = (layout_t){256, 5, 32, 1, 0, 176}; return 0;
@@ -194,6 +196,19 @@ static void decode_block(int type, const uint8_t *b, uint8_t *q, int8_t *sc, int
             *dmin = rd16(b + 2) ^ 0x8000; /* dmin = -min: the sign flip is exact */
             for (int l = 0; l < 16; l++) { q[l] = b[4 + l] & 0xF; q[l + 16] = b[4 + l] >> 4; }
             break;
+        case T_Q5_0:
+        case T_Q5_1: {
+            const int o = type == T_Q5_0 ? 2 : 4; /* qh's offset */
+            uint32_t qh;
+            memcpy(&qh, b + o, 4);
+            *d = rd16(b);
+            if (type == T_Q5_1) *dmin = rd16(b + 2) ^ 0x8000;
+            for (int l = 0; l < 16; l++) {
+                q[l] = (b[o + 4 + l] & 0xF) | (((qh >> l) & 1) << 4);
+                q[l + 16] = (b[o + 4 + l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+            }
+            break;
+        }
         case T_Q8_0:
             *d = rd16(b);
             for (int l = 0; l < 32; l++) q[l] = (uint8_t)((int)(int8_t)b[2 + l] + 128);
@@ -541,6 +556,8 @@ static VS_AVX512 void group_avx512(int type, const uint8_t *grp, int64_t nsb, co
     switch (type) {
         case T_Q4_0: VS_TILES(T_Q4_0); break;
         case T_Q4_1: VS_TILES(T_Q4_1); break;
+        case T_Q5_0: VS_TILES(T_Q5_0); break;
+        case T_Q5_1: VS_TILES(T_Q5_1); break;
         case T_Q8_0: VS_TILES(T_Q8_0); break;
         case T_Q4_K: VS_TILES(T_Q4_K); break;
         case T_Q5_K: VS_TILES(T_Q5_K); break;
@@ -674,6 +691,8 @@ static VS_AVX2 void group_avx2(int type, const uint8_t *grp, int64_t nsb, const 
     switch (type) {
         case T_Q4_0: VS_HALF_TILES(T_Q4_0); break;
         case T_Q4_1: VS_HALF_TILES(T_Q4_1); break;
+        case T_Q5_0: VS_HALF_TILES(T_Q5_0); break;
+        case T_Q5_1: VS_HALF_TILES(T_Q5_1); break;
         case T_Q8_0: VS_HALF_TILES(T_Q8_0); break;
         case T_Q4_K: VS_HALF_TILES(T_Q4_K); break;
         case T_Q5_K: VS_HALF_TILES(T_Q5_K); break;
