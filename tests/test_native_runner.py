@@ -300,3 +300,16 @@ def test_the_server_batches_requests_on_the_native_runner_as_it_answers_them_alo
         assert server.app.state.scheduler.cache_rows() == 0
     for a, t in zip(alone, together):
         assert t["choices"][0]["text"] == a["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_one_c_call_per_layer_gives_the_per_op_paths_bits(tmp_path, arch):
+    model = load_gguf(write_tiny_gguf(tmp_path / "m.gguf", arch=arch, types=ALL_TYPES, seed=3), show_progress=False)
+    outs = []
+    for fused in (True, False):
+        runner = NativeRunner(model, fused=fused)
+        state = runner.new_state(2)
+        first = runner.forward(state, [[1, 2, 3, 4], [5, 6]], [4, 2])
+        tree = runner.forward_tree(state, [[7], []], [[8, 9, 10], [11, 12]], [[-1, 0, -1], [-1, 0]])
+        outs.append(torch.cat([first.flatten(), tree.flatten()]))
+    assert torch.equal(outs[0], outs[1])

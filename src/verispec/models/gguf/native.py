@@ -33,7 +33,28 @@ _SIGNATURES = {
     "vs_rope": ([_P, _I64, _I, _I, _P, _I], None),
     "vs_silu_mul": ([_P, _P, _I64, _P], None),
     "vs_attention": ([_P, _I64, _I, _I, _I, _F, _P, _P, _I64, _P, _P, _P, _P], None),
+    "vs_layer_forward": ([_P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P], _I),
 }
+
+
+class WeightStruct(ctypes.Structure):
+    """csrc's vs_weight_t."""
+
+    _fields_ = [("qtype", _I64), ("data", _P), ("rows", _I64), ("cols", _I64)]
+
+
+class LayerStruct(ctypes.Structure):
+    """csrc's vs_layer_t: a layer's norms, biases (NULL where absent) and weights."""
+
+    _fields_ = [(name, _P) for name in ("attn_norm", "ffn_norm", "q_bias", "k_bias", "v_bias")] + [
+        (name, WeightStruct) for name in ("q", "k", "v", "out", "gate", "up", "down")]
+
+
+class DimsStruct(ctypes.Structure):
+    """csrc's vs_dims_t."""
+
+    _fields_ = [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "neox")] + [
+        ("eps", _D), ("scale", _D)]
 
 
 @lru_cache(maxsize=1)
