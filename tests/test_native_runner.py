@@ -313,3 +313,16 @@ def test_one_c_call_per_layer_gives_the_per_op_paths_bits(tmp_path, arch):
         tree = runner.forward_tree(state, [[7], []], [[8, 9, 10], [11, 12]], [[-1, 0, -1], [-1, 0]])
         outs.append(torch.cat([first.flatten(), tree.flatten()]))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_repacking_in_chunks_gives_the_same_weights(mixed, monkeypatch):
+    """Large tensors are read and repacked a chunk of rows at a time (no whole source tensor held)."""
+    from verispec.models.gguf import model as gguf_model
+
+    monkeypatch.setattr(gguf_model, "CHUNK_BYTES", 1000)  # every quantized tensor of the tiny model in chunks
+    chunked = load_gguf(mixed.gguf.path, show_progress=False)
+    whole = mixed.gguf
+    pairs = [(a, b) for la, lb in zip(whole.layers, chunked.layers) for a, b in
+             ((la.q, lb.q), (la.k, lb.k), (la.v, lb.v), (la.out, lb.out), (la.gate, lb.gate), (la.up, lb.up),
+              (la.down, lb.down))] + [(whole.embed, chunked.embed), (whole.head, chunked.head)]
+    assert all(np.array_equal(a.data, b.data) for a, b in pairs)

@@ -147,8 +147,10 @@ class SpeculativeDecoder:
         `target_weights` "packed" (default) keeps the target's weights and dtype and only changes
         their memory layout for faster multi-token passes; "dense" runs them as loaded.
         `draft_weights` "int8" (default) quantizes the draft: the draft's dtype and weights change
-        its speed and acceptance only, never the output distribution. `backend` "llama.cpp" runs
-        GGUF models with llama.cpp's kernels (optional extra; one sequence at a time).
+        its speed and acceptance only, never the output distribution. `backend` "auto" (default) runs
+        GGUF files and the named defaults on verispec's native CPU runner (`verispec.models.gguf`), Hugging
+        Face directories on torch; "native", "torch" and "llama.cpp" (optional extra; one sequence at a time)
+        choose one.
         `draft_lookup` N > 0 makes a draft model copy from the context first where its last n-gram
         (n >= N) occurred before (see DraftModelDrafter); 0 turns that off; None keeps the draft's own
         setting (a distilled draft's manifest names the one measured best on its validation set).

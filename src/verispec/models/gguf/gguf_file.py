@@ -78,13 +78,14 @@ class GGUFFile:
             self.tensors[name] = TensorInfo(name, dims, qtype, start + offset, nbytes)
         del self._buf, self._file
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor's bytes, (nbytes,) uint8, read into a buffer of its own."""
+    def read(self, name: str, start: int = 0, end: int | None = None) -> np.ndarray:
+        """Bytes start..end of the tensor (default: all), (n,) uint8, read into a buffer of its own."""
         info = self.tensors[name]
-        out = np.empty(info.nbytes, np.uint8)
+        end = info.nbytes if end is None else end
+        out = np.empty(end - start, np.uint8)
         with open(self.path, "rb") as f:
-            f.seek(info.offset)
-            if f.readinto(memoryview(out)) != info.nbytes:
+            f.seek(info.offset + start)
+            if f.readinto(memoryview(out)) != out.size:
                 raise VerispecError(f"{self.path}: tensor '{name}' could not be read whole: the file is damaged or truncated")
         return out
 

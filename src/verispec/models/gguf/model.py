@@ -22,9 +22,10 @@ from verispec.console import progress
 from verispec.errors import VerispecError
 from verispec.models.gguf.gguf_file import GGUFFile, TensorInfo
 from verispec.models.gguf.native import set_threads
-from verispec.models.gguf.ops import Weight
+from verispec.models.gguf.ops import FLOAT_TYPES, Weight, check_tensor
 
 ARCHITECTURES = {"llama": False, "qwen2": True}  # name -> RoPE on halves ("neox")
+CHUNK_BYTES = 32 << 20  # a larger tensor is read and repacked in chunks: no whole source tensor is held
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,11 @@ def _weight(reader: GGUFFile, name: str, path: Path, rows: int, cols: int) -> We
     tensor = _tensor(reader, name, path)
     if list(tensor.shape) != [cols, rows]:  # ggml order: (cols, rows)
         raise VerispecError(f"{path.name}: tensor '{name}' has shape {list(tensor.shape[::-1])}, expected [{rows}, {cols}]")
-    return Weight.from_raw(name, tensor.qtype, reader.read(name), rows, cols)
+    if tensor.qtype in FLOAT_TYPES or tensor.nbytes <= CHUNK_BYTES:
+        return Weight.from_raw(name, tensor.qtype, reader.read(name), rows, cols)
+    row_bytes = check_tensor(name, tensor.qtype, tensor.nbytes, rows, cols)
+    return Weight.from_chunks(name, tensor.qtype, rows, cols,
+                              lambda r0, r1: reader.read(name, r0 * row_bytes, r1 * row_bytes), CHUNK_BYTES // row_bytes)
 
 
 def _vector(reader: GGUFFile, name: str, path: Path, size: int, required: bool = True) -> np.ndarray | None:

@@ -16,6 +16,19 @@ from verispec.models.gguf.native import lib, ptr
 from verispec.models.gguf.reference import SUPPORTED, activation_block, block_shape
 
 FLOAT_TYPES = frozenset({0, 1, 30})  # F32, F16, BF16
+GROUP_ROWS = 16  # rows the kernels interleave (csrc/kernels.c, GROUP)
+
+
+def check_tensor(name: str, qtype: int, nbytes: int, rows: int, cols: int) -> int:
+    """One clear line for a type the kernels lack or a size that does not fit the shape; -> bytes per row."""
+    if qtype not in SUPPORTED:
+        raise VerispecError(f"tensor '{name}' has GGUF type {type_name(qtype)}, which verispec's CPU runner "
+                            f"does not support (supported: {', '.join(sorted(type_name(t) for t in SUPPORTED))})")
+    per_block, block_bytes = block_shape(qtype)
+    if cols % per_block or nbytes != rows * cols // per_block * block_bytes:
+        raise VerispecError(f"tensor '{name}' ({type_name(qtype)}, {rows} x {cols}) holds {nbytes} bytes, "
+                            f"not {rows * cols // per_block * block_bytes}: the file is damaged or truncated")
+    return cols // per_block * block_bytes
 
 
 def type_name(qtype: int) -> str:
@@ -61,20 +74,25 @@ class Weight:
     @classmethod
     def from_raw(cls, name: str, qtype: int, raw: np.ndarray, rows: int, cols: int) -> "Weight":
         """raw: the tensor's bytes as stored in the GGUF file (any shape, uint8 or the float dtype)."""
-        if qtype not in SUPPORTED:
-            raise VerispecError(f"tensor '{name}' has GGUF type {type_name(qtype)}, which verispec's CPU runner "
-                                f"does not support (supported: {', '.join(sorted(type_name(t) for t in SUPPORTED))})")
         raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
-        per_block, block_bytes = block_shape(qtype)
-        if cols % per_block or raw.size != rows * cols // per_block * block_bytes:
-            raise VerispecError(f"tensor '{name}' ({type_name(qtype)}, {rows} x {cols}) holds {raw.size} bytes, "
-                                f"not {rows * cols // per_block * block_bytes}: the file is damaged or truncated")
+        row_bytes = check_tensor(name, qtype, raw.size, rows, cols)
         if qtype in FLOAT_TYPES:
             return cls(name, qtype, rows, cols, raw)
-        size = lib().vs_packed_bytes(qtype, rows, cols)
-        packed = np.empty(size, np.uint8)
-        if lib().vs_repack(qtype, ptr(raw), rows, cols, ptr(packed)) != 0:
-            raise VerispecError(f"tensor '{name}' could not be repacked ({type_name(qtype)}, {rows} x {cols})")
+        return cls.from_chunks(name, qtype, rows, cols, lambda r0, r1: raw[r0 * row_bytes : r1 * row_bytes], rows)
+
+    @classmethod
+    def from_chunks(cls, name: str, qtype: int, rows: int, cols: int, read, chunk_rows: int) -> "Weight":
+        """A quantized weight repacked chunk by chunk: read(r0, r1) gives rows r0..r1-1 as stored (uint8).
+        Groups of 16 rows are independent in the packed layout, so only one chunk of the source is ever held."""
+        group_bytes = lib().vs_packed_bytes(qtype, GROUP_ROWS, cols)
+        packed = np.empty(lib().vs_packed_bytes(qtype, rows, cols), np.uint8)
+        step = max(GROUP_ROWS, chunk_rows // GROUP_ROWS * GROUP_ROWS)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            raw = np.ascontiguousarray(read(r0, r1))
+            target = packed[r0 // GROUP_ROWS * group_bytes :]
+            if lib().vs_repack(qtype, ptr(raw), r1 - r0, cols, ptr(target)) != 0:
+                raise VerispecError(f"tensor '{name}' could not be repacked ({type_name(qtype)}, {rows} x {cols})")
         return cls(name, qtype, rows, cols, packed)
 
     def __post_init__(self) -> None:
