@@ -293,15 +293,16 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
         system.run(encoder.encode("Hello"), sampling, 4, config.seed)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # llama.cpp's kernels and the native runner read the GGUF's quantized weights (the torch route, float ones)
+    reads_gguf = target.backend == "native" or any(s.family == "llama.cpp" or s.name in LLAMACPP_SYSTEMS for s in systems)
+    gguf_bytes = gguf_bytes_per_token(target.source) if reads_gguf else None
     head = {"config": asdict(config), "partial": True, "target": target.name, "draft": draft.name if draft else None,
             "dtype": str(target.dtype), "target_weights": target.weights, "draft_weights": draft.weights if draft else None,
             "target_backend": target.backend, "memory_bandwidth_gbs": memory_bandwidth_gbs(),
-            # the torch route reads float weights; the native runner reads the GGUF's quantized ones (repacked)
-            "weight_bytes_per_token": (gguf_bytes_per_token(target.source) if target.backend == "native"
+            "weight_bytes_per_token": (gguf_bytes if target.backend == "native"
                                        else weight_bytes_per_token(hf_target.model) if hf_target is not None else None)}
-    if target.backend == "native" or any(s.family == "llama.cpp" or s.name in LLAMACPP_SYSTEMS for s in systems):
-        # llama.cpp's kernels and the native runner read the GGUF's quantized weights
-        head["gguf_bytes_per_token"] = gguf_bytes_per_token(target.source)
+    if reads_gguf:
+        head["gguf_bytes_per_token"] = gguf_bytes
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=stderr_console()) as progress:
         task = progress.add_task("bench", total=len(prompts) * len(systems))

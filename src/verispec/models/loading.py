@@ -297,7 +297,7 @@ def _load_for_llamacpp(spec: str) -> LoadedModel:
 
 
 def _load_native(spec: str) -> LoadedModel:
-    """A GGUF on verispec's quantized CPU runner: weights repacked from the memory-mapped file (seconds)."""
+    """A GGUF on verispec's quantized CPU runner: weights read and repacked tensor by tensor (seconds)."""
     from verispec.models.gguf.model import load_gguf
 
     kind, path = resolve(spec)

@@ -10,10 +10,9 @@ Architectures: `llama` (RoPE on adjacent pairs, as llama.cpp's converter permute
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
-
-import struct
 
 import numpy as np
 import torch
@@ -82,33 +81,29 @@ class GGUFModel:
         return sum({id(w): w.data.nbytes for w in weights}.values())
 
 
-def _field(reader: GGUFFile, key: str, default=None):
-    return reader.fields.get(key, default)
-
-
 def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
-    arch = _field(reader, "general.architecture")
+    arch = reader.fields.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise VerispecError(f"{path.name}: architecture '{arch}' is not supported by verispec's CPU runner "
                             f"(supported: {', '.join(ARCHITECTURES)}); use --backend torch or llama.cpp")
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    scaling = reader.fields.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise VerispecError(f"{path.name}: RoPE scaling '{scaling}' is not supported by verispec's CPU runner")
 
     def need(key: str):
-        value = _field(reader, f"{arch}.{key}")
+        value = reader.fields.get(f"{arch}.{key}")
         if value is None:
             raise VerispecError(f"{path.name}: metadata '{arch}.{key}' is missing: not a complete {arch} GGUF")
         return value
 
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    head_dim = int(reader.fields.get(f"{arch}.attention.key_length", hidden // heads))
     embed = _tensor(reader, "token_embd.weight", path)
     return GGUFConfig(
         architecture=arch, layers=int(need("block_count")), hidden=hidden, heads=heads,
-        kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
+        kv_heads=int(reader.fields.get(f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
         ffn=int(need("feed_forward_length")), vocab=int(embed.shape[1]), context=int(need("context_length")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=float(reader.fields.get(f"{arch}.rope.freq_base", 10000.0)),
         rms_eps=float(need("attention.layer_norm_rms_epsilon")), neox=ARCHITECTURES[arch],
     )
 

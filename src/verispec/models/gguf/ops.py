@@ -13,9 +13,8 @@ import numpy as np
 
 from verispec.errors import VerispecError
 from verispec.models.gguf.native import lib, ptr
-from verispec.models.gguf.reference import SUPPORTED, activation_block, block_shape
+from verispec.models.gguf.reference import FLOAT_TYPES, SUPPORTED, activation_block, block_shape
 
-FLOAT_TYPES = frozenset({0, 1, 30})  # F32, F16, BF16
 GROUP_ROWS = 16  # rows the kernels interleave (csrc/kernels.c, GROUP)
 
 

@@ -254,7 +254,7 @@ class NativeRunner:
 
     # ------------------------------------------------------------------ one pass
 
-    def _check(self, state: NativeState, queries: list[_Query]) -> None:
+    def _check(self, queries: list[_Query]) -> None:
         bad = [q.token for q in queries if not 0 <= q.token < self.vocab_size]
         if bad:
             raise VerispecError(f"token id {bad[0]} is outside the model's vocabulary (0..{self.vocab_size - 1})")
@@ -264,7 +264,7 @@ class NativeRunner:
 
     def _run(self, state: NativeState, queries: list[_Query], wanted: list[bool], batch: int, width: int) -> torch.Tensor:
         """Evaluate the queries (in chunks of MAX_PASS_TOKENS) and return (batch, width, V) logits of the wanted ones."""
-        self._check(state, queries)
+        self._check(queries)
         out = torch.zeros(batch, width, self.vocab_size)  # (B, M, V)
         filled = [0] * batch
         for start in range(0, len(queries), MAX_PASS_TOKENS):
@@ -283,13 +283,45 @@ class NativeRunner:
             return np.zeros((0, self.vocab_size), np.float32)
         for q in queries:
             state.rows[q.row].reserve(q.column + 1)
-        ids = np.array([q.token for q in queries], np.int64)  # (N,)
-        positions = np.array([q.position for q in queries], np.int64)  # (N,)
         rows = [state.rows[q.row] for q in queries]
-        prefix = np.array([q.prefix for q in queries], np.int32)  # (N,)
         extra_off = np.zeros(n + 1, np.int32)  # (N + 1,)
         extra_off[1:] = np.cumsum([len(q.extra) for q in queries])
-        extra = np.array([col for q in queries for col in q.extra] or [0], np.int32)
+        attend = _Attend(
+            prefix=np.array([q.prefix for q in queries], np.int32),
+            extra_off=extra_off,
+            extra=np.array([col for q in queries for col in q.extra] or [0], np.int32),
+            key_base=np.array([r.keys.ctypes.data for r in rows], np.int64),
+            value_base=np.array([r.values.ctypes.data for r in rows], np.int64),
+            layer_bytes=np.array([r.keys.shape[1] * c.kv_dim * 4 for r in rows], np.int64),
+        )
+        positions = np.array([q.position for q in queries], np.int64)  # (N,)
+        angles = ops.rope_table(positions, c.head_dim, c.rope_theta)  # (N, D/2, 2)
+        x = model.embed.take_rows(np.array([q.token for q in queries], np.int64))  # (N, E)
+        if self.fused:
+            self._layers_fused(x, queries, angles, attend)
+        else:
+            x = self._layers_per_op(x, queries, rows, angles, attend)
+        keep = np.flatnonzero(np.array(wanted))
+        if keep.size == 0:
+            return np.zeros((0, self.vocab_size), np.float32)
+        final = ops.rmsnorm(np.ascontiguousarray(x[keep]), model.norm, c.rms_eps)  # (M, E)
+        return model.head(ops.Activations(final))  # (M, V)
+
+    def _layers_fused(self, x: np.ndarray, queries: list[_Query], angles: np.ndarray, attend: "_Attend") -> None:
+        """Every layer on x (N, E) in place, one C call each (vs_layer_forward)."""
+        columns = np.array([q.column for q in queries], np.int32)  # (N,)
+        forward, a = lib().vs_layer_forward, attend
+        for i, layer in enumerate(self._layers):
+            status = forward(ctypes.byref(self._dims), ctypes.byref(layer), ptr(x), len(queries), ptr(angles),
+                             ptr(a.key_base), ptr(a.value_base), ptr(a.layer_bytes), i, self.config.kv_dim,
+                             ptr(columns), ptr(a.prefix), ptr(a.extra_off), ptr(a.extra))
+            if status:
+                raise VerispecError(f"layer {i} failed in the native kernels (status {status})")
+
+    def _layers_per_op(self, x: np.ndarray, queries: list[_Query], rows: list[RowCache], angles: np.ndarray,
+                       attend: "_Attend") -> np.ndarray:
+        """The same layers, one kernel call per op from Python (what vs_layer_forward does, in the same order)."""
+        c, a, n = self.config, attend, len(queries)
         # Keys and values of a row's new tokens go to consecutive columns: (row, first query, count, first column).
         runs: list[tuple[RowCache, int, int, int]] = []
         for i, q in enumerate(queries):
@@ -297,25 +329,11 @@ class NativeRunner:
                 runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1, runs[-1][3])
             else:
                 runs.append((rows[i], i, 1, q.column))
-        key_base = np.array([r.keys.ctypes.data for r in rows], np.int64)  # (N,) addresses of layer 0
-        value_base = np.array([r.values.ctypes.data for r in rows], np.int64)
-        layer_bytes = np.array([r.keys.shape[1] * c.kv_dim * 4 for r in rows], np.int64)  # (N,)
         scale = 1.0 / float(np.sqrt(c.head_dim))
-        angles = ops.rope_table(positions, c.head_dim, c.rope_theta)  # (N, D/2, 2)
-        x = model.embed.take_rows(ids)  # (N, E)
-        if self.fused:
-            columns = np.array([q.column for q in queries], np.int32)  # (N,)
-            forward = lib().vs_layer_forward
-            for i, layer in enumerate(self._layers):
-                status = forward(ctypes.byref(self._dims), ctypes.byref(layer), ptr(x), n, ptr(angles), ptr(key_base),
-                                 ptr(value_base), ptr(layer_bytes), i, c.kv_dim, ptr(columns), ptr(prefix),
-                                 ptr(extra_off), ptr(extra))
-                if status:
-                    raise VerispecError(f"layer {i} failed in the native kernels (status {status})")
         attn = np.empty((n, c.heads * c.head_dim), np.float32)  # (N, Hq D)
-        for i, layer in enumerate(model.layers if not self.fused else []):
-            a = ops.Activations(ops.rmsnorm(x, layer.attn_norm, c.rms_eps))
-            q, k, v = layer.q(a), layer.k(a), layer.v(a)  # (N, Hq D), (N, Hkv D), (N, Hkv D)
+        for i, layer in enumerate(self.gguf.layers):
+            h = ops.Activations(ops.rmsnorm(x, layer.attn_norm, c.rms_eps))
+            q, k, v = layer.q(h), layer.k(h), layer.v(h)  # (N, Hq D), (N, Hkv D), (N, Hkv D)
             for t, bias in ((q, layer.q_bias), (k, layer.k_bias), (v, layer.v_bias)):
                 if bias is not None:
                     t += bias
@@ -324,14 +342,22 @@ class NativeRunner:
             for row, first, count, column in runs:
                 row.keys[i, column : column + count] = k[first : first + count]
                 row.values[i, column : column + count] = v[first : first + count]
-            keys, values = key_base + i * layer_bytes, value_base + i * layer_bytes  # (N,) this layer's addresses
+            keys, values = a.key_base + i * a.layer_bytes, a.value_base + i * a.layer_bytes  # (N,) this layer's
             lib().vs_attention(ptr(q), n, c.heads, c.kv_heads, c.head_dim, scale, ptr(keys), ptr(values), c.kv_dim,
-                               ptr(prefix), ptr(extra_off), ptr(extra), ptr(attn))
+                               ptr(a.prefix), ptr(a.extra_off), ptr(a.extra), ptr(attn))
             x = x + layer.out(ops.Activations(attn))
-            a = ops.Activations(ops.rmsnorm(x, layer.ffn_norm, c.rms_eps))
-            x = x + layer.down(ops.Activations(ops.silu_mul(layer.gate(a), layer.up(a))))
-        keep = np.flatnonzero(np.array(wanted))
-        if keep.size == 0:
-            return np.zeros((0, self.vocab_size), np.float32)
-        final = ops.rmsnorm(np.ascontiguousarray(x[keep]), model.norm, c.rms_eps)  # (M, E)
-        return model.head(ops.Activations(final))  # (M, V)
+            h = ops.Activations(ops.rmsnorm(x, layer.ffn_norm, c.rms_eps))
+            x = x + layer.down(ops.Activations(ops.silu_mul(layer.gate(h), layer.up(h))))
+        return x
+
+
+@dataclass
+class _Attend:
+    """What a pass's queries attend to, as the kernels take it."""
+
+    prefix: np.ndarray  # (N,) int32: query i attends to columns 0 .. prefix[i] - 1
+    extra_off: np.ndarray  # (N + 1,) int32: then to extra[extra_off[i] : extra_off[i + 1]]
+    extra: np.ndarray  # (E,) int32 columns, increasing per query
+    key_base: np.ndarray  # (N,) int64: address of layer 0 of the query's row's keys
+    value_base: np.ndarray  # (N,) int64: likewise for values
+    layer_bytes: np.ndarray  # (N,) int64: bytes between layers in that row's cache

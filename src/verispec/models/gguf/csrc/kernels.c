@@ -405,7 +405,6 @@ typedef struct {
  * epilogue in the same fmaf order). */
 static void group_generic(const layout_t *L, const uint8_t *grp, int64_t nsb, const token_t *tok, int T) {
     const int64_t SB = sb_bytes(L);
-    const int nsc = nscales(L);
     for (int t = 0; t < T; t++) {
         float acc[GROUP] = {0};
         for (int64_t s = 0; s < nsb; s++) {
@@ -431,7 +430,6 @@ static void group_generic(const layout_t *L, const uint8_t *grp, int64_t nsb, co
                     }
                 }
             }
-            (void)nsc;
             float da = tok[t].d[s];
             for (int r = 0; r < GROUP; r++) {
                 float dd = sb_d(sb, r) * da, dm = sb_dmin(L, sb, r) * da;
