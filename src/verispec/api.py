@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.adapt import OnlineAdapter
-from verispec.config import AdaptConfig, NGramConfig, PromptLookupConfig, SamplingConfig, SpecConfig
+from verispec.config import AdaptConfig, NGramConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, SpecConfig
 from verispec.drafters.base import Drafter
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram_corpus import CorpusNGramDrafter, is_corpus_spec
@@ -37,6 +37,7 @@ from verispec.models.loading import (
     load_model,
 )
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from verispec.models.skip import is_self_spec, resolve_skip
 from verispec.sequence import Sequence
 from verispec.stats import GenerationStats
 from verispec.tuning import AdaptiveK, measure_costs
@@ -81,7 +82,9 @@ class SpeculativeDecoder:
     Args:
         target: the loaded target model.
         draft: a loaded draft model, "ngram" (prompt lookup), "ngram-corpus[:TABLE]" or a path ending
-            .ngram (corpus n-grams), "none" (plain decoding) or a Drafter.
+            .ngram (corpus n-grams), "self", "self:SKIP" or "self:FILE" (self-speculation: the target with
+            sublayers skipped, see `verispec.models.skip`), "none" (plain decoding) or a Drafter.
+        self_spec: on-the-fly choice of the self drafter's skip set (SWIFT-style).
         prompt_lookup: n-gram sizes for the "ngram" drafter.
         ngram: settings of the corpus n-gram drafter.
     """
@@ -92,12 +95,14 @@ class SpeculativeDecoder:
         draft: LoadedModel | Drafter | str = NGRAM,
         prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
         ngram: NGramConfig = NGramConfig(),
+        self_spec: SelfSpecConfig = SelfSpecConfig(),
     ) -> None:
         if target.weights == "int8":
             raise VerispecError("the target cannot use int8 weights: that would change the distribution being sampled")
         self.target = target
         self.runner = target.make_runner()
         self.draft_weights: str | None = None
+        self.skip_source: str | None = None  # the self drafter's skip set: a file, "given" or "default"
         context_window = self.runner.context_window
         if isinstance(draft, LoadedModel):
             check_same_tokenizer(target, draft)
@@ -116,6 +121,11 @@ class SpeculativeDecoder:
         elif is_corpus_spec(draft):
             self.drafter = CorpusNGramDrafter.from_spec(draft, target.tokenizer, self.runner.vocab_size, ngram)
             self.draft_name = draft
+        elif is_self_spec(draft):
+            from verispec.drafters.self_draft import SelfDrafter
+
+            skip, self.skip_source = resolve_skip(draft, self.runner, target.name)
+            self.drafter, self.draft_name = SelfDrafter(self.runner, skip, self_spec), f"self:{skip.spec}"
         elif draft in NO_DRAFT:
             self.drafter, self.draft_name = None, "none"
         else:
@@ -139,6 +149,7 @@ class SpeculativeDecoder:
         ngram: NGramConfig = NGramConfig(),
         draft_lookup: int | None = None,
         draft_context: int | None = None,
+        self_spec: SelfSpecConfig = SelfSpecConfig(),
     ) -> SpeculativeDecoder:
         """Load by spec: a named default, a local HF model directory or a .gguf file.
 
@@ -158,8 +169,8 @@ class SpeculativeDecoder:
         prompt's draft pass then costs N tokens); None reads all.
         """
         loaded_target = load_model(target, dtype, target_weights, backend)
-        if draft in NO_DRAFT or draft == NGRAM or is_corpus_spec(draft):
-            return cls(loaded_target, draft, prompt_lookup, ngram)
+        if draft in NO_DRAFT or draft == NGRAM or is_corpus_spec(draft) or is_self_spec(draft):
+            return cls(loaded_target, draft, prompt_lookup, ngram, self_spec)
         if distilled_path(draft) is not None:
             loaded_draft = load_distilled_draft(draft, loaded_target, draft_weights)
         else:

@@ -15,7 +15,8 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from verispec.config import TREE_CHILDREN, AdaptConfig, PromptLookupConfig, SamplingConfig, ServeConfig, SpecConfig, TreeConfig
+from verispec.config import (TREE_CHILDREN, AdaptConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, ServeConfig,
+                             SpecConfig, TreeConfig)
 from verispec.errors import VerispecError
 from verispec.models.loading import (
     BACKENDS,
@@ -55,7 +56,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"named default ({names}), HF model directory or .gguf file (default: %(default)s)")
     p.add_argument("--draft", default=DEFAULT_DRAFT,
                    help="a model spec like --target, 'ngram' (prompt lookup), 'ngram-corpus[:TABLE]' or a .ngram file "
-                        "(corpus n-grams, see `verispec ngram build`) or 'none' (plain decoding) (default: %(default)s)")
+                        "(corpus n-grams, see `verispec ngram build`), 'self' / 'self:SKIP' / 'self:FILE' (the target "
+                        "drafts with sublayers skipped; SKIP like a4-9,m12,20-; FILE from `verispec self-tune`) or "
+                        "'none' (plain decoding) (default: %(default)s)")
+    p.add_argument("--self-adapt", action="store_true",
+                   help="--draft self: re-choose the skipped sublayers while decoding, from each request's verified "
+                        "steps (SWIFT-style; native runner)")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=list(DTYPES), help="target compute dtype; float32 keeps greedy output equal to token-by-token decoding (default: %(default)s)")
     p.add_argument("--draft-dtype", default=None, choices=list(DTYPES), help="draft compute dtype (speed only; default: same as --dtype)")
     p.add_argument("--target-weights", default=DEFAULT_TARGET_WEIGHTS, choices=["packed", "dense"],
@@ -250,8 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the named default models")
     from verispec.distill import cli as distill_cli
+    from verispec.selfspec import cli as selfspec_cli
 
     distill_cli.add_parser(sub)
+    selfspec_cli.add_parser(sub)
     return parser
 
 
@@ -272,7 +280,8 @@ def _load(args: argparse.Namespace):
     return SpeculativeDecoder.load(args.target, args.draft, args.dtype, args.draft_dtype, lookup,
                                    args.target_weights, args.draft_weights, args.backend,
                                    draft_lookup=getattr(args, "draft_lookup", None),
-                                   draft_context=getattr(args, "draft_context", None))
+                                   draft_context=getattr(args, "draft_context", None),
+                                   self_spec=SelfSpecConfig(adapt=getattr(args, "self_adapt", False)))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -552,6 +561,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return distill_cli.run(args)
 
 
+def cmd_self_tune(args: argparse.Namespace) -> int:
+    from verispec.selfspec import cli as selfspec_cli
+
+    return selfspec_cli.run(args)
+
+
 def cmd_models(_: argparse.Namespace) -> int:
     for model in NAMED_MODELS.values():
         print(f"{model.name}\t{model.filename}\tsha256 {model.sha256}\t{len(model.packages)} package(s)")
@@ -562,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "replay": cmd_replay, "analyze": cmd_analyze, "viz": cmd_viz,
                 "audit": cmd_audit, "bench": cmd_bench, "serve": cmd_serve, "ngram": cmd_ngram, "fetch": cmd_fetch,
-                "models": cmd_models, "distill": cmd_distill}
+                "models": cmd_models, "distill": cmd_distill, "self-tune": cmd_self_tune}
     try:
         return handlers[args.command](args)
     except VerispecError as err:

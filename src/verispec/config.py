@@ -353,3 +353,30 @@ class AdaptConfig:
         if self.lr is not None:
             return self.lr
         return 3e-4 if num_parameters < 100_000_000 else 1e-5
+
+
+@dataclass(frozen=True)
+class SelfSpecConfig:
+    """On-the-fly choice of the self-speculation draft's skip set (SWIFT-style; `--self-adapt`).
+
+    Each sequence keeps an incumbent skip set and now and then tries a challenger, the incumbent with one
+    sublayer flipped (skipped or run again), for `trial_steps` of its steps, alternating with the
+    incumbent. The one with the better score (expected tokens per step over draft cost, from the acceptance
+    those steps saw) becomes the incumbent. A choice depends only on steps already verified, so the output
+    distribution never changes (`verispec.drafters.self_adapt`).
+
+    Attributes:
+        adapt: re-choose the skip set while decoding. Default False.
+        trial_steps: steps a challenger drafts before it is judged. Default 4.
+        gap: steps on the incumbent alone between two trials. Default 8.
+        seed: seeds the challengers' mutations (the same for every sequence, so batched = single). Default 0.
+    """
+
+    adapt: bool = False
+    trial_steps: int = 4
+    gap: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.trial_steps < 1 or self.gap < 0:
+            raise VerispecError(f"self-adaptation needs trial_steps >= 1 and gap >= 0, got {self.trial_steps}, {self.gap}")

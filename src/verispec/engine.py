@@ -315,6 +315,7 @@ class DecodeBatch:
         if not self.sequences:
             self.state = self.engine.target.new_state(len(sequences))
             if drafter is not None:
+                drafter.bind_target(self.state)
                 drafter.start(sequences)
         else:
             self.state.extend(len(sequences))

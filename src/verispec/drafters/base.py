@@ -62,6 +62,10 @@ class Drafter(ABC):
 
         Drafters that keep per-row state (a cache) override `start`, `extend` and `keep` together."""
 
+    def bind_target(self, state) -> None:
+        """The target's cache for the batch about to start (the same object while the batch lives).
+        Only a drafter that reads the target's own cache (self-speculation) keeps it."""
+
     def extend(self, sequences: list[Sequence]) -> None:
         """These new sequences join the running batch as its last rows (prompts only in `tokens`)."""
 

@@ -33,7 +33,7 @@ _SIGNATURES = {
     "vs_rope": ([_P, _I64, _I, _I, _P, _I], None),
     "vs_silu_mul": ([_P, _P, _I64, _P], None),
     "vs_attention": ([_P, _I64, _I, _I, _I, _F, _P, _P, _I64, _P, _P, _P, _P], None),
-    "vs_layer_forward": ([_P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P], _I),
+    "vs_layer_forward": ([_P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _I], _I),
 }
 
 

@@ -94,6 +94,14 @@ class Weight:
                 raise VerispecError(f"tensor '{name}' could not be repacked ({type_name(qtype)}, {rows} x {cols})")
         return cls(name, qtype, rows, cols, packed)
 
+    def first_rows(self, n: int) -> "Weight":
+        """The weight of rows 0..n-1 alone, sharing this one's memory (groups of 16 rows are independent in
+        the packed layout): a draft's LM head over the first n token ids. n: a multiple of 16, at most rows."""
+        if not 0 < n <= self.rows or (self.qtype not in FLOAT_TYPES and n % GROUP_ROWS):
+            raise VerispecError(f"'{self.name}': cannot take its first {n} rows (of {self.rows}; a multiple of {GROUP_ROWS})")
+        size = self.data.nbytes // self.rows * n if self.qtype in FLOAT_TYPES else lib().vs_packed_bytes(self.qtype, n, self.cols)
+        return Weight(self.name, self.qtype, n, self.cols, self.data[:size])
+
     def __post_init__(self) -> None:
         self.block = activation_block(self.qtype)
         self.address = ptr(self.data)  # looked up once: a pointer lookup costs ~1 us, and a pass makes ~200 calls

@@ -116,6 +116,9 @@ class NativeRunner:
         self.context_window = model.config.context
         self.dtype = torch.float32
         self.threads = threads or torch.get_num_threads()
+        self.keep_draft_prefix = True  # keep draft passes' full-layer prefixes for the next full pass (_Resume)
+        self.resumed_tokens = 0  # tokens full passes started past the embedding, thanks to _Resume
+        self._resume: dict[tuple, _Resume] = {}  # by _resume_key: what the draft passes since the last full pass kept
         self.initial_capacity = initial_capacity
         set_threads(self.threads)
 
@@ -128,6 +131,7 @@ class NativeRunner:
         """The weights, and the C structures that point at them (rebuilt whenever the weights change)."""
         c = model.config
         self._gguf = model
+        self._heads: dict[int, ops.Weight] = {}  # draft LM heads over the first n token ids (Weight.first_rows)
         self._dims = DimsStruct(c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, int(c.neox), c.rms_eps,
                                 1.0 / float(np.sqrt(c.head_dim)))
 
@@ -137,7 +141,7 @@ class NativeRunner:
         def vector(a: np.ndarray | None) -> int | None:
             return None if a is None else ptr(a)
 
-        self._layers = [LayerStruct(vector(layer.attn_norm), vector(layer.ffn_norm), vector(layer.q_bias),
+        self._layers_c = [LayerStruct(vector(layer.attn_norm), vector(layer.ffn_norm), vector(layer.q_bias),
                                     vector(layer.k_bias), vector(layer.v_bias), weight(layer.q), weight(layer.k),
                                     weight(layer.v), weight(layer.out), weight(layer.gate), weight(layer.up),
                                     weight(layer.down)) for layer in model.layers]
@@ -168,9 +172,12 @@ class NativeRunner:
 
     # ------------------------------------------------------------------ the interface
 
-    def forward(self, state: NativeState, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+    def forward(self, state: NativeState, tokens: list[list[int]], num_logits: list[int],
+                skip: np.ndarray | None = None, head_rows: int | None = None) -> torch.Tensor:
         """Append each row's tokens; (B, M, V) logits at each row's last num_logits[b] positions,
-        M = max(1, max(num_logits)) (see `ModelRunner.forward`)."""
+        M = max(1, max(num_logits)) (see `ModelRunner.forward`). skip: (layers,) int32 sublayers to skip
+        (`verispec.models.skip.SkipSet.bits`: the self-speculation draft), None runs the whole model.
+        head_rows: the draft's LM head keeps only token ids below this (-inf logits above); None keeps all."""
         if state.speculative:
             raise ValueError("forward needs the tree entries committed first (commit_tree)")
         queries, wanted = [], []
@@ -182,7 +189,7 @@ class NativeRunner:
                 column = row.length + j
                 queries.append(_Query(b, token, column, column, column + 1, []))
                 wanted.append(j >= len(row_tokens) - num_logits[b])
-        logits = self._run(state, queries, wanted, len(tokens), max(1, max(num_logits, default=0)))
+        logits = self._run(state, queries, wanted, len(tokens), max(1, max(num_logits, default=0)), skip, head_rows)
         for b, row_tokens in enumerate(tokens):
             state.rows[b].length += len(row_tokens)
         return logits
@@ -198,7 +205,8 @@ class NativeRunner:
             row.length -= drop
 
     def forward_tree(self, state: NativeState, chains: list[list[int]], nodes: list[list[int]],
-                     parents: list[list[int]]) -> torch.Tensor:
+                     parents: list[list[int]], skip: np.ndarray | None = None,
+                     head_rows: int | None = None) -> torch.Tensor:
         """Committed tokens chains[b], then tree nodes nodes[b] with parent slots parents[b] (see
         `ModelRunner.forward_tree`); (B, M, V) logits after the last chain token (if any) and each node."""
         for b, row in enumerate(state.rows):  # check everything before the state changes
@@ -229,7 +237,7 @@ class NativeRunner:
                 queries.append(_Query(b, token, base + row.spec_depths[-1] - 1, base + held + j, base, path[::-1]))
                 wanted.append(True)
             counts.append(sum(1 for q, w in zip(queries, wanted) if q.row == b and w))
-        logits = self._run(state, queries, wanted, len(chains), max(1, max(counts, default=0)))
+        logits = self._run(state, queries, wanted, len(chains), max(1, max(counts, default=0)), skip, head_rows)
         for b, row in enumerate(state.rows):
             row.length += len(chains[b])
         return logits
@@ -262,21 +270,36 @@ class NativeRunner:
             if q.position >= self.context_window:
                 raise VerispecError(f"position {q.position} is past the model's context window ({self.context_window})")
 
-    def _run(self, state: NativeState, queries: list[_Query], wanted: list[bool], batch: int, width: int) -> torch.Tensor:
+    def _run(self, state: NativeState, queries: list[_Query], wanted: list[bool], batch: int, width: int,
+             skip: np.ndarray | None = None, head_rows: int | None = None) -> torch.Tensor:
         """Evaluate the queries (in chunks of MAX_PASS_TOKENS) and return (batch, width, V) logits of the wanted ones."""
         self._check(queries)
+        # A full pass takes (and ends) the layer prefixes the last draft passes left behind; see `_Resume`.
+        resume = None
+        if skip is None:
+            resume, self._resume = self._resume, {}
         out = torch.zeros(batch, width, self.vocab_size)  # (B, M, V)
         filled = [0] * batch
         for start in range(0, len(queries), MAX_PASS_TOKENS):
             chunk, keep = queries[start : start + MAX_PASS_TOKENS], wanted[start : start + MAX_PASS_TOKENS]
-            logits = self._pass(state, chunk, keep)  # (n_wanted, V)
+            logits = self._pass(state, chunk, keep, skip, resume, head_rows)  # (n_wanted, V)
             for q, row_logits in zip([q for q, k in zip(chunk, keep) if k], logits):
                 out[q.row, filled[q.row]] = torch.from_numpy(row_logits)
                 filled[q.row] += 1
         return out
 
-    def _pass(self, state: NativeState, queries: list[_Query], wanted: list[bool]) -> np.ndarray:
-        """One forward over these tokens: writes their keys and values, returns (n_wanted, V) float32 logits."""
+    @staticmethod
+    def _resume_key(row: RowCache, q: _Query) -> tuple:
+        """What a token's first layers depend on: its row's cache, column, id, position and what it attends to."""
+        return row.keys.ctypes.data, q.column, q.token, q.position, q.prefix, tuple(q.extra)
+
+    def _pass(self, state: NativeState, queries: list[_Query], wanted: list[bool], skip: np.ndarray | None = None,
+              resume: dict | None = None, head_rows: int | None = None) -> np.ndarray:
+        """One forward over these tokens: writes their keys and values, returns (n_wanted, V) float32 logits.
+
+        skip: (layers,) int32 sublayers to skip (a draft pass); its tokens' hidden states entering the first
+        layer it skips are kept for the next full pass (`_Resume`). resume: those kept states, by `_resume_key`;
+        a full pass starts such a token at that layer instead of at the embedding."""
         c, model = self.config, self.gguf
         n = len(queries)
         if n == 0:
@@ -284,7 +307,52 @@ class NativeRunner:
         for q in queries:
             state.rows[q.row].reserve(q.column + 1)
         rows = [state.rows[q.row] for q in queries]
-        extra_off = np.zeros(n + 1, np.int32)  # (N + 1,)
+        positions = np.array([q.position for q in queries], np.int64)  # (N,)
+        angles = ops.rope_table(positions, c.head_dim, c.rope_theta)  # (N, D/2, 2)
+        x = model.embed.take_rows(np.array([q.token for q in queries], np.int64))  # (N, E)
+        if skip is not None:
+            first = int(np.flatnonzero(skip)[0]) if skip.any() else c.layers  # layers before it run in full
+            self._layers(x, queries, rows, angles, 0, first, None)
+            if first and self.keep_draft_prefix:
+                for i, q in enumerate(queries):
+                    self._resume[self._resume_key(rows[i], q)] = _Resume(first, x[i].copy())
+            self._layers(x, queries, rows, angles, first, c.layers, skip)
+        else:
+            hits = [resume.get(self._resume_key(rows[i], q)) if resume else None for i, q in enumerate(queries)]
+            starts = [0 if h is None else h.layer for h in hits]  # the layer each token starts at
+            bounds = sorted(set(starts) | {c.layers})
+            for i, h in enumerate(hits):
+                if h is not None:
+                    x[i] = h.hidden  # untouched until the layer it starts at
+            for low, high in zip(bounds, bounds[1:]):
+                active = [i for i in range(n) if starts[i] <= low]
+                if len(active) == n:
+                    self._layers(x, queries, rows, angles, low, high, None)
+                else:
+                    part = np.ascontiguousarray(x[active])
+                    self._layers(part, [queries[i] for i in active], [rows[i] for i in active],
+                                 np.ascontiguousarray(angles[active]), low, high, None)
+                    x[active] = part
+            self.resumed_tokens += sum(h is not None for h in hits)
+        keep = np.flatnonzero(np.array(wanted))
+        if keep.size == 0:
+            return np.zeros((0, self.vocab_size), np.float32)
+        final = ops.rmsnorm(np.ascontiguousarray(x[keep]), model.norm, c.rms_eps)  # (M, E)
+        if head_rows is None or head_rows >= self.vocab_size:
+            return model.head(ops.Activations(final))  # (M, V)
+        if head_rows not in self._heads:
+            self._heads[head_rows] = model.head.first_rows(head_rows)
+        logits = np.full((keep.size, self.vocab_size), -np.inf, np.float32)  # (M, V)
+        logits[:, :head_rows] = self._heads[head_rows](ops.Activations(final))
+        return logits
+
+    def _layers(self, x: np.ndarray, queries: list[_Query], rows: list[RowCache], angles: np.ndarray, low: int,
+                high: int, skip: np.ndarray | None) -> None:
+        """Layers low .. high - 1 on x (N, E) in place (skip[i]: sublayers of layer i to skip)."""
+        if low >= high:
+            return
+        c = self.config
+        extra_off = np.zeros(len(queries) + 1, np.int32)  # (N + 1,)
         extra_off[1:] = np.cumsum([len(q.extra) for q in queries])
         attend = _Attend(
             prefix=np.array([q.prefix for q in queries], np.int32),
@@ -294,32 +362,27 @@ class NativeRunner:
             value_base=np.array([r.values.ctypes.data for r in rows], np.int64),
             layer_bytes=np.array([r.keys.shape[1] * c.kv_dim * 4 for r in rows], np.int64),
         )
-        positions = np.array([q.position for q in queries], np.int64)  # (N,)
-        angles = ops.rope_table(positions, c.head_dim, c.rope_theta)  # (N, D/2, 2)
-        x = model.embed.take_rows(np.array([q.token for q in queries], np.int64))  # (N, E)
+        skips = np.zeros(c.layers, np.int32) if skip is None else skip
         if self.fused:
-            self._layers_fused(x, queries, angles, attend)
+            self._layers_fused(x, queries, angles, attend, range(low, high), skips)
         else:
-            x = self._layers_per_op(x, queries, rows, angles, attend)
-        keep = np.flatnonzero(np.array(wanted))
-        if keep.size == 0:
-            return np.zeros((0, self.vocab_size), np.float32)
-        final = ops.rmsnorm(np.ascontiguousarray(x[keep]), model.norm, c.rms_eps)  # (M, E)
-        return model.head(ops.Activations(final))  # (M, V)
+            x[:] = self._layers_per_op(x, queries, rows, angles, attend, range(low, high), skips)
 
-    def _layers_fused(self, x: np.ndarray, queries: list[_Query], angles: np.ndarray, attend: "_Attend") -> None:
-        """Every layer on x (N, E) in place, one C call each (vs_layer_forward)."""
+    def _layers_fused(self, x: np.ndarray, queries: list[_Query], angles: np.ndarray, attend: "_Attend",
+                      layers: range, skips: np.ndarray) -> None:
+        """These layers on x (N, E) in place, one C call each (vs_layer_forward)."""
         columns = np.array([q.column for q in queries], np.int32)  # (N,)
         forward, a = lib().vs_layer_forward, attend
-        for i, layer in enumerate(self._layers):
-            status = forward(ctypes.byref(self._dims), ctypes.byref(layer), ptr(x), len(queries), ptr(angles),
-                             ptr(a.key_base), ptr(a.value_base), ptr(a.layer_bytes), i, self.config.kv_dim,
-                             ptr(columns), ptr(a.prefix), ptr(a.extra_off), ptr(a.extra))
+        for i in layers:
+            status = forward(ctypes.byref(self._dims), ctypes.byref(self._layers_c[i]), ptr(x), len(queries),
+                             ptr(angles), ptr(a.key_base), ptr(a.value_base), ptr(a.layer_bytes), i,
+                             self.config.kv_dim, ptr(columns), ptr(a.prefix), ptr(a.extra_off), ptr(a.extra),
+                             int(skips[i]))
             if status:
                 raise VerispecError(f"layer {i} failed in the native kernels (status {status})")
 
     def _layers_per_op(self, x: np.ndarray, queries: list[_Query], rows: list[RowCache], angles: np.ndarray,
-                       attend: "_Attend") -> np.ndarray:
+                       attend: "_Attend", layers: range, skips: np.ndarray) -> np.ndarray:
         """The same layers, one kernel call per op from Python (what vs_layer_forward does, in the same order)."""
         c, a, n = self.config, attend, len(queries)
         # Keys and values of a row's new tokens go to consecutive columns: (row, first query, count, first column).
@@ -331,24 +394,41 @@ class NativeRunner:
                 runs.append((rows[i], i, 1, q.column))
         scale = 1.0 / float(np.sqrt(c.head_dim))
         attn = np.empty((n, c.heads * c.head_dim), np.float32)  # (N, Hq D)
-        for i, layer in enumerate(self.gguf.layers):
-            h = ops.Activations(ops.rmsnorm(x, layer.attn_norm, c.rms_eps))
-            q, k, v = layer.q(h), layer.k(h), layer.v(h)  # (N, Hq D), (N, Hkv D), (N, Hkv D)
-            for t, bias in ((q, layer.q_bias), (k, layer.k_bias), (v, layer.v_bias)):
-                if bias is not None:
-                    t += bias
-            ops.rope(q, c.heads, angles, c.neox)
-            ops.rope(k, c.kv_heads, angles, c.neox)
-            for row, first, count, column in runs:
-                row.keys[i, column : column + count] = k[first : first + count]
-                row.values[i, column : column + count] = v[first : first + count]
-            keys, values = a.key_base + i * a.layer_bytes, a.value_base + i * a.layer_bytes  # (N,) this layer's
-            lib().vs_attention(ptr(q), n, c.heads, c.kv_heads, c.head_dim, scale, ptr(keys), ptr(values), c.kv_dim,
-                               ptr(a.prefix), ptr(a.extra_off), ptr(a.extra), ptr(attn))
-            x = x + layer.out(ops.Activations(attn))
-            h = ops.Activations(ops.rmsnorm(x, layer.ffn_norm, c.rms_eps))
-            x = x + layer.down(ops.Activations(ops.silu_mul(layer.gate(h), layer.up(h))))
+        for i in layers:
+            layer = self.gguf.layers[i]
+            if not skips[i] & 1:
+                h = ops.Activations(ops.rmsnorm(x, layer.attn_norm, c.rms_eps))
+                q, k, v = layer.q(h), layer.k(h), layer.v(h)  # (N, Hq D), (N, Hkv D), (N, Hkv D)
+                for t, bias in ((q, layer.q_bias), (k, layer.k_bias), (v, layer.v_bias)):
+                    if bias is not None:
+                        t += bias
+                ops.rope(q, c.heads, angles, c.neox)
+                ops.rope(k, c.kv_heads, angles, c.neox)
+                for row, first, count, column in runs:
+                    row.keys[i, column : column + count] = k[first : first + count]
+                    row.values[i, column : column + count] = v[first : first + count]
+                keys, values = a.key_base + i * a.layer_bytes, a.value_base + i * a.layer_bytes  # (N,) this layer's
+                lib().vs_attention(ptr(q), n, c.heads, c.kv_heads, c.head_dim, scale, ptr(keys), ptr(values),
+                                   c.kv_dim, ptr(a.prefix), ptr(a.extra_off), ptr(a.extra), ptr(attn))
+                x = x + layer.out(ops.Activations(attn))
+            if not skips[i] & 2:
+                h = ops.Activations(ops.rmsnorm(x, layer.ffn_norm, c.rms_eps))
+                x = x + layer.down(ops.Activations(ops.silu_mul(layer.gate(h), layer.up(h))))
         return x
+
+
+@dataclass
+class _Resume:
+    """A draft token's hidden state entering `layer`, the first layer its draft pass skipped a part of.
+
+    Layers before it ran in full, on the same token at the same column and position, attending to the same
+    columns, whose keys and values (the target's committed ones, and the draft's for earlier tokens of its
+    pass, themselves computed in full up to there) a full pass would also read: so the state, and the keys
+    and values those layers wrote, are the bits a full pass computes (the kernels are batch invariant).
+    A full pass over the same query starts it at `layer` (LayerSkip's reuse of the early-exit layers)."""
+
+    layer: int
+    hidden: np.ndarray  # (E,) float32
 
 
 @dataclass

@@ -1004,7 +1004,9 @@ static void add_rows(float *y, const float *b, int64_t n, int64_t width) { /* y[
 int vs_layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int64_t n, const float *rope_table,
                      const int64_t *kbase0, const int64_t *vbase0, const int64_t *layer_bytes, int64_t layer,
                      int64_t stride, const int32_t *columns, const int32_t *prefix, const int32_t *extra_off,
-                     const int32_t *extra) {
+                     const int32_t *extra, int32_t skip) {
+    /* skip: bit 1 skips the attention sublayer (no keys or values written), bit 2 the MLP sublayer: the
+       residual stream passes through unchanged (self-speculation's draft, verispec.drafters.self_draft). */
     const int64_t E = D->hidden, QD = D->heads * D->head_dim, KD = D->kv_heads * D->head_dim, F = D->ffn;
     const float eps = (float)D->eps;
     int status = 0;
@@ -1016,6 +1018,7 @@ int vs_layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int64_t 
     int64_t *kb = malloc(sizeof(int64_t) * (size_t)n), *vb = malloc(sizeof(int64_t) * (size_t)n);
     for (int64_t i = 0; i < n; i++) { kb[i] = kbase0[i] + layer * layer_bytes[i]; vb[i] = vbase0[i] + layer * layer_bytes[i]; }
 
+    if (skip & 1) goto mlp;
     vs_rmsnorm(x, n, E, L->attn_norm, eps, xn);
     act_t a = {xn, n, E, {0}, {0}, {0}};
     status |= act_matmul(&L->q, &a, q);
@@ -1038,6 +1041,8 @@ int vs_layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int64_t 
     act_free(&a2);
     for (int64_t i = 0; i < n * E; i++) x[i] = x[i] + o[i];
 
+mlp:
+    if (skip & 2) goto done;
     vs_rmsnorm(x, n, E, L->ffn_norm, eps, xn);
     act_t a3 = {xn, n, E, {0}, {0}, {0}};
     status |= act_matmul(&L->gate, &a3, g);
@@ -1049,6 +1054,7 @@ int vs_layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int64_t 
     act_free(&a4);
     for (int64_t i = 0; i < n * E; i++) x[i] = x[i] + o[i];
 
+done:
     free(xn); free(q); free(k); free(v); free(attn); free(o); free(g); free(u); free(h); free(kb); free(vb);
     return status;
 }

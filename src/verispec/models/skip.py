@@ -1,0 +1,447 @@
+"""The target minus some sublayers: self-speculation's draft model (Draft & Verify, SWIFT, LayerSkip).
+
+A `SkipSet` names the attention and MLP sublayers of a decoder to skip: a skipped sublayer adds nothing to
+the residual stream (x + 0 is x, bit for bit), so the draft is the target's own computation with holes in
+it, over the target's own weights (nothing is copied). Early exit at layer L (LayerSkip) is the skip set
+that skips every sublayer from layer L on: the draft then goes from layer L's output through the final norm
+and the LM head.
+
+Written on the command line as `self:SKIP`, SKIP a comma-separated list of items, layers numbered from 0:
+`12` (both sublayers of layer 12), `a12` (its attention only), `m12` (its MLP only), ranges `4-9`,
+`a4-9`, and open ranges `20-` (from layer 20 to the last: early exit at 20). One more item, `h32768`,
+gives the draft an LM head over the first 32768 token ids only (its logits are -inf above, so q is 0
+there): on a small model with a large vocabulary the head is a large share of a pass (a fifth of the
+1.5B Qwen's bytes), and byte-level BPE numbers its pieces by merge order, so low ids are the common ones.
+
+Runners: `SkipRunner` runs a skip set on the native runner (`models.gguf`); its states are views of the
+target's caches (see `verispec.drafters.self_draft` for which entries the draft reads and writes).
+`skipping_module` builds the torch version: a shallow copy of a transformers decoder whose skipped
+layers pass the residual through (a skipped attention still writes zero keys and values, so that every
+layer of its own cache stays as long as the others, as transformers' mask code expects).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from verispec.errors import VerispecError
+from verispec.models.gguf.runner import NativeState, RowCache
+
+SKIP_FORMAT = "verispec-skip/1"
+_ITEM = re.compile(r"^([am]?)(\d+)(?:(-)(\d*))?$")
+_HEAD = re.compile(r"^h(\d+)$")
+
+
+@dataclass(frozen=True)
+class SkipSet:
+    """Sublayers to skip in a decoder of `layers` layers (numbered from 0)."""
+
+    layers: int
+    attention: frozenset[int] = frozenset()
+    mlp: frozenset[int] = frozenset()
+    head: int | None = None  # the draft's LM head keeps token ids below this (None: all)
+
+    def __post_init__(self) -> None:
+        if self.head is not None and (self.head < 16 or self.head % 16):
+            raise VerispecError(f"the draft head's size must be a multiple of 16 (at least 16), got h{self.head}")
+        bad = sorted(i for i in self.attention | self.mlp if not 0 <= i < self.layers)
+        if bad:
+            raise VerispecError(f"the skip set names layer {bad[0]}, but the model has {self.layers} layers "
+                                f"(0..{self.layers - 1})")
+        if len(self.attention) == self.layers and len(self.mlp) == self.layers:
+            raise VerispecError("the skip set skips every layer: the draft would compute nothing")
+
+    @classmethod
+    def parse(cls, spec: str, layers: int) -> SkipSet:
+        """`a4-9,m12,20-` -> SkipSet (see the module docstring)."""
+        attention: set[int] = set()
+        mlp: set[int] = set()
+        head = None
+        items = [item.strip() for item in spec.split(",")]
+        if not spec.strip() or not all(items):
+            raise VerispecError(f"'{spec}' is not a skip set: expected items like 12, a12, m12, 4-9 or 20- "
+                                "separated by commas")
+        for item in items:
+            if _HEAD.match(item):
+                head = int(item[1:])
+                continue
+            match = _ITEM.match(item)
+            if match is None:
+                raise VerispecError(f"'{item}' in skip set '{spec}' is not a layer (12), a sublayer (a12, m12), "
+                                    "a range (4-9, a4-9, 20-) or a head size (h32768)")
+            kind, first, dash, last = match.groups()
+            low = int(first)
+            high = (layers - 1 if last == "" else int(last)) if dash else low
+            if high < low:
+                raise VerispecError(f"'{item}' in skip set '{spec}' is an empty range")
+            chosen = range(low, high + 1)
+            if kind in ("", "a"):
+                attention.update(chosen)
+            if kind in ("", "m"):
+                mlp.update(chosen)
+        return cls(layers, frozenset(attention), frozenset(mlp), head)
+
+    @classmethod
+    def early_exit(cls, exit_layer: int, layers: int) -> SkipSet:
+        """Draft from the output of layers 0 .. exit_layer - 1 (LayerSkip)."""
+        return cls(layers, frozenset(range(exit_layer, layers)), frozenset(range(exit_layer, layers)))
+
+    @property
+    def spec(self) -> str:
+        """The shortest item list `parse` reads back into this set."""
+        both = self.attention & self.mlp
+        items = [(prefix, sorted(chosen)) for prefix, chosen in
+                 (("", both), ("a", self.attention - both), ("m", self.mlp - both))]
+        out = []
+        for prefix, chosen in items:
+            for low, high in _runs(chosen):
+                if low == high:
+                    out.append(f"{prefix}{low}")
+                elif high == self.layers - 1 and prefix == "":
+                    out.append(f"{low}-")
+                else:
+                    out.append(f"{prefix}{low}-{high}")
+        if self.head is not None:
+            out.append(f"h{self.head}")
+        return ",".join(out) or "none"
+
+    @property
+    def size(self) -> int:
+        """Sublayers skipped."""
+        return len(self.attention) + len(self.mlp)
+
+    @property
+    def fraction(self) -> float:
+        """The share of the decoder's 2 x layers sublayers skipped."""
+        return self.size / (2 * self.layers)
+
+    @property
+    def first(self) -> int:
+        """The first layer with a skipped sublayer (`layers` when none is): layers before it run in full."""
+        chosen = self.attention | self.mlp
+        return min(chosen) if chosen else self.layers
+
+    def bits(self) -> np.ndarray:
+        """(layers,) int32: bit 1 skips a layer's attention, bit 2 its MLP (the native kernels' argument)."""
+        out = np.zeros(self.layers, np.int32)
+        for i in self.attention:
+            out[i] |= 1
+        for i in self.mlp:
+            out[i] |= 2
+        return out
+
+    def toggled(self, kind: str, layer: int) -> SkipSet:
+        """This set with one sublayer ("attention" or "mlp" of `layer`) flipped between skipped and run."""
+        chosen = set(self.attention if kind == "attention" else self.mlp) ^ {layer}
+        if kind == "attention":
+            return SkipSet(self.layers, frozenset(chosen), self.mlp, self.head)
+        return SkipSet(self.layers, self.attention, frozenset(chosen), self.head)
+
+    def with_head(self, head: int | None) -> SkipSet:
+        return SkipSet(self.layers, self.attention, self.mlp, head)
+
+    def sublayers(self) -> list[tuple[str, int]]:
+        """Every sublayer of the decoder, as (kind, layer)."""
+        return [(kind, i) for i in range(self.layers) for kind in ("attention", "mlp")]
+
+    def skips(self, kind: str, layer: int) -> bool:
+        return layer in (self.attention if kind == "attention" else self.mlp)
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    """Sorted ints -> maximal runs of consecutive values, as (first, last)."""
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and runs[-1][1] == v - 1:
+            runs[-1] = (runs[-1][0], v)
+        else:
+            runs.append((v, v))
+    return runs
+
+
+# ---------------------------------------------------------------------- which model a skip set was made for
+
+
+def fingerprint(runner) -> str:
+    """A short id of the target's weights that survives a change of format (GGUF or Hugging Face): a hash of
+    its final norm's weights, rounded to 3 decimals, with its number of layers and width."""
+    norm = _final_norm(runner)
+    rounded = np.round(norm.astype(np.float64), 3).tobytes()
+    return hashlib.sha256(rounded + f"{norm.size}:{num_layers(runner)}".encode()).hexdigest()[:16]
+
+
+def _final_norm(runner) -> np.ndarray:
+    gguf = getattr(runner, "gguf", None)
+    if gguf is not None:
+        return np.asarray(gguf.norm, np.float32)
+    model = getattr(runner, "model", None)
+    decoder = getattr(model, "model", None)
+    norm = getattr(decoder, "norm", None)
+    if norm is None or not hasattr(norm, "weight"):
+        raise VerispecError("self-speculation needs a decoder with a final norm (Llama or Qwen2 layout); "
+                            "this target has none")
+    return norm.weight.detach().float().numpy()
+
+
+def num_layers(runner) -> int:
+    gguf = getattr(runner, "gguf", None)
+    if gguf is not None:
+        return int(gguf.config.layers)
+    return len(_decoder_layers(getattr(runner, "model", None)))
+
+
+@dataclass(frozen=True)
+class SkipFile:
+    """A skip set saved by `verispec self-tune`, with the model it was searched on and what was measured."""
+
+    skip: SkipSet
+    model: str  # the target's name when it was searched
+    fingerprint: str
+    measured: dict = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically (a temporary file renamed into place): never a half-written file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"format": SKIP_FORMAT, "skip": self.skip.spec, "layers": self.skip.layers,
+                   "attention": sorted(self.skip.attention), "mlp": sorted(self.skip.mlp), "head": self.skip.head,
+                   "model": self.model,
+                   "fingerprint": self.fingerprint, "measured": self.measured}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(payload, indent=1) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> SkipFile:
+        path = Path(path)
+        try:
+            payload = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise VerispecError(f"skip file {path} does not exist") from None
+        except (OSError, ValueError) as err:
+            raise VerispecError(f"skip file {path} cannot be read: {err}") from None
+        if not isinstance(payload, dict) or payload.get("format") != SKIP_FORMAT:
+            raise VerispecError(f"{path} is not a skip file (format '{SKIP_FORMAT}'); `verispec self-tune` writes them")
+        try:
+            head = payload.get("head")
+            skip = SkipSet(int(payload["layers"]), frozenset(int(i) for i in payload["attention"]),
+                           frozenset(int(i) for i in payload["mlp"]), None if head is None else int(head))
+            return cls(skip, str(payload["model"]), str(payload["fingerprint"]), dict(payload.get("measured", {})))
+        except (KeyError, TypeError, ValueError) as err:
+            raise VerispecError(f"skip file {path} is missing or garbles a field ({err})") from None
+
+    def check(self, runner, target_name: str, path: str | Path) -> SkipSet:
+        """The skip set, once sure it was made for this target."""
+        layers = num_layers(runner)
+        if self.skip.layers != layers or self.fingerprint != fingerprint(runner):
+            raise VerispecError(f"skip file {path} was made for another model ({self.model}, {self.skip.layers} "
+                                f"layers), not {target_name} ({layers} layers): run `verispec self-tune` for it")
+        return self.skip
+
+
+# ---------------------------------------------------------------------- the native runner's draft
+
+
+class SkipRunner:
+    """A runner interface over the native target runner that skips sublayers; no weights of its own.
+
+    Its states hold one skip set per row (`SkipState`); a pass runs each group of rows that share a set as
+    one target pass with those sublayers skipped (one group, one pass, in the usual case).
+    """
+
+    def __init__(self, target, skip: SkipSet) -> None:
+        self.target = target
+        self.skip = skip
+        self.vocab_size = target.vocab_size
+        self.context_window = target.context_window
+        self.dtype = target.dtype
+
+    def new_state(self, batch_size: int):
+        """Caches of its own (for measuring its cost); the self drafter reads the target's through `view`."""
+        return SkipState.of(self.target.new_state(batch_size), [self.skip] * batch_size)
+
+    def view(self, target_state, skips: list[SkipSet]):
+        """A state over the target's caches: the same arrays, its own lengths (see drafters.self_draft)."""
+        return SkipState.of(target_state, skips, share=True)
+
+    def forward(self, state, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+        return self._grouped(state, lambda sub, idx, bits, head: self.target.forward(
+            sub, [tokens[i] for i in idx], [num_logits[i] for i in idx], skip=bits, head_rows=head))
+
+    def forward_tree(self, state, chains, nodes, parents) -> torch.Tensor:
+        return self._grouped(state, lambda sub, idx, bits, head: self.target.forward_tree(
+            sub, [chains[i] for i in idx], [nodes[i] for i in idx], [parents[i] for i in idx], skip=bits,
+            head_rows=head))
+
+    def rollback(self, state, num_dropped: list[int]) -> None:
+        self.target.rollback(state, num_dropped)
+
+    def commit_tree(self, state, paths: list[list[int]]) -> None:
+        self.target.commit_tree(state, paths)
+
+    def _grouped(self, state, run) -> torch.Tensor:
+        groups: dict[SkipSet, list[int]] = {}
+        for b, skip in enumerate(state.skips):
+            groups.setdefault(skip, []).append(b)
+        if len(groups) == 1:
+            skip, = groups
+            return run(state, list(range(state.batch_size)), skip.bits(), skip.head)
+        parts = {}
+        for skip, idx in groups.items():
+            sub = type(state)(state.runner, [state.rows[i] for i in idx], [skip] * len(idx))
+            parts[skip] = (idx, run(sub, idx, skip.bits(), skip.head))  # (b, M_g, V)
+        width = max(out.shape[1] for _, out in parts.values())
+        logits = torch.zeros(state.batch_size, width, self.vocab_size)  # (B, M, V)
+        for idx, out in parts.values():
+            logits[idx, : out.shape[1]] = out
+        return logits
+
+
+@dataclass
+class SkipState(NativeState):
+    """A native state with one skip set per row; `of(..., share=True)` views another state's caches."""
+
+    skips: list = field(default_factory=list)  # per row: its SkipSet
+
+    @classmethod
+    def of(cls, state: NativeState, skips: list, share: bool = False) -> SkipState:
+        rows = [RowCache(r.keys, r.values, r.length) for r in state.rows] if share else state.rows
+        return cls(state.runner, rows, list(skips))
+
+    def select(self, rows: torch.Tensor) -> None:
+        super().select(rows)
+        self.skips = [self.skips[i] for i in rows.tolist()]
+
+    def extend(self, num_rows: int) -> None:
+        super().extend(num_rows)
+        self.skips += [self.skips[-1]] * num_rows
+
+
+# ---------------------------------------------------------------------- the torch runner's draft
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    decoder = getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not all(
+            all(hasattr(layer, name) for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"))
+            for layer in layers):
+        raise VerispecError("self-speculation needs a pre-norm decoder (Llama or Qwen2 layout: input_layernorm, "
+                            "self_attn, post_attention_layernorm, mlp in every layer); this target has another")
+    return layers
+
+
+class _SkippingLayer(torch.nn.Module):
+    """A decoder layer with its attention and / or MLP skipped (the residual passes through)."""
+
+    def __init__(self, layer: torch.nn.Module, skip_attention: bool, skip_mlp: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.skip_attention, self.skip_mlp = skip_attention, skip_mlp
+        attention = layer.self_attn
+        self.layer_idx = attention.layer_idx
+        self.kv_heads = attention.config.num_key_value_heads
+        self.head_dim = attention.head_dim
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
+        layer = self.layer
+        if self.skip_attention:
+            if past_key_values is not None:  # keep this layer's cache as long as the others' (never read)
+                B, W = hidden_states.shape[:2]
+                zeros = hidden_states.new_zeros(B, self.kv_heads, W, self.head_dim)  # (B, Hkv, W, D)
+                past_key_values.update(zeros, zeros, self.layer_idx)
+        else:
+            attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states),
+                                          attention_mask=attention_mask, position_ids=position_ids,
+                                          past_key_values=past_key_values, use_cache=use_cache,
+                                          position_embeddings=position_embeddings, **kwargs)
+            hidden_states = hidden_states + attended
+        if not self.skip_mlp:
+            hidden_states = hidden_states + layer.mlp(layer.post_attention_layernorm(hidden_states))
+        return hidden_states
+
+
+def skipping_module(model: torch.nn.Module, skip: SkipSet) -> torch.nn.Module:
+    """A shallow copy of a transformers causal LM whose skipped sublayers pass the residual through.
+    The weights are the target's own tensors."""
+    layers = _decoder_layers(model)
+    if len(layers) != skip.layers:
+        raise VerispecError(f"the skip set is for {skip.layers} layers; this target has {len(layers)}")
+    outer = copy.copy(model)
+    outer._modules = dict(model._modules)
+    decoder = copy.copy(model.model)
+    decoder._modules = dict(model.model._modules)
+    decoder.layers = torch.nn.ModuleList(
+        _SkippingLayer(layer, i in skip.attention, i in skip.mlp) if (i in skip.attention or i in skip.mlp)
+        else layer for i, layer in enumerate(layers))
+    outer.model = decoder
+    if skip.head is not None and skip.head < outer.get_output_embeddings().weight.shape[0]:
+        outer.lm_head = _PrefixHead(outer.get_output_embeddings(), skip.head)
+    return outer
+
+
+class _PrefixHead(torch.nn.Module):
+    """An LM head over the first n token ids: their logits, -inf for the others (q is 0 there)."""
+
+    def __init__(self, head: torch.nn.Module, n: int) -> None:
+        super().__init__()
+        self.head, self.n = head, n
+
+    @property
+    def weight(self) -> torch.Tensor:  # the full head's: runners read the vocabulary size from it
+        return self.head.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        bias = getattr(self.head, "bias", None)
+        part = torch.nn.functional.linear(hidden, self.head.weight[: self.n], None if bias is None else bias[: self.n])
+        out = part.new_full((*part.shape[:-1], self.head.weight.shape[0]), float("-inf"))  # (..., V)
+        out[..., : self.n] = part
+        return out
+
+
+# ---------------------------------------------------------------------- --draft self[:SKIP|:FILE]
+
+SELF = "self"
+
+
+def is_self_spec(draft: object) -> bool:
+    return isinstance(draft, str) and (draft == SELF or draft.startswith(SELF + ":"))
+
+
+def tuned_paths(runner) -> list[Path]:
+    """Where `--draft self` looks for this target's searched skip set: the cache (`verispec self-tune`'s
+    default output), then the sets shipped with the package."""
+    from verispec.models.registry import cache_dir
+
+    name = f"{fingerprint(runner)}.json"
+    return [cache_dir() / "self-tune" / name, Path(__file__).resolve().parent.parent / "assets" / "self-tune" / name]
+
+
+def default_skip(layers: int) -> SkipSet:
+    """The skip set of a target nobody searched: the MLP and attention of every other layer in the second
+    and third quarters, about a quarter of the sublayers (run `verispec self-tune` for a measured one)."""
+    chosen = frozenset(range(layers // 4 + 1, (3 * layers) // 4, 2))
+    return SkipSet(layers, chosen, chosen)
+
+
+def resolve_skip(draft: str, runner, target_name: str) -> tuple[SkipSet, str]:
+    """`self`, `self:SKIP` or `self:FILE` -> (the skip set, where it came from)."""
+    layers = num_layers(runner)
+    if draft == SELF:
+        for path in tuned_paths(runner):
+            if path.is_file():
+                return SkipFile.load(path).check(runner, target_name, path), str(path)
+        return default_skip(layers), "default"
+    value = draft[len(SELF) + 1 :]
+    if value.endswith(".json") or Path(value).is_file():
+        return SkipFile.load(value).check(runner, target_name, value), value
+    return SkipSet.parse(value, layers), "given"

@@ -1,0 +1,1 @@
+"""Self-speculation tooling: the skip-set search (`verispec self-tune`)."""
