@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -125,7 +125,9 @@ class SpeculativeDecoder:
             from verispec.drafters.self_draft import SelfDrafter
 
             skip, self.skip_source = resolve_skip(draft, self.runner, target.name)
-            self.drafter, self.draft_name = SelfDrafter(self.runner, skip, self_spec), f"self:{skip.spec}"
+            n = self_spec.lookup
+            lookup = PromptLookupConfig(max_ngram=max(4, n), min_ngram=n) if n else None
+            self.drafter, self.draft_name = SelfDrafter(self.runner, skip, self_spec, lookup), f"self:{skip.spec}"
         elif draft in NO_DRAFT:
             self.drafter, self.draft_name = None, "none"
         else:
@@ -169,6 +171,8 @@ class SpeculativeDecoder:
         prompt's draft pass then costs N tokens); None reads all.
         """
         loaded_target = load_model(target, dtype, target_weights, backend)
+        if is_self_spec(draft) and draft_lookup:
+            self_spec = replace(self_spec, lookup=draft_lookup)
         if draft in NO_DRAFT or draft == NGRAM or is_corpus_spec(draft) or is_self_spec(draft):
             return cls(loaded_target, draft, prompt_lookup, ngram, self_spec)
         if distilled_path(draft) is not None:

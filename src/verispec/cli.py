@@ -17,6 +17,7 @@ from pathlib import Path
 
 from verispec.config import (TREE_CHILDREN, AdaptConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, ServeConfig,
                              SpecConfig, TreeConfig)
+from verispec.console import notice
 from verispec.errors import VerispecError
 from verispec.models.loading import (
     BACKENDS,
@@ -277,11 +278,15 @@ def _load(args: argparse.Namespace):
 
     set_threads(args.threads)
     lookup = _build(PromptLookupConfig, args, LOOKUP_OPTIONS)
-    return SpeculativeDecoder.load(args.target, args.draft, args.dtype, args.draft_dtype, lookup,
-                                   args.target_weights, args.draft_weights, args.backend,
-                                   draft_lookup=getattr(args, "draft_lookup", None),
-                                   draft_context=getattr(args, "draft_context", None),
-                                   self_spec=SelfSpecConfig(adapt=getattr(args, "self_adapt", False)))
+    decoder = SpeculativeDecoder.load(args.target, args.draft, args.dtype, args.draft_dtype, lookup,
+                                      args.target_weights, args.draft_weights, args.backend,
+                                      draft_lookup=getattr(args, "draft_lookup", None),
+                                      draft_context=getattr(args, "draft_context", None),
+                                      self_spec=SelfSpecConfig(adapt=getattr(args, "self_adapt", False)))
+    if decoder.skip_source == "default":
+        notice(f"self-speculation with the untuned default skip set {decoder.draft_name}: "
+               f"`verispec self-tune --target {args.target}` searches a faster one for this model")
+    return decoder
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -486,7 +491,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     if is_corpus_spec(args.draft) and config.ngram_table is None:
         config = dataclasses.replace(config, ngram_table=args.draft)
-    has_draft = args.draft not in NO_DRAFT and args.draft != NGRAM and not is_corpus_spec(args.draft)
+    from verispec.models.skip import is_self_spec
+
+    if is_self_spec(args.draft):
+        config = dataclasses.replace(config, self_draft=args.draft)
+    has_draft = (args.draft not in NO_DRAFT and args.draft != NGRAM and not is_corpus_spec(args.draft)
+                 and not is_self_spec(args.draft))
     draft_dtype = args.draft_dtype or args.dtype
     # Hugging Face systems run the models as loaded, on torch (loaded only when one of them runs);
     # verispec's run on --backend (auto: GGUF files on verispec's own quantized CPU runner).

@@ -370,13 +370,18 @@ class SelfSpecConfig:
         trial_steps: steps a challenger drafts before it is judged. Default 4.
         gap: steps on the incumbent alone between two trials. Default 8.
         seed: seeds the challengers' mutations (the same for every sequence, so batched = single). Default 0.
+        lookup: N > 0 copies from the context first where its last n-gram (n >= N) occurred before, as a draft
+            model's "lookup first" (`DraftModelDrafter`); 0 drafts from the skipped model only. Default 0.
     """
 
     adapt: bool = False
     trial_steps: int = 4
     gap: int = 8
     seed: int = 0
+    lookup: int = 0
 
     def __post_init__(self) -> None:
+        if self.lookup < 0:
+            raise VerispecError(f"lookup first needs an n-gram size >= 1 (0 turns it off), got {self.lookup}")
         if self.trial_steps < 1 or self.gap < 0:
             raise VerispecError(f"self-adaptation needs trial_steps >= 1 and gap >= 0, got {self.trial_steps}, {self.gap}")

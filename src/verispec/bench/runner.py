@@ -26,9 +26,12 @@ LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled
 DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto",
                      "verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto", "verispec-llamacpp-distilled-tree",
                      "verispec-llamacpp-distilled-tree-auto")  # need a distilled draft (--distilled)
+# self-speculation (--draft self): the skip set of BenchConfig.self_draft; -lookup copies from the context first;
+# -adapt re-chooses the skip set while decoding
+SELF_SYSTEMS = ("verispec-self", "verispec-self-auto", "verispec-self-lookup-auto", "verispec-self-adapt-auto")
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram", "verispec-ngram-auto",
            "verispec-ngram-corpus", "verispec-ngram-corpus-tree", "verispec-auto", "verispec-draft-tree", "verispec-draft-tree-auto", "verispec-ngram-tree", "verispec-distilled",
-           "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto", *LLAMACPP_SYSTEMS)
+           "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto", *SELF_SYSTEMS, *LLAMACPP_SYSTEMS)
 SPLITS = ("all", "heldout", "train")  # Spec-Bench question ids: odd are held out from distillation (see verispec.distill)
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
 
@@ -48,6 +51,8 @@ class BenchConfig:
         table shipped with verispec; without one the system is skipped).
     adapt: verispec systems whose drafter can adapt (ngram-corpus, draft models) learn online between
         prompts (their acceptance then depends on the prompts before).
+    self_draft: the verispec-self* systems' draft: "self" (the skip set searched for this target, see
+        `verispec self-tune`), "self:SKIP" or "self:FILE".
     peer_num_draft_tokens: K of the peers' speculative decoding (llama.cpp's and Hugging Face's prompt lookup,
         llama.cpp's draft model: llama-cpp-python's loop with the draft GGUF); None: num_draft_tokens.
         With several, each K runs as a system of its own (`llamacpp-prompt-lookup-k1`, ...) and the report
@@ -71,6 +76,7 @@ class BenchConfig:
     ngram_table: str | None = None
     adapt: bool = False
     peer_num_draft_tokens: tuple[int, ...] | None = None
+    self_draft: str = "self"
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -171,6 +177,8 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             elif llama_draft is not None:
                 decoder = SpeculativeDecoder(llama_target, llama_draft)
                 systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
+        elif name in SELF_SYSTEMS:
+            systems.append(_self_system(name, config, target, k))
         elif name == "verispec-plain":
             systems.append(VerispecSystem(name, plain, k))
         elif name.startswith("hf-") and (hf_target is None or (name == "hf-assisted" and hf_draft is None)):
@@ -210,6 +218,15 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
             if decoder is not None and getattr(decoder.drafter, "adaptive", False) and id(decoder) not in adapters:
                 adapters[id(decoder)] = decoder.enable_adaptation(AdaptConfig(background=False))
     return systems
+
+
+def _self_system(name: str, config: BenchConfig, target: LoadedModel, k: int) -> System:
+    """A verispec-self* system: the target drafts for itself (lookup first, on-the-fly choice as named)."""
+    from verispec.config import SelfSpecConfig
+
+    spec = SelfSpecConfig(adapt="-adapt" in name, lookup=2 if "-lookup" in name else 0)
+    decoder = SpeculativeDecoder(target, config.self_draft, self_spec=spec)
+    return VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None)
 
 
 def _distilled(config: BenchConfig, target: LoadedModel, wanted) -> LoadedModel | None:

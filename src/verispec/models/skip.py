@@ -23,7 +23,6 @@ layer of its own cache stays as long as the others, as transformers' mask code e
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -170,25 +169,31 @@ def _runs(values: list[int]) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------- which model a skip set was made for
 
 
-def fingerprint(runner) -> str:
-    """A short id of the target's weights that survives a change of format (GGUF or Hugging Face): a hash of
-    its final norm's weights, rounded to 3 decimals, with its number of layers and width."""
-    norm = _final_norm(runner)
-    rounded = np.round(norm.astype(np.float64), 3).tobytes()
-    return hashlib.sha256(rounded + f"{norm.size}:{num_layers(runner)}".encode()).hexdigest()[:16]
-
-
-def _final_norm(runner) -> np.ndarray:
+def fingerprint(runner) -> dict:
+    """What identifies the target's weights across formats (a GGUF file, its Hugging Face original): its
+    shape and a probe of its token embedding (rows 0..7, first 32 columns), compared by cosine similarity
+    (`same_model`): quantization moves the values a little, another model moves them entirely."""
     gguf = getattr(runner, "gguf", None)
     if gguf is not None:
-        return np.asarray(gguf.norm, np.float32)
-    model = getattr(runner, "model", None)
-    decoder = getattr(model, "model", None)
-    norm = getattr(decoder, "norm", None)
-    if norm is None or not hasattr(norm, "weight"):
-        raise VerispecError("self-speculation needs a decoder with a final norm (Llama or Qwen2 layout); "
-                            "this target has none")
-    return norm.weight.detach().float().numpy()
+        c = gguf.config
+        probe = gguf.embed.take_rows(np.arange(8, dtype=np.int64))[:, :32]
+        shape = (c.layers, c.hidden, c.vocab)
+    else:
+        model = getattr(runner, "model", None)
+        embedding = model.get_input_embeddings().weight.detach()
+        probe = embedding[:8, :32].float().numpy()
+        shape = (num_layers(runner), int(embedding.shape[1]), int(embedding.shape[0]))
+    return {"layers": shape[0], "hidden": shape[1], "vocab": shape[2],
+            "probe": [round(float(v), 5) for v in np.asarray(probe, np.float64).reshape(-1)]}
+
+
+def same_model(a: dict, b: dict) -> bool:
+    if any(a.get(key) != b.get(key) for key in ("layers", "hidden", "vocab")):
+        return False
+    x, y = np.asarray(a.get("probe", []), np.float64), np.asarray(b.get("probe", []), np.float64)
+    if x.shape != y.shape or x.size == 0:
+        return False
+    return float(x @ y) / max(1e-12, float(np.linalg.norm(x) * np.linalg.norm(y))) > 0.95
 
 
 def num_layers(runner) -> int:
@@ -204,7 +209,7 @@ class SkipFile:
 
     skip: SkipSet
     model: str  # the target's name when it was searched
-    fingerprint: str
+    fingerprint: dict
     measured: dict = field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
@@ -234,14 +239,14 @@ class SkipFile:
             head = payload.get("head")
             skip = SkipSet(int(payload["layers"]), frozenset(int(i) for i in payload["attention"]),
                            frozenset(int(i) for i in payload["mlp"]), None if head is None else int(head))
-            return cls(skip, str(payload["model"]), str(payload["fingerprint"]), dict(payload.get("measured", {})))
+            return cls(skip, str(payload["model"]), dict(payload["fingerprint"]), dict(payload.get("measured", {})))
         except (KeyError, TypeError, ValueError) as err:
             raise VerispecError(f"skip file {path} is missing or garbles a field ({err})") from None
 
     def check(self, runner, target_name: str, path: str | Path) -> SkipSet:
         """The skip set, once sure it was made for this target."""
         layers = num_layers(runner)
-        if self.skip.layers != layers or self.fingerprint != fingerprint(runner):
+        if self.skip.layers != layers or not same_model(self.fingerprint, fingerprint(runner)):
             raise VerispecError(f"skip file {path} was made for another model ({self.model}, {self.skip.layers} "
                                 f"layers), not {target_name} ({layers} layers): run `verispec self-tune` for it")
         return self.skip
@@ -417,13 +422,25 @@ def is_self_spec(draft: object) -> bool:
     return isinstance(draft, str) and (draft == SELF or draft.startswith(SELF + ":"))
 
 
-def tuned_paths(runner) -> list[Path]:
-    """Where `--draft self` looks for this target's searched skip set: the cache (`verispec self-tune`'s
+def tuned_folders() -> list[Path]:
+    """Where `--draft self` looks for a skip set searched for its target: the cache (`verispec self-tune`'s
     default output), then the sets shipped with the package."""
     from verispec.models.registry import cache_dir
 
-    name = f"{fingerprint(runner)}.json"
-    return [cache_dir() / "self-tune" / name, Path(__file__).resolve().parent.parent / "assets" / "self-tune" / name]
+    return [cache_dir() / "self-tune", Path(__file__).resolve().parent.parent / "assets" / "self-tune"]
+
+
+def find_tuned(runner) -> Path | None:
+    """The first skip file in `tuned_folders` made for this target (matched by `fingerprint`), if any."""
+    mine = fingerprint(runner)
+    for folder in tuned_folders():
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                if same_model(SkipFile.load(path).fingerprint, mine):
+                    return path
+            except VerispecError:
+                continue  # a damaged file in the cache is not this target's
+    return None
 
 
 def default_skip(layers: int) -> SkipSet:
@@ -437,9 +454,9 @@ def resolve_skip(draft: str, runner, target_name: str) -> tuple[SkipSet, str]:
     """`self`, `self:SKIP` or `self:FILE` -> (the skip set, where it came from)."""
     layers = num_layers(runner)
     if draft == SELF:
-        for path in tuned_paths(runner):
-            if path.is_file():
-                return SkipFile.load(path).check(runner, target_name, path), str(path)
+        path = find_tuned(runner)
+        if path is not None:
+            return SkipFile.load(path).check(runner, target_name, path), str(path)
         return default_skip(layers), "default"
     value = draft[len(SELF) + 1 :]
     if value.endswith(".json") or Path(value).is_file():

@@ -60,7 +60,7 @@ def _prompts(args: argparse.Namespace, decoder) -> list[list[int]]:
 
 def run(args: argparse.Namespace) -> int:
     from verispec.api import SpeculativeDecoder, set_threads
-    from verispec.models.skip import SkipFile, SkipSet, fingerprint, tuned_paths
+    from verispec.models.skip import SkipFile, SkipSet, fingerprint, tuned_folders
     from verispec.selfspec.search import SelfTuneConfig, SkipSearch
 
     values = {name: getattr(args, name) for name in TUNE_OPTIONS if getattr(args, name) is not None}
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     report = SkipSearch(decoder.runner, prompts, config).run()
     runner = decoder.runner
     skip = SkipSet.parse(report["skip"], len(runner.gguf.layers))
-    out = args.out or tuned_paths(runner)[0]
+    out = args.out or tuned_folders()[0] / f"{Path(decoder.target.name).name}.json"
     SkipFile(skip, decoder.target.name, fingerprint(runner), report).save(out)
     best = report["best"]
     if args.json:
