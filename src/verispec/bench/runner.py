@@ -178,6 +178,8 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
                 decoder = SpeculativeDecoder(llama_target, llama_draft)
                 systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
         elif name in SELF_SYSTEMS:
+            if "-adapt" in name and target.backend != "native":
+                continue  # the on-the-fly choice runs on the native runner's shared caches
             systems.append(_self_system(name, config, target, k))
         elif name == "verispec-plain":
             systems.append(VerispecSystem(name, plain, k))

@@ -48,7 +48,7 @@ class SelfTuneConfig:
 
     Attributes:
         tokens: tokens the target writes per prompt (the positions screened; the finalists' decode length). Default 48.
-        k_values: chain lengths K the finalists decode with. Default (2, 3, 4).
+        k_values: chain lengths K the finalists decode with. Default (1, 2, 3).
         finalists: skip sets that decode for real. Default 3.
         step: nested sets grow by this many sublayers. Default 2.
         min_agreement: stop growing nested sets once first-draft agreement falls below this. Default 0.25.
@@ -58,7 +58,7 @@ class SelfTuneConfig:
     """
 
     tokens: int = 48
-    k_values: tuple[int, ...] = (2, 3, 4)
+    k_values: tuple[int, ...] = (1, 2, 3)
     finalists: int = 3
     step: int = 2
     min_agreement: float = 0.25
