@@ -3,7 +3,7 @@
 Greedy speculative decoding of the default Qwen pair on the torch route (packed target, int8 draft)
 equals plain greedy decoding of the target as loaded, token for token, in float32, with both drafters;
 and Hugging Face `generate` agrees. On the native runner (the default for GGUF files), greedy speculative
-decoding with every drafter equals the runner's own plain decoding.
+decoding with every drafter equals the runner's own plain decoding, self-speculation included (both routes).
 """
 
 import pytest
@@ -55,3 +55,24 @@ def test_default_pair_on_the_native_runner_greedy_equals_its_plain_decoding():
             decoder = SpeculativeDecoder.load(DEFAULT_TARGET, "distilled") if drafter == "distilled" else SpeculativeDecoder(target, drafter)
             out = decoder.generate(prompt, greedy, SpecConfig(num_draft_tokens=4, max_new_tokens=N))
             assert out.token_ids == reference.token_ids
+
+
+def test_self_speculation_on_the_default_target_greedy_equals_plain_decoding():
+    """The shipped searched skip set, an early exit, and the on-the-fly choice, on the native runner; the
+    shipped set on the torch route too."""
+    from verispec.config import SelfSpecConfig
+
+    greedy = SamplingConfig(temperature=0)
+    for backend in ("native", "torch"):
+        target = load_model(DEFAULT_TARGET, "float32", "packed", backend=backend)
+        plain = SpeculativeDecoder(target, "none")
+        drafts = [("self", SelfSpecConfig())] + ([("self:20-", SelfSpecConfig()), ("self", SelfSpecConfig(adapt=True))]
+                                                 if backend == "native" else [])
+        for prompt in PROMPTS:
+            reference = plain.generate(prompt, greedy, SpecConfig(max_new_tokens=N))
+            for draft, config in drafts:
+                decoder = SpeculativeDecoder(target, draft, self_spec=config)
+                assert decoder.skip_source != "default"  # the shipped set was found for this target
+                out = decoder.generate(prompt, greedy, SpecConfig(num_draft_tokens=3, max_new_tokens=N))
+                assert out.token_ids == reference.token_ids, (backend, draft)
+                assert out.stats.draft_tokens > 0

@@ -375,3 +375,11 @@ def test_the_server_batches_self_drafted_requests_as_it_answers_them_alone(tmp_p
         together = asyncio.run(post_all(server.url, [{"model": "tiny", **b} for b in bodies]))
     for a, t in zip(alone, together):
         assert t["choices"][0]["text"] == a["choices"][0]["text"]
+
+
+def test_a_runner_that_cannot_skip_sublayers_is_one_clear_line():
+    class LlamaCppRunner:  # llama.cpp runs the whole model in one call: nothing to skip from outside
+        vocab_size = 64
+
+    with pytest.raises(VerispecError, match="'LlamaCppRunner' runner cannot"):
+        SelfDrafter(LlamaCppRunner(), SkipSet.parse("a1", 4))

@@ -41,7 +41,7 @@ from verispec.drafters.base import EMPTY_DRAFT, Draft
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.self_adapt import SkipChooser, SublayerCosts
 from verispec.errors import VerispecError
-from verispec.models.skip import SkipRunner, SkipSet, skipping_module
+from verispec.models.skip import SkipRunner, SkipSet, check_skippable, skipping_module
 from verispec.sequence import Sequence
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
@@ -61,19 +61,16 @@ class SelfDrafter(DraftModelDrafter):
 
     def __init__(self, target, skip: SkipSet, config: SelfSpecConfig = SelfSpecConfig(),
                  lookup: PromptLookupConfig | None = None) -> None:
-        self.shared = hasattr(target, "gguf") and hasattr(target, "commit_tree")  # the native runner
+        self.shared = check_skippable(target) == "native"  # the draft reads the target's own cache
         if self.shared:
             runner = SkipRunner(target, skip)
-        elif hasattr(getattr(target, "model", None), "get_output_embeddings"):
+        else:
             if config.adapt:
                 raise VerispecError("choosing the skip set while decoding (--self-adapt) needs the native runner "
                                     "(--backend native): the torch draft keeps its own cache for one fixed set")
             from verispec.models.runner import ModelRunner
 
             runner = ModelRunner(skipping_module(target.model, skip))
-        else:
-            raise VerispecError("self-speculation skips sublayers inside the target's forward pass; the "
-                                f"'{type(target).__name__}' runner cannot (use --backend native or torch)")
         super().__init__(runner, target.vocab_size, lookup)
         self.target = target
         self.skip = skip

@@ -451,8 +451,19 @@ def default_skip(layers: int) -> SkipSet:
     return SkipSet(layers, frozenset(), frozenset(range(1, fifth + 1)) | frozenset(range(fifth + 2, layers // 2, 2)))
 
 
+def check_skippable(runner) -> str:
+    """"native" or "torch": the runners that can skip sublayers; any other is one clear line."""
+    if hasattr(runner, "gguf") and hasattr(runner, "commit_tree"):
+        return "native"
+    if hasattr(getattr(runner, "model", None), "get_output_embeddings"):
+        return "torch"
+    raise VerispecError("self-speculation skips sublayers inside the target's forward pass; the "
+                        f"'{type(runner).__name__}' runner cannot (use --backend native or torch)")
+
+
 def resolve_skip(draft: str, runner, target_name: str) -> tuple[SkipSet, str]:
     """`self`, `self:SKIP` or `self:FILE` -> (the skip set, where it came from)."""
+    check_skippable(runner)
     layers = num_layers(runner)
     if draft == SELF:
         path = find_tuned(runner)
