@@ -41,7 +41,8 @@ from verispec.drafters.base import EMPTY_DRAFT, Draft
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.self_adapt import SkipChooser, SublayerCosts
 from verispec.errors import VerispecError
-from verispec.models.skip import SkipRunner, SkipSet, check_skippable, skipping_module
+from verispec.models.skip import SkipSet, check_skippable
+from verispec.models.skipping import SkipRunner, skipping_module
 from verispec.sequence import Sequence
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
