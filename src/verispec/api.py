@@ -44,6 +44,7 @@ from verispec.tuning import AdaptiveK, measure_costs
 
 NO_DRAFT = ("none", "off")
 NGRAM = "ngram"
+MEDUSA = "medusa"
 
 
 @dataclass
@@ -128,6 +129,15 @@ class SpeculativeDecoder:
             n = self_spec.lookup
             lookup = PromptLookupConfig(max_ngram=max(4, n), min_ngram=n) if n else None
             self.drafter, self.draft_name = SelfDrafter(self.runner, skip, self_spec, lookup), f"self:{skip.spec}"
+        elif isinstance(draft, str) and (draft == MEDUSA or draft.startswith(MEDUSA + ":")):
+            from verispec.drafters.medusa import MedusaDrafter
+            from verispec.models.medusa import load_medusa
+
+            if draft == MEDUSA:
+                raise VerispecError("no Medusa head ships with verispec yet: pass one with --draft medusa:DIR "
+                                    "(the Medusa repository's format)")
+            heads = load_medusa(draft[len(MEDUSA) + 1 :], _hidden_size(self.runner), self.runner.vocab_size)
+            self.drafter, self.draft_name = MedusaDrafter(self.runner, heads), draft
         elif draft in NO_DRAFT:
             self.drafter, self.draft_name = None, "none"
         else:
@@ -171,6 +181,8 @@ class SpeculativeDecoder:
         prompt's draft pass then costs N tokens); None reads all.
         """
         loaded_target = load_model(target, dtype, target_weights, backend)
+        if draft == MEDUSA or draft.startswith(MEDUSA + ":"):
+            return cls(loaded_target, draft, prompt_lookup, ngram, self_spec)
         if is_self_spec(draft) and draft_lookup:
             self_spec = replace(self_spec, lookup=draft_lookup)
         if draft in NO_DRAFT or draft == NGRAM or is_corpus_spec(draft) or is_self_spec(draft):
@@ -300,6 +312,18 @@ class SpeculativeDecoder:
 
 
 _DECODERS: dict[tuple, SpeculativeDecoder] = {}
+
+
+def _hidden_size(runner) -> int:
+    """The width of the target's hidden states (what draft heads read)."""
+    config = getattr(runner, "config", None)
+    if hasattr(config, "hidden"):
+        return int(config.hidden)
+    model = getattr(runner, "model", None)
+    if model is None:
+        raise VerispecError(f"the '{type(runner).__name__}' runner gives no hidden states for draft heads "
+                            "(use --backend native or torch)")
+    return int(model.config.hidden_size)
 
 
 def generate(

@@ -58,8 +58,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=DEFAULT_DRAFT,
                    help="a model spec like --target, 'ngram' (prompt lookup), 'ngram-corpus[:TABLE]' or a .ngram file "
                         "(corpus n-grams, see `verispec ngram build`), 'self' / 'self:SKIP' / 'self:FILE' (the target "
-                        "drafts with sublayers skipped; SKIP like a4-9,m12,20-; FILE from `verispec self-tune`) or "
-                        "'none' (plain decoding) (default: %(default)s)")
+                        "drafts with sublayers skipped; SKIP like a4-9,m12,20-; FILE from `verispec self-tune`), "
+                        "'medusa:DIR' (Medusa heads, the Medusa repository's format) or 'none' (plain decoding) "
+                        "(default: %(default)s)")
     p.add_argument("--self-adapt", action="store_true",
                    help="--draft self: re-choose the skipped sublayers while decoding, from each request's verified "
                         "steps (SWIFT-style; native runner)")

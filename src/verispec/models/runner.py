@@ -102,6 +102,8 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
+        self.keep_features = False  # keep each pass's final hidden states (`features`) for draft heads
+        self.features: torch.Tensor | None = None  # (B, M, E): the last pass's, aligned with its logits
         self.vocab_size: int = int(model.get_output_embeddings().weight.shape[0])
         config = model.config
         self.context_window: int = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 30
@@ -148,14 +150,19 @@ class ModelRunner:
     def _run(self, state: KVState, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
              keep: torch.Tensor) -> torch.Tensor:
         """One model call on the cache. input_ids, position_ids: (B, W); keep: (B, M) -> (B, M, V) float logits."""
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=state.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
+        if not self.keep_features:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=state.cache, use_cache=True, logits_to_keep=keep)
+            return out.logits.float()  # (B, M, V)
+        caught = []
+        hook = self.model.model.norm.register_forward_hook(lambda module, args, output: caught.append(output))
+        try:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=state.cache, use_cache=True, logits_to_keep=keep)
+        finally:
+            hook.remove()
+        final = caught[-1]  # (B, W, E) after the final norm
+        self.features = final.gather(1, keep[:, :, None].expand(-1, -1, final.shape[-1])).float()  # (B, M, E)
         return out.logits.float()  # (B, M, V)
 
     @torch.inference_mode()

@@ -118,7 +118,9 @@ class NativeRunner:
         self.threads = threads or torch.get_num_threads()
         self.keep_draft_prefix = True  # keep draft passes' full-layer prefixes for the next full pass (_Resume)
         self.resumed_tokens = 0  # tokens full passes started past the embedding, thanks to _Resume
-        self._resume: dict[tuple, _Resume] = {}  # by _resume_key: what the draft passes since the last full pass kept
+        self._resume: dict[tuple, _Resume] = {}
+        self.keep_features = False  # keep each full pass's final hidden states (`features`) for draft heads
+        self.features: torch.Tensor | None = None  # (B, M, E): the last full pass's, aligned with its logits  # by _resume_key: what the draft passes since the last full pass kept
         self.initial_capacity = initial_capacity
         set_threads(self.threads)
 
@@ -279,13 +281,18 @@ class NativeRunner:
         if skip is None:
             resume, self._resume = self._resume, {}
         out = torch.zeros(batch, width, self.vocab_size)  # (B, M, V)
+        features = torch.zeros(batch, width, self.config.hidden) if skip is None and self.keep_features else None
         filled = [0] * batch
         for start in range(0, len(queries), MAX_PASS_TOKENS):
             chunk, keep = queries[start : start + MAX_PASS_TOKENS], wanted[start : start + MAX_PASS_TOKENS]
-            logits = self._pass(state, chunk, keep, skip, resume, head_rows)  # (n_wanted, V)
-            for q, row_logits in zip([q for q, k in zip(chunk, keep) if k], logits):
+            logits, final = self._pass(state, chunk, keep, skip, resume, head_rows)  # (n_wanted, V), (n_wanted, E)
+            for q, row_logits, row_final in zip([q for q, k in zip(chunk, keep) if k], logits, final):
                 out[q.row, filled[q.row]] = torch.from_numpy(row_logits)
+                if features is not None:
+                    features[q.row, filled[q.row]] = torch.from_numpy(row_final)
                 filled[q.row] += 1
+        if features is not None:
+            self.features = features
         return out
 
     @staticmethod
@@ -294,8 +301,9 @@ class NativeRunner:
         return row.keys.ctypes.data, q.column, q.token, q.position, q.prefix, tuple(q.extra)
 
     def _pass(self, state: NativeState, queries: list[_Query], wanted: list[bool], skip: np.ndarray | None = None,
-              resume: dict | None = None, head_rows: int | None = None) -> np.ndarray:
-        """One forward over these tokens: writes their keys and values, returns (n_wanted, V) float32 logits.
+              resume: dict | None = None, head_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """One forward over these tokens: writes their keys and values, returns (n_wanted, V) float32 logits
+        and the (n_wanted, E) final hidden states (after the final norm) they came from.
 
         skip: (layers,) int32 sublayers to skip (a draft pass); its tokens' hidden states entering the first
         layer it skips are kept for the next full pass (`_Resume`). resume: those kept states, by `_resume_key`;
@@ -303,7 +311,7 @@ class NativeRunner:
         c, model = self.config, self.gguf
         n = len(queries)
         if n == 0:
-            return np.zeros((0, self.vocab_size), np.float32)
+            return np.zeros((0, self.vocab_size), np.float32), np.zeros((0, c.hidden), np.float32)
         for q in queries:
             state.rows[q.row].reserve(q.column + 1)
         rows = [state.rows[q.row] for q in queries]
@@ -336,15 +344,15 @@ class NativeRunner:
             self.resumed_tokens += sum(h is not None for h in hits)
         keep = np.flatnonzero(np.array(wanted))
         if keep.size == 0:
-            return np.zeros((0, self.vocab_size), np.float32)
+            return np.zeros((0, self.vocab_size), np.float32), np.zeros((0, c.hidden), np.float32)
         final = ops.rmsnorm(np.ascontiguousarray(x[keep]), model.norm, c.rms_eps)  # (M, E)
         if head_rows is None or head_rows >= self.vocab_size:
-            return model.head(ops.Activations(final))  # (M, V)
+            return model.head(ops.Activations(final)), final  # (M, V), (M, E)
         if head_rows not in self._heads:
             self._heads[head_rows] = model.head.first_rows(head_rows)
         logits = np.full((keep.size, self.vocab_size), -np.inf, np.float32)  # (M, V)
         logits[:, :head_rows] = self._heads[head_rows](ops.Activations(final))
-        return logits
+        return logits, final
 
     def _layers(self, x: np.ndarray, queries: list[_Query], rows: list[RowCache], angles: np.ndarray, low: int,
                 high: int, skip: np.ndarray | None) -> None:

@@ -1,0 +1,128 @@
+"""Medusa drafting: the heads read the target's final hidden state of the last verified position.
+
+After a step, the target's verification pass has computed the hidden state h at the position whose
+distribution gave the step's recovered or bonus token (the runner keeps its pass's final hidden states,
+`features`, aligned with its logits): head k then guesses the token k + 1 places after that committed
+token. The next step drafts from h with no target pass and no cache of its own: draft token x_k is drawn
+from head k's distribution q_k (processed like p: temperature, top-k, top-p, repetition penalty over the
+context and the drafts before it), and q_k is what verification divides by. q_k does not look at
+x_1..x_(k-1); it is still the distribution x_k was drawn from given everything the step knew, which is all
+Leviathan et al.'s rule needs, so the output is exactly the target's at any temperature (Medusa's own
+"typical acceptance" is not). Trees: depth d's children come from head d, the same distribution under every
+parent (`TreeGrowth`: top tokens, or samples with or without replacement, with their q).
+
+A sequence drafts nothing until the target has read its prompt (there is no h before that).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.config import TreeConfig
+from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
+from verispec.drafters.tree_growth import TreeGrowth
+from verispec.errors import VerispecError
+from verispec.models.medusa import MedusaHeads
+from verispec.sampling import greedy_tokens, logits_to_probs, sample, seen_masks
+from verispec.sequence import Sequence
+from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
+
+
+class MedusaDrafter(Drafter):
+    """Draft with Medusa heads on the target's own hidden states.
+
+    Args:
+        target: the target's runner (it keeps its passes' final hidden states once this drafter starts).
+        heads: the heads, fitted to the target's hidden size and vocabulary (`models.medusa.load_medusa`).
+    """
+
+    name = "medusa"
+
+    def __init__(self, target, heads: MedusaHeads) -> None:
+        if not hasattr(target, "keep_features"):
+            raise VerispecError(f"Medusa heads read the target's hidden states; the '{type(target).__name__}' "
+                                "runner does not give them (use --backend native or torch)")
+        self.target, self.heads = target, heads
+        self.vocab_size = target.vocab_size
+        self.hidden: list[torch.Tensor | None] = []  # per row: (E,) the last verified position's final state
+        target.keep_features = True
+
+    @property
+    def supports_trees(self) -> bool:
+        return True
+
+    def start(self, sequences: list[Sequence]) -> None:
+        self.hidden = [None] * len(sequences)
+
+    def extend(self, sequences: list[Sequence]) -> None:
+        self.hidden += [None] * len(sequences)
+
+    def keep(self, rows: list[int]) -> None:
+        self.hidden = [self.hidden[r] for r in rows]
+
+    def _head_logits(self, rows: list[int], count: int) -> dict[int, torch.Tensor]:
+        """Row -> (count, V) logits of the first `count` heads on its hidden state."""
+        if not rows or count == 0:
+            return {}
+        out = self.heads(torch.stack([self.hidden[b] for b in rows]), count)  # (R, count, V)
+        return {b: out[i, :, : self.vocab_size] for i, b in enumerate(rows)}
+
+    def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
+        limits = [min(n, self.heads.num_heads) if self.hidden[b] is not None else 0 for b, n in enumerate(max_tokens)]
+        logits = self._head_logits([b for b, n in enumerate(limits) if n], max(limits, default=0))
+        drafts = []
+        for b, seq in enumerate(sequences):
+            if not limits[b]:
+                drafts.append(EMPTY_DRAFT)
+                continue
+            tokens, q_rows = [], []
+            for k in range(limits[b]):
+                row = logits[b][k : k + 1]  # (1, V)
+                seen = self._seen(seq, tokens, row.shape[-1])
+                if seq.sampling.greedy:
+                    tokens.append(int(greedy_tokens(row, seq.sampling, seen)[0]))
+                else:
+                    q = logits_to_probs(row, seq.sampling, seen)[0]  # (V,)
+                    tokens.append(sample(q, seq.rng))
+                    q_rows.append(q)
+            drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(q_rows) if q_rows else None))
+        return drafts
+
+    @staticmethod
+    def _seen(seq: Sequence, drafted: list[int], vocab: int) -> torch.Tensor | None:
+        """(1, V) tokens the repetition penalty applies to: the context and the drafts so far."""
+        if seq.sampling.repetition_penalty == 1.0:
+            return None
+        context = torch.tensor(seq.tokens + drafted, dtype=torch.long)
+        return seen_masks(context, context[:0], vocab)
+
+    def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
+        # the verification pass's logits for row b: after each pending token's last, then after each draft;
+        # the recovered or bonus token came from position num_accepted
+        self._take([min(n, len(d)) for d, n in zip(drafts, num_accepted)])
+
+    def _take(self, index: list[int]) -> None:
+        features = self.target.features  # (B, M, E)
+        if features is None:
+            raise VerispecError("the target kept no hidden states for the Medusa heads")
+        self.hidden = [features[b, i].clone() for b, i in enumerate(index)]
+
+    def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
+        depths = [min(d, self.heads.num_heads) if self.hidden[b] is not None else 0 for b, d in enumerate(depths)]
+        logits = self._head_logits([b for b, d in enumerate(depths) if d], max(depths, default=0))
+        drafts = []
+        for b, seq in enumerate(sequences):
+            if not depths[b]:
+                drafts.append(EMPTY_TREE_DRAFT)
+                continue
+            growth = TreeGrowth(trees[b], depths[b], seq.sampling, seq.rng, self.vocab_size)
+            growth.add_children(-1, logits[b][0], self._seen(seq, [], logits[b].shape[-1]))
+            for depth in range(1, depths[b]):
+                for node in growth.to_expand(depth):
+                    growth.add_children(node, logits[b][depth], self._seen(seq, growth.path(node), logits[b].shape[-1]))
+            drafts.append(growth.finish()[0])
+        return drafts
+
+    def commit_tree(self, sequences: list[Sequence], drafts: list[TreeDraft], paths: list[tuple[int, ...]]) -> None:
+        # a tree pass's logits for row b: after its pending token (index 0), then after node n (index 1 + n)
+        self._take([1 + path[-1] if path else 0 for path in paths])

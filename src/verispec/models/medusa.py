@@ -1,0 +1,107 @@
+"""Medusa heads (Cai et al. 2024): K small heads on the target's last hidden state, head k guessing the token
+k + 2 places ahead (the target's own LM head gives the next one).
+
+Head k is `ResBlock^L` then an LM head: ResBlock(h) = h + SiLU(W h + b) (W starts at zero, so an untrained
+head is the target's LM head on h). The checkpoint format is the Medusa repository's, so a published head
+loads as it is: a folder with `config.json` (`medusa_num_heads`, `medusa_num_layers`, optionally
+`base_model_name_or_path`) and `medusa_lm_head.safetensors` (or `.pt`) with `{k}.{j}.linear.weight`,
+`{k}.{j}.linear.bias` for the ResBlocks j < L and `{k}.{L}.weight` for the LM head. The hidden state is the
+target's after its final norm (what the Medusa repository feeds its heads).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from verispec.errors import VerispecError
+
+CONFIG = "config.json"
+WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+
+
+class ResBlock(torch.nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, hidden)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.nn.functional.silu(self.linear(h))
+
+
+class MedusaHeads(torch.nn.Module):
+    """num_heads heads over hidden states of width `hidden`, each with `num_layers` ResBlocks and an LM head."""
+
+    def __init__(self, num_heads: int, num_layers: int, hidden: int, vocab: int) -> None:
+        super().__init__()
+        if num_heads < 1 or num_layers < 0:
+            raise VerispecError(f"a Medusa head set needs >= 1 head and >= 0 layers, got {num_heads} and {num_layers}")
+        self.num_layers, self.hidden, self.vocab = num_layers, hidden, vocab
+        self.heads = torch.nn.ModuleList(
+            torch.nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], torch.nn.Linear(hidden, vocab, bias=False))
+            for _ in range(num_heads))
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads)
+
+    @torch.inference_mode()
+    def forward(self, h: torch.Tensor, count: int | None = None) -> torch.Tensor:
+        """h (B, E) -> (B, count, V) float32 logits of the first `count` heads (all by default)."""
+        heads = self.heads[: count or self.num_heads]
+        return torch.stack([head(h) for head in heads], dim=1).float()
+
+    def save(self, folder: str | Path, base_model: str = "") -> None:
+        """Write the Medusa repository's format (config.json and medusa_lm_head.safetensors)."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {f"{k}.{name}": p.detach().contiguous() for k, head in enumerate(self.heads)
+                   for name, p in head.state_dict().items()}
+        save_file(tensors, str(folder / WEIGHTS[0]))
+        config = {"medusa_num_heads": self.num_heads, "medusa_num_layers": self.num_layers,
+                  "hidden_size": self.hidden, "vocab_size": self.vocab, "base_model_name_or_path": base_model}
+        (folder / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+
+
+def load_medusa(folder: str | Path, hidden: int, vocab: int) -> MedusaHeads:
+    """Read a Medusa checkpoint and check it fits a target of this hidden size and vocabulary."""
+    folder = Path(folder)
+    if not (folder / CONFIG).is_file():
+        raise VerispecError(f"{folder} is not a Medusa head folder: {CONFIG} is missing")
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+        num_heads, num_layers = int(config["medusa_num_heads"]), int(config.get("medusa_num_layers", 1))
+    except (ValueError, KeyError, TypeError) as err:
+        raise VerispecError(f"{folder / CONFIG}: not a Medusa config ({type(err).__name__}: {err})") from None
+    path = next((folder / name for name in WEIGHTS if (folder / name).is_file()), None)
+    if path is None:
+        raise VerispecError(f"{folder}: no Medusa weights ({' or '.join(WEIGHTS)})")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(path))
+        else:
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is one line
+        raise VerispecError(f"{path}: cannot be read ({type(err).__name__}: {str(err)[:120]})") from None
+    head = tensors.get(f"0.{num_layers}.weight")
+    if head is None:
+        raise VerispecError(f"{path}: tensor '0.{num_layers}.weight' (head 0's LM head) is missing")
+    if head.shape[1] != hidden or head.shape[0] != vocab:
+        raise VerispecError(f"{folder}: the heads take hidden states of width {head.shape[1]} and predict "
+                            f"{head.shape[0]} tokens; this target has width {hidden} and {vocab} tokens")
+    heads = MedusaHeads(num_heads, num_layers, hidden, vocab)
+    wanted = {f"{k}.{name}" for k, h in enumerate(heads.heads) for name in h.state_dict()}
+    missing = sorted(wanted - set(tensors))
+    if missing:
+        raise VerispecError(f"{path}: tensor '{missing[0]}' is missing ({len(missing)} in all)")
+    for k, h in enumerate(heads.heads):
+        h.load_state_dict({name: tensors[f"{k}.{name}"].float() for name in h.state_dict()})
+    return heads.eval()

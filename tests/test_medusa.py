@@ -1,0 +1,199 @@
+"""Medusa heads (`--draft medusa:DIR`): the Medusa repository's checkpoint format, the runners' final hidden
+states taken from the verification pass, and exactness (greedy equality, chi-square at temperature / top-k /
+top-p for chains and trees with sampled and top-token children)."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from test_self_draft import second_token_distribution
+from tiny_gguf import T, gguf_from_hf
+from verispec.chisquare import chi_square_test
+from verispec.config import SamplingConfig, SpecConfig, TreeConfig
+from verispec.drafters.medusa import MedusaDrafter
+from verispec.engine import SpeculativeEngine
+from verispec.errors import VerispecError
+from verispec.models.gguf.model import load_gguf
+from verispec.models.gguf.runner import NativeRunner
+from verispec.models.medusa import MedusaHeads, load_medusa
+from verispec.models.runner import ModelRunner
+
+GREEDY = SamplingConfig(temperature=0)
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [3]]
+
+
+def random_heads(model, num_heads=3, noise=0.3, seed=0):
+    """Heads near the target's own LM head (so they agree with it sometimes), in the Medusa layout."""
+    torch.manual_seed(seed)
+    head = model.get_output_embeddings().weight.detach()
+    heads = MedusaHeads(num_heads, 1, head.shape[1], head.shape[0])
+    with torch.no_grad():
+        for h in heads.heads:
+            h[0].linear.weight.normal_(0, 0.05)
+            h[-1].weight.copy_(head + noise * head.std() * torch.randn_like(head))
+    return heads.eval()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    model = tiny_model("llama", vocab=64, seed=0, layers=2, sharpness=30.0)
+    native = NativeRunner(load_gguf(gguf_from_hf(model, tmp_path_factory.mktemp("m") / "t.gguf", T.F32),
+                                    show_progress=False))
+    return model, native
+
+
+def plain(runner, prompts=PROMPTS, tokens=30):
+    return [s.generated for s in SpeculativeEngine(runner, None, set()).generate(prompts, GREEDY, SpecConfig(max_new_tokens=tokens))]
+
+
+def test_a_checkpoint_in_the_medusa_format_round_trips(pair, tmp_path):
+    model, native = pair
+    heads = random_heads(model)
+    heads.save(tmp_path / "medusa", base_model="tiny")
+    config = json.loads((tmp_path / "medusa" / "config.json").read_text())
+    assert config["medusa_num_heads"] == 3 and config["medusa_num_layers"] == 1
+    from safetensors.torch import load_file
+
+    assert set(load_file(str(tmp_path / "medusa" / "medusa_lm_head.safetensors"))) == {
+        f"{k}.{name}" for k in range(3) for name in ("0.linear.weight", "0.linear.bias", "1.weight")}
+    loaded = load_medusa(tmp_path / "medusa", 32, 64)
+    h = torch.randn(2, 32)
+    assert torch.equal(loaded(h), heads(h))
+
+
+def test_bad_medusa_checkpoints_are_one_clear_line(pair, tmp_path):
+    model, _ = pair
+    random_heads(model).save(tmp_path / "good")
+    with pytest.raises(VerispecError, match="width 32 and predict 64 tokens; this target has width 16"):
+        load_medusa(tmp_path / "good", 16, 64)
+    with pytest.raises(VerispecError, match="this target has width 32 and 100 tokens"):
+        load_medusa(tmp_path / "good", 32, 100)
+    with pytest.raises(VerispecError, match="config.json is missing"):
+        load_medusa(tmp_path, 32, 64)
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text(json.dumps({"medusa_num_heads": 2}))
+    with pytest.raises(VerispecError, match="no Medusa weights"):
+        load_medusa(tmp_path / "noweights", 32, 64)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tmp_path / "good" / "medusa_lm_head.safetensors"))
+    del tensors["2.0.linear.bias"]
+    save_file(tensors, str(tmp_path / "good" / "medusa_lm_head.safetensors"))
+    with pytest.raises(VerispecError, match="'2.0.linear.bias' is missing"):
+        load_medusa(tmp_path / "good", 32, 64)
+
+
+def test_both_runners_keep_the_final_hidden_states_of_their_logits_positions(pair):
+    model, native = pair
+    ids = PROMPTS[1]
+    with torch.no_grad():
+        expected = model.model(torch.tensor([ids])).last_hidden_state[0, -3:]  # (3, E) after the final norm
+    for runner in (ModelRunner(model), native):
+        runner.keep_features = True
+        runner.forward(runner.new_state(1), [ids], [3])
+        torch.testing.assert_close(runner.features[0], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_greedy_medusa_speculation_equals_plain_decoding(pair, backend):
+    model, native = pair
+    runner = native if backend == "native" else ModelRunner(model)
+    expected = plain(runner)
+    engine = SpeculativeEngine(runner, MedusaDrafter(runner, random_heads(model)), set())
+    for tree in (None, TreeConfig(shape=(2, 2, 1)), TreeConfig(budget=6, top_k=2)):
+        out = engine.generate(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=30, tree=tree))
+        assert [s.generated for s in out] == expected
+        drafted = sum(s.stats.draft_tokens for s in out)
+        assert 0 < sum(s.stats.accepted_tokens for s in out) < drafted
+
+
+def test_a_seeded_medusa_request_is_the_same_alone_or_batched(pair):
+    model, native = pair
+    engine = SpeculativeEngine(native, MedusaDrafter(native, random_heads(model)), set())
+    sampling, spec = SamplingConfig(temperature=1.0, top_k=20), SpecConfig(num_draft_tokens=3, max_new_tokens=20)
+    batch = engine.generate(PROMPTS, sampling, spec, seeds=[11, 12, 13])
+    for prompt, seed, seq in zip(PROMPTS, [11, 12, 13], batch):
+        assert engine.generate([prompt], sampling, spec, seeds=[seed])[0].generated == seq.generated
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    model = tiny_model("qwen2", vocab=8, seed=3, layers=2, sharpness=4.0)
+    path = gguf_from_hf(model, tmp_path_factory.mktemp("small") / "t.gguf", T.Q8_0)
+    return model, NativeRunner(load_gguf(path, show_progress=False))
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=4),
+                                      SamplingConfig(temperature=1.2, top_p=0.8)], ids=["temperature", "top-k", "top-p"])
+def test_sampled_medusa_speculation_follows_the_targets_distribution(small, sampling):
+    """Chi-square on the second generated token (the first comes from the prompt step, before any h), chains and
+    trees with sampled and top-token children."""
+    model, runner = small
+    prompt = [1, 2, 3]
+    p = second_token_distribution(runner, prompt, sampling)
+    drafter = MedusaDrafter(runner, random_heads(model, noise=1.0, seed=4))
+    engine = SpeculativeEngine(runner, drafter, set())
+    for tree in (None, TreeConfig(shape=(2, 2)), TreeConfig(shape=(2, 2), children="top")):
+        counts, drafted = torch.zeros(8), 0
+        for seed in range(500):
+            seq = engine.generate([prompt], sampling, SpecConfig(num_draft_tokens=2, max_new_tokens=4, tree=tree),
+                                  seeds=[seed])[0]
+            counts[seq.generated[1]] += 1
+            drafted += seq.stats.draft_tokens
+        assert drafted > 0
+        assert chi_square_test(counts, p).p_value > 1e-3, tree
+
+
+def test_medusa_without_a_head_folder_or_on_a_runner_without_hidden_states_is_one_line(pair):
+    from verispec.api import _hidden_size
+
+    class LlamaCppRunner:
+        vocab_size = 64
+
+    with pytest.raises(VerispecError, match="does not give them"):
+        MedusaDrafter(LlamaCppRunner(), random_heads(pair[0]))
+    with pytest.raises(VerispecError, match="gives no hidden states"):
+        _hidden_size(LlamaCppRunner())
+
+
+@pytest.mark.parametrize("tree", [None, TreeConfig(shape=(2, 2, 1))], ids=["chain", "tree"])
+def test_the_heads_read_the_state_that_produced_the_last_committed_token(pair, tree):
+    """After each step, h is the target's final hidden state at the position whose distribution gave the
+    recovered or bonus token, i.e. after the second-to-last committed token."""
+    from verispec.engine import DecodeBatch
+
+    model, _ = pair
+    runner = ModelRunner(model)
+    drafter = MedusaDrafter(runner, random_heads(model))
+    engine = SpeculativeEngine(runner, drafter, set())
+    batch = DecodeBatch(engine)
+    batch.add(engine.make_sequences(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=40, tree=tree), 0))
+    for _ in range(4):
+        batch.step()
+        for seq, h in zip(batch.sequences, drafter.hidden):
+            with torch.no_grad():
+                expected = model.model(torch.tensor([seq.tokens[:-1]])).last_hidden_state[0, -1]  # (E,)
+            torch.testing.assert_close(h, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_draft_medusa_on_the_command_line(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from tiny_hf import save_tiny_model_dir
+    from verispec.cli import main
+
+    folder = save_tiny_model_dir(tmp_path / "target", "llama", seed=0)
+    random_heads(AutoModelForCausalLM.from_pretrained(str(folder))).save(tmp_path / "heads")
+    common = ["generate", "--json", "--target", str(folder), "--prompt", "hello there", "--temperature", "0",
+              "--max-new-tokens", "16"]
+    outputs = []
+    for draft in ("none", f"medusa:{tmp_path / 'heads'}"):
+        assert main([*common, "--draft", draft]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0]["token_ids"] == outputs[1]["token_ids"] and outputs[1]["stats"]["draft_tokens"] > 0
+    for draft, fragment in (("medusa", "no Medusa head ships"), (f"medusa:{tmp_path}", "config.json is missing")):
+        assert main(["generate", "--target", str(folder), "--prompt", "hi", "--draft", draft]) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err
