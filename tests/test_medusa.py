@@ -197,3 +197,71 @@ def test_draft_medusa_on_the_command_line(tmp_path, capsys):
         assert main(["generate", "--target", str(folder), "--prompt", "hi", "--draft", draft]) == 2
         err = capsys.readouterr().err
         assert fragment in err and "Traceback" not in err
+
+
+def tied_heads(num_heads=3, rows=48, seed=0):
+    """ResBlocks only, sharing the target's LM head over its first `rows` ids (verispec's tied format)."""
+    torch.manual_seed(seed)
+    heads = MedusaHeads(num_heads, 1, 32, 64, tied_rows=rows)
+    with torch.no_grad():
+        for h in heads.heads:
+            h[0].linear.weight.normal_(0, 0.3)
+    return heads.eval()
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_tied_heads_use_the_targets_own_lm_head_and_stay_exact(pair, backend, tmp_path):
+    model, native = pair
+    runner = native if backend == "native" else ModelRunner(model)
+    heads = tied_heads()
+    heads.save(tmp_path / "tied")
+    loaded = load_medusa(tmp_path / "tied", 32, 64)
+    assert loaded.tied_rows == 48 and json.loads((tmp_path / "tied" / "config.json").read_text())["tied_lm_head"] == 48
+    h = torch.randn(2, 32)
+    logits = loaded(h, lm_head=lambda x: runner.head_logits(x, 48))  # (2, 3, 64)
+    assert bool(torch.isinf(logits[..., 48:]).all())
+    with torch.no_grad():
+        expected = model.lm_head(torch.stack([block(h) for block in heads.heads], dim=1))[..., :48]
+    torch.testing.assert_close(logits[..., :48], expected, rtol=1e-2, atol=1e-2)  # Q8_0-free F32 target: close
+    engine = SpeculativeEngine(runner, MedusaDrafter(runner, loaded), set())
+    out = engine.generate(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=30))
+    assert [s.generated for s in out] == plain(runner) and sum(s.stats.draft_tokens for s in out) > 0
+    sampling, spec = SamplingConfig(temperature=1.0), SpecConfig(num_draft_tokens=3, max_new_tokens=20)
+    batch = engine.generate(PROMPTS, sampling, spec, seeds=[1, 2, 3])
+    assert [engine.generate([p], sampling, spec, seeds=[s])[0].generated for p, s in zip(PROMPTS, [1, 2, 3])] == [
+        s.generated for s in batch]
+
+
+# ---------------------------------------------------------------- training tied heads
+
+
+def test_training_tied_heads_on_the_targets_answers_raises_their_agreement(pair):
+    from verispec.heads.medusa_train import MedusaTrainConfig, agreement, split, target_answers, train_heads
+
+    model, native = pair
+    config = MedusaTrainConfig(heads=2, rows=48, tokens=24, top_k=8, steps=150, batch_size=64, lr=3e-3)
+    prompts = [[i, i + 1, (3 * i) % 64] for i in range(1, 25)]
+    answers = target_answers(native, prompts, config, show=False)
+    assert len(answers) == 24 and answers.hidden[0].shape == (24, 32)
+    train, val = split(answers, 0.25, 0)
+    lm_head = model.lm_head.weight.detach()[:48]
+    untrained = agreement(MedusaHeads(2, 1, 32, 64, tied_rows=48), train, lm_head)
+    heads, log = train_heads(train, val, lm_head, 64, config, show=False)
+    assert log["train_agreement"][0] > untrained[0] and log["loss"][-1][1] < log["loss"][0][1]
+    engine = SpeculativeEngine(native, MedusaDrafter(native, heads), set())
+    out = engine.generate(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=2, max_new_tokens=30))
+    assert [s.generated for s in out] == plain(native)
+
+
+def test_train_heads_refuses_bad_requests_in_one_line(tmp_path, capsys):
+    from verispec.cli import main
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("taken")
+    for args, fragment in ((["--kind", "eagle3", "--out", str(tmp_path / "new")], "EAGLE-3 heads cannot be trained"),
+                           (["--out", str(tmp_path / "out")], "exists and is not empty"),
+                           (["--out", str(tmp_path / "new"), "--steps", "0"], "steps >= 1")):
+        assert main(["train-heads", *args]) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err
+    assert not (tmp_path / "new").exists()

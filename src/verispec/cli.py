@@ -258,10 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the named default models")
     from verispec.distill import cli as distill_cli
+    from verispec.heads import cli as heads_cli
     from verispec.selfspec import cli as selfspec_cli
 
     distill_cli.add_parser(sub)
     selfspec_cli.add_parser(sub)
+    heads_cli.add_parser(sub)
     return parser
 
 
@@ -578,6 +580,12 @@ def cmd_self_tune(args: argparse.Namespace) -> int:
     return selfspec_cli.run(args)
 
 
+def cmd_train_heads(args: argparse.Namespace) -> int:
+    from verispec.heads import cli as heads_cli
+
+    return heads_cli.run(args)
+
+
 def cmd_models(_: argparse.Namespace) -> int:
     for model in NAMED_MODELS.values():
         print(f"{model.name}\t{model.filename}\tsha256 {model.sha256}\t{len(model.packages)} package(s)")
@@ -588,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "replay": cmd_replay, "analyze": cmd_analyze, "viz": cmd_viz,
                 "audit": cmd_audit, "bench": cmd_bench, "serve": cmd_serve, "ngram": cmd_ngram, "fetch": cmd_fetch,
-                "models": cmd_models, "distill": cmd_distill, "self-tune": cmd_self_tune}
+                "models": cmd_models, "distill": cmd_distill, "self-tune": cmd_self_tune,
+                "train-heads": cmd_train_heads}
     try:
         return handlers[args.command](args)
     except VerispecError as err:

@@ -78,3 +78,19 @@ def load_prompts(path: str | Path, categories: list[str] | None = None, per_cate
                 taken[p.category] = taken.get(p.category, 0) + 1
         prompts = kept
     return prompts
+
+
+def prompt_texts(path: str | Path, categories: list[str] | None = None, per_category: int | None = None,
+                 split: str | None = None) -> list[str]:
+    """Prompt texts from a Spec-Bench JSONL file (filtered as `load_prompts`) or a text file, one per line."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        texts = [p.text for p in load_prompts(path, categories, per_category, split)]
+    else:
+        try:
+            texts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        except OSError as err:
+            raise VerispecError(f"cannot read prompts from {path}: {err.strerror}") from None
+    if not texts:
+        raise VerispecError(f"no prompts in {path} (after the category and split filters)")
+    return texts

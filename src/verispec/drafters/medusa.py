@@ -64,7 +64,9 @@ class MedusaDrafter(Drafter):
         """Row -> (count, V) logits of the first `count` heads on its hidden state."""
         if not rows or count == 0:
             return {}
-        out = self.heads(torch.stack([self.hidden[b] for b in rows]), count)  # (R, count, V)
+        lm_head = (lambda x: self.target.head_logits(x, self.heads.tied_rows)) if self.heads.tied_rows else None
+        with torch.inference_mode():
+            out = self.heads(torch.stack([self.hidden[b] for b in rows]), count, lm_head)  # (R, count, V)
         return {b: out[i, :, : self.vocab_size] for i, b in enumerate(rows)}
 
     def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:

@@ -297,6 +297,20 @@ class ModelRunner:
         state.spec_columns, state.spec_parents = [], []
         self._crop_dead_columns(state)
 
+    @torch.inference_mode()
+    def head_logits(self, hidden: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """The target's own LM head on (n, E) hidden states (after the final norm): (n, V) float32 logits,
+        over token ids below `rows` only (-inf above) when given. For draft heads tied to the target's."""
+        head = self.model.get_output_embeddings()
+        weight = head.weight  # (V, E); a meta tensor for a packed head (models.packed), which runs whole
+        rows = self.vocab_size if rows is None else min(rows, self.vocab_size)
+        out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"))  # (n, V)
+        if weight.device.type == "meta":
+            out[:, :rows] = head(hidden.to(self.dtype)).float()[:, :rows]
+        else:
+            out[:, :rows] = torch.nn.functional.linear(hidden.to(weight.dtype), weight[:rows]).float()
+        return out
+
     def training_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor,
                         cols: torch.Tensor) -> torch.Tensor:
         """Next-token logits with gradients at chosen positions, for online adaptation of a draft

@@ -42,19 +42,9 @@ def add_parser(sub) -> None:
 
 
 def _prompts(args: argparse.Namespace, decoder) -> list[list[int]]:
-    path = Path(args.prompts)
-    if path.suffix == ".jsonl":
-        from verispec.datasets import load_prompts
+    from verispec.datasets import prompt_texts
 
-        split = None if args.split == "all" else args.split
-        texts = [p.text for p in load_prompts(path, args.categories, args.per_category, split)]
-    else:
-        try:
-            texts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-        except OSError as err:
-            raise VerispecError(f"cannot read --prompts {path}: {err.strerror}") from None
-    if not texts:
-        raise VerispecError(f"no prompts in {path} (after the category and split filters)")
+    texts = prompt_texts(args.prompts, args.categories, args.per_category, None if args.split == "all" else args.split)
     return [decoder.encode(text) for text in texts]
 
 

@@ -164,6 +164,19 @@ class NativeRunner:
         """As `ModelRunner.training_logits`: the torch source model's logits, for online adaptation."""
         return training_logits(model, input_ids, rows, cols)
 
+    def head_logits(self, hidden: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """The target's own LM head on (n, E) hidden states (after the final norm): (n, V) float32 logits,
+        over token ids below `rows` only (-inf above) when given. For draft heads tied to the target's."""
+        x = np.ascontiguousarray(hidden.detach().float().numpy())
+        head = self.gguf.head
+        if rows is not None and rows < self.vocab_size:
+            if rows not in self._heads:
+                self._heads[rows] = head.first_rows(rows)
+            head = self._heads[rows]
+        out = torch.full((x.shape[0], self.vocab_size), float("-inf"))  # (n, V)
+        out[:, : head.rows] = torch.from_numpy(head(ops.Activations(x)))
+        return out
+
     def new_row(self) -> RowCache:
         c = self.config
         shape = (c.layers, self.initial_capacity, c.kv_dim)

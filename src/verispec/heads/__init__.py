@@ -1,0 +1,1 @@
+"""Trained draft heads: the training pipelines (`verispec train-heads`)."""
