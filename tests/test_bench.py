@@ -11,7 +11,7 @@ from conftest import tiny_model
 from tiny_hf import char_tokenizer, save_tiny_model_dir
 from verispec.bench.report import BASELINES
 from verispec.bench.results import report_from_json
-from verispec.bench.runner import LLAMACPP_SYSTEMS, SYSTEMS, BenchConfig, by_turns, run_bench
+from verispec.bench.runner import HEAD_SYSTEMS, LLAMACPP_SYSTEMS, SYSTEMS, BenchConfig, by_turns, run_bench
 from verispec.cli import main
 from verispec.distill.model import TinyDraftConfig, VocabMap, save_distilled, vocab_fingerprint
 from verispec.errors import VerispecError
@@ -45,7 +45,7 @@ def test_bench_runs_all_systems_and_writes_report(setup):
                          ngram_table=str(root / "t.ngram"), distilled=distilled)
     report = run_bench(config, load_model(target), load_model(draft))
     summary = report["summary"]
-    assert set(summary) == set(SYSTEMS) - set(LLAMACPP_SYSTEMS) - {"verispec-self-adapt-auto"}  # tiny HF directories: torch
+    assert set(summary) == set(SYSTEMS) - set(LLAMACPP_SYSTEMS) - {"verispec-self-adapt-auto"} - set(HEAD_SYSTEMS)  # torch, no heads
     assert set(summary["verispec-draft"]) == {"mt_bench", "qa", "rag", "all"}
     for system, cats in summary.items():
         assert cats["all"]["greedy_equal_to_plain"] == "3/3", system

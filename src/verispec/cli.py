@@ -498,8 +498,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if is_self_spec(args.draft):
         config = dataclasses.replace(config, self_draft=args.draft)
+    medusa = args.draft.startswith("medusa:")
+    if medusa:
+        config = dataclasses.replace(config, medusa=args.draft)
     has_draft = (args.draft not in NO_DRAFT and args.draft != NGRAM and not is_corpus_spec(args.draft)
-                 and not is_self_spec(args.draft))
+                 and not is_self_spec(args.draft) and not medusa)
     draft_dtype = args.draft_dtype or args.dtype
     # Hugging Face systems run the models as loaded, on torch (loaded only when one of them runs);
     # verispec's run on --backend (auto: GGUF files on verispec's own quantized CPU runner).

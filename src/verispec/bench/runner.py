@@ -29,9 +29,10 @@ DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-
 # self-speculation (--draft self): the skip set of BenchConfig.self_draft; -lookup copies from the context first;
 # -adapt re-chooses the skip set while decoding
 SELF_SYSTEMS = ("verispec-self", "verispec-self-auto", "verispec-self-lookup-auto", "verispec-self-adapt-auto")
+HEAD_SYSTEMS = ("verispec-medusa", "verispec-medusa-auto")  # need heads (BenchConfig.medusa)
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram", "verispec-ngram-auto",
            "verispec-ngram-corpus", "verispec-ngram-corpus-tree", "verispec-auto", "verispec-draft-tree", "verispec-draft-tree-auto", "verispec-ngram-tree", "verispec-distilled",
-           "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto", *SELF_SYSTEMS, *LLAMACPP_SYSTEMS)
+           "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto", *SELF_SYSTEMS, *HEAD_SYSTEMS, *LLAMACPP_SYSTEMS)
 SPLITS = ("all", "heldout", "train")  # Spec-Bench question ids: odd are held out from distillation (see verispec.distill)
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
 
@@ -53,6 +54,7 @@ class BenchConfig:
         prompts (their acceptance then depends on the prompts before).
     self_draft: the verispec-self* systems' draft: "self" (the skip set searched for this target, see
         `verispec self-tune`), "self:SKIP" or "self:FILE".
+    medusa: the verispec-medusa* systems' heads, "medusa:DIR" (None: skip them).
     peer_num_draft_tokens: K of the peers' speculative decoding (llama.cpp's and Hugging Face's prompt lookup,
         llama.cpp's draft model: llama-cpp-python's loop with the draft GGUF); None: num_draft_tokens.
         With several, each K runs as a system of its own (`llamacpp-prompt-lookup-k1`, ...) and the report
@@ -77,6 +79,7 @@ class BenchConfig:
     adapt: bool = False
     peer_num_draft_tokens: tuple[int, ...] | None = None
     self_draft: str = "self"
+    medusa: str | None = None
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -176,6 +179,10 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
                                               tree=config.tree if name.endswith("tree") else None))
             elif llama_draft is not None:
                 decoder = SpeculativeDecoder(llama_target, llama_draft)
+                systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
+        elif name in HEAD_SYSTEMS:
+            if config.medusa is not None:
+                decoder = SpeculativeDecoder(target, config.medusa)
                 systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
         elif name in SELF_SYSTEMS:
             if "-adapt" in name and target.backend != "native":
