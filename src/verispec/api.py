@@ -37,6 +37,7 @@ from verispec.models.loading import (
     load_model,
 )
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from verispec.models.medusa import MEDUSA, is_medusa_spec
 from verispec.models.skip import is_self_spec, resolve_skip
 from verispec.sequence import Sequence
 from verispec.stats import GenerationStats
@@ -44,7 +45,6 @@ from verispec.tuning import AdaptiveK, measure_costs
 
 NO_DRAFT = ("none", "off")
 NGRAM = "ngram"
-MEDUSA = "medusa"
 
 
 @dataclass
@@ -129,7 +129,7 @@ class SpeculativeDecoder:
             n = self_spec.lookup
             lookup = PromptLookupConfig(max_ngram=max(4, n), min_ngram=n) if n else None
             self.drafter, self.draft_name = SelfDrafter(self.runner, skip, self_spec, lookup), f"self:{skip.spec}"
-        elif isinstance(draft, str) and (draft == MEDUSA or draft.startswith(MEDUSA + ":")):
+        elif is_medusa_spec(draft):
             from verispec.drafters.medusa import MedusaDrafter
             from verispec.models.medusa import load_medusa
 
@@ -181,7 +181,7 @@ class SpeculativeDecoder:
         prompt's draft pass then costs N tokens); None reads all.
         """
         loaded_target = load_model(target, dtype, target_weights, backend)
-        if draft == MEDUSA or draft.startswith(MEDUSA + ":"):
+        if is_medusa_spec(draft):
             return cls(loaded_target, draft, prompt_lookup, ngram, self_spec)
         if is_self_spec(draft) and draft_lookup:
             self_spec = replace(self_spec, lookup=draft_lookup)

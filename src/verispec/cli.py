@@ -494,11 +494,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     if is_corpus_spec(args.draft) and config.ngram_table is None:
         config = dataclasses.replace(config, ngram_table=args.draft)
+    from verispec.models.medusa import is_medusa_spec
     from verispec.models.skip import is_self_spec
 
     if is_self_spec(args.draft):
         config = dataclasses.replace(config, self_draft=args.draft)
-    medusa = args.draft.startswith("medusa:")
+    medusa = is_medusa_spec(args.draft)
     if medusa:
         config = dataclasses.replace(config, medusa=args.draft)
     has_draft = (args.draft not in NO_DRAFT and args.draft != NGRAM and not is_corpus_spec(args.draft)

@@ -60,18 +60,20 @@ class MedusaDrafter(Drafter):
     def keep(self, rows: list[int]) -> None:
         self.hidden = [self.hidden[r] for r in rows]
 
-    def _head_logits(self, rows: list[int], count: int) -> dict[int, torch.Tensor]:
-        """Row -> (count, V) logits of the first `count` heads on its hidden state."""
-        if not rows or count == 0:
-            return {}
+    def _head_logits(self, caps: list[int]) -> tuple[list[int], dict[int, torch.Tensor]]:
+        """Per row, how many heads it drafts with (at most caps[b]; 0 before the target has read its prompt),
+        and row -> (count, V) logits of those heads on its hidden state."""
+        limits = [min(n, self.heads.num_heads) if self.hidden[b] is not None else 0 for b, n in enumerate(caps)]
+        rows, count = [b for b, n in enumerate(limits) if n], max(limits, default=0)
+        if not rows:
+            return limits, {}
         lm_head = (lambda x: self.target.head_logits(x, self.heads.tied_rows)) if self.heads.tied_rows else None
         with torch.inference_mode():
             out = self.heads(torch.stack([self.hidden[b] for b in rows]), count, lm_head)  # (R, count, V)
-        return {b: out[i, :, : self.vocab_size] for i, b in enumerate(rows)}
+        return limits, {b: out[i, :, : self.vocab_size] for i, b in enumerate(rows)}
 
     def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
-        limits = [min(n, self.heads.num_heads) if self.hidden[b] is not None else 0 for b, n in enumerate(max_tokens)]
-        logits = self._head_logits([b for b, n in enumerate(limits) if n], max(limits, default=0))
+        limits, logits = self._head_logits(max_tokens)
         drafts = []
         for b, seq in enumerate(sequences):
             if not limits[b]:
@@ -110,8 +112,7 @@ class MedusaDrafter(Drafter):
         self.hidden = [features[b, i].clone() for b, i in enumerate(index)]
 
     def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
-        depths = [min(d, self.heads.num_heads) if self.hidden[b] is not None else 0 for b, d in enumerate(depths)]
-        logits = self._head_logits([b for b, d in enumerate(depths) if d], max(depths, default=0))
+        depths, logits = self._head_logits(depths)
         drafts = []
         for b, seq in enumerate(sequences):
             if not depths[b]:

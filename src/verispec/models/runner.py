@@ -150,19 +150,18 @@ class ModelRunner:
     def _run(self, state: KVState, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
              keep: torch.Tensor) -> torch.Tensor:
         """One model call on the cache. input_ids, position_ids: (B, W); keep: (B, M) -> (B, M, V) float logits."""
-        if not self.keep_features:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=state.cache, use_cache=True, logits_to_keep=keep)
-            return out.logits.float()  # (B, M, V)
-        caught = []
-        hook = self.model.model.norm.register_forward_hook(lambda module, args, output: caught.append(output))
+        caught = []  # the final norm's output (B, W, E), when draft heads want the hidden states
+        hook = (self.model.model.norm.register_forward_hook(lambda module, args, output: caught.append(output))
+                if self.keep_features else None)
         try:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=state.cache, use_cache=True, logits_to_keep=keep)
         finally:
-            hook.remove()
-        final = caught[-1]  # (B, W, E) after the final norm
-        self.features = final.gather(1, keep[:, :, None].expand(-1, -1, final.shape[-1])).float()  # (B, M, E)
+            if hook is not None:
+                hook.remove()
+        if caught:
+            final = caught[-1]
+            self.features = final.gather(1, keep[:, :, None].expand(-1, -1, final.shape[-1])).float()  # (B, M, E)
         return out.logits.float()  # (B, M, V)
 
     @torch.inference_mode()

@@ -118,9 +118,9 @@ class NativeRunner:
         self.threads = threads or torch.get_num_threads()
         self.keep_draft_prefix = True  # keep draft passes' full-layer prefixes for the next full pass (_Resume)
         self.resumed_tokens = 0  # tokens full passes started past the embedding, thanks to _Resume
-        self._resume: dict[tuple, _Resume] = {}
+        self._resume: dict[tuple, _Resume] = {}  # by _resume_key: what the draft passes since the last full pass kept
         self.keep_features = False  # keep each full pass's final hidden states (`features`) for draft heads
-        self.features: torch.Tensor | None = None  # (B, M, E): the last full pass's, aligned with its logits  # by _resume_key: what the draft passes since the last full pass kept
+        self.features: torch.Tensor | None = None  # (B, M, E): the last full pass's, aligned with its logits
         self.initial_capacity = initial_capacity
         set_threads(self.threads)
 
@@ -168,14 +168,18 @@ class NativeRunner:
         """The target's own LM head on (n, E) hidden states (after the final norm): (n, V) float32 logits,
         over token ids below `rows` only (-inf above) when given. For draft heads tied to the target's."""
         x = np.ascontiguousarray(hidden.detach().float().numpy())
-        head = self.gguf.head
-        if rows is not None and rows < self.vocab_size:
-            if rows not in self._heads:
-                self._heads[rows] = head.first_rows(rows)
-            head = self._heads[rows]
-        out = torch.full((x.shape[0], self.vocab_size), float("-inf"))  # (n, V)
-        out[:, : head.rows] = torch.from_numpy(head(ops.Activations(x)))
-        return out
+        return torch.from_numpy(self._head_logits(x, rows))
+
+    def _head_logits(self, final: np.ndarray, rows: int | None) -> np.ndarray:
+        """(n, E) final hidden states -> (n, V) float32 logits of the LM head, or of its first `rows` rows
+        (`Weight.first_rows`, made once per size) with -inf above."""
+        if rows is None or rows >= self.vocab_size:
+            return self.gguf.head(ops.Activations(final))
+        if rows not in self._heads:
+            self._heads[rows] = self.gguf.head.first_rows(rows)
+        logits = np.full((final.shape[0], self.vocab_size), -np.inf, np.float32)  # (n, V)
+        logits[:, :rows] = self._heads[rows](ops.Activations(final))
+        return logits
 
     def new_row(self) -> RowCache:
         c = self.config
@@ -359,13 +363,7 @@ class NativeRunner:
         if keep.size == 0:
             return np.zeros((0, self.vocab_size), np.float32), np.zeros((0, c.hidden), np.float32)
         final = ops.rmsnorm(np.ascontiguousarray(x[keep]), model.norm, c.rms_eps)  # (M, E)
-        if head_rows is None or head_rows >= self.vocab_size:
-            return model.head(ops.Activations(final)), final  # (M, V), (M, E)
-        if head_rows not in self._heads:
-            self._heads[head_rows] = model.head.first_rows(head_rows)
-        logits = np.full((keep.size, self.vocab_size), -np.inf, np.float32)  # (M, V)
-        logits[:, :head_rows] = self._heads[head_rows](ops.Activations(final))
-        return logits, final
+        return self._head_logits(final, head_rows), final  # (M, V), (M, E)
 
     def _layers(self, x: np.ndarray, queries: list[_Query], rows: list[RowCache], angles: np.ndarray, low: int,
                 high: int, skip: np.ndarray | None) -> None:
