@@ -104,6 +104,8 @@ class ModelRunner:
         self.model = model.eval()
         self.keep_features = False  # keep each pass's final hidden states (`features`) for draft heads
         self.features: torch.Tensor | None = None  # (B, M, E): the last pass's, aligned with its logits
+        self.aux_layers: tuple[int, ...] = ()  # keep the hidden states entering these layers (EAGLE-3's features)
+        self.aux_features: list[torch.Tensor] | None = None  # per row (n_b, A E): the last pass's, every token
         self.vocab_size: int = int(model.get_output_embeddings().weight.shape[0])
         config = model.config
         self.context_window: int = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 30
@@ -142,27 +144,42 @@ class ModelRunner:
         # Row b keeps positions counts[b] - wanted[b] + j for j < M, clamped into the row.
         keep = (counts - wanted)[:, None] + torch.arange(M)[None, :]  # (B, M)
         keep = keep.clamp(min=0, max=max(W - 1, 0))
-        logits = self._run(state, input_ids, position_ids, attention_mask, keep)
+        logits = self._run(state, input_ids, position_ids, attention_mask, keep, counts)
         state.valid = torch.cat([state.valid, new_valid], dim=1)
         state.lengths = state.lengths + counts
         return logits
 
     def _run(self, state: KVState, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-             keep: torch.Tensor) -> torch.Tensor:
-        """One model call on the cache. input_ids, position_ids: (B, W); keep: (B, M) -> (B, M, V) float logits."""
+             keep: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One model call on the cache. input_ids, position_ids: (B, W); keep: (B, M); counts: (B,) real tokens
+        per row (the first of its W columns) -> (B, M, V) float logits."""
         caught = []  # the final norm's output (B, W, E), when draft heads want the hidden states
-        hook = (self.model.model.norm.register_forward_hook(lambda module, args, output: caught.append(output))
-                if self.keep_features else None)
+        entering: dict[int, torch.Tensor] = {}  # aux layer -> (B, W, E) the hidden states entering it
+        hooks = []
+        if self.keep_features:
+            hooks.append(self.model.model.norm.register_forward_hook(lambda module, args, output: caught.append(output)))
+        for i in self.aux_layers:
+            def grab(module, args, kwargs, i=i):
+                entering[i] = args[0] if args else kwargs["hidden_states"]
+            hooks.append(self.model.model.layers[i].register_forward_pre_hook(grab, with_kwargs=True))
         try:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=state.cache, use_cache=True, logits_to_keep=keep)
         finally:
-            if hook is not None:
+            for hook in hooks:
                 hook.remove()
         if caught:
             final = caught[-1]
             self.features = final.gather(1, keep[:, :, None].expand(-1, -1, final.shape[-1])).float()  # (B, M, E)
+        if self.aux_layers:
+            aux = torch.cat([entering[i] for i in self.aux_layers], dim=-1).float()  # (B, W, A E)
+            self.aux_features = [aux[b, : int(n)].clone() for b, n in enumerate(counts)]
         return out.logits.float()  # (B, M, V)
+
+    def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(n,) token ids -> (n, E) float32 rows of the target's token embedding (draft heads embed with it)."""
+        with torch.inference_mode():
+            return self.model.get_input_embeddings()(tokens).float()
 
     @torch.inference_mode()
     def forward_tree(self, state: KVState, chains: list[list[int]], nodes: list[list[int]],
@@ -239,7 +256,7 @@ class ModelRunner:
             attention_mask = torch.cat([state.valid, new_valid], dim=1).long()  # (B, L + W)
         else:
             attention_mask = self._mask_4d(mask)
-        logits = self._run(state, input_ids, position_ids, attention_mask, keep)
+        logits = self._run(state, input_ids, position_ids, attention_mask, keep, counts)
         state.valid = torch.cat([state.valid, new_valid], dim=1)
         state.lengths = state.lengths + torch.tensor(chain_counts, dtype=torch.long)
         return logits

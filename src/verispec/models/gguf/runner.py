@@ -121,6 +121,8 @@ class NativeRunner:
         self._resume: dict[tuple, _Resume] = {}  # by _resume_key: what the draft passes since the last full pass kept
         self.keep_features = False  # keep each full pass's final hidden states (`features`) for draft heads
         self.features: torch.Tensor | None = None  # (B, M, E): the last full pass's, aligned with its logits
+        self.aux_layers: tuple[int, ...] = ()  # keep the hidden states entering these layers (EAGLE-3's features)
+        self.aux_features: list[torch.Tensor] | None = None  # per row (n_b, A E): the last full pass's, every token
         self.initial_capacity = initial_capacity
         set_threads(self.threads)
 
@@ -180,6 +182,10 @@ class NativeRunner:
         logits = np.full((final.shape[0], self.vocab_size), -np.inf, np.float32)  # (n, V)
         logits[:, :rows] = self._heads[rows](ops.Activations(final))
         return logits
+
+    def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(n,) token ids -> (n, E) float32 rows of the target's token embedding (draft heads embed with it)."""
+        return torch.from_numpy(self.gguf.embed.take_rows(tokens.numpy().astype(np.int64)))
 
     def new_row(self) -> RowCache:
         c = self.config
@@ -299,17 +305,25 @@ class NativeRunner:
             resume, self._resume = self._resume, {}
         out = torch.zeros(batch, width, self.vocab_size)  # (B, M, V)
         features = torch.zeros(batch, width, self.config.hidden) if skip is None and self.keep_features else None
+        aux: list[list[np.ndarray]] | None = [[] for _ in range(batch)] if skip is None and self.aux_layers else None
         filled = [0] * batch
         for start in range(0, len(queries), MAX_PASS_TOKENS):
             chunk, keep = queries[start : start + MAX_PASS_TOKENS], wanted[start : start + MAX_PASS_TOKENS]
-            logits, final = self._pass(state, chunk, keep, skip, resume, head_rows)  # (n_wanted, V), (n_wanted, E)
+            # (n_wanted, V), (n_wanted, E), (n, A E) or None
+            logits, final, chunk_aux = self._pass(state, chunk, keep, skip, resume, head_rows)
             for q, row_logits, row_final in zip([q for q, k in zip(chunk, keep) if k], logits, final):
                 out[q.row, filled[q.row]] = torch.from_numpy(row_logits)
                 if features is not None:
                     features[q.row, filled[q.row]] = torch.from_numpy(row_final)
                 filled[q.row] += 1
+            if aux is not None:
+                for q, row_aux in zip(chunk, chunk_aux):
+                    aux[q.row].append(row_aux)
         if features is not None:
             self.features = features
+        if aux is not None:
+            width_aux = len(self.aux_layers) * self.config.hidden
+            self.aux_features = [torch.from_numpy(np.stack(a)) if a else torch.zeros(0, width_aux) for a in aux]
         return out
 
     @staticmethod
@@ -318,17 +332,21 @@ class NativeRunner:
         return row.keys.ctypes.data, q.column, q.token, q.position, q.prefix, tuple(q.extra)
 
     def _pass(self, state: NativeState, queries: list[_Query], wanted: list[bool], skip: np.ndarray | None = None,
-              resume: dict | None = None, head_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """One forward over these tokens: writes their keys and values, returns (n_wanted, V) float32 logits
-        and the (n_wanted, E) final hidden states (after the final norm) they came from.
+              resume: dict | None = None, head_rows: int | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """One forward over these tokens: writes their keys and values, returns (n_wanted, V) float32 logits,
+        the (n_wanted, E) final hidden states (after the final norm) they came from and, on a full pass with
+        `aux_layers`, every token's (n, A E) hidden states entering those layers (else None).
 
         skip: (layers,) int32 sublayers to skip (a draft pass); its tokens' hidden states entering the first
         layer it skips are kept for the next full pass (`_Resume`). resume: those kept states, by `_resume_key`;
         a full pass starts such a token at that layer instead of at the embedding."""
         c, model = self.config, self.gguf
         n = len(queries)
+        aux_ids = self.aux_layers if skip is None else ()
         if n == 0:
-            return np.zeros((0, self.vocab_size), np.float32), np.zeros((0, c.hidden), np.float32)
+            empty_aux = np.zeros((0, len(aux_ids) * c.hidden), np.float32) if aux_ids else None
+            return np.zeros((0, self.vocab_size), np.float32), np.zeros((0, c.hidden), np.float32), empty_aux
         for q in queries:
             state.rows[q.row].reserve(q.column + 1)
         rows = [state.rows[q.row] for q in queries]
@@ -343,12 +361,15 @@ class NativeRunner:
                     self._resume[self._resume_key(rows[i], q)] = _Resume(first, x[i].copy())
             self._layers(x, queries, rows, angles, first, c.layers, skip)
         else:
-            hits = [resume.get(self._resume_key(rows[i], q)) if resume else None for i, q in enumerate(queries)]
+            # with aux layers every token starts at the embedding (their states are kept on the way)
+            hits = [resume.get(self._resume_key(rows[i], q)) if resume and not aux_ids else None
+                    for i, q in enumerate(queries)]
             starts = [0 if h is None else h.layer for h in hits]  # the layer each token starts at
-            bounds = sorted(set(starts) | {c.layers})
+            bounds = sorted(set(starts) | {0, c.layers} | set(aux_ids))
             for i, h in enumerate(hits):
                 if h is not None:
                     x[i] = h.hidden  # untouched until the layer it starts at
+            entering = {0: x.copy()} if 0 in aux_ids else {}  # layer -> (N, E) states entering it
             for low, high in zip(bounds, bounds[1:]):
                 active = [i for i in range(n) if starts[i] <= low]
                 if len(active) == n:
@@ -358,12 +379,15 @@ class NativeRunner:
                     self._layers(part, [queries[i] for i in active], [rows[i] for i in active],
                                  np.ascontiguousarray(angles[active]), low, high, None)
                     x[active] = part
+                if high in aux_ids:
+                    entering[high] = x.copy()
             self.resumed_tokens += sum(h is not None for h in hits)
+        aux = np.concatenate([entering[i] for i in aux_ids], axis=1) if aux_ids else None  # (N, A E)
         keep = np.flatnonzero(np.array(wanted))
         if keep.size == 0:
-            return np.zeros((0, self.vocab_size), np.float32), np.zeros((0, c.hidden), np.float32)
+            return np.zeros((0, self.vocab_size), np.float32), np.zeros((0, c.hidden), np.float32), aux
         final = ops.rmsnorm(np.ascontiguousarray(x[keep]), model.norm, c.rms_eps)  # (M, E)
-        return self._head_logits(final, head_rows), final  # (M, V), (M, E)
+        return self._head_logits(final, head_rows), final, aux  # (M, V), (M, E), (N, A E)
 
     def _layers(self, x: np.ndarray, queries: list[_Query], rows: list[RowCache], angles: np.ndarray, low: int,
                 high: int, skip: np.ndarray | None) -> None:
