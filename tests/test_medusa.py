@@ -147,7 +147,7 @@ def test_sampled_medusa_speculation_follows_the_targets_distribution(small, samp
 
 
 def test_medusa_without_a_head_folder_or_on_a_runner_without_hidden_states_is_one_line(pair):
-    from verispec.api import _hidden_size
+    from verispec.models.heads import hidden_size as _hidden_size
 
     class LlamaCppRunner:
         vocab_size = 64
@@ -193,7 +193,7 @@ def test_draft_medusa_on_the_command_line(tmp_path, capsys):
         assert main([*common, "--draft", draft]) == 0
         outputs.append(json.loads(capsys.readouterr().out))
     assert outputs[0]["token_ids"] == outputs[1]["token_ids"] and outputs[1]["stats"]["draft_tokens"] > 0
-    for draft, fragment in (("medusa", "no Medusa head ships"), (f"medusa:{tmp_path}", "config.json is missing")):
+    for draft, fragment in (("medusa", "the shipped medusa head"), (f"medusa:{tmp_path}", "config.json is missing")):
         assert main(["generate", "--target", str(folder), "--prompt", "hi", "--draft", draft]) == 2
         err = capsys.readouterr().err
         assert fragment in err and "Traceback" not in err
@@ -258,8 +258,8 @@ def test_train_heads_refuses_bad_requests_in_one_line(tmp_path, capsys):
 
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").write_text("taken")
-    for args, fragment in ((["--kind", "eagle3", "--out", str(tmp_path / "new")], "EAGLE-3 heads cannot be trained"),
-                           (["--out", str(tmp_path / "out")], "exists and is not empty"),
+    for args, fragment in ((["--out", str(tmp_path / "out")], "exists and is not empty"),
+                           (["--out", str(tmp_path / "new"), "--ttt", "2"], "--ttt does not apply to --kind medusa"),
                            (["--out", str(tmp_path / "new"), "--steps", "0"], "steps >= 1")):
         assert main(["train-heads", *args]) == 2
         err = capsys.readouterr().err

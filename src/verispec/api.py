@@ -37,7 +37,7 @@ from verispec.models.loading import (
     load_model,
 )
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
-from verispec.models.medusa import MEDUSA, is_medusa_spec
+from verispec.models.heads import head_drafter, is_head_spec
 from verispec.models.skip import is_self_spec, resolve_skip
 from verispec.sequence import Sequence
 from verispec.stats import GenerationStats
@@ -129,15 +129,8 @@ class SpeculativeDecoder:
             n = self_spec.lookup
             lookup = PromptLookupConfig(max_ngram=max(4, n), min_ngram=n) if n else None
             self.drafter, self.draft_name = SelfDrafter(self.runner, skip, self_spec, lookup), f"self:{skip.spec}"
-        elif is_medusa_spec(draft):
-            from verispec.drafters.medusa import MedusaDrafter
-            from verispec.models.medusa import load_medusa
-
-            if draft == MEDUSA:
-                raise VerispecError("no Medusa head ships with verispec yet: pass one with --draft medusa:DIR "
-                                    "(the Medusa repository's format)")
-            heads = load_medusa(draft[len(MEDUSA) + 1 :], _hidden_size(self.runner), self.runner.vocab_size)
-            self.drafter, self.draft_name = MedusaDrafter(self.runner, heads), draft
+        elif is_head_spec(draft):
+            self.drafter, self.draft_name = head_drafter(draft, self.runner), draft
         elif draft in NO_DRAFT:
             self.drafter, self.draft_name = None, "none"
         else:
@@ -181,7 +174,7 @@ class SpeculativeDecoder:
         prompt's draft pass then costs N tokens); None reads all.
         """
         loaded_target = load_model(target, dtype, target_weights, backend)
-        if is_medusa_spec(draft):
+        if is_head_spec(draft):
             return cls(loaded_target, draft, prompt_lookup, ngram, self_spec)
         if is_self_spec(draft) and draft_lookup:
             self_spec = replace(self_spec, lookup=draft_lookup)
@@ -312,18 +305,6 @@ class SpeculativeDecoder:
 
 
 _DECODERS: dict[tuple, SpeculativeDecoder] = {}
-
-
-def _hidden_size(runner) -> int:
-    """The width of the target's hidden states (what draft heads read)."""
-    config = getattr(runner, "config", None)
-    if hasattr(config, "hidden"):
-        return int(config.hidden)
-    model = getattr(runner, "model", None)
-    if model is None:
-        raise VerispecError(f"the '{type(runner).__name__}' runner gives no hidden states for draft heads "
-                            "(use --backend native or torch)")
-    return int(model.config.hidden_size)
 
 
 def generate(

@@ -59,8 +59,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="a model spec like --target, 'ngram' (prompt lookup), 'ngram-corpus[:TABLE]' or a .ngram file "
                         "(corpus n-grams, see `verispec ngram build`), 'self' / 'self:SKIP' / 'self:FILE' (the target "
                         "drafts with sublayers skipped; SKIP like a4-9,m12,20-; FILE from `verispec self-tune`), "
-                        "'medusa:DIR' (Medusa heads, the Medusa repository's format) or 'none' (plain decoding) "
-                        "(default: %(default)s)")
+                        "'medusa' / 'eagle' (the Medusa / EAGLE-3 head shipped for the default target), 'medusa:DIR' "
+                        "(the Medusa repository's format), 'eagle:DIR' (an EAGLE-3 head, SpecForge's format) or 'none' "
+                        "(plain decoding) (default: %(default)s)")
     p.add_argument("--self-adapt", action="store_true",
                    help="--draft self: re-choose the skipped sublayers while decoding, from each request's verified "
                         "steps (SWIFT-style; native runner)")
@@ -494,16 +495,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     if is_corpus_spec(args.draft) and config.ngram_table is None:
         config = dataclasses.replace(config, ngram_table=args.draft)
-    from verispec.models.medusa import is_medusa_spec
+    from verispec.models.eagle3 import is_eagle_spec
+    from verispec.models.heads import is_head_spec
     from verispec.models.skip import is_self_spec
 
     if is_self_spec(args.draft):
         config = dataclasses.replace(config, self_draft=args.draft)
-    medusa = is_medusa_spec(args.draft)
-    if medusa:
-        config = dataclasses.replace(config, medusa=args.draft)
+    if is_head_spec(args.draft):
+        config = dataclasses.replace(config, **{"eagle" if is_eagle_spec(args.draft) else "medusa": args.draft})
     has_draft = (args.draft not in NO_DRAFT and args.draft != NGRAM and not is_corpus_spec(args.draft)
-                 and not is_self_spec(args.draft) and not medusa)
+                 and not is_self_spec(args.draft) and not is_head_spec(args.draft))
     draft_dtype = args.draft_dtype or args.dtype
     # Hugging Face systems run the models as loaded, on torch (loaded only when one of them runs);
     # verispec's run on --backend (auto: GGUF files on verispec's own quantized CPU runner).

@@ -19,11 +19,10 @@ from __future__ import annotations
 import torch
 
 from verispec.config import TreeConfig
-from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
+from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, draw_token, penalty_seen
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.models.medusa import MedusaHeads
-from verispec.sampling import greedy_tokens, logits_to_probs, sample, seen_masks
 from verispec.sequence import Sequence
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
@@ -81,24 +80,12 @@ class MedusaDrafter(Drafter):
                 continue
             tokens, q_rows = [], []
             for k in range(limits[b]):
-                row = logits[b][k : k + 1]  # (1, V)
-                seen = self._seen(seq, tokens, row.shape[-1])
-                if seq.sampling.greedy:
-                    tokens.append(int(greedy_tokens(row, seq.sampling, seen)[0]))
-                else:
-                    q = logits_to_probs(row, seq.sampling, seen)[0]  # (V,)
-                    tokens.append(sample(q, seq.rng))
+                token, q = draw_token(logits[b][k : k + 1], seq, tokens)
+                tokens.append(token)
+                if q is not None:
                     q_rows.append(q)
             drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(q_rows) if q_rows else None))
         return drafts
-
-    @staticmethod
-    def _seen(seq: Sequence, drafted: list[int], vocab: int) -> torch.Tensor | None:
-        """(1, V) tokens the repetition penalty applies to: the context and the drafts so far."""
-        if seq.sampling.repetition_penalty == 1.0:
-            return None
-        context = torch.tensor(seq.tokens + drafted, dtype=torch.long)
-        return seen_masks(context, context[:0], vocab)
 
     def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
         # the verification pass's logits for row b: after each pending token's last, then after each draft;
@@ -119,10 +106,10 @@ class MedusaDrafter(Drafter):
                 drafts.append(EMPTY_TREE_DRAFT)
                 continue
             growth = TreeGrowth(trees[b], depths[b], seq.sampling, seq.rng, self.vocab_size)
-            growth.add_children(-1, logits[b][0], self._seen(seq, [], logits[b].shape[-1]))
+            growth.add_children(-1, logits[b][0], penalty_seen(seq, [], logits[b].shape[-1]))
             for depth in range(1, depths[b]):
                 for node in growth.to_expand(depth):
-                    growth.add_children(node, logits[b][depth], self._seen(seq, growth.path(node), logits[b].shape[-1]))
+                    growth.add_children(node, logits[b][depth], penalty_seen(seq, growth.path(node), logits[b].shape[-1]))
             drafts.append(growth.finish()[0])
         return drafts
 

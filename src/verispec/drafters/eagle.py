@@ -1,0 +1,213 @@
+"""EAGLE-3 drafting: one decoder layer on the target's own features, chains and dynamic (EAGLE-2) trees.
+
+Positions. Committed tokens s_0 .. s_(N-1); the target has read s_0 .. s_(N-2) (s_(N-1), the step's
+recovered or bonus token, is read by the next verification pass). Its passes kept, for every token read,
+the hidden states entering the head's three layers (`runner.aux_features`), fused by the head into f_t.
+The head's layer holds one committed entry per position t <= N - 2, made from f_t and the embedding of
+s_(t+1) (`_Row.length` = N - 1 after catching up); its output at N - 2 gives draft 1. Draft k >= 2 comes
+from position N - 3 + k, fed the head's own output of the position before (standing in for the target's
+feature there) and the embedding of draft k - 1. Those entries lie past `length` and are overwritten by
+the next step's catching up, which reads the target's features of the tokens verification just kept.
+
+Exactness: draft token k is drawn from the head's q_k (processed like p: temperature, top-k, top-p,
+repetition penalty), which is the distribution verification divides by, at every temperature; trees grow
+with `TreeGrowth` (top-token or sampled children, EAGLE-2's confidence-ranked expansion and budget), each
+expanded node's children drawn from the head's distribution after the node's own path. `argmax=True`
+drafts the head's argmax as a one-hot draft instead (what vLLM does; for comparison only).
+
+Rows are drafted one by one, so a row's drafts are the same alone or in a batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.config import TreeConfig
+from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, draw_token, penalty_seen
+from verispec.drafters.tree_growth import TreeGrowth
+from verispec.errors import VerispecError
+from verispec.models.eagle3 import Eagle3Head
+from verispec.sequence import Sequence
+from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
+
+
+@dataclass
+class _Row:
+    """One sequence's keys and values of the head's layer."""
+
+    keys: torch.Tensor  # (capacity, Hkv, D)
+    values: torch.Tensor  # (capacity, Hkv, D)
+    length: int = 0  # committed entries: positions 0 .. length - 1, made from the target's features
+    pending: list[torch.Tensor] = field(default_factory=list)  # (n, E) fused features of positions length ..
+
+    def write(self, column: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (n, Hkv, D) into columns column .. column + n - 1 (growing the cache when needed)."""
+        end = column + k.shape[0]
+        if end > self.keys.shape[0]:
+            grow = max(end, 2 * self.keys.shape[0]) - self.keys.shape[0]
+            self.keys = torch.cat([self.keys, self.keys.new_zeros(grow, *self.keys.shape[1:])])
+            self.values = torch.cat([self.values, self.values.new_zeros(grow, *self.values.shape[1:])])
+        self.keys[column:end] = k
+        self.values[column:end] = v
+
+
+class EagleDrafter(Drafter):
+    """Draft with an EAGLE-3 head on the target's features.
+
+    Args:
+        target: the target's runner (it keeps the head's layers' hidden states once this drafter starts).
+        head: the head (`models.eagle3.load_eagle3`), its aux layers fitted to the target.
+        argmax: draft the head's argmax as one-hot drafts (vLLM's way) instead of sampling from q.
+    """
+
+    name = "eagle"
+
+    def __init__(self, target, head: Eagle3Head, argmax: bool = False) -> None:
+        if not hasattr(target, "aux_layers") or not hasattr(target, "token_embeddings"):
+            raise VerispecError(f"EAGLE heads read the target's hidden states; the '{type(target).__name__}' "
+                                "runner does not give them (use --backend native or torch)")
+        self.target, self.head, self.argmax = target, head, argmax
+        self.vocab_size = target.vocab_size
+        self.rows: list[_Row] = []
+        target.aux_layers = tuple(head.config.aux_layers)
+
+    @property
+    def supports_trees(self) -> bool:
+        return not self.argmax
+
+    def _new_row(self) -> _Row:
+        c = self.head.config
+        return _Row(torch.zeros(64, c.kv_heads, c.head_dim), torch.zeros(64, c.kv_heads, c.head_dim))
+
+    def start(self, sequences: list[Sequence]) -> None:
+        self.rows = [self._new_row() for _ in sequences]
+
+    def extend(self, sequences: list[Sequence]) -> None:
+        self.rows += [self._new_row() for _ in sequences]
+
+    def keep(self, rows: list[int]) -> None:
+        self.rows = [self.rows[r] for r in rows]
+
+    def _embed(self, tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor(tokens, dtype=torch.long)
+        if self.head.embed_tokens is not None:
+            return self.head.embed_tokens(ids)
+        return self.target.token_embeddings(ids)  # (n, E)
+
+    def _layer(self, row: _Row, tokens: list[int], features: torch.Tensor, positions: list[int], column: int,
+               mask: torch.Tensor) -> torch.Tensor:
+        """The head's layer on n new entries written at columns column ..; mask: (n, column + n) -> (n, E)."""
+        q, k, v = self.head.new_kv(self._embed(tokens), features, torch.tensor(positions))
+        row.write(column, k, v)
+        end = column + len(tokens)
+        return self.head.attend(q, row.keys[:end], row.values[:end], mask, features)
+
+    def _catch_up(self, row: _Row, seq: Sequence) -> torch.Tensor | None:
+        """Read the target's features kept since the last step; the (E,) output that drafts token 1, or None
+        before the target has read the prompt."""
+        if not row.pending:
+            return None
+        features = torch.cat(row.pending)  # (n, E)
+        n, start = features.shape[0], row.length
+        if start + n != len(seq.tokens) - 1:
+            raise VerispecError(f"the EAGLE head holds features of {start + n} positions for a sequence of "
+                                f"{len(seq.tokens)} tokens (expected one fewer)")
+        mask = torch.ones(n, start + n, dtype=torch.bool)  # (n, start + n)
+        mask[:, start:] = torch.ones(n, n, dtype=torch.bool).tril()
+        out = self._layer(row, seq.tokens[start + 1 : start + n + 1], features, list(range(start, start + n)), start, mask)
+        row.length, row.pending = start + n, []
+        return out[-1]
+
+    @torch.inference_mode()
+    def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
+        drafts = []
+        for b, seq in enumerate(sequences):
+            row = self.rows[b]
+            h = self._catch_up(row, seq) if max_tokens[b] else None
+            if h is None:
+                drafts.append(EMPTY_DRAFT)
+                continue
+            tokens, q_rows = [], []
+            for k in range(max_tokens[b]):
+                if k:  # feed draft k - 1 at the column (and position) after the last
+                    column = row.length + k - 1
+                    mask = torch.ones(1, column + 1, dtype=torch.bool)
+                    h = self._layer(row, tokens[-1:], h[None], [column], column, mask)[0]
+                logits = self.head.logits(h[None])  # (1, V)
+                if self.argmax:
+                    tokens.append(int(logits.argmax()))
+                    continue
+                token, q = draw_token(logits, seq, tokens)
+                tokens.append(token)
+                if q is not None:
+                    q_rows.append(q)
+            drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(q_rows) if q_rows else None))
+        return drafts
+
+    @torch.inference_mode()
+    def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
+        drafts = []
+        for b, seq in enumerate(sequences):
+            row = self.rows[b]
+            h = self._catch_up(row, seq) if depths[b] else None
+            if h is None:
+                drafts.append(EMPTY_TREE_DRAFT)
+                continue
+            growth = TreeGrowth(trees[b], depths[b], seq.sampling, seq.rng, self.vocab_size)
+            growth.add_children(-1, self.head.logits(h[None])[0], penalty_seen(seq, [], self.vocab_size))
+            outputs = {-1: h}  # node -> the head's output after it (E,)
+            columns: dict[int, int] = {}  # node -> its entry's column
+            for depth in range(1, depths[b]):
+                nodes = growth.to_expand(depth)
+                if not nodes:
+                    break
+                first = row.length + len(columns)
+                mask = torch.zeros(len(nodes), first + len(nodes), dtype=torch.bool)  # (n, first + n)
+                mask[:, : row.length] = True
+                for j, node in enumerate(nodes):
+                    columns[node] = first + j
+                    ancestor = node
+                    while ancestor >= 0:
+                        mask[j, columns[ancestor]] = True
+                        ancestor = growth.parents[ancestor]
+                features = torch.stack([outputs[growth.parents[node]] for node in nodes])  # (n, E)
+                positions = [row.length - 1 + depth] * len(nodes)
+                out = self._layer(row, [growth.tokens[node] for node in nodes], features, positions, first, mask)
+                for j, node in enumerate(nodes):
+                    outputs[node] = out[j]
+                    growth.add_children(node, self.head.logits(out[j : j + 1])[0],
+                                        penalty_seen(seq, growth.path(node), self.vocab_size))
+            drafts.append(growth.finish()[0])
+        return drafts
+
+    def _aux(self) -> list[torch.Tensor]:
+        aux = self.target.aux_features
+        if aux is None:
+            raise VerispecError("the target kept no hidden states for the EAGLE head")
+        return aux
+
+    @torch.inference_mode()
+    def _keep_features(self, kept: list[torch.Tensor]) -> None:
+        """kept[b]: (n_b, 3 E_target) the target's states of row b's newly committed tokens, in order."""
+        counts = [k.shape[0] for k in kept]
+        if not sum(counts):
+            return
+        fused = self.head.fc(torch.cat(kept).to(self.head.fc.weight.dtype))  # (sum n_b, E)
+        for row, part in zip(self.rows, fused.split(counts)):
+            if part.shape[0]:
+                row.pending.append(part)
+
+    def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
+        # the pass read each row's pending tokens, then its drafts: the first ones up to the accepted drafts stay
+        aux = self._aux()
+        self._keep_features([a[: a.shape[0] - len(d) + n] for a, d, n in zip(aux, drafts, num_accepted)])
+
+    def commit_tree(self, sequences: list[Sequence], drafts: list[TreeDraft], paths: list[tuple[int, ...]]) -> None:
+        # a tree pass read each row's pending tokens, then its nodes: the pending ones and the accepted path stay
+        kept = []
+        for a, d, path in zip(self._aux(), drafts, paths):
+            chain = a.shape[0] - len(d)
+            kept.append(torch.cat([a[:chain], a[[chain + node for node in path]]]))
+        self._keep_features(kept)

@@ -1,0 +1,83 @@
+"""Draft heads (Medusa, EAGLE-3) as drafters: `--draft medusa[:DIR]`, `--draft eagle[:DIR]`.
+
+A bare `medusa` / `eagle` names the head shipped inside the package for the default target (assets/), each
+with a `manifest.json`: the sha256 of every file (checked on load, like the distilled draft's) and the
+fingerprint of the target it was trained on (`models.skip.fingerprint`: a probe of its token embedding), so
+another target gets one line saying the shipped head is not its own instead of a head that never agrees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from verispec.errors import VerispecError
+from verispec.models.eagle3 import EAGLE, is_eagle_spec
+from verispec.models.medusa import MEDUSA, is_medusa_spec
+from verispec.models.skip import fingerprint, num_layers, same_model
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+SHIPPED = {MEDUSA: ASSETS / "medusa-qwen2.5-coder-1.5b", EAGLE: ASSETS / "eagle3-qwen2.5-coder-1.5b"}
+MANIFEST = "manifest.json"
+TRAINERS = {MEDUSA: "--kind medusa", EAGLE: "--kind eagle3"}
+
+
+def is_head_spec(draft: object) -> bool:
+    return is_medusa_spec(draft) or is_eagle_spec(draft)
+
+
+def write_manifest(folder: Path, runner, extra: dict | None = None) -> None:
+    """sha256 of every file in `folder` and the target's fingerprint, as manifest.json."""
+    sums = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.name != MANIFEST}
+    payload = {"sha256": sums, "target_fingerprint": fingerprint(runner), **(extra or {})}
+    (folder / MANIFEST).write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def shipped_head(kind: str, runner) -> Path:
+    """The folder of the head of this kind shipped for this target, its files checked."""
+    folder = SHIPPED[kind]
+    if not (folder / MANIFEST).is_file():
+        raise VerispecError(f"no {kind} head ships with this installation ({folder} is missing); reinstall "
+                            f"verispec or pass --draft {kind}:DIR")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    for name, digest in manifest["sha256"].items():
+        path = folder / name
+        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+            raise VerispecError(f"the shipped {kind} head's {name} is missing or damaged (sha256 mismatch); "
+                                "reinstall verispec")
+    if not same_model(manifest["target_fingerprint"], fingerprint(runner)):
+        raise VerispecError(f"the shipped {kind} head was trained for {manifest.get('target', 'another target')}, not "
+                            f"this target: train one with `verispec train-heads {TRAINERS[kind]}` and pass "
+                            f"--draft {kind}:DIR")
+    return folder
+
+
+def hidden_size(runner) -> int:
+    """The width of the target's hidden states (what draft heads read)."""
+    config = getattr(runner, "config", None)
+    if hasattr(config, "hidden"):
+        return int(config.hidden)
+    model = getattr(runner, "model", None)
+    if model is None:
+        raise VerispecError(f"the '{type(runner).__name__}' runner gives no hidden states for draft heads "
+                            "(use --backend native or torch)")
+    return int(model.config.hidden_size)
+
+
+def head_drafter(draft: str, runner):
+    """The drafter of a head spec on this target's runner."""
+    kind = MEDUSA if is_medusa_spec(draft) else EAGLE
+    if not hasattr(runner, "keep_features" if kind == MEDUSA else "aux_layers"):
+        raise VerispecError(f"{kind} heads read the target's hidden states; the '{type(runner).__name__}' "
+                            "runner does not give them (use --backend native or torch)")
+    folder = shipped_head(kind, runner) if draft == kind else Path(draft[len(kind) + 1 :])
+    if kind == MEDUSA:
+        from verispec.drafters.medusa import MedusaDrafter
+        from verispec.models.medusa import load_medusa
+
+        return MedusaDrafter(runner, load_medusa(folder, hidden_size(runner), runner.vocab_size))
+    from verispec.drafters.eagle import EagleDrafter
+    from verispec.models.eagle3 import load_eagle3
+
+    return EagleDrafter(runner, load_eagle3(folder, hidden_size(runner), runner.vocab_size, num_layers(runner)))

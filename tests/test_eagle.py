@@ -1,0 +1,400 @@
+"""EAGLE-3 heads (`--draft eagle:DIR`): the SpecForge checkpoint format and its refusals, the runners' layer
+features taken from the verification pass, the head's cache following the committed tokens, exactness (greedy
+equality for chains, static and dynamic trees, argmax drafts; chi-square at temperature / top-k / top-p for
+chains and trees with sampled and top-token children; batched = single), and training with the
+training-time test (`verispec train-heads --kind eagle3`: checkpoints, resume, bad input)."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from test_self_draft import second_token_distribution
+from tiny_gguf import T, gguf_from_hf
+from verispec.chisquare import chi_square_test
+from verispec.config import SamplingConfig, SpecConfig, TreeConfig
+from verispec.drafters.eagle import EagleDrafter
+from verispec.engine import DecodeBatch, SpeculativeEngine
+from verispec.errors import VerispecError
+from verispec.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3
+from verispec.models.gguf.model import load_gguf
+from verispec.models.gguf.runner import NativeRunner
+from verispec.models.runner import ModelRunner
+
+GREEDY = SamplingConfig(temperature=0)
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [3]]
+AUX = (0, 2, 3)
+
+
+def random_head(model, draft_vocab=48, aux=AUX, seed=0, scale=0.2):
+    """A head for `model` (hidden 32, 64 tokens) over every fourth-ish id, weights random."""
+    E, V = model.config.hidden_size, model.config.vocab_size
+    config = Eagle3Config(hidden=E, intermediate=48, heads=4, kv_heads=2, head_dim=8, vocab=V, draft_vocab=draft_vocab,
+                          target_hidden=E, aux_layers=aux)
+    torch.manual_seed(seed)
+    head = Eagle3Head(config)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, scale)
+    head.set_vocabulary(torch.linspace(0, V - 1, draft_vocab).round().long())
+    return head.eval()
+
+
+def trained_head(runner, steps=150, seed=0):
+    """A head trained on the runner's own answers (so it agrees with the target often)."""
+    from verispec.heads.eagle3_cli import EmbeddingTable, target_rows
+    from verispec.heads.eagle3_train import EagleTrainConfig, collect, draft_vocabulary, new_head, split, train
+
+    config = EagleTrainConfig(draft_vocab=48, intermediate=64, heads=4, kv_heads=2, tokens=24, top_k=8, steps=steps,
+                              batch_size=4, lr=3e-3, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 64, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(32)]
+    samples = collect(runner, prompts, config, AUX, show=False)
+    train_set, val_set = split(samples, 0.2, seed)
+    ids = draft_vocabulary(train_set, config.draft_vocab, runner.vocab_size)
+    head = new_head(runner, config, AUX, ids, *target_rows(runner, ids))
+    log = train(head, train_set, val_set, EmbeddingTable(runner, samples), config, show=False)
+    return head, log
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    model = tiny_model("llama", vocab=64, seed=0, layers=4, sharpness=30.0)
+    native = NativeRunner(load_gguf(gguf_from_hf(model, tmp_path_factory.mktemp("m") / "t.gguf", T.F32),
+                                    show_progress=False))
+    return model, native
+
+
+@pytest.fixture(scope="module")
+def trained(pair):
+    return trained_head(ModelRunner(pair[0]))
+
+
+def plain(runner, prompts=PROMPTS, tokens=30):
+    return [s.generated for s in SpeculativeEngine(runner, None, set()).generate(prompts, GREEDY, SpecConfig(max_new_tokens=tokens))]
+
+
+# ---------------------------------------------------------------- the checkpoint format
+
+
+def test_a_checkpoint_in_the_specforge_format_round_trips(pair, tmp_path):
+    model, _ = pair
+    head = random_head(model)
+    head.save(tmp_path / "eagle", dtype=torch.float32)
+    config = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 48
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "eagle" / "model.safetensors")))
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.self_attn.q_proj.weight",
+            "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "midlayer.mlp.down_proj.weight"} <= names
+    loaded = load_eagle3(tmp_path / "eagle", 32, 64, 4)
+    assert torch.equal(loaded.target_ids, head.target_ids) and bool(loaded.t2d[head.target_ids].all())
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(loaded.logits(x), head.logits(x))
+    assert bool(torch.isinf(head.logits(x)[:, ~head.t2d]).all())
+
+
+def test_published_variants_load(pair, tmp_path):
+    """`layers.0.*` names, the layer ids at the top level, a .bin file and an embedding of the head's own."""
+    model, _ = pair
+    head = random_head(model)
+    head.save(tmp_path / "a", dtype=torch.float32)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "a" / "model.safetensors"))
+    tensors = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+    tensors["embed_tokens.weight"] = torch.randn(64, 32)
+    (tmp_path / "b").mkdir()
+    torch.save(tensors, tmp_path / "b" / "pytorch_model.bin")
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    config.pop("eagle_config")
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
+    (tmp_path / "b" / "config.json").write_text(json.dumps(config))
+    loaded = load_eagle3(tmp_path / "b", 32, 64, 4)
+    assert loaded.config.aux_layers == (1, 2, 3) and loaded.embed_tokens is not None
+    torch.testing.assert_close(loaded.midlayer.self_attn.q_proj.weight, head.midlayer.self_attn.q_proj.weight)
+
+
+def test_bad_eagle_checkpoints_are_one_clear_line(pair, tmp_path):
+    model, _ = pair
+    random_head(model).save(tmp_path / "good")
+    with pytest.raises(VerispecError, match="fuses three features of width 32; this target's hidden states are 16"):
+        load_eagle3(tmp_path / "good", 16, 64, 4)
+    with pytest.raises(VerispecError, match="vocabulary of 64 tokens; this target has 100"):
+        load_eagle3(tmp_path / "good", 32, 100, 4)
+    with pytest.raises(VerispecError, match=r"reads the target's layers \[0, 2, 3\]; this target has 3"):
+        load_eagle3(tmp_path / "good", 32, 64, 3)
+    with pytest.raises(VerispecError, match="config.json is missing"):
+        load_eagle3(tmp_path, 32, 64, 4)
+    from safetensors.torch import load_file, save_file
+
+    def variant(name, change_tensors=None, change_config=None):
+        folder = tmp_path / name
+        folder.mkdir()
+        tensors = load_file(str(tmp_path / "good" / "model.safetensors"))
+        config = json.loads((tmp_path / "good" / "config.json").read_text())
+        if change_tensors:
+            change_tensors(tensors)
+        if change_config:
+            change_config(config)
+        save_file(tensors, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(config))
+        return folder
+
+    cases = [
+        (variant("no_d2t", lambda t: t.pop("d2t")), "'d2t' .* is missing"),
+        (variant("zero_d2t", lambda t: t["d2t"].zero_()), "d2t is all zeros"),
+        (variant("bad_d2t", lambda t: t["d2t"].fill_(60)), "outside the target's vocabulary"),
+        (variant("no_fc", lambda t: t.pop("fc.weight")), "'fc.weight' is missing"),
+        (variant("no_mlp", lambda t: t.pop("midlayer.mlp.up_proj.weight")), "'midlayer.mlp.up_proj.weight' is missing"),
+        (variant("shape", change_config=lambda c: c.update(intermediate_size=40)), "has shape .* the config says"),
+        (variant("arch", change_config=lambda c: c.update(architectures=["LlamaForCausalLM"])), "name no EAGLE-3 head"),
+    ]
+    for folder, fragment in cases:
+        with pytest.raises(VerispecError, match=fragment):
+            load_eagle3(folder, 32, 64, 4)
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text((tmp_path / "good" / "config.json").read_text())
+    with pytest.raises(VerispecError, match="no EAGLE-3 weights"):
+        load_eagle3(tmp_path / "noweights", 32, 64, 4)
+
+
+# ---------------------------------------------------------------- features and the head's cache
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_both_runners_keep_every_read_tokens_layer_states(pair, backend):
+    model, native = pair
+    runner = native if backend == "native" else ModelRunner(model)
+    ids = PROMPTS[1]
+    with torch.no_grad():
+        states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states  # entering layer i: [i]
+    expected = torch.cat([states[i][0] for i in AUX], dim=-1)  # (T, 3E)
+    runner.aux_layers = AUX
+    state = runner.new_state(2)
+    runner.forward(state, [ids[:5], ids[:2]], [1, 1])
+    assert [a.shape[0] for a in runner.aux_features] == [5, 2]
+    runner.forward(state, [ids[5:], []], [2, 0])
+    assert runner.aux_features[1].shape[0] == 0
+    torch.testing.assert_close(runner.aux_features[0], expected[5:], rtol=1e-4, atol=1e-4)
+    state = runner.new_state(1)
+    runner.forward(state, [ids[:6]], [1])
+    runner.forward_tree(state, [[]], [[ids[6], ids[7], 0]], [[-1, 0, -1]])  # nodes read in the order given
+    torch.testing.assert_close(runner.aux_features[0][:2], expected[6:8], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tree", [None, TreeConfig(shape=(2, 2, 1)), TreeConfig(budget=6, top_k=2)],
+                         ids=["chain", "static-tree", "dynamic-tree"])
+def test_the_heads_cache_holds_the_targets_features_of_the_committed_tokens(pair, trained, tree):
+    """After each step the head's committed entries are what one pass of the head over the sequence gives: the
+    target's fused features at positions 0 .. N - 2 with the embeddings of tokens 1 .. N - 1."""
+    model, _ = pair
+    runner = ModelRunner(model)
+    head, _ = trained
+    drafter = EagleDrafter(runner, head)
+    engine = SpeculativeEngine(runner, drafter, set())
+    batch = DecodeBatch(engine)
+    batch.add(engine.make_sequences(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=40, tree=tree), 0))
+    for _ in range(4):
+        batch.step()
+        drafter.propose(batch.sequences, [1] * len(batch.sequences))  # catches up, then drafts one token
+        for seq, row in zip(batch.sequences, drafter.rows):
+            tokens = seq.tokens
+            with torch.no_grad():
+                states = model(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+                features = head.fc(torch.cat([states[i][0] for i in AUX], dim=-1))  # (N - 1, E)
+                _, k, _ = head.new_kv(runner.token_embeddings(torch.tensor(tokens[1:])), features,
+                                      torch.arange(len(tokens) - 1))
+            assert row.length == len(tokens) - 1
+            torch.testing.assert_close(row.keys[: row.length], k, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_greedy_eagle_speculation_equals_plain_decoding(pair, trained, backend):
+    model, native = pair
+    runner = native if backend == "native" else ModelRunner(model)
+    expected = plain(runner)
+    head, _ = trained
+    for argmax in (False, True):
+        engine = SpeculativeEngine(runner, EagleDrafter(runner, head, argmax=argmax), set())
+        for tree in (None, TreeConfig(shape=(2, 2, 1)), TreeConfig(budget=6, top_k=2)) if not argmax else (None,):
+            out = engine.generate(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=30, tree=tree))
+            assert [s.generated for s in out] == expected, (argmax, tree)
+            drafted = sum(s.stats.draft_tokens for s in out)
+            assert 0 < sum(s.stats.accepted_tokens for s in out) < drafted
+
+
+def test_a_seeded_eagle_request_is_the_same_alone_or_batched(pair, trained):
+    _, native = pair
+    engine = SpeculativeEngine(native, EagleDrafter(native, trained[0]), set())
+    sampling = SamplingConfig(temperature=1.0, top_k=20)
+    for tree in (None, TreeConfig(budget=6, top_k=2)):
+        spec = SpecConfig(num_draft_tokens=3, max_new_tokens=20, tree=tree)
+        batch = engine.generate(PROMPTS, sampling, spec, seeds=[11, 12, 13])
+        for prompt, seed, seq in zip(PROMPTS, [11, 12, 13], batch):
+            assert engine.generate([prompt], sampling, spec, seeds=[seed])[0].generated == seq.generated
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    model = tiny_model("qwen2", vocab=8, seed=3, layers=4, sharpness=4.0)
+    path = gguf_from_hf(model, tmp_path_factory.mktemp("small") / "t.gguf", T.Q8_0)
+    return model, NativeRunner(load_gguf(path, show_progress=False))
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=4),
+                                      SamplingConfig(temperature=1.2, top_p=0.8)], ids=["temperature", "top-k", "top-p"])
+def test_sampled_eagle_speculation_follows_the_targets_distribution(small, sampling):
+    """Chi-square on the second generated token (the first comes from the prompt step, before any feature), chains
+    and trees with sampled and top-token children, the head's q over a reduced vocabulary (6 of 8 ids)."""
+    model, runner = small
+    prompt = [1, 2, 3]
+    p = second_token_distribution(runner, prompt, sampling)
+    head = random_head(model, draft_vocab=6, scale=0.5, seed=4)
+    engine = SpeculativeEngine(runner, EagleDrafter(runner, head), set())
+    for tree in (None, TreeConfig(shape=(2, 2)), TreeConfig(shape=(2, 2), children="top")):
+        counts, drafted = torch.zeros(8), 0
+        for seed in range(500):
+            seq = engine.generate([prompt], sampling, SpecConfig(num_draft_tokens=2, max_new_tokens=4, tree=tree),
+                                  seeds=[seed])[0]
+            counts[seq.generated[1]] += 1
+            drafted += seq.stats.draft_tokens
+        assert drafted > 0
+        assert chi_square_test(counts, p).p_value > 1e-3, tree
+
+
+def test_eagle_on_a_runner_without_features_or_another_targets_head_is_one_line(pair, tmp_path):
+    from verispec.models.heads import head_drafter
+
+    model, native = pair
+
+    class LlamaCppRunner:
+        vocab_size = 64
+
+    with pytest.raises(VerispecError, match="does not give them"):
+        EagleDrafter(LlamaCppRunner(), random_head(model))
+    with pytest.raises(VerispecError, match="does not give them"):
+        head_drafter(f"eagle:{tmp_path}", LlamaCppRunner())
+    with pytest.raises(VerispecError, match="the shipped eagle head was trained for"):
+        head_drafter("eagle", native)
+    with pytest.raises(VerispecError, match="the shipped medusa head was trained for"):
+        head_drafter("medusa", native)
+
+
+# ---------------------------------------------------------------- training
+
+
+def test_training_with_the_training_time_test_raises_agreement_and_tau(pair, trained):
+    _, log = trained
+    first, last = log["validation"][0], log["validation"][-1]
+    assert last["tau"] > 1.5 and last["agreement"][0] > 0.4
+    assert log["loss"][-1][1] < log["loss"][0][1] and first["step"] == 100
+
+
+def test_train_heads_eagle3_end_to_end_with_resume(tmp_path, capsys, monkeypatch):
+    """The CLI on a tiny HF target: a run stopped after its first checkpoint leaves its answers and checkpoint in
+    OUT.partial and no OUT; --resume goes on from there without collecting again and writes a head folder with
+    its manifest, loadable as --draft eagle:DIR."""
+    import verispec.heads.eagle3_cli as eagle_cli
+    from tiny_hf import save_tiny_model_dir
+    from verispec.cli import main
+
+    folder = save_tiny_model_dir(tmp_path / "target", "llama", seed=0)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"tell me about number {i}" for i in range(12)))
+    out = tmp_path / "head"
+    command = ["train-heads", "--kind", "eagle3", "--target", str(folder), "--data", str(prompts), "--out", str(out),
+               "--tokens", "12", "--draft-vocab", "64", "--intermediate", "32", "--heads", "4", "--kv-heads", "2",
+               "--batch-size", "2", "--val-fraction", "0.25", "--steps", "200"]
+    real_train, real_collect = eagle_cli.train, eagle_cli.collect
+
+    def stopped(*args):
+        def checkpoint(step, optimizer):
+            args[7](step, optimizer)
+            raise KeyboardInterrupt  # the run is stopped right after its first checkpoint
+
+        return real_train(*args[:7], checkpoint)
+
+    monkeypatch.setattr(eagle_cli, "train", stopped)
+    assert main(command) != 0 and "interrupted" in capsys.readouterr().err
+    partial = tmp_path / "head.partial"
+    assert not out.exists() and (partial / "answers.pt").is_file() and (partial / "checkpoint.pt").is_file()
+    monkeypatch.setattr(eagle_cli, "train", real_train)
+    monkeypatch.setattr(eagle_cli, "collect", lambda *a, **k: pytest.fail("--resume collected the answers again"))
+    assert main([*command, "--resume"]) == 0
+    assert "resuming at step 100 of 200" in capsys.readouterr().err
+    monkeypatch.setattr(eagle_cli, "collect", real_collect)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["sha256"]) == {"config.json", "model.safetensors", "training.json"}
+    assert not partial.exists()
+    log = json.loads((out / "training.json").read_text())
+    assert [v["step"] for v in log["validation"]] == [200]
+    generate = ["generate", "--json", "--target", str(folder), "--prompt", "hello there", "--temperature", "0",
+                "--max-new-tokens", "16"]
+    outputs = []
+    for draft in ("none", f"eagle:{out}"):
+        assert main([*generate, "--draft", draft]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0]["token_ids"] == outputs[1]["token_ids"] and outputs[1]["stats"]["draft_tokens"] > 0
+
+
+def test_train_heads_refuses_bad_requests_in_one_line(tmp_path, capsys):
+    from verispec.cli import main
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("taken")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    for args, fragment in ((["--kind", "eagle3", "--rows", "5", "--out", str(tmp_path / "new")], "--rows does not apply"),
+                           (["--kind", "eagle3", "--out", str(tmp_path / "new"), "--resume"], "nothing to go on from"),
+                           (["--kind", "eagle3", "--out", str(tmp_path / "new"), "--heads", "3", "--kv-heads", "2"],
+                            "multiple of kv_heads"),
+                           (["--kind", "eagle3", "--out", str(tmp_path / "out")], "exists and is not empty"),
+                           (["--kind", "eagle3", "--out", str(tmp_path / "new"), "--data", str(tmp_path / "empty.txt")],
+                            "no prompts in")):
+        assert main(["train-heads", *args]) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err
+    assert not (tmp_path / "new").exists()
+
+
+def test_eagle_heads_through_the_audit_and_the_server(tmp_path, capsys):
+    """`verispec audit` passes with an EAGLE head drafting; the server answers requests together as it does alone."""
+    import asyncio
+
+    import httpx
+    from test_serve import post_all
+    from tiny_hf import save_tiny_model_dir
+    from transformers import AutoModelForCausalLM
+
+    from verispec import SpeculativeDecoder
+    from verispec.cli import main
+    from verispec.config import ServeConfig
+    from verispec.serve.server import BackgroundServer
+
+    folder = save_tiny_model_dir(tmp_path / "target", "qwen2", seed=0, sharpness=3.0)
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    layers = model.config.num_hidden_layers
+    random_head(model, draft_vocab=model.config.vocab_size - 8, aux=(0, layers - 1, layers - 1), scale=0.3).save(
+        tmp_path / "eagle")
+    draft = f"eagle:{tmp_path / 'eagle'}"
+    code = main(["audit", "--target", str(folder), "--draft", draft, "--prompt", "dog", "--no-chat", "--temperature",
+                 "1.0", "--samples", "600", "--batch-size", "200", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["passed"] and report["acceptance_rate"] > 0
+    decoder = SpeculativeDecoder.load(str(folder), draft)
+    bodies = [{"prompt": "hello there", "max_tokens": 20, "temperature": 0},
+              {"prompt": "a longer prompt, with more words", "max_tokens": 9, "temperature": 0, "speculative": {"K": 5}},
+              {"prompt": "abc", "max_tokens": 30, "temperature": 1.0, "seed": 11, "top_p": 0.9}]
+    with BackgroundServer(decoder, ServeConfig(port=0, served_model_name="tiny", max_batch_size=4)) as server:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            alone = [client.post("/v1/completions", json={"model": "tiny", **b}).json() for b in bodies]
+        together = asyncio.run(post_all(server.url, [{"model": "tiny", **b} for b in bodies]))
+    for a, t in zip(alone, together):
+        assert t["choices"][0]["text"] == a["choices"][0]["text"]
