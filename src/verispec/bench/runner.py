@@ -29,7 +29,9 @@ DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-
 # self-speculation (--draft self): the skip set of BenchConfig.self_draft; -lookup copies from the context first;
 # -adapt re-chooses the skip set while decoding
 SELF_SYSTEMS = ("verispec-self", "verispec-self-auto", "verispec-self-lookup-auto", "verispec-self-adapt-auto")
-HEAD_SYSTEMS = ("verispec-medusa", "verispec-medusa-auto")  # need heads (BenchConfig.medusa)
+# draft heads (BenchConfig.medusa / .eagle); -argmax drafts the head's argmax as one-hot drafts (vLLM's way)
+HEAD_SYSTEMS = ("verispec-medusa", "verispec-medusa-auto", "verispec-medusa-tree", "verispec-eagle", "verispec-eagle-auto",
+                "verispec-eagle-tree", "verispec-eagle-tree-auto", "verispec-eagle-argmax")
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram", "verispec-ngram-auto",
            "verispec-ngram-corpus", "verispec-ngram-corpus-tree", "verispec-auto", "verispec-draft-tree", "verispec-draft-tree-auto", "verispec-ngram-tree", "verispec-distilled",
            "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto", *SELF_SYSTEMS, *HEAD_SYSTEMS, *LLAMACPP_SYSTEMS)
@@ -54,7 +56,9 @@ class BenchConfig:
         prompts (their acceptance then depends on the prompts before).
     self_draft: the verispec-self* systems' draft: "self" (the skip set searched for this target, see
         `verispec self-tune`), "self:SKIP" or "self:FILE".
-    medusa: the verispec-medusa* systems' heads, "medusa:DIR" (None: skip them).
+    medusa, eagle: the verispec-medusa* / verispec-eagle* systems' heads: "medusa" / "eagle" (the heads shipped
+        for the default target; skipped with a notice on another target), "medusa:DIR" / "eagle:DIR", or None
+        (skip them).
     peer_num_draft_tokens: K of the peers' speculative decoding (llama.cpp's and Hugging Face's prompt lookup,
         llama.cpp's draft model: llama-cpp-python's loop with the draft GGUF); None: num_draft_tokens.
         With several, each K runs as a system of its own (`llamacpp-prompt-lookup-k1`, ...) and the report
@@ -79,7 +83,8 @@ class BenchConfig:
     adapt: bool = False
     peer_num_draft_tokens: tuple[int, ...] | None = None
     self_draft: str = "self"
-    medusa: str | None = None
+    medusa: str | None = "medusa"
+    eagle: str | None = "eagle"
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -181,9 +186,14 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
                 decoder = SpeculativeDecoder(llama_target, llama_draft)
                 systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
         elif name in HEAD_SYSTEMS:
-            if config.medusa is not None:
-                decoder = SpeculativeDecoder(target, config.medusa)
-                systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
+            decoder = _head_decoder(config.eagle if "-eagle" in name else config.medusa, target)
+            if decoder is None:
+                continue
+            if name.endswith("-argmax"):
+                decoder.drafter.argmax = True
+            tree = config.tree if "-tree" in name else None
+            tuner = _tuner(decoder, tree.budget if tree is not None else k) if name.endswith("auto") else None
+            systems.append(VerispecSystem(name, decoder, k, tuner, tree=tree))
         elif name in SELF_SYSTEMS:
             if "-adapt" in name and target.backend != "native":
                 continue  # the on-the-fly choice runs on the native runner's shared caches
@@ -258,6 +268,19 @@ def _corpus_decoder(config: BenchConfig, target: LoadedModel) -> SpeculativeDeco
         return SpeculativeDecoder(target, "ngram-corpus")
     except VerispecError as err:  # the shipped table is for the default target's tokenizer
         stderr_console().print(f"skipping verispec-ngram-corpus: {err}")
+        return None
+
+
+def _head_decoder(spec: str | None, target: LoadedModel) -> SpeculativeDecoder | None:
+    """The decoder of a head system, or None to skip it: no head given, or a shipped one made for another target."""
+    if spec is None:
+        return None
+    try:
+        return SpeculativeDecoder(target, spec)
+    except VerispecError as err:
+        if ":" in spec:
+            raise
+        stderr_console().print(f"skipping the {spec} systems: {err}")
         return None
 
 
