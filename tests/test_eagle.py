@@ -213,6 +213,23 @@ def test_the_heads_cache_holds_the_targets_features_of_the_committed_tokens(pair
             torch.testing.assert_close(row.keys[: row.length], k, rtol=1e-4, atol=1e-4)
 
 
+def test_the_heads_linears_on_the_native_kernels_match_torch(pair):
+    """Beside a native target the head's linears run in Q8_0 on the native kernels (torch's Linear the reference)."""
+    from verispec.models.gguf.convert import NativeLinear, native_linears
+
+    model, native = pair
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=False)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        expected = linear(x)
+    torch.testing.assert_close(NativeLinear(linear)(x), expected, rtol=0.02, atol=0.02 * float(expected.abs().max()))
+    head = random_head(model)
+    assert native_linears(head) == 8  # fc, q, k, v, o, gate, up, lm_head (down_proj takes 48 inputs: stays torch)
+    drafter = EagleDrafter(native, random_head(model))
+    assert isinstance(drafter.head.lm_head, NativeLinear) and not isinstance(random_head(model).lm_head, NativeLinear)
+
+
 # ---------------------------------------------------------------- exactness
 
 

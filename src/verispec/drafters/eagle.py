@@ -20,6 +20,7 @@ Rows are drafted one by one, so a row's drafts are the same alone or in a batch.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -60,14 +61,21 @@ class EagleDrafter(Drafter):
         target: the target's runner (it keeps the head's layers' hidden states once this drafter starts).
         head: the head (`models.eagle3.load_eagle3`), its aux layers fitted to the target.
         argmax: draft the head's argmax as one-hot drafts (vLLM's way) instead of sampling from q.
+        native: run the head's linears on the native kernels in Q8_0 (a copy of the head; None: when the target
+            runs on them). Only the head's speed and acceptance change: q is still what the drafts come from.
     """
 
     name = "eagle"
 
-    def __init__(self, target, head: Eagle3Head, argmax: bool = False) -> None:
+    def __init__(self, target, head: Eagle3Head, argmax: bool = False, native: bool | None = None) -> None:
         if not hasattr(target, "aux_layers") or not hasattr(target, "token_embeddings"):
             raise VerispecError(f"EAGLE heads read the target's hidden states; the '{type(target).__name__}' "
                                 "runner does not give them (use --backend native or torch)")
+        if native if native is not None else getattr(target, "gguf", None) is not None:
+            from verispec.models.gguf.convert import native_linears
+
+            head = copy.deepcopy(head)
+            native_linears(head)
         self.target, self.head, self.argmax = target, head, argmax
         self.vocab_size = target.vocab_size
         self.rows: list[_Row] = []
@@ -194,7 +202,7 @@ class EagleDrafter(Drafter):
         counts = [k.shape[0] for k in kept]
         if not sum(counts):
             return
-        fused = self.head.fc(torch.cat(kept).to(self.head.fc.weight.dtype))  # (sum n_b, E)
+        fused = self.head.fc(torch.cat(kept).float())  # (sum n_b, E)
         for row, part in zip(self.rows, fused.split(counts)):
             if part.shape[0]:
                 row.pending.append(part)

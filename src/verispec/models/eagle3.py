@@ -183,7 +183,7 @@ class Eagle3Head(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(n,) positions -> cos, sin (n, D)."""
-        dummy = torch.zeros(1, dtype=self.fc.weight.dtype)
+        dummy = torch.zeros(1)  # gives the rotary module its dtype
         cos, sin = self.rotary(dummy, positions[None])
         return cos[0], sin[0]
 
