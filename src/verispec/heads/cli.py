@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
                        help=f"(default: {shown})")
     t.add_argument("--resume", action="store_true",
                    help="go on from OUT.partial (the answers collected and the last checkpoint, every 100 steps)")
+    t.add_argument("--device", default="cpu",
+                   help="where --kind eagle3 trains: cpu or cuda (the answers are collected on the target's runner) "
+                        "(default: %(default)s)")
     t.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
 
 
@@ -66,6 +69,13 @@ def run(args: argparse.Namespace) -> int:
     config = dataclasses.replace(cls(), **{name: getattr(args, name) for name in given})
     if args.out.exists() and any(args.out.iterdir()):
         raise VerispecError(f"--out {args.out} exists and is not empty; name a new folder")
+    import torch
+
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise VerispecError(f"--device {args.device}: choose cpu or cuda")
+    if args.device != "cpu" and (args.kind != "eagle3" or not torch.cuda.is_available()):
+        raise VerispecError(f"--device {args.device}: " + ("--kind medusa trains on the CPU" if args.kind != "eagle3"
+                                                           else "no CUDA device is visible to torch"))
     partial = args.out.with_name(args.out.name + ".partial")
     if args.resume and not partial.is_dir():
         raise VerispecError(f"--resume: {partial} does not exist (nothing to go on from)")
@@ -85,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kind == "eagle3":
         from verispec.heads.eagle3_cli import train_eagle3
 
-        return train_eagle3(decoder, prompts, config, args.out, partial, args.resume)
+        return train_eagle3(decoder, prompts, config, args.out, partial, args.resume, args.device)
     from verispec.heads.medusa_train import split, target_answers, train_heads
 
     rows = min(config.rows, runner.vocab_size)

@@ -47,7 +47,7 @@ class EmbeddingTable:
 
 
 def train_eagle3(decoder, prompts: list[list[int]], config: EagleTrainConfig, out: Path, partial: Path,
-                 resume: bool) -> int:
+                 resume: bool, device: str = "cpu") -> int:
     runner = decoder.runner
     aux_layers = aux_layers_for(runner)
     partial.mkdir(parents=True, exist_ok=True)
@@ -64,11 +64,11 @@ def train_eagle3(decoder, prompts: list[list[int]], config: EagleTrainConfig, ou
         raise VerispecError(f"{len(samples)} answer(s) cannot be split into training and validation; give more prompts")
     ids = draft_vocabulary(train_set, config.draft_vocab, runner.vocab_size)
     rows, norm = target_rows(runner, ids)
-    head = new_head(runner, config, aux_layers, ids, rows, norm)
+    head = new_head(runner, config, aux_layers, ids, rows, norm).to(device)
     embed = EmbeddingTable(runner, samples)
     start, optimizer_state = 0, None
     if resume and (partial / CHECKPOINT).is_file():
-        saved = torch.load(partial / CHECKPOINT, weights_only=True)
+        saved = torch.load(partial / CHECKPOINT, weights_only=True, map_location=device)
         head.load_state_dict(saved["head"])
         start, optimizer_state = int(saved["step"]), saved["optimizer"]
         notice(f"resuming at step {start} of {config.steps}")
@@ -82,8 +82,8 @@ def train_eagle3(decoder, prompts: list[list[int]], config: EagleTrainConfig, ou
     log = train(head, train_set, val_set, embed, config, start, optimizer_state, checkpoint)
     for name in (ANSWERS, CHECKPOINT):
         (partial / name).unlink(missing_ok=True)
-    head.save(partial)
-    log.update(config=dataclasses.asdict(config), aux_layers=list(aux_layers), train_answers=len(train_set),
+    head.cpu().save(partial)
+    log.update(config=dataclasses.asdict(config), device=device, aux_layers=list(aux_layers), train_answers=len(train_set),
                val_answers=len(val_set), train_tokens=sum(s.tokens.numel() - s.start for s in train_set),
                validation_before=before)
     from verispec.heads.cli import finish

@@ -148,7 +148,7 @@ def _batch(samples: list[Sample], head: Eagle3Head, embed, ttt: int):
     T = max(s.aux.shape[0] for s in samples)
     B, k = len(samples), samples[0].ids.shape[1]
     to_draft = torch.full((head.config.vocab,), -1, dtype=torch.long)
-    to_draft[head.target_ids] = torch.arange(head.config.draft_vocab)
+    to_draft[head.target_ids.cpu()] = torch.arange(head.config.draft_vocab)
     aux = torch.zeros(B, T, samples[0].aux.shape[1])
     next_ids = torch.zeros(B, T + ttt, dtype=torch.long)
     valid = torch.zeros(B, T, dtype=torch.bool)
@@ -163,7 +163,9 @@ def _batch(samples: list[Sample], head: Eagle3Head, embed, ttt: int):
         p = torch.where(d >= 0, s.probs, torch.zeros_like(s.probs))
         p[: s.start] = 0
         ids[b, :n], probs[b, :n] = d.clamp_min(0), p / p.sum(-1, keepdim=True).clamp_min(1e-9)
-    return embed(next_ids.reshape(-1)).reshape(B, T + ttt, -1), aux, valid, ids, probs
+    embeds = embed(next_ids.reshape(-1)).reshape(B, T + ttt, -1)
+    device = head.fc.weight.device
+    return tuple(t.to(device) for t in (embeds, aux, valid, ids, probs))
 
 
 def unrolled(head: Eagle3Head, embeds, aux, valid, ids, probs, ttt: int):
@@ -172,10 +174,10 @@ def unrolled(head: Eagle3Head, embeds, aux, valid, ids, probs, ttt: int):
     B, T, _ = aux.shape
     mid, c = head.midlayer, head.config
     group = c.heads // c.kv_heads
-    positions = torch.arange(T)
+    positions = torch.arange(T, device=aux.device)
     h = head.fc(aux)  # (B, T, E)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()  # (T, T) step 0's entries at indices <= t
-    keys, values, loss, stats = [], [], torch.zeros(()), []
+    causal = torch.ones(T, T, dtype=torch.bool, device=aux.device).tril()  # (T, T) step 0's entries at indices <= t
+    keys, values, loss, stats = [], [], torch.zeros((), device=aux.device), []
     for j in range(ttt):
         cos, sin = head.rope(positions + j)  # (T, D)
         q, k, v = mid.qkv(embeds[:, j : j + T].reshape(B * T, -1), h.reshape(B * T, -1),

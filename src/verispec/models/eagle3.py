@@ -179,11 +179,11 @@ class Eagle3Head(nn.Module):
     @property
     def target_ids(self) -> torch.Tensor:
         """(draft_vocab,) long: the target id of each draft id."""
-        return torch.arange(self.config.draft_vocab) + self.d2t
+        return torch.arange(self.config.draft_vocab, device=self.d2t.device) + self.d2t
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(n,) positions -> cos, sin (n, D)."""
-        dummy = torch.zeros(1)  # gives the rotary module its dtype
+        dummy = torch.zeros(1, device=positions.device)  # gives the rotary module its dtype and device
         cos, sin = self.rotary(dummy, positions[None])
         return cos[0], sin[0]
 
