@@ -315,6 +315,19 @@ def test_training_with_the_training_time_test_raises_agreement_and_tau(pair, tra
     assert log["loss"][-1][1] < log["loss"][0][1] and first["step"] == 100
 
 
+def test_answers_collected_in_a_batch_are_the_ones_collected_one_by_one(pair):
+    from verispec.heads.eagle3_train import EagleTrainConfig, collect
+
+    _, native = pair
+    config = EagleTrainConfig(tokens=6, top_k=4, window=5)
+    alone = collect(native, PROMPTS, config, AUX, show=False, batch_size=1)
+    together = collect(native, PROMPTS, config, AUX, show=False, batch_size=3)
+    for a, b in zip(alone, together):
+        assert a.start == b.start and torch.equal(a.tokens, b.tokens) and torch.equal(a.aux, b.aux)
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs)
+    assert alone[0].tokens.numel() == 5 + 6 and alone[0].start == 4 and alone[2].start == 0  # prompts cut to 5
+
+
 def test_train_heads_eagle3_end_to_end_with_resume(tmp_path, capsys, monkeypatch):
     """The CLI on a tiny HF target: a run stopped after its first checkpoint leaves its answers and checkpoint in
     OUT.partial and no OUT; --resume goes on from there without collecting again and writes a head folder with

@@ -3,7 +3,8 @@
 Greedy speculative decoding of the default Qwen pair on the torch route (packed target, int8 draft)
 equals plain greedy decoding of the target as loaded, token for token, in float32, with both drafters;
 and Hugging Face `generate` agrees. On the native runner (the default for GGUF files), greedy speculative
-decoding with every drafter equals the runner's own plain decoding, self-speculation included (both routes).
+decoding with every drafter equals the runner's own plain decoding, self-speculation and the shipped
+Medusa and EAGLE-3 heads included (both routes).
 """
 
 import pytest
@@ -76,3 +77,22 @@ def test_self_speculation_on_the_default_target_greedy_equals_plain_decoding():
                 out = decoder.generate(prompt, greedy, SpecConfig(num_draft_tokens=3, max_new_tokens=N))
                 assert out.token_ids == reference.token_ids, (backend, draft)
                 assert out.stats.draft_tokens > 0
+
+
+def test_the_shipped_heads_on_the_default_target_greedy_equal_plain_decoding():
+    """The Medusa and EAGLE-3 heads shipped for the default target (found by their manifests' fingerprints),
+    chains and dynamic trees, on both routes; they accept some drafts."""
+    from verispec import TreeConfig
+
+    greedy = SamplingConfig(temperature=0)
+    for backend in ("native", "torch"):
+        target = load_model(DEFAULT_TARGET, "float32", "dense", backend=backend)
+        plain = SpeculativeDecoder(target, "none")
+        for prompt in PROMPTS:
+            reference = plain.generate(prompt, greedy, SpecConfig(max_new_tokens=N))
+            for draft in ("medusa", "eagle"):
+                decoder = SpeculativeDecoder(target, draft)
+                for tree in (None, TreeConfig(budget=8)):
+                    out = decoder.generate(prompt, greedy, SpecConfig(num_draft_tokens=3, max_new_tokens=N, tree=tree))
+                    assert out.token_ids == reference.token_ids, (backend, draft, tree)
+                    assert out.stats.accepted_tokens > 0, (backend, draft, tree)

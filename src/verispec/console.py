@@ -20,11 +20,11 @@ def notice(message: str) -> None:
 
 
 @contextmanager
-def progress(description: str, total: int, enabled: bool = True) -> Iterator[Callable[[], None]]:
-    """A transient progress bar on stderr for long work; yields `advance()` (one step done)."""
+def progress(description: str, total: int, enabled: bool = True) -> Iterator[Callable[..., None]]:
+    """A transient progress bar on stderr for long work; yields `advance(n=1)` (n steps done)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=stderr_console(), disable=not enabled, transient=True) as bar:
         task = bar.add_task(description, total=total)
-        yield lambda: bar.advance(task)
+        yield lambda n=1: bar.advance(task, n)
