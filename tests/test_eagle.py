@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from test_self_draft import second_token_distribution
+from test_medusa import second_tokens_follow_the_target, small  # noqa: F401 - a fixture
 from tiny_gguf import T, gguf_from_hf
-from verispec.chisquare import chi_square_test
 from verispec.config import SamplingConfig, SpecConfig, TreeConfig
 from verispec.drafters.eagle import EagleDrafter
 from verispec.engine import DecodeBatch, SpeculativeEngine
@@ -259,32 +258,14 @@ def test_a_seeded_eagle_request_is_the_same_alone_or_batched(pair, trained):
             assert engine.generate([prompt], sampling, spec, seeds=[seed])[0].generated == seq.generated
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    model = tiny_model("qwen2", vocab=8, seed=3, layers=4, sharpness=4.0)
-    path = gguf_from_hf(model, tmp_path_factory.mktemp("small") / "t.gguf", T.Q8_0)
-    return model, NativeRunner(load_gguf(path, show_progress=False))
-
-
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=4),
                                       SamplingConfig(temperature=1.2, top_p=0.8)], ids=["temperature", "top-k", "top-p"])
 def test_sampled_eagle_speculation_follows_the_targets_distribution(small, sampling):
     """Chi-square on the second generated token (the first comes from the prompt step, before any feature), chains
     and trees with sampled and top-token children, the head's q over a reduced vocabulary (6 of 8 ids)."""
     model, runner = small
-    prompt = [1, 2, 3]
-    p = second_token_distribution(runner, prompt, sampling)
-    head = random_head(model, draft_vocab=6, scale=0.5, seed=4)
-    engine = SpeculativeEngine(runner, EagleDrafter(runner, head), set())
-    for tree in (None, TreeConfig(shape=(2, 2)), TreeConfig(shape=(2, 2), children="top")):
-        counts, drafted = torch.zeros(8), 0
-        for seed in range(500):
-            seq = engine.generate([prompt], sampling, SpecConfig(num_draft_tokens=2, max_new_tokens=4, tree=tree),
-                                  seeds=[seed])[0]
-            counts[seq.generated[1]] += 1
-            drafted += seq.stats.draft_tokens
-        assert drafted > 0
-        assert chi_square_test(counts, p).p_value > 1e-3, tree
+    head = random_head(model, draft_vocab=6, aux=(0, 1, 1), scale=0.5, seed=4)  # a 2-layer target
+    second_tokens_follow_the_target(runner, EagleDrafter(runner, head), sampling)
 
 
 def test_eagle_on_a_runner_without_features_or_another_targets_head_is_one_line(pair, tmp_path):
@@ -299,6 +280,8 @@ def test_eagle_on_a_runner_without_features_or_another_targets_head_is_one_line(
         EagleDrafter(LlamaCppRunner(), random_head(model))
     with pytest.raises(VerispecError, match="does not give them"):
         head_drafter(f"eagle:{tmp_path}", LlamaCppRunner())
+    with pytest.raises(VerispecError, match=r"reads the target's layers \(0, 2, 5\); this target has 4"):
+        EagleDrafter(native, random_head(model, aux=(0, 2, 5)))
     with pytest.raises(VerispecError, match="the shipped eagle head was trained for"):
         head_drafter("eagle", native)
     with pytest.raises(VerispecError, match="the shipped medusa head was trained for"):
@@ -402,17 +385,12 @@ def test_train_heads_refuses_bad_requests_in_one_line(tmp_path, capsys):
 
 def test_eagle_heads_through_the_audit_and_the_server(tmp_path, capsys):
     """`verispec audit` passes with an EAGLE head drafting; the server answers requests together as it does alone."""
-    import asyncio
-
-    import httpx
-    from test_serve import post_all
+    from test_serve import assert_served_together_as_alone
     from tiny_hf import save_tiny_model_dir
     from transformers import AutoModelForCausalLM
 
     from verispec import SpeculativeDecoder
     from verispec.cli import main
-    from verispec.config import ServeConfig
-    from verispec.serve.server import BackgroundServer
 
     folder = save_tiny_model_dir(tmp_path / "target", "qwen2", seed=0, sharpness=3.0)
     model = AutoModelForCausalLM.from_pretrained(str(folder))
@@ -425,12 +403,4 @@ def test_eagle_heads_through_the_audit_and_the_server(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"] and report["acceptance_rate"] > 0
     decoder = SpeculativeDecoder.load(str(folder), draft)
-    bodies = [{"prompt": "hello there", "max_tokens": 20, "temperature": 0},
-              {"prompt": "a longer prompt, with more words", "max_tokens": 9, "temperature": 0, "speculative": {"K": 5}},
-              {"prompt": "abc", "max_tokens": 30, "temperature": 1.0, "seed": 11, "top_p": 0.9}]
-    with BackgroundServer(decoder, ServeConfig(port=0, served_model_name="tiny", max_batch_size=4)) as server:
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            alone = [client.post("/v1/completions", json={"model": "tiny", **b}).json() for b in bodies]
-        together = asyncio.run(post_all(server.url, [{"model": "tiny", **b} for b in bodies]))
-    for a, t in zip(alone, together):
-        assert t["choices"][0]["text"] == a["choices"][0]["text"]
+    assert_served_together_as_alone(decoder)

@@ -131,13 +131,18 @@ def test_sampled_medusa_speculation_follows_the_targets_distribution(small, samp
     """Chi-square on the second generated token (the first comes from the prompt step, before any h), chains and
     trees with sampled and top-token children."""
     model, runner = small
-    prompt = [1, 2, 3]
+    second_tokens_follow_the_target(runner, MedusaDrafter(runner, random_heads(model, noise=1.0, seed=4)), sampling)
+
+
+def second_tokens_follow_the_target(runner, drafter, sampling, prompt=(1, 2, 3), runs=500):
+    """Chi-square of the second generated token against the target's processed distribution, drafting chains,
+    trees with sampled children and trees with top-token children (the first token comes from the prompt step)."""
+    prompt = list(prompt)
     p = second_token_distribution(runner, prompt, sampling)
-    drafter = MedusaDrafter(runner, random_heads(model, noise=1.0, seed=4))
     engine = SpeculativeEngine(runner, drafter, set())
     for tree in (None, TreeConfig(shape=(2, 2)), TreeConfig(shape=(2, 2), children="top")):
-        counts, drafted = torch.zeros(8), 0
-        for seed in range(500):
+        counts, drafted = torch.zeros(p.numel()), 0
+        for seed in range(runs):
             seq = engine.generate([prompt], sampling, SpecConfig(num_draft_tokens=2, max_new_tokens=4, tree=tree),
                                   seeds=[seed])[0]
             counts[seq.generated[1]] += 1

@@ -350,32 +350,19 @@ def test_self_tune_refuses_a_target_the_native_runner_cannot_run(model_dir, caps
 def test_the_server_batches_self_drafted_requests_as_it_answers_them_alone(tmp_path):
     """Continuous batching with the self drafter on the native runner (skip sets chosen per row on the fly):
     requests answered together get the texts they get alone, greedy and seeded."""
-    import asyncio
-
-    import httpx
-    from test_serve import post_all
+    from test_serve import assert_served_together_as_alone
     from tiny_hf import save_tiny_model_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verispec import SpeculativeDecoder
-    from verispec.config import ServeConfig
     from verispec.models.loading import LoadedModel
-    from verispec.serve.server import BackgroundServer
 
     folder = save_tiny_model_dir(tmp_path / "tiny", "llama", seed=0)
     path = gguf_from_hf(AutoModelForCausalLM.from_pretrained(str(folder)), tmp_path / "tiny.gguf", T.Q8_0)
     target = LoadedModel("target", None, AutoTokenizer.from_pretrained(str(folder)), str(path), weights="gguf",
                          backend="native", gguf=load_gguf(path, show_progress=False))
     decoder = SpeculativeDecoder(target, "self:a1", self_spec=SelfSpecConfig(adapt=True, gap=1, trial_steps=1))
-    bodies = [{"prompt": "hello there", "max_tokens": 20, "temperature": 0},
-              {"prompt": "a longer prompt, with more words", "max_tokens": 9, "temperature": 0, "speculative": {"K": 5}},
-              {"prompt": "abc", "max_tokens": 30, "temperature": 1.0, "seed": 11, "top_p": 0.9}]
-    with BackgroundServer(decoder, ServeConfig(port=0, served_model_name="tiny", max_batch_size=4)) as server:
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            alone = [client.post("/v1/completions", json={"model": "tiny", **b}).json() for b in bodies]
-        together = asyncio.run(post_all(server.url, [{"model": "tiny", **b} for b in bodies]))
-    for a, t in zip(alone, together):
-        assert t["choices"][0]["text"] == a["choices"][0]["text"]
+    assert_served_together_as_alone(decoder)
 
 
 def test_a_runner_that_cannot_skip_sublayers_is_one_clear_line():

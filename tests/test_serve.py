@@ -294,3 +294,22 @@ def test_serve_cli_builds_the_config_with_safe_defaults(model_dirs, monkeypatch)
     assert main(["serve", "--target", model_dirs[0], "--draft", "none", "--api-key", "flag", "--max-batch-size", "2"]) == 0
     assert seen["config"].api_key == "flag" and seen["config"].max_batch_size == 2
     assert main(["serve", "--target", model_dirs[0], "--max-queue", "0"]) == 2
+
+
+def assert_served_together_as_alone(decoder, bodies: list[dict] | None = None) -> None:
+    """Requests answered together (continuous batching) get the texts they get alone, greedy and seeded."""
+    import httpx
+
+    from verispec.config import ServeConfig
+    from verispec.serve.server import BackgroundServer
+
+    bodies = bodies or [{"prompt": "hello there", "max_tokens": 20, "temperature": 0},
+                        {"prompt": "a longer prompt, with more words", "max_tokens": 9, "temperature": 0,
+                         "speculative": {"K": 5}},
+                        {"prompt": "abc", "max_tokens": 30, "temperature": 1.0, "seed": 11, "top_p": 0.9}]
+    with BackgroundServer(decoder, ServeConfig(port=0, served_model_name="tiny", max_batch_size=4)) as server:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            alone = [client.post("/v1/completions", json={"model": "tiny", **b}).json() for b in bodies]
+        together = asyncio.run(post_all(server.url, [{"model": "tiny", **b} for b in bodies]))
+    for a, t in zip(alone, together):
+        assert t["choices"][0]["text"] == a["choices"][0]["text"]

@@ -71,6 +71,12 @@ class EagleDrafter(Drafter):
         if not hasattr(target, "aux_layers") or not hasattr(target, "token_embeddings"):
             raise VerispecError(f"EAGLE heads read the target's hidden states; the '{type(target).__name__}' "
                                 "runner does not give them (use --backend native or torch)")
+        from verispec.models.skip import num_layers
+
+        layers = num_layers(target)
+        if any(not 0 <= i < layers for i in head.config.aux_layers or ()):
+            raise VerispecError(f"the EAGLE head reads the target's layers {head.config.aux_layers}; this target has "
+                                f"{layers}")
         if native if native is not None else getattr(target, "gguf", None) is not None:
             from verispec.models.gguf.convert import native_linears
 
