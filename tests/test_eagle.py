@@ -288,6 +288,25 @@ def test_eagle_on_a_runner_without_features_or_another_targets_head_is_one_line(
         head_drafter("medusa", native)
 
 
+def test_auto_k_times_a_heads_drafted_token(pair, tmp_path):
+    """Heads have no runner for `measure_costs` to time: each times its own drafted token, and --auto-k uses it."""
+    from test_medusa import random_heads
+    from tiny_hf import save_tiny_model_dir
+    from transformers import AutoModelForCausalLM
+
+    from verispec import SpeculativeDecoder
+    from verispec.drafters.medusa import MedusaDrafter
+
+    model, native = pair
+    for drafter in (EagleDrafter(native, random_head(model)), MedusaDrafter(native, random_heads(model))):
+        assert 0 < drafter.token_cost() < 1
+    folder = save_tiny_model_dir(tmp_path / "target", "llama", seed=0)
+    tiny = AutoModelForCausalLM.from_pretrained(str(folder))
+    random_head(tiny, draft_vocab=tiny.config.vocab_size, aux=(0, 1, 1)).save(tmp_path / "eagle")
+    decoder = SpeculativeDecoder.load(str(folder), f"eagle:{tmp_path / 'eagle'}")
+    assert decoder.auto_tuner(2).profile.draft_token > 0
+
+
 # ---------------------------------------------------------------- training
 
 

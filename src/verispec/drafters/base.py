@@ -88,6 +88,11 @@ class Drafter(ABC):
     def extend(self, sequences: list[Sequence]) -> None:
         """These new sequences join the running batch as its last rows (prompts only in `tokens`)."""
 
+    def token_cost(self) -> float | None:
+        """Seconds one drafted token costs, timed on this machine, for drafters without a runner of their own
+        (draft heads); None where `verispec.tuning.measure_costs` times the drafter's runner, or it is free."""
+        return None
+
     @abstractmethod
     def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
         """Propose at most max_tokens[b] draft tokens for each sequence b (0 means: none this step)."""

@@ -20,6 +20,7 @@ Rows are drafted one by one, so a row's drafts are the same alone or in a batch.
 
 from __future__ import annotations
 
+import time
 import copy
 from dataclasses import dataclass, field
 
@@ -195,6 +196,19 @@ class EagleDrafter(Drafter):
                                         penalty_seen(seq, growth.path(node), self.vocab_size))
             drafts.append(growth.finish()[0])
         return drafts
+
+    @torch.inference_mode()
+    def token_cost(self) -> float:
+        """One drafted token: the layer over one position after 64 committed ones, its logits and q (median of 7)."""
+        row, E = self._new_row(), self.head.config.hidden
+        h = self._layer(row, [11] * 64, torch.zeros(64, E), list(range(64)), 0, torch.ones(64, 64, dtype=torch.bool).tril())[-1]
+        times = []
+        for _ in range(8):
+            start = time.perf_counter()
+            out = self._layer(row, [11], h[None], [64], 64, torch.ones(1, 65, dtype=torch.bool))
+            torch.softmax(self.head.logits(out), -1)
+            times.append(time.perf_counter() - start)
+        return sorted(times[1:])[3]
 
     def _aux(self) -> list[torch.Tensor]:
         aux = self.target.aux_features

@@ -16,6 +16,7 @@ A sequence drafts nothing until the target has read its prompt (there is no h be
 
 from __future__ import annotations
 
+import time
 import torch
 
 from verispec.config import TreeConfig
@@ -58,6 +59,19 @@ class MedusaDrafter(Drafter):
 
     def keep(self, rows: list[int]) -> None:
         self.hidden = [self.hidden[r] for r in rows]
+
+    @torch.inference_mode()
+    def token_cost(self) -> float:
+        """One drafted token: one head on one hidden state, its logits and q (median of 7)."""
+        saved = self.hidden
+        self.hidden = [torch.zeros(self.heads.hidden)]
+        times = []
+        for _ in range(8):
+            start = time.perf_counter()
+            torch.softmax(self._head_logits([1])[1][0], -1)
+            times.append(time.perf_counter() - start)
+        self.hidden = saved
+        return sorted(times[1:])[3]
 
     def _head_logits(self, caps: list[int]) -> tuple[list[int], dict[int, torch.Tensor]]:
         """Per row, how many heads it drafts with (at most caps[b]; 0 before the target has read its prompt),
