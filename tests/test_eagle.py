@@ -247,6 +247,26 @@ def test_greedy_eagle_speculation_equals_plain_decoding(pair, trained, backend):
             assert 0 < sum(s.stats.accepted_tokens for s in out) < drafted
 
 
+def test_lookup_first_copies_from_the_context_and_stays_exact(pair, trained, small):
+    """Where the context repeats, the draft copies (one-hot q) and the head goes on from the copied token:
+    greedy equality for chains and trees, chi-square when sampling."""
+    from verispec.config import PromptLookupConfig
+
+    model, native = pair
+    lookup = PromptLookupConfig(max_ngram=3, min_ngram=1)
+    drafter = EagleDrafter(native, trained[0], lookup=lookup)
+    engine = SpeculativeEngine(native, drafter, set())
+    for tree in (None, TreeConfig(budget=6, top_k=2)):
+        out = engine.generate(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=30, tree=tree))
+        assert [s.generated for s in out] == plain(native)
+    seq = engine.make_sequences([[5, 6, 7, 8, 5, 6]], GREEDY, SpecConfig(num_draft_tokens=2), 0)[0]
+    assert drafter._copied(seq, []) == 7 and drafter._copied(seq, [7]) == 8
+    tiny, runner = small
+    head = random_head(tiny, draft_vocab=6, aux=(0, 1, 1), scale=0.5, seed=4)
+    second_tokens_follow_the_target(runner, EagleDrafter(runner, head, lookup=lookup), SamplingConfig(temperature=1.0),
+                                    prompt=(1, 2, 1, 2, 1))
+
+
 def test_a_seeded_eagle_request_is_the_same_alone_or_batched(pair, trained):
     _, native = pair
     engine = SpeculativeEngine(native, EagleDrafter(native, trained[0]), set())

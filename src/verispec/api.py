@@ -167,7 +167,7 @@ class SpeculativeDecoder:
         GGUF files and the named defaults on verispec's native CPU runner (`verispec.models.gguf`), Hugging
         Face directories on torch; "native", "torch" and "llama.cpp" (optional extra; one sequence at a time)
         choose one.
-        `draft_lookup` N > 0 makes a draft model copy from the context first where its last n-gram
+        `draft_lookup` N > 0 makes a draft model (or an EAGLE head) copy from the context first where its last n-gram
         (n >= N) occurred before (see DraftModelDrafter); 0 turns that off; None keeps the draft's own
         setting (a distilled draft's manifest names the one measured best on its validation set).
         `draft_context` N makes a draft model read only the last N tokens of each prompt (a long
@@ -175,7 +175,13 @@ class SpeculativeDecoder:
         """
         loaded_target = load_model(target, dtype, target_weights, backend)
         if is_head_spec(draft):
-            return cls(loaded_target, draft, prompt_lookup, ngram, self_spec)
+            decoder = cls(loaded_target, draft, prompt_lookup, ngram, self_spec)
+            if draft_lookup:
+                if not hasattr(decoder.drafter, "lookup"):
+                    raise VerispecError("--draft-lookup: Medusa heads draft every position from one hidden state; "
+                                        "lookup first works with --draft eagle")
+                decoder.drafter.lookup = PromptLookupConfig(max_ngram=max(4, draft_lookup), min_ngram=draft_lookup)
+            return decoder
         if is_self_spec(draft) and draft_lookup:
             self_spec = replace(self_spec, lookup=draft_lookup)
         if draft in NO_DRAFT or draft == NGRAM or is_corpus_spec(draft) or is_self_spec(draft):

@@ -76,7 +76,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-max", type=int, help=f"prompt lookup: longest n-gram matched (default: {_default(PromptLookupConfig, 'max_ngram')})")
     p.add_argument("--ngram-min", type=int, help=f"prompt lookup: shortest n-gram matched (default: {_default(PromptLookupConfig, 'min_ngram')})")
     p.add_argument("--draft-lookup", type=int, default=None, metavar="N",
-                   help="a draft model copies from the context first where its last n-gram (n >= N) occurred before; "
+                   help="a draft model or an EAGLE head copies from the context first where its last n-gram (n >= N) "
+                        "occurred before; "
                         "0 turns it off (default: the draft's own setting, e.g. the distilled draft's)")
     p.add_argument("--draft-context", type=int, default=None, metavar="N",
                    help="a draft model reads only the last N tokens of each prompt: a long prompt's draft pass costs "

@@ -12,7 +12,7 @@ from verispec.api import SpeculativeDecoder
 from verispec.bench.report import Record
 from verispec.bench.results import runs_json, write_json, write_report
 from verispec.bench.systems import HFSystem, LlamaCppGenerate, System, VerispecSystem
-from verispec.config import AdaptConfig, SamplingConfig, TreeConfig
+from verispec.config import AdaptConfig, PromptLookupConfig, SamplingConfig, TreeConfig
 from verispec.console import stderr_console
 from verispec.datasets import load_prompts
 from verispec.drafters.ngram_corpus import DEFAULT_TABLE, is_corpus_spec
@@ -29,9 +29,11 @@ DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-
 # self-speculation (--draft self): the skip set of BenchConfig.self_draft; -lookup copies from the context first;
 # -adapt re-chooses the skip set while decoding
 SELF_SYSTEMS = ("verispec-self", "verispec-self-auto", "verispec-self-lookup-auto", "verispec-self-adapt-auto")
-# draft heads (BenchConfig.medusa / .eagle); -argmax drafts the head's argmax as one-hot drafts (vLLM's way)
+# draft heads (BenchConfig.medusa / .eagle); -argmax drafts the head's argmax as one-hot drafts (vLLM's way);
+# -lookup copies from the context first (n-grams of 2 and more)
 HEAD_SYSTEMS = ("verispec-medusa", "verispec-medusa-auto", "verispec-medusa-tree", "verispec-eagle", "verispec-eagle-auto",
-                "verispec-eagle-tree", "verispec-eagle-tree-auto", "verispec-eagle-argmax")
+                "verispec-eagle-tree", "verispec-eagle-tree-auto", "verispec-eagle-argmax", "verispec-eagle-lookup",
+                "verispec-eagle-lookup-auto")
 SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram", "verispec-ngram-auto",
            "verispec-ngram-corpus", "verispec-ngram-corpus-tree", "verispec-auto", "verispec-draft-tree", "verispec-draft-tree-auto", "verispec-ngram-tree", "verispec-distilled",
            "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto", *SELF_SYSTEMS, *HEAD_SYSTEMS, *LLAMACPP_SYSTEMS)
@@ -191,6 +193,8 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
                 continue
             if name.endswith("-argmax"):
                 decoder.drafter.argmax = True
+            if "-lookup" in name:
+                decoder.drafter.lookup = PromptLookupConfig(max_ngram=4, min_ngram=2)
             tree = config.tree if "-tree" in name else None
             tuner = _tuner(decoder, tree.budget if tree is not None else k) if name.endswith("auto") else None
             systems.append(VerispecSystem(name, decoder, k, tuner, tree=tree))

@@ -15,6 +15,10 @@ with `TreeGrowth` (top-token or sampled children, EAGLE-2's confidence-ranked ex
 expanded node's children drawn from the head's distribution after the node's own path. `argmax=True`
 drafts the head's argmax as a one-hot draft instead (what vLLM does; for comparison only).
 
+Lookup first (`lookup`, off unless set): where the context and the drafts so far end in an n-gram seen
+before in the context, the draft copies the token that followed it (q one-hot there, a deterministic choice
+of the context) and the head goes on from the copied token; in trees it is a node's first child.
+
 Rows are drafted one by one, so a row's drafts are the same alone or in a batch.
 """
 
@@ -26,8 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.config import TreeConfig
+from verispec.config import PromptLookupConfig, TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, draw_token, penalty_seen
+from verispec.drafters.prompt_lookup import lookup
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.models.eagle3 import Eagle3Head
@@ -68,7 +73,8 @@ class EagleDrafter(Drafter):
 
     name = "eagle"
 
-    def __init__(self, target, head: Eagle3Head, argmax: bool = False, native: bool | None = None) -> None:
+    def __init__(self, target, head: Eagle3Head, argmax: bool = False, native: bool | None = None,
+                 lookup: PromptLookupConfig | None = None) -> None:
         if not hasattr(target, "aux_layers") or not hasattr(target, "token_embeddings"):
             raise VerispecError(f"EAGLE heads read the target's hidden states; the '{type(target).__name__}' "
                                 "runner does not give them (use --backend native or torch)")
@@ -83,7 +89,7 @@ class EagleDrafter(Drafter):
 
             head = copy.deepcopy(head)
             native_linears(head)
-        self.target, self.head, self.argmax = target, head, argmax
+        self.target, self.head, self.argmax, self.lookup = target, head, argmax, lookup
         self.vocab_size = target.vocab_size
         self.rows: list[_Row] = []
         target.aux_layers = tuple(head.config.aux_layers)
@@ -150,6 +156,12 @@ class EagleDrafter(Drafter):
                     column = row.length + k - 1
                     mask = torch.ones(1, column + 1, dtype=torch.bool)
                     h = self._layer(row, tokens[-1:], h[None], [column], column, mask)[0]
+                copied = self._copied(seq, tokens)
+                if copied is not None:
+                    tokens.append(copied)
+                    if not seq.sampling.greedy and not self.argmax:
+                        q_rows.append(torch.nn.functional.one_hot(torch.tensor(copied), self.vocab_size).float())
+                    continue
                 logits = self.head.logits(h[None])  # (1, V)
                 if self.argmax:
                     tokens.append(int(logits.argmax()))
@@ -171,7 +183,8 @@ class EagleDrafter(Drafter):
                 drafts.append(EMPTY_TREE_DRAFT)
                 continue
             growth = TreeGrowth(trees[b], depths[b], seq.sampling, seq.rng, self.vocab_size)
-            growth.add_children(-1, self.head.logits(h[None])[0], penalty_seen(seq, [], self.vocab_size))
+            growth.add_children(-1, self.head.logits(h[None])[0], penalty_seen(seq, [], self.vocab_size),
+                                self._copied(seq, []))
             outputs = {-1: h}  # node -> the head's output after it (E,)
             columns: dict[int, int] = {}  # node -> its entry's column
             for depth in range(1, depths[b]):
@@ -192,10 +205,18 @@ class EagleDrafter(Drafter):
                 out = self._layer(row, [growth.tokens[node] for node in nodes], features, positions, first, mask)
                 for j, node in enumerate(nodes):
                     outputs[node] = out[j]
+                    path = growth.path(node)
                     growth.add_children(node, self.head.logits(out[j : j + 1])[0],
-                                        penalty_seen(seq, growth.path(node), self.vocab_size))
+                                        penalty_seen(seq, path, self.vocab_size), self._copied(seq, path))
             drafts.append(growth.finish()[0])
         return drafts
+
+    def _copied(self, seq: Sequence, drafted: list[int]) -> int | None:
+        """Lookup first: the token that followed the n-gram the context and the drafts end in, if any."""
+        if self.lookup is None:
+            return None
+        found = lookup(seq.tokens + drafted, 1, self.lookup)
+        return found[0] if found else None
 
     @torch.inference_mode()
     def token_cost(self) -> float:
