@@ -176,11 +176,14 @@ class SpeculativeDecoder:
         loaded_target = load_model(target, dtype, target_weights, backend)
         if is_head_spec(draft):
             decoder = cls(loaded_target, draft, prompt_lookup, ngram, self_spec)
-            if draft_lookup:
+            if draft_lookup is not None:
                 if not hasattr(decoder.drafter, "lookup"):
                     raise VerispecError("--draft-lookup: Medusa heads draft every position from one hidden state; "
                                         "lookup first works with --draft eagle")
-                decoder.drafter.lookup = PromptLookupConfig(max_ngram=max(4, draft_lookup), min_ngram=draft_lookup)
+                if draft_lookup < 0:
+                    raise VerispecError(f"draft lookup needs an n-gram size >= 1 (0 turns it off), got {draft_lookup}")
+                decoder.drafter.lookup = (PromptLookupConfig(max_ngram=max(4, draft_lookup), min_ngram=draft_lookup)
+                                          if draft_lookup else None)
             return decoder
         if is_self_spec(draft) and draft_lookup:
             self_spec = replace(self_spec, lookup=draft_lookup)

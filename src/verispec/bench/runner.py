@@ -193,8 +193,8 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
                 continue
             if name.endswith("-argmax"):
                 decoder.drafter.argmax = True
-            if "-lookup" in name:
-                decoder.drafter.lookup = PromptLookupConfig(max_ngram=4, min_ngram=2)
+            if "-eagle" in name:  # lookup first only where named (a shipped head's manifest may turn it on)
+                decoder.drafter.lookup = PromptLookupConfig(max_ngram=4, min_ngram=2) if "-lookup" in name else None
             tree = config.tree if "-tree" in name else None
             tuner = _tuner(decoder, tree.budget if tree is not None else k) if name.endswith("auto") else None
             systems.append(VerispecSystem(name, decoder, k, tuner, tree=tree))

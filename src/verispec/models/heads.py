@@ -4,6 +4,7 @@ A bare `medusa` / `eagle` names the head shipped inside the package for the defa
 with a `manifest.json`: the sha256 of every file (checked on load, like the distilled draft's) and the
 fingerprint of the target it was trained on (`models.skip.fingerprint`: a probe of its token embedding), so
 another target gets one line saying the shipped head is not its own instead of a head that never agrees.
+An EAGLE manifest may name `draft_lookup` (lookup first, `PromptLookupConfig` fields), as the shipped one does.
 """
 
 from __future__ import annotations
@@ -77,7 +78,11 @@ def head_drafter(draft: str, runner):
         from verispec.models.medusa import load_medusa
 
         return MedusaDrafter(runner, load_medusa(folder, hidden_size(runner), runner.vocab_size))
+    from verispec.config import PromptLookupConfig
     from verispec.drafters.eagle import EagleDrafter
     from verispec.models.eagle3 import load_eagle3
 
-    return EagleDrafter(runner, load_eagle3(folder, hidden_size(runner), runner.vocab_size, num_layers(runner)))
+    head = load_eagle3(folder, hidden_size(runner), runner.vocab_size, num_layers(runner))
+    manifest = json.loads((folder / MANIFEST).read_text()) if (folder / MANIFEST).is_file() else {}
+    lookup = manifest.get("draft_lookup")  # lookup first, as measured best for a shipped head
+    return EagleDrafter(runner, head, lookup=PromptLookupConfig(**lookup) if lookup else None)
