@@ -12,6 +12,16 @@ from verispec.console import notice
 from verispec.errors import VerispecError
 
 KINDS = ("medusa", "eagle3")
+HELP = {  # what each training option means; the defaults come from the kinds' config dataclasses
+    "heads": "medusa: heads (draft positions); eagle3: attention heads of the head's layer",
+    "layers": "ResBlocks per Medusa head", "rows": "token ids a tied Medusa head covers",
+    "tokens": "answer length per prompt", "top_k": "soft-label width (the target's top-k)",
+    "steps": "optimizer steps", "batch_size": "medusa: positions per head and step; eagle3: answers per step",
+    "lr": "peak learning rate", "val_fraction": "answers held back for validation", "seed": "random seed",
+    "draft_vocab": "target ids the head's LM head covers", "intermediate": "MLP width of the head's layer",
+    "kv_heads": "key-value heads of the head's layer", "ttt": "steps the training-time test unrolls",
+    "window": "prompt tokens kept before each answer", "bf16": "bfloat16 matmuls: auto, on or off",
+}
 
 
 def _configs():
@@ -48,7 +58,7 @@ def add_parser(sub) -> None:
     for name, defaults in _options().items():
         shown = ", ".join(f"{kind} {value}" for kind, value in defaults.items())
         t.add_argument(f"--{name.replace('_', '-')}", dest=name, type=type(next(iter(defaults.values()))),
-                       help=f"(default: {shown})")
+                       help=f"{HELP.get(name, name)} (default: {shown})")
     t.add_argument("--resume", action="store_true",
                    help="go on from OUT.partial (the answers collected and the last checkpoint, every 100 steps)")
     t.add_argument("--device", default="cpu",

@@ -48,10 +48,10 @@ class EagleTrainConfig:
     tokens: int = 128
     top_k: int = 16
     ttt: int = 3
-    window: int = 256
-    steps: int = 600
+    window: int = 128
+    steps: int = 800
     batch_size: int = 4
-    lr: float = 5e-4
+    lr: float = 8e-4
     val_fraction: float = 0.1
     seed: int = 0
     bf16: str = "auto"
