@@ -409,11 +409,9 @@ def test_train_heads_refuses_bad_requests_in_one_line(tmp_path, capsys):
                             "multiple of kv_heads"),
                            (["--kind", "eagle3", "--out", str(tmp_path / "out")], "exists and is not empty"),
                            (["--kind", "eagle3", "--out", str(tmp_path / "new"), "--device", "tpu"], "choose cpu or cuda"),
-                           (["--kind", "medusa", "--out", str(tmp_path / "new"), "--device", "cuda"],
-                            "--kind medusa trains on the CPU"),
                            *([] if torch.cuda.is_available() else [
-                               (["--kind", "eagle3", "--out", str(tmp_path / "new"), "--device", "cuda"],
-                                "no CUDA device is visible")]),
+                               ([*kind, "--out", str(tmp_path / "new"), "--device", "cuda"], "no CUDA device is visible")
+                               for kind in (["--kind", "medusa"], ["--kind", "eagle3"])]),
                            (["--kind", "eagle3", "--out", str(tmp_path / "new"), "--data", str(tmp_path / "empty.txt")],
                             "no prompts in")):
         assert main(["train-heads", *args]) == 2

@@ -270,3 +270,39 @@ def test_train_heads_refuses_bad_requests_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert fragment in err and "Traceback" not in err
     assert not (tmp_path / "new").exists()
+
+
+def test_train_heads_medusa_checkpoints_and_resumes(tmp_path, capsys, monkeypatch):
+    """A Medusa run stopped after its first checkpoint goes on with --resume without collecting again."""
+    import verispec.heads.medusa_train as medusa_train
+    from tiny_hf import save_tiny_model_dir
+    from verispec.cli import main
+
+    folder = save_tiny_model_dir(tmp_path / "target", "llama", seed=0)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"tell me about number {i}" for i in range(8)))
+    out = tmp_path / "heads"
+    command = ["train-heads", "--target", str(folder), "--data", str(prompts), "--out", str(out), "--tokens", "8",
+               "--heads", "2", "--rows", "64", "--steps", "200", "--batch-size", "16", "--val-fraction", "0.25"]
+    real = medusa_train.train_heads
+
+    def stopped(*args, checkpoint=None, **kwargs):
+        def stop(heads, optimizer, step):
+            checkpoint(heads, optimizer, step)
+            raise KeyboardInterrupt
+
+        return real(*args, checkpoint=stop, **kwargs)
+
+    monkeypatch.setattr(medusa_train, "train_heads", stopped)
+    assert main(command) != 0
+    partial = tmp_path / "heads.partial"
+    assert not out.exists() and (partial / "answers.pt").is_file() and (partial / "checkpoint.pt").is_file()
+    monkeypatch.setattr(medusa_train, "train_heads", real)
+    monkeypatch.setattr(medusa_train, "target_answers", lambda *a, **k: pytest.fail("--resume collected again"))
+    capsys.readouterr()
+    assert main([*command, "--resume"]) == 0
+    assert "resuming at step 100 of 200" in capsys.readouterr().err
+    assert not partial.exists() and set(json.loads((out / "manifest.json").read_text())["sha256"]) == {
+        "config.json", "medusa_lm_head.safetensors", "training.json"}
+    config = json.loads((out / "config.json").read_text())
+    assert load_medusa(out, config["hidden_size"], config["vocab_size"]).num_heads == 2

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 from verispec.console import notice
@@ -62,7 +61,7 @@ def add_parser(sub) -> None:
     t.add_argument("--resume", action="store_true",
                    help="go on from OUT.partial (the answers collected and the last checkpoint, every 100 steps)")
     t.add_argument("--device", default="cpu",
-                   help="where --kind eagle3 trains: cpu or cuda (the answers are collected on the target's runner) "
+                   help="where the heads train: cpu or cuda (the answers are collected on the target's runner) "
                         "(default: %(default)s)")
     t.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
 
@@ -83,9 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise VerispecError(f"--device {args.device}: choose cpu or cuda")
-    if args.device != "cpu" and (args.kind != "eagle3" or not torch.cuda.is_available()):
-        raise VerispecError(f"--device {args.device}: " + ("--kind medusa trains on the CPU" if args.kind != "eagle3"
-                                                           else "no CUDA device is visible to torch"))
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise VerispecError(f"--device {args.device}: no CUDA device is visible to torch")
     partial = args.out.with_name(args.out.name + ".partial")
     if args.resume and not partial.is_dir():
         raise VerispecError(f"--resume: {partial} does not exist (nothing to go on from)")
@@ -106,17 +104,35 @@ def run(args: argparse.Namespace) -> int:
         from verispec.heads.eagle3_cli import train_eagle3
 
         return train_eagle3(decoder, prompts, config, args.out, partial, args.resume, args.device)
-    from verispec.heads.medusa_train import split, target_answers, train_heads
+    from verispec.heads.medusa_train import Answers, split, target_answers, train_heads
 
     rows = min(config.rows, runner.vocab_size)
     lm_head = _head_rows(runner, rows)
-    notice(f"training {config.heads} tied Medusa heads for {decoder.target.name} on its answers to {len(prompts)} "
-           f"prompts ({config.tokens} tokens each), LM head rows 0..{rows - 1}")
-    train, val = split(target_answers(runner, prompts, config), config.val_fraction, config.seed)
-    heads, log = train_heads(train, val, lm_head, runner.vocab_size, config)
-    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True, exist_ok=True)
+    if args.resume and (partial / "answers.pt").is_file():
+        answers = Answers(**torch.load(partial / "answers.pt", weights_only=True))
+        notice(f"resuming: {len(answers)} answers read from {partial / 'answers.pt'}")
+    else:
+        notice(f"training {config.heads} tied Medusa heads for {decoder.target.name} on its answers to "
+               f"{len(prompts)} prompts ({config.tokens} tokens each), LM head rows 0..{rows - 1}")
+        answers = target_answers(runner, prompts, config)
+        torch.save(dataclasses.asdict(answers), partial / "answers.pt")
+    saved = torch.load(partial / "checkpoint.pt", weights_only=True) if args.resume and (partial / "checkpoint.pt").is_file() else None
+    if saved is not None:
+        notice(f"resuming at step {saved['step']} of {config.steps}")
+
+    def checkpoint(heads, optimizer, step: int) -> None:
+        torch.save({"heads": heads.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                   partial / "checkpoint.pt.tmp")
+        (partial / "checkpoint.pt.tmp").replace(partial / "checkpoint.pt")
+
+    train, val = split(answers, config.val_fraction, config.seed)
+    heads, log = train_heads(train, val, lm_head, runner.vocab_size, config, resume=saved, checkpoint=checkpoint,
+                             device=args.device)
+    for name in ("answers.pt", "checkpoint.pt"):
+        (partial / name).unlink(missing_ok=True)
     heads.save(partial, base_model=decoder.target.name)
-    log.update(config=dataclasses.asdict(config), train_answers=len(train), val_answers=len(val))
+    log.update(config=dataclasses.asdict(config), device=args.device, train_answers=len(train), val_answers=len(val))
     finish(partial, args.out, runner, decoder.target.name, log)
     notice(f"validation agreement by head (greedy, target's own answers): {log['validation_agreement']}; "
            f"trained in {log['seconds']} s; saved to {args.out} (--draft medusa:{args.out})")

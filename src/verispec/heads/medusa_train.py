@@ -108,27 +108,38 @@ def _examples(answers: Answers, head: int, rows: int) -> tuple[torch.Tensor, tor
 
 
 def train_heads(train: Answers, val: Answers, lm_head: torch.Tensor, vocab: int, config: MedusaTrainConfig,
-                show: bool = True) -> tuple[MedusaHeads, dict]:
+                show: bool = True, resume: dict | None = None, checkpoint=None,
+                device: str = "cpu") -> tuple[MedusaHeads, dict]:
     """Train tied heads for a target of `vocab` tokens; lm_head: (rows, E) float32, its LM head's first rows.
-    Returns the heads and a log (loss, validation and training agreement by head, seconds)."""
+    resume: a checkpoint to go on from ({"heads", "optimizer", "step"}); checkpoint(heads, optimizer, step) is
+    called every 100 steps; device: where the heads train. Returns the heads (on the CPU) and a log (loss,
+    validation and training agreement by head, seconds)."""
     torch.manual_seed(config.seed)
     rows, hidden = lm_head.shape
     heads = MedusaHeads(config.heads, config.layers, hidden, vocab, tied_rows=rows)
-    data = [_examples(train, k, rows) for k in range(config.heads)]
+    data = [tuple(t.to(device) for t in _examples(train, k, rows)) for k in range(config.heads)]
     if any(d[0].shape[0] == 0 for d in data):
         raise VerispecError(f"the answers are too short for {config.heads} heads (tokens per answer: {config.tokens})")
+    if resume is not None:
+        heads.load_state_dict(resume["heads"])
+    heads, head_rows = heads.to(device), lm_head.to(device)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / config.steps)))
-    generator = torch.Generator().manual_seed(config.seed)
+    first = 0
+    if resume is not None:
+        optimizer.load_state_dict(resume["optimizer"])
+        first = int(resume["step"])
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s + first, config.steps) / config.steps)))
+    generator = torch.Generator().manual_seed(config.seed + first)
     log = {"loss": []}
     start = time.perf_counter()
-    with progress("training Medusa heads", config.steps, show) as advance:
-        for step in range(config.steps):
-            loss = torch.zeros(())
+    with progress("training Medusa heads", config.steps - first, show) as advance:
+        for step in range(first, config.steps):
+            loss = torch.zeros((), device=device)
             for k, (h, ids, probs) in enumerate(data):
-                pick = torch.randint(h.shape[0], (min(config.batch_size, h.shape[0]),), generator=generator)
+                pick = torch.randint(h.shape[0], (min(config.batch_size, h.shape[0]),), generator=generator).to(device)
                 x = heads.heads[k](h[pick])  # (b, E)
-                logq = torch.log_softmax(x @ lm_head.T, -1)  # (b, rows)
+                logq = torch.log_softmax(x @ head_rows.T, -1)  # (b, rows)
                 loss = loss + -(probs[pick] * logq.gather(1, ids[pick])).sum(-1).mean()
             optimizer.zero_grad()
             loss.backward()
@@ -136,8 +147,11 @@ def train_heads(train: Answers, val: Answers, lm_head: torch.Tensor, vocab: int,
             schedule.step()
             if step % 50 == 0 or step == config.steps - 1:
                 log["loss"].append((step, round(float(loss.detach()) / config.heads, 4)))
+            if checkpoint is not None and (step + 1) % 100 == 0:
+                checkpoint(heads, optimizer, step + 1)
             advance()
     log["seconds"] = round(time.perf_counter() - start, 1)
+    heads = heads.cpu()
     log["validation_agreement"] = agreement(heads, val, lm_head)
     log["train_agreement"] = agreement(heads, train, lm_head)
     return heads.eval(), log
