@@ -126,8 +126,7 @@ class SpeculativeDecoder:
             from verispec.drafters.self_draft import SelfDrafter
 
             skip, self.skip_source = resolve_skip(draft, self.runner, target.name)
-            n = self_spec.lookup
-            lookup = PromptLookupConfig(max_ngram=max(4, n), min_ngram=n) if n else None
+            lookup = _lookup_first(self_spec.lookup)
             self.drafter, self.draft_name = SelfDrafter(self.runner, skip, self_spec, lookup), f"self:{skip.spec}"
         elif is_head_spec(draft):
             self.drafter, self.draft_name = head_drafter(draft, self.runner), draft
@@ -180,10 +179,7 @@ class SpeculativeDecoder:
                 if not hasattr(decoder.drafter, "lookup"):
                     raise VerispecError("--draft-lookup: Medusa heads draft every position from one hidden state; "
                                         "lookup first works with --draft eagle")
-                if draft_lookup < 0:
-                    raise VerispecError(f"draft lookup needs an n-gram size >= 1 (0 turns it off), got {draft_lookup}")
-                decoder.drafter.lookup = (PromptLookupConfig(max_ngram=max(4, draft_lookup), min_ngram=draft_lookup)
-                                          if draft_lookup else None)
+                decoder.drafter.lookup = _lookup_first(draft_lookup)
             return decoder
         if is_self_spec(draft) and draft_lookup:
             self_spec = replace(self_spec, lookup=draft_lookup)
@@ -194,9 +190,7 @@ class SpeculativeDecoder:
         else:
             loaded_draft = load_model(draft, draft_dtype or dtype, draft_weights, backend)
         if draft_lookup is not None:
-            if draft_lookup < 0:
-                raise VerispecError(f"draft lookup needs an n-gram size >= 1 (0 turns it off), got {draft_lookup}")
-            loaded_draft.lookup = PromptLookupConfig(max_ngram=max(4, draft_lookup), min_ngram=draft_lookup) if draft_lookup else None
+            loaded_draft.lookup = _lookup_first(draft_lookup)
         loaded_draft.context = draft_context  # checked by DraftModelDrafter
         return cls(loaded_target, loaded_draft, prompt_lookup, ngram)
 
@@ -316,6 +310,14 @@ class SpeculativeDecoder:
 
 
 _DECODERS: dict[tuple, SpeculativeDecoder] = {}
+
+
+def _lookup_first(n: int) -> PromptLookupConfig | None:
+    """A drafter's "lookup first" n-gram sizes for --draft-lookup N: n-grams of N and more (at least up to 4);
+    0 turns it off."""
+    if n < 0:
+        raise VerispecError(f"draft lookup needs an n-gram size >= 1 (0 turns it off), got {n}")
+    return PromptLookupConfig(max_ngram=max(4, n), min_ngram=n) if n else None
 
 
 def generate(
