@@ -365,7 +365,7 @@ class NativeRunner:
             hits = [resume.get(self._resume_key(rows[i], q)) if resume and not aux_ids else None
                     for i, q in enumerate(queries)]
             starts = [0 if h is None else h.layer for h in hits]  # the layer each token starts at
-            bounds = sorted(set(starts) | {0, c.layers} | set(aux_ids))
+            bounds = sorted(set(starts) | {c.layers} | set(aux_ids))
             for i, h in enumerate(hits):
                 if h is not None:
                     x[i] = h.hidden  # untouched until the layer it starts at
