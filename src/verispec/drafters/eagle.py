@@ -24,8 +24,8 @@ Rows are drafted one by one, so a row's drafts are the same alone or in a batch.
 
 from __future__ import annotations
 
-import time
 import copy
+import time
 from dataclasses import dataclass, field
 
 import torch
