@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from test_medusa import second_tokens_follow_the_target, small  # noqa: F401 - a fixture
+from test_medusa import cli_greedy_equals_plain, second_tokens_follow_the_target, small  # noqa: F401 - a fixture
 from tiny_gguf import T, gguf_from_hf
 from verispec.config import SamplingConfig, SpecConfig, TreeConfig
 from verispec.drafters.eagle import EagleDrafter
@@ -42,8 +42,9 @@ def random_head(model, draft_vocab=48, aux=AUX, seed=0, scale=0.2):
 
 def trained_head(runner, steps=150, seed=0):
     """A head trained on the runner's own answers (so it agrees with the target often)."""
-    from verispec.heads.eagle3_cli import EmbeddingTable, target_rows
-    from verispec.heads.eagle3_train import EagleTrainConfig, collect, draft_vocabulary, new_head, split, train
+    from verispec.heads.common import final_norm, lm_head_rows, split
+    from verispec.heads.eagle3_cli import EmbeddingTable
+    from verispec.heads.eagle3_train import EagleTrainConfig, collect, draft_vocabulary, new_head, train
 
     config = EagleTrainConfig(draft_vocab=48, intermediate=64, heads=4, kv_heads=2, tokens=24, top_k=8, steps=steps,
                               batch_size=4, lr=3e-3, seed=seed)
@@ -53,7 +54,7 @@ def trained_head(runner, steps=150, seed=0):
     samples = collect(runner, prompts, config, AUX, show=False)
     train_set, val_set = split(samples, 0.2, seed)
     ids = draft_vocabulary(train_set, config.draft_vocab, runner.vocab_size)
-    head = new_head(runner, config, AUX, ids, *target_rows(runner, ids))
+    head = new_head(runner, config, AUX, ids, lm_head_rows(runner, ids), final_norm(runner))
     log = train(head, train_set, val_set, EmbeddingTable(runner, samples), config, show=False)
     return head, log
 
@@ -367,12 +368,12 @@ def test_train_heads_eagle3_end_to_end_with_resume(tmp_path, capsys, monkeypatch
                "--batch-size", "2", "--val-fraction", "0.25", "--steps", "200"]
     real_train, real_collect = eagle_cli.train, eagle_cli.collect
 
-    def stopped(*args):
-        def checkpoint(step, optimizer):
-            args[7](step, optimizer)
+    def stopped(*args, checkpoint=None, **kwargs):
+        def stop(head, optimizer, step):
+            checkpoint(head, optimizer, step)
             raise KeyboardInterrupt  # the run is stopped right after its first checkpoint
 
-        return real_train(*args[:7], checkpoint)
+        return real_train(*args, checkpoint=stop, **kwargs)
 
     monkeypatch.setattr(eagle_cli, "train", stopped)
     assert main(command) != 0 and "interrupted" in capsys.readouterr().err
@@ -388,13 +389,7 @@ def test_train_heads_eagle3_end_to_end_with_resume(tmp_path, capsys, monkeypatch
     assert not partial.exists()
     log = json.loads((out / "training.json").read_text())
     assert [v["step"] for v in log["validation"]] == [200]
-    generate = ["generate", "--json", "--target", str(folder), "--prompt", "hello there", "--temperature", "0",
-                "--max-new-tokens", "16"]
-    outputs = []
-    for draft in ("none", f"eagle:{out}"):
-        assert main([*generate, "--draft", draft]) == 0
-        outputs.append(json.loads(capsys.readouterr().out))
-    assert outputs[0]["token_ids"] == outputs[1]["token_ids"] and outputs[1]["stats"]["draft_tokens"] > 0
+    cli_greedy_equals_plain(folder, f"eagle:{out}", capsys)
 
 
 def test_train_heads_refuses_bad_requests_in_one_line(tmp_path, capsys):

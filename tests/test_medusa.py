@@ -183,6 +183,19 @@ def test_the_heads_read_the_state_that_produced_the_last_committed_token(pair, t
             torch.testing.assert_close(h, expected, rtol=1e-4, atol=1e-4)
 
 
+def cli_greedy_equals_plain(target, draft: str, capsys) -> None:
+    """`verispec generate --temperature 0` with this draft gives plain decoding's tokens, and drafts some."""
+    from verispec.cli import main
+
+    common = ["generate", "--json", "--target", str(target), "--prompt", "hello there", "--temperature", "0",
+              "--max-new-tokens", "16"]
+    outputs = []
+    for name in ("none", draft):
+        assert main([*common, "--draft", name]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0]["token_ids"] == outputs[1]["token_ids"] and outputs[1]["stats"]["draft_tokens"] > 0
+
+
 def test_draft_medusa_on_the_command_line(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
@@ -191,13 +204,7 @@ def test_draft_medusa_on_the_command_line(tmp_path, capsys):
 
     folder = save_tiny_model_dir(tmp_path / "target", "llama", seed=0)
     random_heads(AutoModelForCausalLM.from_pretrained(str(folder))).save(tmp_path / "heads")
-    common = ["generate", "--json", "--target", str(folder), "--prompt", "hello there", "--temperature", "0",
-              "--max-new-tokens", "16"]
-    outputs = []
-    for draft in ("none", f"medusa:{tmp_path / 'heads'}"):
-        assert main([*common, "--draft", draft]) == 0
-        outputs.append(json.loads(capsys.readouterr().out))
-    assert outputs[0]["token_ids"] == outputs[1]["token_ids"] and outputs[1]["stats"]["draft_tokens"] > 0
+    cli_greedy_equals_plain(folder, f"medusa:{tmp_path / 'heads'}", capsys)
     for draft, fragment in (("medusa", "the shipped medusa head"), (f"medusa:{tmp_path}", "config.json is missing")):
         assert main(["generate", "--target", str(folder), "--prompt", "hi", "--draft", draft]) == 2
         err = capsys.readouterr().err
@@ -274,7 +281,7 @@ def test_train_heads_refuses_bad_requests_in_one_line(tmp_path, capsys):
 
 def test_train_heads_medusa_checkpoints_and_resumes(tmp_path, capsys, monkeypatch):
     """A Medusa run stopped after its first checkpoint goes on with --resume without collecting again."""
-    import verispec.heads.medusa_train as medusa_train
+    import verispec.heads.medusa_cli as medusa_cli
     from tiny_hf import save_tiny_model_dir
     from verispec.cli import main
 
@@ -284,7 +291,7 @@ def test_train_heads_medusa_checkpoints_and_resumes(tmp_path, capsys, monkeypatc
     out = tmp_path / "heads"
     command = ["train-heads", "--target", str(folder), "--data", str(prompts), "--out", str(out), "--tokens", "8",
                "--heads", "2", "--rows", "64", "--steps", "200", "--batch-size", "16", "--val-fraction", "0.25"]
-    real = medusa_train.train_heads
+    real = medusa_cli.train_heads
 
     def stopped(*args, checkpoint=None, **kwargs):
         def stop(heads, optimizer, step):
@@ -293,12 +300,12 @@ def test_train_heads_medusa_checkpoints_and_resumes(tmp_path, capsys, monkeypatc
 
         return real(*args, checkpoint=stop, **kwargs)
 
-    monkeypatch.setattr(medusa_train, "train_heads", stopped)
+    monkeypatch.setattr(medusa_cli, "train_heads", stopped)
     assert main(command) != 0
     partial = tmp_path / "heads.partial"
     assert not out.exists() and (partial / "answers.pt").is_file() and (partial / "checkpoint.pt").is_file()
-    monkeypatch.setattr(medusa_train, "train_heads", real)
-    monkeypatch.setattr(medusa_train, "target_answers", lambda *a, **k: pytest.fail("--resume collected again"))
+    monkeypatch.setattr(medusa_cli, "train_heads", real)
+    monkeypatch.setattr(medusa_cli, "target_answers", lambda *a, **k: pytest.fail("--resume collected again"))
     capsys.readouterr()
     assert main([*command, "--resume"]) == 0
     assert "resuming at step 100 of 200" in capsys.readouterr().err

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 
 from verispec.console import notice
@@ -84,9 +83,9 @@ def run(args: argparse.Namespace) -> int:
         raise VerispecError(f"--device {args.device}: choose cpu or cuda")
     if args.device != "cpu" and not torch.cuda.is_available():
         raise VerispecError(f"--device {args.device}: no CUDA device is visible to torch")
-    partial = args.out.with_name(args.out.name + ".partial")
-    if args.resume and not partial.is_dir():
-        raise VerispecError(f"--resume: {partial} does not exist (nothing to go on from)")
+    from verispec.heads.common import Partial
+
+    partial = Partial(args.out, args.resume)
     texts = prompt_texts(args.data, args.categories, args.per_category, TRAIN if args.data.endswith(".jsonl") else None)
     if args.code_prompts:
         from verispec.distill.data import package_files, synthetic_prompts
@@ -103,63 +102,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kind == "eagle3":
         from verispec.heads.eagle3_cli import train_eagle3
 
-        return train_eagle3(decoder, prompts, config, args.out, partial, args.resume, args.device)
-    from verispec.heads.medusa_train import Answers, split, target_answers, train_heads
+        return train_eagle3(decoder, prompts, config, partial, args.device)
+    from verispec.heads.medusa_cli import train_medusa
 
-    rows = min(config.rows, runner.vocab_size)
-    lm_head = _head_rows(runner, rows)
-    partial.mkdir(parents=True, exist_ok=True)
-    if args.resume and (partial / "answers.pt").is_file():
-        answers = Answers(**torch.load(partial / "answers.pt", weights_only=True))
-        notice(f"resuming: {len(answers)} answers read from {partial / 'answers.pt'}")
-    else:
-        notice(f"training {config.heads} tied Medusa heads for {decoder.target.name} on its answers to "
-               f"{len(prompts)} prompts ({config.tokens} tokens each), LM head rows 0..{rows - 1}")
-        answers = target_answers(runner, prompts, config)
-        torch.save(dataclasses.asdict(answers), partial / "answers.pt")
-    saved = torch.load(partial / "checkpoint.pt", weights_only=True) if args.resume and (partial / "checkpoint.pt").is_file() else None
-    if saved is not None:
-        notice(f"resuming at step {saved['step']} of {config.steps}")
-
-    def checkpoint(heads, optimizer, step: int) -> None:
-        torch.save({"heads": heads.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                   partial / "checkpoint.pt.tmp")
-        (partial / "checkpoint.pt.tmp").replace(partial / "checkpoint.pt")
-
-    train, val = split(answers, config.val_fraction, config.seed)
-    heads, log = train_heads(train, val, lm_head, runner.vocab_size, config, resume=saved, checkpoint=checkpoint,
-                             device=args.device)
-    for name in ("answers.pt", "checkpoint.pt"):
-        (partial / name).unlink(missing_ok=True)
-    heads.save(partial, base_model=decoder.target.name)
-    log.update(config=dataclasses.asdict(config), device=args.device, train_answers=len(train), val_answers=len(val))
-    finish(partial, args.out, runner, decoder.target.name, log)
-    notice(f"validation agreement by head (greedy, target's own answers): {log['validation_agreement']}; "
-           f"trained in {log['seconds']} s; saved to {args.out} (--draft medusa:{args.out})")
-    return 0
-
-
-def _head_rows(runner, rows: int):
-    """(rows, E) float32: the target's LM head over its first `rows` token ids."""
-    import numpy as np
-    import torch
-
-    gguf = getattr(runner, "gguf", None)
-    if gguf is not None:
-        return torch.from_numpy(gguf.head.take_rows(np.arange(rows, dtype=np.int64)))
-    weight = runner.model.get_output_embeddings().weight
-    if weight.device.type == "meta":
-        raise VerispecError("train-heads reads the target's LM head: run it with --target-weights dense or on a GGUF")
-    return weight[:rows].detach().float()
-
-
-def finish(partial: Path, out: Path, runner, target_name: str, log: dict) -> None:
-    """training.json and the manifest (sha256, the target's fingerprint) into `partial`, then rename it to `out`:
-    the folder appears only complete."""
-    from verispec.models.heads import write_manifest
-
-    (partial / "training.json").write_text(json.dumps(log, indent=1) + "\n")
-    write_manifest(partial, runner, {"target": target_name})
-    if out.exists():
-        out.rmdir()
-    partial.rename(out)
+    return train_medusa(decoder, prompts, config, partial, args.device)

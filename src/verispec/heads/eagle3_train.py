@@ -255,13 +255,16 @@ def validate(head: Eagle3Head, samples: list[Sample], embed, ttt: int, batch_siz
 
 
 def train(head: Eagle3Head, train_set: list[Sample], val_set: list[Sample], embed, config: EagleTrainConfig,
-          start_step: int = 0, optimizer_state: dict | None = None, checkpoint=None, show: bool = True) -> dict:
-    """Train in place from `start_step`; checkpoint(step, optimizer) is called every 100 steps and at the end.
-    Returns the log (loss, validation by step, seconds)."""
+          resume: dict | None = None, checkpoint=None, show: bool = True) -> dict:
+    """Train in place. resume: a checkpoint to go on from ({"model", "optimizer", "step"}); checkpoint(head,
+    optimizer, step) is called every 100 steps and at the end. Returns the log (loss, validation by step, seconds)."""
     params = list(head.parameters())
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.01)
-    if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
+    start_step = 0
+    if resume is not None:
+        head.load_state_dict(resume["model"])
+        optimizer.load_state_dict(resume["optimizer"])
+        start_step = int(resume["step"])
     warmup = max(1, config.steps // 20)
 
     def rate(s: int) -> float:  # linear warm-up, then cosine to 0; s counts from start_step on a resume
@@ -291,18 +294,12 @@ def train(head: Eagle3Head, train_set: list[Sample], val_set: list[Sample], embe
                 head.eval()
                 log["validation"].append({"step": step + 1, **validate(head, val_set, embed, config.ttt, config.batch_size)})
                 if checkpoint is not None:
-                    checkpoint(step + 1, optimizer)
+                    checkpoint(head, optimizer, step + 1)
             advance()
     head.eval()
     log["seconds"] = round(time.perf_counter() - began, 1)
     log["bf16"] = bf16
     return log
-
-
-def split(samples: list[Sample], val_fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:
-    order = np.random.default_rng(seed).permutation(len(samples))
-    n_val = max(1, int(round(len(samples) * val_fraction))) if len(samples) > 1 else 0
-    return [samples[i] for i in order[n_val:]], [samples[i] for i in order[:n_val]]
 
 
 def aux_layers_for(runner) -> tuple[int, int, int]:

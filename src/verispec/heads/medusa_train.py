@@ -16,11 +16,11 @@ import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from verispec.console import progress
 from verispec.errors import VerispecError
+from verispec.heads import common
 from verispec.models.medusa import MedusaHeads
 
 
@@ -58,6 +58,14 @@ class Answers:
 
     def __len__(self) -> int:
         return len(self.hidden)
+
+    def records(self) -> list[dict[str, torch.Tensor]]:
+        """One dict per answer (what `heads.common.Partial` saves)."""
+        return [{"hidden": h, "ids": i, "probs": p} for h, i, p in zip(self.hidden, self.ids, self.probs)]
+
+    @classmethod
+    def from_records(cls, records: list[dict[str, torch.Tensor]]) -> "Answers":
+        return cls([r["hidden"] for r in records], [r["ids"] for r in records], [r["probs"] for r in records])
 
 
 def target_answers(runner, prompts: list[list[int]], config: MedusaTrainConfig, show: bool = True) -> Answers:
@@ -111,7 +119,7 @@ def train_heads(train: Answers, val: Answers, lm_head: torch.Tensor, vocab: int,
                 show: bool = True, resume: dict | None = None, checkpoint=None,
                 device: str = "cpu") -> tuple[MedusaHeads, dict]:
     """Train tied heads for a target of `vocab` tokens; lm_head: (rows, E) float32, its LM head's first rows.
-    resume: a checkpoint to go on from ({"heads", "optimizer", "step"}); checkpoint(heads, optimizer, step) is
+    resume: a checkpoint to go on from ({"model", "optimizer", "step"}); checkpoint(heads, optimizer, step) is
     called every 100 steps; device: where the heads train. Returns the heads (on the CPU) and a log (loss,
     validation and training agreement by head, seconds)."""
     torch.manual_seed(config.seed)
@@ -121,7 +129,7 @@ def train_heads(train: Answers, val: Answers, lm_head: torch.Tensor, vocab: int,
     if any(d[0].shape[0] == 0 for d in data):
         raise VerispecError(f"the answers are too short for {config.heads} heads (tokens per answer: {config.tokens})")
     if resume is not None:
-        heads.load_state_dict(resume["heads"])
+        heads.load_state_dict(resume["model"])
     heads, head_rows = heads.to(device), lm_head.to(device)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
     first = 0
@@ -173,8 +181,5 @@ def agreement(heads: MedusaHeads, answers: Answers, lm_head: torch.Tensor) -> li
 
 
 def split(answers: Answers, val_fraction: float, seed: int) -> tuple[Answers, Answers]:
-    order = np.random.default_rng(seed).permutation(len(answers))
-    n_val = max(1, int(round(len(answers) * val_fraction))) if len(answers) > 1 else 0
-    pick = lambda idx: Answers([answers.hidden[i] for i in idx], [answers.ids[i] for i in idx],  # noqa: E731
-                               [answers.probs[i] for i in idx])
-    return pick(order[n_val:]), pick(order[:n_val])
+    train, val = common.split(answers.records(), val_fraction, seed)
+    return Answers.from_records(train), Answers.from_records(val)
