@@ -43,9 +43,10 @@ def random_head(model, draft_vocab=48, aux=AUX, seed=0, scale=0.2):
 
 def trained_head(runner, steps=150, seed=0):
     """A head trained on the runner's own answers (so it agrees with the target often)."""
-    from verispec.heads.common import final_norm, lm_head_rows, split
+    from verispec.heads.common import split
     from verispec.heads.eagle3_cli import EmbeddingTable
     from verispec.heads.eagle3_train import EagleTrainConfig, collect, draft_vocabulary, new_head, train
+    from verispec.models.heads import final_norm, lm_head_rows
 
     config = EagleTrainConfig(draft_vocab=48, intermediate=64, heads=4, kv_heads=2, tokens=24, top_k=8, steps=steps,
                               batch_size=4, lr=3e-3, seed=seed)

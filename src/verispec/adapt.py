@@ -9,6 +9,9 @@ target distributions that verification has already computed, where its drafts we
     adapter  hands the buffered examples to `drafter.adapt` between requests or steps: in a
              background thread (serve, generate) or in the caller (tests, benchmarks).
 
+Draft heads (Medusa, EAGLE) keep their own buffer instead (`drafter.adaptation_buffer()`): they learn from
+windows of the target's features and tokens, which only the drafter sees (`drafters.head_adapt`).
+
 Why the output stays exact: adaptation changes only the drafter, and a drafter applies a change
 only at the start of a later `propose` (the n-gram drafter queues examples; the draft-model
 drafter swaps in retrained weights). Within a step, every q the drafter reports is the distribution
@@ -111,13 +114,16 @@ class OnlineAdapter:
         drafter = engine.drafter
         if drafter is None or not getattr(drafter, "adaptive", False):
             name = "none" if drafter is None else drafter.name
-            raise VerispecError(f"--adapt needs a drafter that can adapt (ngram-corpus or a draft model); '{name}' cannot")
+            raise VerispecError(f"--adapt needs a drafter that can adapt (ngram-corpus, a draft model, Medusa or EAGLE "
+                                f"heads); '{name}' cannot")
         check = getattr(drafter, "check_adaptable", None)
         if check is not None:
             check(config)
         self.engine, self.drafter, self.config = engine, drafter, config
-        self.buffer = AdaptationBuffer(config)
-        engine.observers.append(self.buffer)
+        own = getattr(drafter, "adaptation_buffer", None)  # heads log their own windows (drafters.head_adapt)
+        self.buffer = own() if own is not None else AdaptationBuffer(config)
+        if isinstance(self.buffer, AdaptationBuffer):
+            engine.observers.append(self.buffer)
         self.updates = 0
         self.examples_used = 0
         self.seconds = 0.0
@@ -159,6 +165,7 @@ class OnlineAdapter:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop collecting and stop the background thread (an update in progress finishes first)."""
+        self.buffer.enabled = False
         if self.buffer in self.engine.observers:
             self.engine.observers.remove(self.buffer)
         self._stopping = True

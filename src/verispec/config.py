@@ -319,6 +319,11 @@ class AdaptConfig:
         replay: earlier examples (kept up to buffer_size, drawn at random) revisited in each draft-model
             update beside the new ones, so one update's few steps do not wash out what earlier ones
             learned. 0 turns replay off. Default 0.
+        head_window: draft heads (Medusa, EAGLE) learn from windows of this many consecutive committed
+            positions (the target's features and tokens there) instead of single examples: for them an
+            example is a window, buffer_size // head_window windows are kept, batch_size counts windows,
+            and top_k, max_context, include_undrafted, learn_from and replay do not apply (see
+            `drafters.head_adapt`). Default 64.
     """
 
     buffer_size: int = 4096
@@ -333,9 +338,10 @@ class AdaptConfig:
     epochs: int = 1
     max_steps: int = 16
     replay: int = 0
+    head_window: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("buffer_size", "top_k", "max_context", "min_examples", "batch_size", "epochs", "max_steps"):
+        for name in ("buffer_size", "top_k", "max_context", "min_examples", "batch_size", "epochs", "max_steps", "head_window"):
             if int(getattr(self, name)) != getattr(self, name) or getattr(self, name) < 1:
                 raise VerispecError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
         if int(self.replay) != self.replay or self.replay < 0:

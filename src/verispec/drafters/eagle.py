@@ -20,6 +20,10 @@ before in the context, the draft copies the token that followed it (q one-hot th
 of the context) and the head goes on from the copied token; in trees it is a node's first child.
 
 Rows are drafted one by one, so a row's drafts are the same alone or in a batch.
+
+Online adaptation (`--adapt`, `drafters.head_adapt`): the target's features of the committed positions are
+logged in windows, a copy of the head trains on them with the training-time test, and the new head drafts
+from the next step on.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.config import PromptLookupConfig, TreeConfig
+from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, draw_token, penalty_seen
+from verispec.drafters.head_adapt import HeadAdaptation, HeadTrainer, eagle_loss
 from verispec.drafters.prompt_lookup import lookup
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
@@ -72,6 +77,7 @@ class EagleDrafter(Drafter):
     """
 
     name = "eagle"
+    adaptive = True
 
     def __init__(self, target, head: Eagle3Head, argmax: bool = False, native: bool | None = None,
                  lookup: PromptLookupConfig | None = None) -> None:
@@ -84,15 +90,22 @@ class EagleDrafter(Drafter):
         if any(not 0 <= i < layers for i in head.config.aux_layers or ()):
             raise VerispecError(f"the EAGLE head reads the target's layers {head.config.aux_layers}; this target has "
                                 f"{layers}")
-        if native if native is not None else getattr(target, "gguf", None) is not None:
-            from verispec.models.gguf.convert import native_linears
-
-            head = copy.deepcopy(head)
-            native_linears(head)
-        self.target, self.head, self.argmax, self.lookup = target, head, argmax, lookup
+        self.source, self.native = head, native if native is not None else getattr(target, "gguf", None) is not None
+        self.target, self.head, self.argmax, self.lookup = target, self._serving(head), argmax, lookup
+        self.adaptation: HeadAdaptation | None = None
         self.vocab_size = target.vocab_size
         self.rows: list[_Row] = []
         target.aux_layers = tuple(head.config.aux_layers)
+
+    def _serving(self, head: Eagle3Head) -> Eagle3Head:
+        """The head to draft with: a copy on the native kernels (Q8_0 linears) where the drafter uses them."""
+        if not self.native:
+            return head
+        from verispec.models.gguf.convert import native_linears
+
+        head = copy.deepcopy(head)
+        native_linears(head)
+        return head
 
     @property
     def supports_trees(self) -> bool:
@@ -104,12 +117,39 @@ class EagleDrafter(Drafter):
 
     def start(self, sequences: list[Sequence]) -> None:
         self.rows = [self._new_row() for _ in sequences]
+        if self.adaptation is not None:
+            self.adaptation.rows(len(sequences))
 
     def extend(self, sequences: list[Sequence]) -> None:
         self.rows += [self._new_row() for _ in sequences]
+        if self.adaptation is not None:
+            self.adaptation.rows(len(sequences), add=True)
 
     def keep(self, rows: list[int]) -> None:
         self.rows = [self.rows[r] for r in rows]
+        if self.adaptation is not None:
+            self.adaptation.keep(rows)
+
+    # --- online adaptation -----------------------------------------------------------------------
+    def check_adaptable(self, config: AdaptConfig | None = None) -> None:
+        """Start logging the target's features for online adaptation (`drafters.head_adapt`)."""
+        config = config or AdaptConfig()
+        embed = self.source.embed_tokens or self.target.token_embeddings
+        self.adaptation = HeadAdaptation(config, lambda: HeadTrainer(
+            self.source, eagle_loss(embed), self._serving, config, frozen=("embed_tokens",)))
+        self.adaptation.rows(len(self.rows))
+
+    def adaptation_buffer(self):
+        return self.adaptation.buffer
+
+    def adapt(self, examples: list) -> None:
+        """Train a copy of the head on logged windows now (any thread); it drafts from the next step on."""
+        self.adaptation.adapt(examples)
+
+    def _swap(self) -> None:
+        head = self.adaptation.take() if self.adaptation is not None else None
+        if head is not None:
+            self.head = head
 
     def _embed(self, tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor(tokens, dtype=torch.long)
@@ -143,6 +183,7 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
+        self._swap()
         drafts = []
         for b, seq in enumerate(sequences):
             row = self.rows[b]
@@ -175,6 +216,7 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
+        self._swap()
         drafts = []
         for b, seq in enumerate(sequences):
             row = self.rows[b]
@@ -238,11 +280,13 @@ class EagleDrafter(Drafter):
         return aux
 
     @torch.inference_mode()
-    def _keep_features(self, kept: list[torch.Tensor]) -> None:
+    def _keep_features(self, sequences: list[Sequence], kept: list[torch.Tensor]) -> None:
         """kept[b]: (n_b, 3 E_target) the target's states of row b's newly committed tokens, in order."""
         counts = [k.shape[0] for k in kept]
         if not sum(counts):
             return
+        if self.adaptation is not None:
+            self.adaptation.log(sequences, kept)
         fused = self.head.fc(torch.cat(kept).float())  # (sum n_b, E)
         for row, part in zip(self.rows, fused.split(counts)):
             if part.shape[0]:
@@ -251,7 +295,7 @@ class EagleDrafter(Drafter):
     def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
         # the pass read each row's pending tokens, then its drafts: the first ones up to the accepted drafts stay
         aux = self._aux()
-        self._keep_features([a[: a.shape[0] - len(d) + n] for a, d, n in zip(aux, drafts, num_accepted)])
+        self._keep_features(sequences, [a[: a.shape[0] - len(d) + n] for a, d, n in zip(aux, drafts, num_accepted)])
 
     def commit_tree(self, sequences: list[Sequence], drafts: list[TreeDraft], paths: list[tuple[int, ...]]) -> None:
         # a tree pass read each row's pending tokens, then its nodes: the pending ones and the accepted path stay
@@ -259,4 +303,4 @@ class EagleDrafter(Drafter):
         for a, d, path in zip(self._aux(), drafts, paths):
             chain = a.shape[0] - len(d)
             kept.append(torch.cat([a[:chain], a[[chain + node for node in path]]]))
-        self._keep_features(kept)
+        self._keep_features(sequences, kept)

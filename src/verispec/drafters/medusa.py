@@ -12,15 +12,20 @@ Leviathan et al.'s rule needs, so the output is exactly the target's at any temp
 parent (`TreeGrowth`: top tokens, or samples with or without replacement, with their q).
 
 A sequence drafts nothing until the target has read its prompt (there is no h before that).
+
+Online adaptation (`--adapt`, `drafters.head_adapt`): the final states of the committed positions are logged
+in windows, a copy of the heads trains on them, and the new heads draft from the next step on.
 """
 
 from __future__ import annotations
 
 import time
+
 import torch
 
-from verispec.config import TreeConfig
+from verispec.config import AdaptConfig, TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, draw_token, penalty_seen
+from verispec.drafters.head_adapt import HeadAdaptation, HeadTrainer, medusa_loss
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.models.medusa import MedusaHeads
@@ -37,6 +42,7 @@ class MedusaDrafter(Drafter):
     """
 
     name = "medusa"
+    adaptive = True
 
     def __init__(self, target, heads: MedusaHeads) -> None:
         if not hasattr(target, "keep_features"):
@@ -45,6 +51,7 @@ class MedusaDrafter(Drafter):
         self.target, self.heads = target, heads
         self.vocab_size = target.vocab_size
         self.hidden: list[torch.Tensor | None] = []  # per row: (E,) the last verified position's final state
+        self.adaptation: HeadAdaptation | None = None
         target.keep_features = True
 
     @property
@@ -53,12 +60,45 @@ class MedusaDrafter(Drafter):
 
     def start(self, sequences: list[Sequence]) -> None:
         self.hidden = [None] * len(sequences)
+        if self.adaptation is not None:
+            self.adaptation.rows(len(sequences))
 
     def extend(self, sequences: list[Sequence]) -> None:
         self.hidden += [None] * len(sequences)
+        if self.adaptation is not None:
+            self.adaptation.rows(len(sequences), add=True)
 
     def keep(self, rows: list[int]) -> None:
         self.hidden = [self.hidden[r] for r in rows]
+        if self.adaptation is not None:
+            self.adaptation.keep(rows)
+
+    # --- online adaptation -----------------------------------------------------------------------
+    def check_adaptable(self, config: AdaptConfig | None = None) -> None:
+        """Start logging the target's final states for online adaptation (`drafters.head_adapt`)."""
+        from verispec.models.heads import lm_head_rows
+
+        config = config or AdaptConfig()
+
+        def trainer() -> HeadTrainer:  # a tied head learns against the target's LM head rows, read once
+            tied = self.heads.tied_rows
+            rows = lm_head_rows(self.target, torch.arange(tied)) if tied else None
+            return HeadTrainer(self.heads, medusa_loss(rows), lambda heads: heads, config)
+
+        self.adaptation = HeadAdaptation(config, trainer)
+        self.adaptation.rows(len(self.hidden))
+
+    def adaptation_buffer(self):
+        return self.adaptation.buffer
+
+    def adapt(self, examples: list) -> None:
+        """Train a copy of the heads on logged windows now (any thread); they draft from the next step on."""
+        self.adaptation.adapt(examples)
+
+    def _swap(self) -> None:
+        heads = self.adaptation.take() if self.adaptation is not None else None
+        if heads is not None:
+            self.heads = heads
 
     @torch.inference_mode()
     def token_cost(self) -> float:
@@ -86,6 +126,7 @@ class MedusaDrafter(Drafter):
         return limits, {b: out[i, :, : self.vocab_size] for i, b in enumerate(rows)}
 
     def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
+        self._swap()
         limits, logits = self._head_logits(max_tokens)
         drafts = []
         for b, seq in enumerate(sequences):
@@ -104,15 +145,19 @@ class MedusaDrafter(Drafter):
     def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
         # the verification pass's logits for row b: after each pending token's last, then after each draft;
         # the recovered or bonus token came from position num_accepted
-        self._take([min(n, len(d)) for d, n in zip(drafts, num_accepted)])
+        self._take(sequences, [list(range(min(n, len(d)) + 1)) for d, n in zip(drafts, num_accepted)])
 
-    def _take(self, index: list[int]) -> None:
+    def _take(self, sequences: list[Sequence], kept: list[list[int]]) -> None:
+        """kept[b]: the indices in row b's features of the positions the step committed (the last one drafts next)."""
         features = self.target.features  # (B, M, E)
         if features is None:
             raise VerispecError("the target kept no hidden states for the Medusa heads")
-        self.hidden = [features[b, i].clone() for b, i in enumerate(index)]
+        self.hidden = [features[b, index[-1]].clone() for b, index in enumerate(kept)]
+        if self.adaptation is not None:
+            self.adaptation.log(sequences, [features[b, index] for b, index in enumerate(kept)])
 
     def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
+        self._swap()
         depths, logits = self._head_logits(depths)
         drafts = []
         for b, seq in enumerate(sequences):
@@ -129,4 +174,4 @@ class MedusaDrafter(Drafter):
 
     def commit_tree(self, sequences: list[Sequence], drafts: list[TreeDraft], paths: list[tuple[int, ...]]) -> None:
         # a tree pass's logits for row b: after its pending token (index 0), then after node n (index 1 + n)
-        self._take([1 + path[-1] if path else 0 for path in paths])
+        self._take(sequences, [[0, *(1 + node for node in path)] for path in paths])

@@ -1,5 +1,5 @@
-"""What both kinds of `verispec train-heads` share: the target's LM head rows and final norm, the split into
-training and validation answers, and the OUT.partial folder.
+"""What both kinds of `verispec train-heads` share: the split into training and validation answers and the
+OUT.partial folder.
 
 Everything goes to OUT.partial first: the collected answers (`answers.pt`), a checkpoint every 100 steps
 (`checkpoint.pt`: the model, the optimizer, the step), then the head itself. `--resume` goes on from there
@@ -20,25 +20,6 @@ from verispec.console import notice
 from verispec.errors import VerispecError
 
 ANSWERS, CHECKPOINT = "answers.pt", "checkpoint.pt"
-
-
-def lm_head_rows(runner, ids: torch.Tensor) -> torch.Tensor:
-    """(k, E) float32: the target's LM head rows for these token ids."""
-    gguf = getattr(runner, "gguf", None)
-    if gguf is not None:
-        return torch.from_numpy(gguf.head.take_rows(ids.numpy().astype(np.int64)))
-    weight = runner.model.get_output_embeddings().weight
-    if weight.device.type == "meta":
-        raise VerispecError("train-heads reads the target's LM head: run it with --target-weights dense or on a GGUF")
-    return weight[ids].detach().float()
-
-
-def final_norm(runner) -> torch.Tensor:
-    """(E,) float32: the weight of the target's final norm."""
-    gguf = getattr(runner, "gguf", None)
-    if gguf is not None:
-        return torch.from_numpy(np.asarray(gguf.norm, np.float32))
-    return runner.model.model.norm.weight.detach().float()
 
 
 def split(answers: list, val_fraction: float, seed: int) -> tuple[list, list]:

@@ -9,9 +9,11 @@ import torch
 
 from verispec.console import notice
 from verispec.errors import VerispecError
-from verispec.heads.common import Partial, final_norm, lm_head_rows, split
-from verispec.heads.eagle3_train import (EagleTrainConfig, Sample, aux_layers_for, collect, draft_vocabulary, new_head,
-                                         train, validate)
+from verispec.heads.common import Partial, split
+from verispec.heads.eagle3_train import (EagleTrainConfig, aux_layers_for, collect, draft_vocabulary, new_head, train,
+                                         validate)
+from verispec.models.eagle3_ttt import Sample
+from verispec.models.heads import final_norm, lm_head_rows
 
 
 class EmbeddingTable:

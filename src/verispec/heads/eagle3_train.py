@@ -7,12 +7,8 @@
    written from them. The head's LM head starts as the target's own rows for those ids and `norm` as the
    target's final norm, `fc` as the identity on the highest fused layer: before training the head is the
    target's logit lens at layer L - 3.
-3. Training-time test: the layer is unrolled `ttt` steps. Step 0 at index t is position t: the target's fused
-   feature f_t and the embedding of token t + 1. Step j at index t is position t + j: the head's own output of
-   step j - 1 at index t and the embedding of token t + j + 1; it attends to step 0's entries at indices
-   <= t and to its own and earlier steps' entries at index t only, exactly what drafting j + 1 tokens past
-   committed position t attends to. Step j's loss is the soft cross-entropy against the target's distribution
-   of token t + j + 2, over the draft vocabulary (renormalised there), weighted 0.8^j; answer positions only.
+3. Training-time test (`models.eagle3_ttt`): the layer unrolled `ttt` steps on its own outputs, soft
+   cross-entropy over the draft vocabulary weighted 0.8^j; answer positions only.
 4. Validation: the same unrolled pass on held-back answers; per step the rate at which the head's argmax is the
    target's greedy token (drafts before it right), and tau = 1 + a_0 + a_0 a_1 + ..., the tokens per target
    pass a greedy chain of `ttt` drafts would give.
@@ -31,6 +27,7 @@ import torch
 from verispec.console import progress
 from verispec.errors import VerispecError
 from verispec.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
+from verispec.models.eagle3_ttt import Sample, tau, training_batch, unrolled
 
 
 @dataclass(frozen=True)
@@ -67,19 +64,6 @@ class EagleTrainConfig:
             raise VerispecError("train-heads needs tokens >= 4, top_k >= 1, ttt >= 1 and window >= 1")
         if self.steps < 1 or self.batch_size < 1 or not self.lr > 0 or not 0 < self.val_fraction < 1:
             raise VerispecError("train-heads needs steps >= 1, batch_size >= 1, lr > 0 and 0 < val_fraction < 1")
-
-
-@dataclass
-class Sample:
-    """One answer: tokens (T,) long (prompt window, then answer); aux (T, 3E) float16, the states entering the
-    head's layers for each token; label ids / probs (T, k): the target's distribution of the token after each
-    position (rows before `start` are prompt positions: zeros, never used)."""
-
-    tokens: torch.Tensor
-    aux: torch.Tensor
-    ids: torch.Tensor
-    probs: torch.Tensor
-    start: int  # the first position whose label is kept (the last prompt token's)
 
 
 def collect(runner, prompts: list[list[int]], config: EagleTrainConfig, aux_layers: tuple[int, ...],
@@ -154,74 +138,6 @@ def new_head(runner, config: EagleTrainConfig, aux_layers: tuple[int, ...], targ
     return head
 
 
-def _batch(samples: list[Sample], head: Eagle3Head, embed, ttt: int):
-    """Pad a batch: tokens' next embeddings, features, positions and per-step labels over the draft vocab.
-    Returns embeds (B, T + ttt, E) (index t holds token t + 1's), aux (B, T, 3E), valid (B, T), label ids
-    (B, T + ttt, k) as draft ids, probs (B, T + ttt, k) renormalised over the draft vocab (0 where unusable)."""
-    T = max(s.aux.shape[0] for s in samples)
-    B, k = len(samples), samples[0].ids.shape[1]
-    to_draft = torch.full((head.config.vocab,), -1, dtype=torch.long)
-    to_draft[head.target_ids.cpu()] = torch.arange(head.config.draft_vocab)
-    aux = torch.zeros(B, T, samples[0].aux.shape[1])
-    next_ids = torch.zeros(B, T + ttt, dtype=torch.long)
-    valid = torch.zeros(B, T, dtype=torch.bool)
-    ids = torch.zeros(B, T + ttt, k, dtype=torch.long)
-    probs = torch.zeros(B, T + ttt, k)
-    for b, s in enumerate(samples):
-        n = s.aux.shape[0]
-        aux[b, :n] = s.aux.float()
-        next_ids[b, : n - 1] = s.tokens[1:n]
-        valid[b, : n - 1] = True  # the last token's next one is unknown
-        d = to_draft[s.ids]  # (n, k)
-        p = torch.where(d >= 0, s.probs, torch.zeros_like(s.probs))
-        p[: s.start] = 0
-        ids[b, :n], probs[b, :n] = d.clamp_min(0), p / p.sum(-1, keepdim=True).clamp_min(1e-9)
-    embeds = embed(next_ids.reshape(-1)).reshape(B, T + ttt, -1)
-    device = head.fc.weight.device
-    return tuple(t.to(device) for t in (embeds, aux, valid, ids, probs))
-
-
-def unrolled(head: Eagle3Head, embeds, aux, valid, ids, probs, ttt: int):
-    """The training-time test over a padded batch. Returns the loss and, per step, (right, counted) greedy
-    agreement counts with the target's top label (drafts before it assumed right)."""
-    B, T, _ = aux.shape
-    mid, c = head.midlayer, head.config
-    group = c.heads // c.kv_heads
-    positions = torch.arange(T, device=aux.device)
-    h = head.fc(aux)  # (B, T, E)
-    causal = torch.ones(T, T, dtype=torch.bool, device=aux.device).tril()  # (T, T) step 0's entries at indices <= t
-    keys, values, loss, stats = [], [], torch.zeros((), device=aux.device), []
-    for j in range(ttt):
-        cos, sin = head.rope(positions + j)  # (T, D)
-        q, k, v = mid.qkv(embeds[:, j : j + T].reshape(B * T, -1), h.reshape(B * T, -1),
-                          cos.repeat(B, 1), sin.repeat(B, 1))
-        q = q.view(B, T, c.heads, c.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k = k.view(B, T, c.kv_heads, c.head_dim).transpose(1, 2).repeat_interleave(group, 1)  # (B, Hq, T, D)
-        v = v.view(B, T, c.kv_heads, c.head_dim).transpose(1, 2).repeat_interleave(group, 1)
-        keys.append(k)
-        values.append(v)
-        scale = c.head_dim ** -0.5
-        first = (q @ keys[0].transpose(-1, -2)) * scale  # (B, Hq, T, T)
-        first = first.masked_fill(~causal, float("-inf"))
-        diagonal = [(q * keys[i]).sum(-1, keepdim=True) * scale for i in range(1, j + 1)]  # (B, Hq, T, 1) each
-        weights = torch.softmax(torch.cat([first, *diagonal], dim=-1), dim=-1)  # (B, Hq, T, T + j)
-        out = weights[..., :T] @ values[0]  # (B, Hq, T, D)
-        for i in range(1, j + 1):
-            out = out + weights[..., T + i - 1 : T + i] * values[i]
-        h = mid.finish(out.transpose(1, 2).reshape(B * T, -1), h.reshape(B * T, -1)).view(B, T, -1)
-        p = probs[:, j + 1 : j + 1 + T]  # (B, T, k): the target's distribution of token t + j + 2
-        use = valid & (p.sum(-1) > 0)
-        if j:
-            use = use & torch.nn.functional.pad(valid[:, j:], (0, j))  # the tokens fed at step j exist
-        labels = ids[:, j + 1 : j + 1 + T][use]  # (n, k) at the positions with a label only (the LM head's cost)
-        logq = torch.log_softmax(head.lm_head(head.norm(h[use])), -1)  # (n, V_draft)
-        ce = -(p[use] * logq.gather(-1, labels)).sum(-1)  # (n,)
-        loss = loss + 0.8 ** j * ce.sum() / max(1, ce.numel())
-        with torch.no_grad():
-            stats.append((int((logq.argmax(-1) == labels[:, 0]).sum()), int(ce.numel())))
-    return loss, stats
-
-
 def bf16_enabled(device: torch.device, setting: str) -> bool:
     """Whether training runs its matmuls in bfloat16 (see EagleTrainConfig.bf16)."""
     if setting != "auto":
@@ -235,20 +151,11 @@ def bf16_enabled(device: torch.device, setting: str) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags  # else bfloat16 matmuls are emulated: slower
 
 
-def tau(rates: list[float]) -> float:
-    """Tokens per target pass of a greedy chain whose drafts are right at these rates (given the ones before)."""
-    total, alive = 1.0, 1.0
-    for a in rates:
-        alive *= a
-        total += alive
-    return total
-
-
 @torch.no_grad()
 def validate(head: Eagle3Head, samples: list[Sample], embed, ttt: int, batch_size: int) -> dict:
     totals = np.zeros((ttt, 2))
     for i in range(0, len(samples), batch_size):
-        _, stats = unrolled(head, *_batch(samples[i : i + batch_size], head, embed, ttt), ttt)
+        _, stats = unrolled(head, *training_batch(samples[i : i + batch_size], head, embed, ttt), ttt)
         totals += np.array(stats)
     rates = [round(float(r / max(n, 1)), 4) for r, n in totals]
     return {"agreement": rates, "tau": round(tau(rates), 3)}
@@ -282,7 +189,7 @@ def train(head: Eagle3Head, train_set: list[Sample], val_set: list[Sample], embe
             pick = torch.randint(len(train_set), (config.batch_size,), generator=generator).tolist()
             head.train()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                loss, _ = unrolled(head, *_batch([train_set[i] for i in pick], head, embed, config.ttt), config.ttt)
+                loss, _ = unrolled(head, *training_batch([train_set[i] for i in pick], head, embed, config.ttt), config.ttt)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

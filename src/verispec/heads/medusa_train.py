@@ -146,9 +146,7 @@ def train_heads(train: Answers, val: Answers, lm_head: torch.Tensor, vocab: int,
             loss = torch.zeros((), device=device)
             for k, (h, ids, probs) in enumerate(data):
                 pick = torch.randint(h.shape[0], (min(config.batch_size, h.shape[0]),), generator=generator).to(device)
-                x = heads.heads[k](h[pick])  # (b, E)
-                logq = torch.log_softmax(x @ head_rows.T, -1)  # (b, rows)
-                loss = loss + -(probs[pick] * logq.gather(1, ids[pick])).sum(-1).mean()
+                loss = loss + heads.soft_loss(k, h[pick], ids[pick], probs[pick], head_rows)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

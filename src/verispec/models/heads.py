@@ -13,6 +13,9 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from verispec.errors import VerispecError
 from verispec.models.eagle3 import EAGLE, is_eagle_spec
 from verispec.models.medusa import MEDUSA, is_medusa_spec
@@ -86,3 +89,22 @@ def head_drafter(draft: str, runner):
     manifest = json.loads((folder / MANIFEST).read_text()) if (folder / MANIFEST).is_file() else {}
     lookup = manifest.get("draft_lookup")  # lookup first, as measured best for a shipped head
     return EagleDrafter(runner, head, lookup=PromptLookupConfig(**lookup) if lookup else None)
+
+
+def lm_head_rows(runner, ids: torch.Tensor) -> torch.Tensor:
+    """(k, E) float32: the target's LM head rows for these token ids."""
+    gguf = getattr(runner, "gguf", None)
+    if gguf is not None:
+        return torch.from_numpy(gguf.head.take_rows(ids.numpy().astype(np.int64)))
+    weight = runner.model.get_output_embeddings().weight
+    if weight.device.type == "meta":
+        raise VerispecError("train-heads reads the target's LM head: run it with --target-weights dense or on a GGUF")
+    return weight[ids].detach().float()
+
+
+def final_norm(runner) -> torch.Tensor:
+    """(E,) float32: the weight of the target's final norm."""
+    gguf = getattr(runner, "gguf", None)
+    if gguf is not None:
+        return torch.from_numpy(np.asarray(gguf.norm, np.float32))
+    return runner.model.model.norm.weight.detach().float()

@@ -76,6 +76,16 @@ class MedusaHeads(torch.nn.Module):
         B, count, E = out.shape
         return lm_head(out.reshape(B * count, E)).reshape(B, count, -1).float()
 
+    def soft_loss(self, k: int, h: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Head k's soft cross-entropy against the target's labels, what training and online adaptation minimise.
+        h: (b, E) hidden states; ids, probs: (b, k') the target's top next-token ids at head k's distance and their
+        probabilities (renormalised; ids of a tied head < its rows); rows: (R, E) float, the target's LM head rows
+        (tied heads only). Returns the mean over the b states."""
+        x = self.heads[k](h)  # (b, E) tied, else (b, V)
+        logq = torch.log_softmax(x @ rows.T if self.tied_rows is not None else x.float(), -1)  # (b, R or V)
+        return -(probs * logq.gather(1, ids)).sum(-1).mean()
+
     def save(self, folder: str | Path, base_model: str = "") -> None:
         """Write the Medusa repository's format (config.json and medusa_lm_head.safetensors)."""
         from safetensors.torch import save_file
