@@ -5,6 +5,7 @@ drafter adapts on other prompts of the same category (Online Speculative Decodin
     .venv/bin/python benchmarks/online_adaptation.py --drafter qwen2.5-coder-0.5b-instruct --eval-every 10
     .venv/bin/python benchmarks/online_adaptation.py --adapt-prompts 4 --eval-prompts 3 --max-new-tokens 32  # quick
     .venv/bin/python benchmarks/online_adaptation.py --backend llama.cpp     # GGUF target on llama.cpp (n-grams)
+    .venv/bin/python benchmarks/online_adaptation.py --drafter eagle --category coding --heldout-split  # a draft head
 
 1. measure acceptance on the last --eval-prompts prompts of the category (collection off);
 2. adapt on the first --adapt-prompts other prompts, one update after each (acceptance recorded as it
@@ -27,6 +28,7 @@ from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
 from verispec.config import LEARN_FROM, AdaptConfig
 from verispec.datasets import HELDOUT, load_prompts, split_of
 from verispec.models import DEFAULT_TARGET
+from verispec.models.loading import BACKENDS
 from verispec.stats import GenerationStats
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "spec_bench" / "question.jsonl"
@@ -89,8 +91,9 @@ def main() -> None:
     ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--drafter", default="ngram-corpus", help="ngram-corpus[:TABLE], a .ngram file or a draft model spec")
     ap.add_argument("--draft-weights", default="int8", choices=["int8", "dense"], help="for a draft model (default: %(default)s)")
-    ap.add_argument("--backend", default="torch", choices=["torch", "llama.cpp"],
-                    help="llama.cpp runs a GGUF target with llama.cpp's kernels (n-gram drafters only) (default: %(default)s)")
+    ap.add_argument("--backend", default="torch", choices=BACKENDS,
+                    help="llama.cpp runs a GGUF target with llama.cpp's kernels (n-gram drafters only); heads need "
+                         "native or torch (default: %(default)s)")
     ap.add_argument("--adapt-prompts", type=int, default=50)
     ap.add_argument("--eval-prompts", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=0, help="measure the held-out prompts every N adaptation prompts")
@@ -104,6 +107,10 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=None, help="passes over each update's examples (default: AdaptConfig's)")
     ap.add_argument("--max-steps", type=int, default=None, help="optimizer steps per update at most (default: AdaptConfig's)")
     ap.add_argument("--replay", type=int, default=None, help="earlier examples revisited per update (default: AdaptConfig's)")
+    ap.add_argument("--batch-size", type=int, default=None, help="examples (heads: windows) per optimizer step "
+                    "(default: AdaptConfig's)")
+    ap.add_argument("--head-window", type=int, default=None, help="positions per window of a draft head "
+                    "(default: AdaptConfig's)")
     ap.add_argument("--learn-from", default=None, choices=LEARN_FROM,
                     help="positions kept for learning (default: AdaptConfig's)")
     ap.add_argument("--draft-lookup", type=int, default=None, help="as `verispec generate --draft-lookup` (default: the draft's)")
@@ -119,7 +126,8 @@ def main() -> None:
         raise SystemExit(f"{args.category} has {len(prompts)} prompts, fewer than {args.adapt_prompts} + {args.eval_prompts}")
     decoder = SpeculativeDecoder.load(args.target, args.drafter, draft_weights=args.draft_weights, backend=args.backend,
                                       draft_lookup=args.draft_lookup)
-    overrides = {name: getattr(args, name) for name in ("lr", "epochs", "max_steps", "replay", "learn_from") if getattr(args, name) is not None}
+    overrides = {name: getattr(args, name) for name in ("lr", "epochs", "max_steps", "replay", "learn_from", "batch_size",
+                                                           "head_window") if getattr(args, name) is not None}
     adapt_config = AdaptConfig(background=False, min_examples=1, **overrides)
     adapter = decoder.enable_adaptation(adapt_config)
     sampling = SamplingConfig(temperature=args.temperature)

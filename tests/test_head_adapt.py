@@ -23,29 +23,32 @@ from verispec.models.runner import ModelRunner
 GREEDY = SamplingConfig(temperature=0)
 
 
-def test_a_feature_log_cuts_windows_and_starts_again_after_a_gap():
+def test_a_feature_log_cuts_windows_with_context_and_starts_again_after_a_gap():
     out = WindowBuffer(100)
-    log = FeatureLog()
+    log = FeatureLog(window=4, context=2)
     tokens = list(range(100, 130))
     features = torch.arange(30.0)[:, None]  # position t's feature is t
 
-    def step(end, n):  # the sequence holds tokens[:end]; the target read the n positions before the last token
-        log.add(tokens[:end], features[end - 1 - n : end - 1], False, 4, out)
+    def step(end, n, finished=False):  # the sequence holds tokens[:end]; the target read n positions
+        log.add(tokens[:end], 5, features[end - 1 - n : end - 1], finished, out)
 
-    step(6, 5)  # a prompt of 5 tokens read, one token committed
+    step(6, 5)  # a prompt of 5 tokens read, one token committed: the prompt's last position is the first labelled
+    assert (log.start, log.count, log.labelled) == (2, 3, 1)  # two prompt positions kept as context
     step(8, 2)
-    windows = out.drain()
-    assert [w.position for w in windows] == [0]
-    assert windows[0].tokens.tolist() == tokens[0:5] and windows[0].features[:, 0].tolist() == [0, 1, 2, 3]
-    assert log.count == 3 and log.start == 4
-    step(20, 3)  # positions 16-18: the log ends at 7, so it starts again (3 positions: too few for a window)
-    assert not out.drain() and log.start == 16 and log.count == 3
-    log.add(tokens[:25], features[19:24], False, 4, out)
-    assert [(w.position, w.tokens.tolist()) for w in out.drain()] == [(16, tokens[16:21]), (20, tokens[20:25])]
-    log.add(tokens[:27], features[24:28], True, 4, out)  # the last step read 4 positions but kept only 2 tokens
-    assert log.count == 2 and log.tokens == tokens[24:27] and log.next == 26
+    assert not out.drain()
+    step(10, 2)
+    (w,) = out.drain()
+    assert (w.position, w.labelled, w.tokens.tolist(), w.features[:, 0].tolist()) == (2, 2, tokens[2:9], [2, 3, 4, 5, 6, 7])
+    assert (log.start, log.count, log.labelled) == (6, 3, 1)  # context 6, 7; position 8 not learned from yet
+    step(20, 3)  # positions 16-18: the log ends at 8, so it starts again (the one labelled position is too few)
+    assert not out.drain() and (log.start, log.labelled) == (16, 3)
+    log.add(tokens[:25], 5, features[19:24], False, out)
+    windows = [(w.position, w.labelled, w.tokens.tolist()) for w in out.drain()]
+    assert windows == [(16, 0, tokens[16:21]), (18, 2, tokens[18:25])]
+    step(27, 4, finished=True)  # the last step read 4 positions but the sequence kept only 2 tokens after them
+    assert (log.start, log.count, log.labelled, log.tokens) == (22, 4, 2, tokens[22:27])
     log.flush(out)
-    assert not out.drain() and log.count == 0  # too few for a window
+    assert not out.drain() and log.count == 0  # too few to learn from
 
 
 def expected_features(kind, model, tokens: list[int]) -> torch.Tensor:
@@ -79,11 +82,13 @@ def test_logged_windows_hold_the_targets_features_at_their_positions(pair, kind,
         seq = next(s for s in seqs if s.tokens[w.position : w.position + T + 1] == w.tokens.tolist())
         want = expected_features(kind, model, seq.tokens)[w.position : w.position + T]
         torch.testing.assert_close(w.features.float(), want, rtol=1e-2, atol=1e-2)  # logged in float16
-        covered += T
-    # every position the target read is in a window (EAGLE's from the first prompt token, Medusa's from the last),
-    # but for a leftover shorter than MIN_WINDOW
-    read = [len(s.tokens) - 1 - (0 if kind == "eagle" else len(p) - 1) for s, p in zip(seqs, PROMPTS)]
+        assert w.position + w.labelled >= len(seq.tokens) - len(seq.generated) - 1  # never a prompt token's label
+        covered += T - w.labelled
+    # every position whose next token the target chose is learned from once, but for a leftover under MIN_WINDOW
+    read = [len(s.generated) for s in seqs]
     assert covered == sum(16 * (n // 16) + (n % 16 if n % 16 >= MIN_WINDOW else 0) for n in read)
+    if kind == "eagle":  # windows after the first carry the 16 positions before as context
+        assert all(w.labelled == 16 for w in windows if w.position > 16)
 
 
 def acceptance(seqs) -> float:

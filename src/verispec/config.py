@@ -313,7 +313,7 @@ class AdaptConfig:
         min_examples: examples buffered before an update runs. Default 8.
         background: update in a background thread (True), or in the caller between steps. Default True.
         lr, batch_size, epochs, max_steps: draft-model updates (AdamW on forward KL(p_target || q_draft)):
-            learning rate (default None: by the draft's size, see `draft_lr`), examples per optimizer
+            learning rate (default None: by the draft's size, see `draft_lr`; heads: `head_lr`), examples per optimizer
             step (default 16), passes over the new examples (default 1), at most this many optimizer
             steps per update (default 16).
         replay: earlier examples (kept up to buffer_size, drawn at random) revisited in each draft-model
@@ -359,6 +359,13 @@ class AdaptConfig:
         if self.lr is not None:
             return self.lr
         return 3e-4 if num_parameters < 100_000_000 else 1e-5
+
+    def head_lr(self) -> float:
+        """The learning rate for a trained draft head (Medusa, EAGLE): `lr` if set, else 3e-5. A head has
+        learned its target already and sees a few windows per update: measured on the shipped EAGLE-3 head,
+        training on 16 windows of 8 math_reasoning answers raised agreement on 8 others' windows at 3e-5
+        (first draft 0.706 -> 0.716) and lowered it at 1e-4 (0.683 after 3 epochs) and 3e-4 (0.608)."""
+        return self.lr if self.lr is not None else 3e-5
 
 
 @dataclass(frozen=True)

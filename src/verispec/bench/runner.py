@@ -54,7 +54,7 @@ class BenchConfig:
     tree: the tree the *-tree systems draft (default: a dynamic tree of 16 nodes).
     ngram_table: the table of verispec-ngram-corpus: "ngram-corpus[:PATH]" or a .ngram path (None: the
         table shipped with verispec; without one the system is skipped).
-    adapt: verispec systems whose drafter can adapt (ngram-corpus, draft models) learn online between
+    adapt: verispec systems whose drafter can adapt (ngram-corpus, draft models, heads) learn online between
         prompts (their acceptance then depends on the prompts before).
     self_draft: the verispec-self* systems' draft: "self" (the skip set searched for this target, see
         `verispec self-tune`), "self:SKIP" or "self:FILE".

@@ -115,4 +115,4 @@ class Drafter(ABC):
         May be called from another thread while the engine steps; the change must take effect only
         at the start of a later `propose`, so that every q a step reports is the distribution its
         draft tokens were drawn from."""
-        raise VerispecError(f"the '{self.name}' drafter cannot adapt online (ngram-corpus and draft models can)")
+        raise VerispecError(f"the '{self.name}' drafter cannot adapt online (ngram-corpus, draft models and Medusa / EAGLE heads can)")

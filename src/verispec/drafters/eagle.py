@@ -136,7 +136,7 @@ class EagleDrafter(Drafter):
         config = config or AdaptConfig()
         embed = self.source.embed_tokens or self.target.token_embeddings
         self.adaptation = HeadAdaptation(config, lambda: HeadTrainer(
-            self.source, eagle_loss(embed), self._serving, config, frozen=("embed_tokens",)))
+            self.source, eagle_loss(embed), self._serving, config, frozen=("embed_tokens",)), context=config.head_window)
         self.adaptation.rows(len(self.rows))
 
     def adaptation_buffer(self):

@@ -6,8 +6,10 @@ committed tokens are the target's own (at temperature 0 its argmax; otherwise dr
 distribution, whose expected cross-entropy is the soft one). A head drafts from a run of consecutive
 positions (EAGLE's layer attends over all of them), so heads learn from windows of a sequence, not single
 positions: each row logs its committed positions' features and tokens (`FeatureLog`) and hands a
-`HeadWindow` to the drafter's `WindowBuffer` every `AdaptConfig.head_window` positions, and what is left (at
-least MIN_WINDOW positions) when the sequence leaves the batch. `OnlineAdapter` drains that buffer as it
+`HeadWindow` to the drafter's `WindowBuffer` every `AdaptConfig.head_window` positions whose next token the
+target chose, and what is left (at least MIN_WINDOW of them) when the sequence leaves the batch. An EAGLE
+window carries up to head_window positions before those as context (the prompt's, or ones an earlier
+window learned from): the head learns with the context it drafts with, never the prompt's own tokens. `OnlineAdapter` drains that buffer as it
 drains `AdaptationBuffer` for other drafters. So `learn_from`, `top_k`, `include_undrafted` and
 `max_context` do not apply: heads learn from every committed position, and an example is a window.
 
@@ -38,11 +40,13 @@ MIN_WINDOW = 8  # positions: a shorter leftover of a finished sequence is not wo
 
 @dataclass(frozen=True)
 class HeadWindow:
-    """T consecutive positions of one sequence."""
+    """T consecutive positions of one sequence; the head learns the tokens after positions labelled .. T - 1 (the
+    ones before are context: the prompt's, or positions an earlier window learned from)."""
 
     position: int  # the first one's
     tokens: torch.Tensor  # (T + 1,) long: the tokens the target read at the T positions, then the one after the last
     features: torch.Tensor  # (T, F) float16: the target's features when it read each of them
+    labelled: int  # the first position (index) whose next token the target chose
 
 
 class WindowBuffer:
@@ -73,11 +77,15 @@ class WindowBuffer:
 
 
 class FeatureLog:
-    """One row's committed positions not yet handed over as a window."""
+    """One row's committed positions: up to `context` positions already learned from (or the prompt's), then the
+    positions whose next token the target chose and no window has taken yet."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int, context: int) -> None:
+        self.window, self.context = window, context
         self.next: int | None = None  # the position of the next token the target reads
         self.start = 0  # the position of the first logged one
+        self.labelled_from = 0  # the first position a window has not learned from (or the prompt's last: its
+        # next token is the first the target chose)
         self.tokens: list[int] = []  # the tokens read at the logged positions, then the one after the last
         self.features: list[torch.Tensor] = []  # (n, F) chunks, one row per logged position
 
@@ -85,7 +93,12 @@ class FeatureLog:
     def count(self) -> int:
         return len(self.tokens) - 1 if self.tokens else 0
 
-    def add(self, tokens: list[int], features: torch.Tensor, finished: bool, window: int, out: WindowBuffer) -> None:
+    @property
+    def labelled(self) -> int:
+        """Logged positions whose next token a window can still learn."""
+        return max(0, self.start + self.count - max(self.labelled_from, self.start))
+
+    def add(self, tokens: list[int], prompt_len: int, features: torch.Tensor, finished: bool, out: WindowBuffer) -> None:
         """features: (n, F) the target's features at the n positions it read last; tokens: the sequence after this
         step's commit. A step that did not finish the sequence committed the token after the last of them; one that
         finished it may have been cut short (EOS, a stop string, the length), so its positions follow the log's."""
@@ -97,26 +110,38 @@ class FeatureLog:
             first, n = self.next, max(0, min(n, len(tokens) - 1 - self.next))  # those with a committed token after
         elif first != self.next:  # a gap: what is logged cannot go on
             self.flush(out)
-            self.tokens, self.start = ([tokens[first]] if first >= 0 else []), first
+            self.tokens, self.features, self.start = ([tokens[first]] if first >= 0 else []), [], first
+            self.labelled_from = max(first, prompt_len - 1)
         self.next = first + n
         if not self.tokens or not n:
             return
         self.tokens += tokens[first + 1 : first + 1 + n]
         self.features.append(features[:n].detach().to(torch.float16))
-        while self.count >= window:
-            self._cut(window, out)
+        while self.labelled >= self.window:
+            self._cut(self.labelled_from + self.window, out)
+        self._trim()
 
     def flush(self, out: WindowBuffer) -> None:
-        """Hand over what is logged if it is long enough, and start empty."""
-        if self.count >= MIN_WINDOW:
-            self._cut(self.count, out)
+        """Hand over what is logged if it has enough to learn, and start empty."""
+        if self.labelled >= MIN_WINDOW:
+            self._cut(self.start + self.count, out)
         self.tokens, self.features = [], []
 
-    def _cut(self, size: int, out: WindowBuffer) -> None:
+    def _cut(self, end: int, out: WindowBuffer) -> None:
+        """Hand over positions start .. end - 1, learning from labelled_from on; keep the rest."""
         features = torch.cat(self.features)  # (count, F)
-        out.put(HeadWindow(self.start, torch.tensor(self.tokens[: size + 1], dtype=torch.long), features[:size].clone()))
-        self.tokens, self.features = self.tokens[size:], [features[size:]] if size < features.shape[0] else []
-        self.start += size
+        size, labelled = end - self.start, max(0, self.labelled_from - self.start)
+        out.put(HeadWindow(self.start, torch.tensor(self.tokens[: size + 1], dtype=torch.long), features[:size].clone(),
+                           labelled))
+        self.features, self.labelled_from = [features], end
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop positions before the labelled ones beyond `context` of them."""
+        drop = max(self.labelled_from, self.start) - self.context - self.start
+        if drop > 0 and self.tokens:
+            features = torch.cat(self.features)
+            self.tokens, self.features, self.start = self.tokens[drop:], [features[drop:]], self.start + drop
 
 
 class HeadAdaptation:
@@ -125,10 +150,11 @@ class HeadAdaptation:
     Args:
         config: adaptation settings.
         trainer: makes the `HeadTrainer` on the first update (it copies the head then).
+        context: positions before a window's labelled ones that it carries (EAGLE's layer attends to them).
     """
 
-    def __init__(self, config: AdaptConfig, trainer) -> None:
-        self.config = config
+    def __init__(self, config: AdaptConfig, trainer, context: int = 0) -> None:
+        self.config, self.context = config, context
         self.buffer = WindowBuffer(max(1, config.buffer_size // config.head_window))
         self.logs: list[FeatureLog] = []
         self._make_trainer, self.trainer = trainer, None
@@ -141,7 +167,7 @@ class HeadAdaptation:
             for log in self.logs:
                 log.flush(self.buffer)
             self.logs = []
-        self.logs += [FeatureLog() for _ in range(count)]
+        self.logs += [FeatureLog(self.config.head_window, self.context) for _ in range(count)]
 
     def keep(self, rows: list[int]) -> None:
         kept = set(rows)
@@ -156,7 +182,7 @@ class HeadAdaptation:
             return
         for log, seq, f in zip(self.logs, sequences, features):
             if f.shape[0]:
-                log.add(seq.tokens, f, seq.finish_reason is not None, self.config.head_window, self.buffer)
+                log.add(seq.tokens, seq.prompt_len, f, seq.finish_reason is not None, self.buffer)
 
     def adapt(self, windows: list[HeadWindow]) -> None:
         """Train on the windows now (any thread); the new head is taken by `take` at the next propose."""
@@ -192,7 +218,7 @@ class HeadTrainer:
             if p.requires_grad:
                 params.append(p)
         self.params, self.loss, self.serve, self.config = params, loss, serve, config
-        self.lr = config.draft_lr(sum(p.numel() for p in params))
+        self.lr = config.head_lr()
         self.optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
         self.steps = 0
         self.last_loss: float | None = None
@@ -229,7 +255,7 @@ def eagle_loss(embed, ttt: int = 3):
         samples = []
         for w in windows:
             T = w.features.shape[0]
-            samples.append(Sample(w.tokens[:T], w.features, w.tokens[1 : T + 1, None], torch.ones(T, 1), 0))
+            samples.append(Sample(w.tokens[:T], w.features, w.tokens[1 : T + 1, None], torch.ones(T, 1), w.labelled))
         with torch.no_grad():
             batch = training_batch(samples, head, embed, ttt)
         return unrolled(head, *batch, ttt)[0]
@@ -245,11 +271,11 @@ def medusa_loss(rows: torch.Tensor | None):
         total = torch.zeros(())
         for k in range(heads.num_heads):
             h, ids = [], []
-            for w in windows:  # the state after reading token t guesses token t + k + 2
-                n = w.features.shape[0] - k - 1
-                if n > 0:
-                    h.append(w.features[:n])
-                    ids.append(w.tokens[k + 2 : k + 2 + n])
+            for w in windows:  # the state after reading token t guesses token t + k + 2 (labelled t only)
+                a, n = w.labelled, w.features.shape[0] - k - 1
+                if n > a:
+                    h.append(w.features[a:n])
+                    ids.append(w.tokens[a + k + 2 : k + 2 + n])
             if not h:
                 continue
             h, ids = torch.cat(h).float(), torch.cat(ids)
