@@ -36,7 +36,7 @@ import torch
 
 from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, draw_token, penalty_seen
-from verispec.drafters.head_adapt import HeadAdaptation, HeadTrainer, eagle_loss
+from verispec.drafters.head_adapt import AdaptiveHead, HeadAdaptation, HeadTrainer, eagle_loss
 from verispec.drafters.prompt_lookup import lookup
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
@@ -65,7 +65,7 @@ class _Row:
         self.values[column:end] = v
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(AdaptiveHead, Drafter):
     """Draft with an EAGLE-3 head on the target's features.
 
     Args:
@@ -77,7 +77,6 @@ class EagleDrafter(Drafter):
     """
 
     name = "eagle"
-    adaptive = True
 
     def __init__(self, target, head: Eagle3Head, argmax: bool = False, native: bool | None = None,
                  lookup: PromptLookupConfig | None = None) -> None:
@@ -92,7 +91,6 @@ class EagleDrafter(Drafter):
                                 f"{layers}")
         self.source, self.native = head, native if native is not None else getattr(target, "gguf", None) is not None
         self.target, self.head, self.argmax, self.lookup = target, self._serving(head), argmax, lookup
-        self.adaptation: HeadAdaptation | None = None
         self.vocab_size = target.vocab_size
         self.rows: list[_Row] = []
         target.aux_layers = tuple(head.config.aux_layers)
@@ -117,18 +115,15 @@ class EagleDrafter(Drafter):
 
     def start(self, sequences: list[Sequence]) -> None:
         self.rows = [self._new_row() for _ in sequences]
-        if self.adaptation is not None:
-            self.adaptation.rows(len(sequences))
+        self._rows_started(len(sequences))
 
     def extend(self, sequences: list[Sequence]) -> None:
         self.rows += [self._new_row() for _ in sequences]
-        if self.adaptation is not None:
-            self.adaptation.rows(len(sequences), add=True)
+        self._rows_started(len(sequences), add=True)
 
     def keep(self, rows: list[int]) -> None:
         self.rows = [self.rows[r] for r in rows]
-        if self.adaptation is not None:
-            self.adaptation.keep(rows)
+        self._rows_kept(rows)
 
     # --- online adaptation -----------------------------------------------------------------------
     def check_adaptable(self, config: AdaptConfig | None = None) -> None:
@@ -138,18 +133,6 @@ class EagleDrafter(Drafter):
         self.adaptation = HeadAdaptation(config, lambda: HeadTrainer(
             self.source, eagle_loss(embed), self._serving, config, frozen=("embed_tokens",)), context=config.head_window)
         self.adaptation.rows(len(self.rows))
-
-    def adaptation_buffer(self):
-        return self.adaptation.buffer
-
-    def adapt(self, examples: list) -> None:
-        """Train a copy of the head on logged windows now (any thread); it drafts from the next step on."""
-        self.adaptation.adapt(examples)
-
-    def _swap(self) -> None:
-        head = self.adaptation.take() if self.adaptation is not None else None
-        if head is not None:
-            self.head = head
 
     def _embed(self, tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor(tokens, dtype=torch.long)

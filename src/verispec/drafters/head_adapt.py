@@ -199,6 +199,36 @@ class HeadAdaptation:
         return head
 
 
+class AdaptiveHead:
+    """What head drafters share for online adaptation: `adaptation` (a HeadAdaptation once `check_adaptable` ran)
+    and the attribute holding the head they draft with (`head_attribute`), which `_swap` replaces."""
+
+    adaptive = True
+    adaptation: HeadAdaptation | None = None
+    head_attribute = "head"
+
+    def adaptation_buffer(self) -> WindowBuffer:
+        return self.adaptation.buffer
+
+    def adapt(self, examples: list) -> None:
+        """Train a copy of the head on logged windows now (any thread); it drafts from the next step on."""
+        self.adaptation.adapt(examples)
+
+    def _swap(self) -> None:
+        """At the start of a step: draft with the head an update made, if one did."""
+        head = self.adaptation.take() if self.adaptation is not None else None
+        if head is not None:
+            setattr(self, self.head_attribute, head)
+
+    def _rows_started(self, count: int, add: bool = False) -> None:
+        if self.adaptation is not None:
+            self.adaptation.rows(count, add)
+
+    def _rows_kept(self, rows: list[int]) -> None:
+        if self.adaptation is not None:
+            self.adaptation.keep(rows)
+
+
 class HeadTrainer:
     """The float32 master copy of a head, its optimizer and its loss over windows.
 

@@ -25,7 +25,7 @@ import torch
 
 from verispec.config import AdaptConfig, TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, draw_token, penalty_seen
-from verispec.drafters.head_adapt import HeadAdaptation, HeadTrainer, medusa_loss
+from verispec.drafters.head_adapt import AdaptiveHead, HeadAdaptation, HeadTrainer, medusa_loss
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.models.medusa import MedusaHeads
@@ -33,7 +33,7 @@ from verispec.sequence import Sequence
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
 
-class MedusaDrafter(Drafter):
+class MedusaDrafter(AdaptiveHead, Drafter):
     """Draft with Medusa heads on the target's own hidden states.
 
     Args:
@@ -42,7 +42,7 @@ class MedusaDrafter(Drafter):
     """
 
     name = "medusa"
-    adaptive = True
+    head_attribute = "heads"
 
     def __init__(self, target, heads: MedusaHeads) -> None:
         if not hasattr(target, "keep_features"):
@@ -51,7 +51,6 @@ class MedusaDrafter(Drafter):
         self.target, self.heads = target, heads
         self.vocab_size = target.vocab_size
         self.hidden: list[torch.Tensor | None] = []  # per row: (E,) the last verified position's final state
-        self.adaptation: HeadAdaptation | None = None
         target.keep_features = True
 
     @property
@@ -60,18 +59,15 @@ class MedusaDrafter(Drafter):
 
     def start(self, sequences: list[Sequence]) -> None:
         self.hidden = [None] * len(sequences)
-        if self.adaptation is not None:
-            self.adaptation.rows(len(sequences))
+        self._rows_started(len(sequences))
 
     def extend(self, sequences: list[Sequence]) -> None:
         self.hidden += [None] * len(sequences)
-        if self.adaptation is not None:
-            self.adaptation.rows(len(sequences), add=True)
+        self._rows_started(len(sequences), add=True)
 
     def keep(self, rows: list[int]) -> None:
         self.hidden = [self.hidden[r] for r in rows]
-        if self.adaptation is not None:
-            self.adaptation.keep(rows)
+        self._rows_kept(rows)
 
     # --- online adaptation -----------------------------------------------------------------------
     def check_adaptable(self, config: AdaptConfig | None = None) -> None:
@@ -87,18 +83,6 @@ class MedusaDrafter(Drafter):
 
         self.adaptation = HeadAdaptation(config, trainer)
         self.adaptation.rows(len(self.hidden))
-
-    def adaptation_buffer(self):
-        return self.adaptation.buffer
-
-    def adapt(self, examples: list) -> None:
-        """Train a copy of the heads on logged windows now (any thread); they draft from the next step on."""
-        self.adaptation.adapt(examples)
-
-    def _swap(self) -> None:
-        heads = self.adaptation.take() if self.adaptation is not None else None
-        if heads is not None:
-            self.heads = heads
 
     @torch.inference_mode()
     def token_cost(self) -> float:
