@@ -133,13 +133,13 @@ class ModelRunner:
         state._no_speculative("forward")
         B = len(tokens)
         counts = torch.tensor([len(t) for t in tokens], dtype=torch.long)  # (B,)
-        W = int(counts.max())
+        W = self._width(int(counts.max()))
         M = max(1, max(num_logits))
         input_ids = _pad_rows(tokens, W)  # (B, W)
         columns = torch.arange(W)  # (W,)
         new_valid = columns[None, :] < counts[:, None]  # (B, W)
         position_ids = state.lengths[:, None] + columns[None, :]  # (B, W)
-        attention_mask = torch.cat([state.valid, new_valid], dim=1).long()  # (B, L + W)
+        attention_mask = self._fit(torch.cat([state.valid, new_valid], dim=1).long())  # (B, L + W)
         wanted = torch.tensor(num_logits, dtype=torch.long)  # (B,)
         # Row b keeps positions counts[b] - wanted[b] + j for j < M, clamped into the row.
         keep = (counts - wanted)[:, None] + torch.arange(M)[None, :]  # (B, M)
@@ -211,7 +211,7 @@ class ModelRunner:
                     raise ValueError(f"row {b}: node {j} has parent slot {parent}, which does not exist yet")
         chain_counts = [len(c) for c in chains]
         counts = torch.tensor([c + len(n) for c, n in zip(chain_counts, nodes)], dtype=torch.long)  # (B,)
-        W = max(1, int(counts.max()))
+        W = self._width(max(1, int(counts.max())))
         input_ids = _pad_rows([c + n for c, n in zip(chains, nodes)], W)  # (B, W)
         columns = torch.arange(W)  # (W,)
         new_valid = columns[None, :] < counts[:, None]  # (B, W)
@@ -253,7 +253,7 @@ class ModelRunner:
         if bool((mask == causal)[new_valid].all()):
             # Every row is a chain over all its entries: the model's own causal-mask path is the same mask,
             # and lets it pick its usual kernels (single-chain trees then give the chain's logits bit for bit).
-            attention_mask = torch.cat([state.valid, new_valid], dim=1).long()  # (B, L + W)
+            attention_mask = self._fit(torch.cat([state.valid, new_valid], dim=1).long())  # (B, L + W)
         else:
             attention_mask = self._mask_4d(mask)
         logits = self._run(state, input_ids, position_ids, attention_mask, keep, counts)
@@ -261,8 +261,17 @@ class ModelRunner:
         state.lengths = state.lengths + torch.tensor(chain_counts, dtype=torch.long)
         return logits
 
+    def _width(self, width: int) -> int:
+        """The width a pass over `width` columns runs at (a static-cache runner pads to the widths it captured)."""
+        return width
+
+    def _fit(self, mask: torch.Tensor) -> torch.Tensor:
+        """A (B, L + W) or (B, W, L + W) mask over the cache's columns, as this runner's cache takes it."""
+        return mask
+
     def _mask_4d(self, mask: torch.Tensor) -> torch.Tensor:
         """(B, W, L + W) bool (True: attend) -> the 4D mask the model's attention takes."""
+        mask = self._fit(mask)
         implementation = getattr(self.model.config, "_attn_implementation", "sdpa")
         if implementation == "sdpa":
             return mask[:, None]  # (B, 1, W, L + W) bool
@@ -307,8 +316,8 @@ class ModelRunner:
             for layer in state._layers():
                 H, D = layer.keys.shape[1], layer.keys.shape[3]
                 gather = index[:, None, :, None].expand(B, H, L - low, D)  # (B, H, R, D)
-                layer.keys[:, :, low:] = layer.keys[:, :, low:].gather(2, gather)
-                layer.values[:, :, low:] = layer.values[:, :, low:].gather(2, gather)
+                layer.keys[:, :, low:L] = layer.keys[:, :, low:L].gather(2, gather)  # a static cache runs past L
+                layer.values[:, :, low:L] = layer.values[:, :, low:L].gather(2, gather)
         state.lengths = state.lengths + torch.tensor([len(p) for p in paths], dtype=torch.long)
         state.spec_columns, state.spec_parents = [], []
         self._crop_dead_columns(state)

@@ -1,0 +1,187 @@
+"""The torch route with a static, position-indexed key/value cache and compiled passes (the GPU decode path).
+
+The cache is transformers' `StaticCache`: per layer, keys and values of shape (B, H, capacity, D) allocated once
+and written at the cache's length, which only moves. A pass writes its W columns at [L, L + W) and advances L;
+rollback moves L back over the columns that are dead in every row (gpt-fast's way: nothing is copied or freed).
+Rows are ragged exactly as in `ModelRunner` (this class only changes how the cache is held): columns are shared,
+each row's `valid` mask says which columns hold its live tokens, and padded columns are holes.
+
+Every pass runs at one of a few widths (`WIDTHS`: a pass over 3 tokens runs at 4, its last column a hole) and its
+mask always spans the whole capacity, so the model sees a handful of fixed shapes per batch size, which
+`torch.compile` captures once each (with CUDA graphs, mode "reduce-overhead", on a GPU). Wider passes (a prompt)
+run eagerly on the same cache: compiling a prefill of every length would cost more than it saves. The LM head runs
+outside the compiled call, on the kept positions only.
+
+Off the CPU, what a pass returns (logits, and the hidden states draft heads read) is copied to the host, where
+the engine samples and verifies: one device-to-host copy per pass, the value the step's decision needs. Seeded
+draws then come from the same host generators as on the CPU, so a seeded request differs between devices only
+where the logits do (bfloat16, other kernels).
+
+Trees work as in `ModelRunner` (their 4D mask padded to the capacity). Logits equal `ModelRunner`'s to float
+tolerance (attention reduces over more, masked, columns), and greedy tokens exactly (`tests/test_static_runner.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import StaticCache
+
+from verispec.errors import VerispecError
+from verispec.models.runner import KVState, ModelRunner
+
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # the pass widths compiled; wider passes run eagerly
+DEFAULT_CAPACITY = 4096  # cache columns per row unless the model's context window is shorter
+
+
+class StaticKVState(KVState):
+    """A batch's static cache: `valid` covers columns 0 .. L - 1, the layers' tensors run to the capacity."""
+
+    capacity: int = 0
+
+    def _layers(self) -> list:
+        return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
+
+    def set_length(self, length: int) -> None:
+        """Move the cache's write position to `length` (columns past it are free)."""
+        for layer in self._layers():
+            layer.cumulative_length.fill_(length)
+
+    def _rebuild(self, change) -> None:
+        """Replace every layer's tensors by change(tensor) (rows kept or added), keeping them static addresses."""
+        for layer in self._layers():
+            layer.keys, layer.values = change(layer.keys), change(layer.values)
+            layer.batch_size = layer.keys.shape[0]
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(layer.keys)
+                torch._dynamo.mark_static_address(layer.values)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self._no_speculative("select")
+        self._rebuild(lambda t: t[rows.to(t.device)].contiguous())
+        self.valid = self.valid[rows]
+        self.lengths = self.lengths[rows]
+        self._compact()
+
+    def extend(self, num_rows: int) -> None:
+        self._no_speculative("extend")
+        self._rebuild(lambda t: torch.cat([t, t.new_zeros((num_rows, *t.shape[1:]))]))
+        self.valid = torch.cat([self.valid, torch.zeros(num_rows, self.valid.shape[1], dtype=torch.bool)])
+        self.lengths = torch.cat([self.lengths, torch.zeros(num_rows, dtype=torch.long)])
+
+    @torch.inference_mode()
+    def _compact(self) -> None:
+        """Move the live columns to the front, in order, and the write position after them."""
+        live = self.valid.any(dim=0)  # (L,)
+        if bool(live.all()):
+            return
+        columns = live.nonzero().squeeze(1)  # (L',)
+        n = columns.numel()
+        for layer in self._layers():
+            index = columns.to(layer.keys.device)
+            layer.keys[:, :, :n] = layer.keys.index_select(2, index)
+            layer.values[:, :, :n] = layer.values.index_select(2, index)
+        self.valid = self.valid[:, columns]
+        self.set_length(n)
+
+
+class StaticRunner(ModelRunner):
+    """`ModelRunner` on a static cache, its passes compiled (see the module docstring).
+
+    Args:
+        model: a transformers causal LM (on the device it runs on).
+        capacity: cache columns per row (a row's live tokens plus the holes between them); None: the model's context
+            window, at most DEFAULT_CAPACITY.
+        compile: compile the passes up to the widest of WIDTHS with `torch.compile` (False: the same code eagerly).
+        mode: torch.compile's mode (None: "reduce-overhead", CUDA graphs, on CUDA; the default mode elsewhere).
+    """
+
+    def __init__(self, model: torch.nn.Module, capacity: int | None = None, compile: bool = True,
+                 mode: str | None = None) -> None:
+        super().__init__(model)
+        self.capacity = int(capacity or min(self.context_window, DEFAULT_CAPACITY))
+        if self.capacity < WIDTHS[-1]:
+            raise VerispecError(f"a static cache needs at least {WIDTHS[-1]} columns, got {self.capacity}")
+        self.device = next(model.parameters()).device
+        self.compiled = compile
+        self._base = model.model  # the decoder stack: embeddings, layers, final norm
+        if compile:
+            mode = mode or ("reduce-overhead" if self.device.type == "cuda" else None)
+            self._step = torch.compile(self._base, mode=mode, dynamic=False, fullgraph=False)
+        else:
+            self._step = self._base
+
+    def new_state(self, batch_size: int) -> StaticKVState:
+        state = StaticKVState(
+            cache=StaticCache(config=self.model.config, max_cache_len=self.capacity),
+            valid=torch.zeros(batch_size, 0, dtype=torch.bool),
+            lengths=torch.zeros(batch_size, dtype=torch.long),
+        )
+        state.capacity = self.capacity
+        return state
+
+    @torch.inference_mode()
+    def forward(self, state: StaticKVState, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+        self._make_room(state, max(len(t) for t in tokens))
+        return super().forward(state, tokens, num_logits)
+
+    @torch.inference_mode()
+    def forward_tree(self, state: StaticKVState, chains: list[list[int]], nodes: list[list[int]],
+                     parents: list[list[int]]) -> torch.Tensor:
+        self._make_room(state, max(len(c) + len(n) for c, n in zip(chains, nodes)))
+        return super().forward_tree(state, chains, nodes, parents)
+
+    def _make_room(self, state: StaticKVState, width: int) -> None:
+        """Before a pass: compact the cache if the pass would run past its capacity, else refuse in one line."""
+        need = state.valid.shape[1] + self._width(max(1, width))
+        if need > self.capacity and not state.speculative:
+            state._compact()
+            need = state.valid.shape[1] + self._width(max(1, width))
+        if need > self.capacity:
+            raise VerispecError(f"the static cache holds {self.capacity} columns per row and this pass needs {need}: "
+                                "load the model with a larger capacity")
+
+    def _width(self, width: int) -> int:
+        return next((w for w in WIDTHS if w >= width), width)
+
+    def _fit(self, mask: torch.Tensor) -> torch.Tensor:
+        """Pad the mask's columns to the capacity (the columns past L + W are free: never attended)."""
+        return torch.nn.functional.pad(mask, (0, self.capacity - mask.shape[-1]))
+
+    def _run(self, state: StaticKVState, input_ids: torch.Tensor, position_ids: torch.Tensor,
+             attention_mask: torch.Tensor, keep: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        device = self.device
+        step = self._step if input_ids.shape[1] <= WIDTHS[-1] else self._base  # a prompt runs eagerly
+        out = step(input_ids=input_ids.to(device), position_ids=position_ids.to(device),
+                   attention_mask=attention_mask.to(device), past_key_values=state.cache, use_cache=True,
+                   output_hidden_states=bool(self.aux_layers))
+        final = out.last_hidden_state  # (B, W, E) after the final norm
+        index = keep.to(device)[:, :, None].expand(-1, -1, final.shape[-1])  # (B, M, E)
+        kept = final.gather(1, index)  # (B, M, E)
+        if self.keep_features:
+            self.features = kept.float().cpu()
+        if self.aux_layers:
+            aux = torch.cat([out.hidden_states[i] for i in self.aux_layers], dim=-1).float().cpu()  # (B, W, A E)
+            self.aux_features = [aux[b, : int(n)].clone() for b, n in enumerate(counts)]
+        # the engine samples and verifies on the host: one copy of the kept logits per pass
+        return self.model.get_output_embeddings()(kept).float().cpu()  # (B, M, V)
+
+    def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.get_input_embeddings()(tokens.to(self.device)).float().cpu()
+
+    @torch.inference_mode()
+    def head_logits(self, hidden: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        weight = self.model.get_output_embeddings().weight  # (V, E)
+        rows = self.vocab_size if rows is None else min(rows, self.vocab_size)
+        out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"))  # (n, V)
+        out[:, :rows] = torch.nn.functional.linear(hidden.to(self.device, weight.dtype), weight[:rows]).float().cpu()
+        return out
+
+    @staticmethod
+    def _crop_dead_columns(state: StaticKVState) -> None:
+        """Move the write position back over the columns dead in every row (their entries are overwritten later)."""
+        live_columns = state.valid.any(dim=0).nonzero()
+        new_len = int(live_columns.max()) + 1 if live_columns.numel() else 0
+        if new_len < state.valid.shape[1]:
+            state.valid = state.valid[:, :new_len]
+            state.set_length(new_len)
