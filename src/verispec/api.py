@@ -154,6 +154,8 @@ class SpeculativeDecoder:
         draft_lookup: int | None = None,
         draft_context: int | None = None,
         self_spec: SelfSpecConfig = SelfSpecConfig(),
+        device: str = "auto",
+        compile: bool = False,
     ) -> SpeculativeDecoder:
         """Load by spec: a named default, a local HF model directory or a .gguf file.
 
@@ -171,8 +173,11 @@ class SpeculativeDecoder:
         setting (a distilled draft's manifest names the one measured best on its validation set).
         `draft_context` N makes a draft model read only the last N tokens of each prompt (a long
         prompt's draft pass then costs N tokens); None reads all.
+        `device` "auto" (default: CUDA when torch sees a GPU), "cpu", "cuda" or "cuda:N" (`models.device`): off
+        the CPU the torch route runs the models on a static cache with compiled passes, as `compile=True` does on
+        the CPU (`models.static_runner`).
         """
-        loaded_target = load_model(target, dtype, target_weights, backend)
+        loaded_target = load_model(target, dtype, target_weights, backend, device, compile)
         if is_head_spec(draft):
             decoder = cls(loaded_target, draft, prompt_lookup, ngram, self_spec)
             if draft_lookup is not None:
@@ -188,7 +193,7 @@ class SpeculativeDecoder:
         if distilled_path(draft) is not None:
             loaded_draft = load_distilled_draft(draft, loaded_target, draft_weights)
         else:
-            loaded_draft = load_model(draft, draft_dtype or dtype, draft_weights, backend)
+            loaded_draft = load_model(draft, draft_dtype or dtype, draft_weights, backend, device, compile)
         if draft_lookup is not None:
             loaded_draft.lookup = _lookup_first(draft_lookup)
         loaded_draft.context = draft_context  # checked by DraftModelDrafter

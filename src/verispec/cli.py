@@ -65,8 +65,15 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--self-adapt", action="store_true",
                    help="--draft self: re-choose the skipped sublayers while decoding, from each request's verified "
                         "steps (SWIFT-style; native runner)")
-    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=list(DTYPES), help="target compute dtype; float32 keeps greedy output equal to token-by-token decoding (default: %(default)s)")
-    p.add_argument("--draft-dtype", default=None, choices=list(DTYPES), help="draft compute dtype (speed only; default: same as --dtype)")
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["auto", *DTYPES],
+                   help="target compute dtype; auto: float32 on the CPU, which keeps greedy output equal to token-by-token "
+                        "decoding, bfloat16 on CUDA (default: %(default)s)")
+    p.add_argument("--draft-dtype", default=None, choices=["auto", *DTYPES], help="draft compute dtype (speed only; default: same as --dtype)")
+    p.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="auto, cpu, cuda or cuda:N; auto is CUDA when torch sees a GPU (then the torch route, a static "
+                        "cache and compiled passes) (default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch route: a static key/value cache and passes compiled with torch.compile (always on CUDA)")
     p.add_argument("--target-weights", default=DEFAULT_TARGET_WEIGHTS, choices=["packed", "dense"],
                    help="packed: same weights in oneDNN's layout, faster multi-token passes on CPU (default: %(default)s)")
     p.add_argument("--draft-weights", default=DEFAULT_DRAFT_WEIGHTS, choices=list(WEIGHT_FORMATS),
@@ -287,7 +294,8 @@ def _load(args: argparse.Namespace):
                                       args.target_weights, args.draft_weights, args.backend,
                                       draft_lookup=getattr(args, "draft_lookup", None),
                                       draft_context=getattr(args, "draft_context", None),
-                                      self_spec=SelfSpecConfig(adapt=getattr(args, "self_adapt", False)))
+                                      self_spec=SelfSpecConfig(adapt=getattr(args, "self_adapt", False)),
+                                      device=args.device, compile=args.compile)
     if decoder.skip_source == "default":
         notice(f"self-speculation with the untuned default skip set {decoder.draft_name}: "
                f"`verispec self-tune --target {args.target}` searches a faster one for this model")
@@ -510,10 +518,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # Hugging Face systems run the models as loaded, on torch (loaded only when one of them runs);
     # verispec's run on --backend (auto: GGUF files on verispec's own quantized CPU runner).
     wants_hf = any(name.startswith("hf-") for name in (config.systems or SYSTEMS))
-    models = {"hf_target": load_model(args.target, args.dtype, backend="torch") if wants_hf else None,
-              "hf_draft": load_model(args.draft, draft_dtype, backend="torch") if wants_hf and has_draft else None,
-              "target": load_model(args.target, args.dtype, args.target_weights, args.backend),
-              "draft": load_model(args.draft, draft_dtype, args.draft_weights, args.backend) if has_draft else None}
+    device, compiled = args.device, args.compile
+    hf_device = device if device != "auto" or args.backend in ("auto", "torch") else "cpu"
+    models = {"hf_target": load_model(args.target, args.dtype, backend="torch", device=hf_device) if wants_hf else None,
+              "hf_draft": load_model(args.draft, draft_dtype, backend="torch", device=hf_device)
+              if wants_hf and has_draft else None,
+              "target": load_model(args.target, args.dtype, args.target_weights, args.backend, device, compiled),
+              "draft": load_model(args.draft, draft_dtype, args.draft_weights, args.backend, device, compiled)
+              if has_draft else None}
     return _show_bench_report(run_bench(config, **models))
 
 

@@ -99,7 +99,7 @@ class HFSystem(System):
 
     @torch.inference_mode()
     def run(self, prompt, sampling, max_new_tokens, seed):
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=self.target.device)
         kwargs = dict(self.kwargs)
         if sampling.greedy:
             kwargs.update(do_sample=False)
@@ -108,6 +108,8 @@ class HFSystem(System):
                           top_p=sampling.top_p, min_p=sampling.min_p or None,
                           repetition_penalty=sampling.repetition_penalty)
             torch.manual_seed(seed)
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         first = _FirstOutput(start)
         out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

@@ -33,7 +33,7 @@ WEIGHT_FORMATS = ("dense", "packed", "int8")
 # Hugging Face directories on torch.
 BACKENDS = ("auto", "native", "torch", "llama.cpp")
 # The decoding defaults, used by the API and the CLI alike.
-DEFAULT_DTYPE = "float32"
+DEFAULT_DTYPE = "auto"  # float32 on the CPU, bfloat16 on CUDA (models.device.default_dtype)
 DEFAULT_TARGET_WEIGHTS = "packed"
 DEFAULT_DRAFT_WEIGHTS = "int8"
 DEFAULT_BACKEND = BACKENDS[0]
@@ -57,6 +57,8 @@ class LoadedModel:
     lookup: object | None = None  # a draft's "lookup first" n-gram sizes (PromptLookupConfig; see DraftModelDrafter)
     context: int | None = None  # a draft reads only this many of a prompt's last tokens (see DraftModelDrafter)
     gguf: object | None = None  # the GGUFModel of backend "native"
+    device: str = "cpu"  # where the torch route runs it (models.device)
+    compiled: bool = False  # run on the static cache with compiled passes (models.static_runner)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -79,6 +81,11 @@ class LoadedModel:
         from verispec.models.rowwise import RowwiseRunner
         from verispec.models.runner import ModelRunner
 
+        if self.compiled or self.device != "cpu":
+            from verispec.models.static_runner import StaticRunner
+
+            runner = StaticRunner(self.model, compile=self.compiled or self.device != "cpu")
+            return MappedVocabRunner(runner, self.vocab) if self.vocab is not None else runner
         runner = MappedVocabRunner(self.model, self.vocab) if self.vocab is not None else ModelRunner(self.model)
         return RowwiseRunner(runner) if self.weights == "int8" else runner
 
@@ -208,26 +215,45 @@ def load_distilled_draft(spec: str, target: LoadedModel, weights: str = "dense")
     return loaded
 
 
-def load_model(spec: str, dtype: str = DEFAULT_DTYPE, weights: str = "dense", backend: str = DEFAULT_BACKEND) -> LoadedModel:
+def load_model(spec: str, dtype: str = DEFAULT_DTYPE, weights: str = "dense", backend: str = DEFAULT_BACKEND,
+               device: str = "cpu", compiled: bool = False) -> LoadedModel:
     """Load a model for decoding.
 
     Args:
         spec: a named default (see `NAMED_MODELS`), a local Hugging Face model directory, or a .gguf file.
-        dtype: compute dtype name: float32 (default, exact greedy), bfloat16 or float16.
+        dtype: compute dtype name: auto (default: float32 on the CPU, which keeps greedy output exact;
+            bfloat16 on CUDA), float32, bfloat16 or float16.
         weights: "dense", "packed" or "int8" (see LoadedModel); a format this CPU cannot run falls
-            back to "dense", and `LoadedModel.weights` says which one was used.
+            back to "dense", and `LoadedModel.weights` says which one was used. Compiled and CUDA models
+            run dense.
+        device: auto, cpu, cuda or cuda:N (`models.device`); off the CPU the torch route runs the model.
+        compiled: on the torch route, run on a static cache with compiled passes (`models.static_runner`;
+            always so on CUDA).
     """
+    from verispec.models.device import default_dtype, resolve_device
+
     if weights not in WEIGHT_FORMATS:
         raise VerispecError(f"unknown weight format '{weights}'; choose one of {', '.join(WEIGHT_FORMATS)}")
     if backend not in BACKENDS:
         raise VerispecError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
+    if device == "auto" and backend not in ("auto", "torch"):
+        device = "cpu"  # the native and llama.cpp runners are CPU runners
+    where = resolve_device(device)
+    if where.type != "cpu" and backend in ("native", "llama.cpp"):
+        raise VerispecError(f"the {backend} backend runs on the CPU; --device {device} needs --backend torch (or auto)")
     if backend == "auto":
-        backend = "native" if resolve(spec)[0] == "gguf" else "torch"
+        backend = "native" if resolve(spec)[0] == "gguf" and where.type == "cpu" and not compiled else "torch"
+    if compiled and backend != "torch":
+        raise VerispecError(f"--compile runs the torch route; the {backend} backend has its own kernels")
     if backend == "llama.cpp":
         return _load_for_llamacpp(spec)
     if backend == "native":
         return _load_native(spec)
-    loaded = _load(spec, dtype)
+    loaded = _load(spec, default_dtype(where) if dtype == "auto" else dtype)
+    if where.type != "cpu" or compiled:
+        loaded.model = loaded.model.to(where)
+        loaded.device, loaded.compiled = str(where), compiled or where.type != "cpu"
+        return loaded
     if weights == "packed" and pack_linear_layers(loaded.model):
         loaded.weights = "packed"
     elif weights == "int8" and quantize_linear_layers(loaded.model):
