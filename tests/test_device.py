@@ -64,3 +64,22 @@ def test_cli_compile_gives_plain_decodings_tokens(tmp_path, capsys):
     assert outputs[0]["token_ids"] == outputs[1]["token_ids"]
     assert main([*common, "--device", "tpu"]) == 2
     assert "unknown device 'tpu'" in capsys.readouterr().err
+
+
+def test_the_gpu_benchmark_runs_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
+    """benchmarks/gpu_bench.py is what a GPU session runs: a dry run here keeps it working (CPU, eager, tiny)."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.py"
+    monkeypatch.setattr(sys, "argv", ["gpu_bench.py", "--sizes", "tiny", "--device", "cpu", "--tokens", "8",
+                                      "--no-compile", "--out", str(tmp_path)])
+    runpy.run_path(str(script), run_name="__main__")
+    report = json.loads((tmp_path / "gpu_bench.json").read_text())
+    (result,) = report["results"]
+    assert set(result["pass_costs"]["v"]) == {str(k) for k in range(1, 17)}
+    for mode in ("greedy", "t0.7"):
+        assert result[mode]["verispec"]["tokens"] == 8 and result[mode]["hf-assisted"]["tokens"] == 8
+        assert set(result[mode]["batches"]) == {"1", "2", "4", "8"}
+    assert (tmp_path / "pass_costs.png").is_file() and (tmp_path / "speed.png").is_file()

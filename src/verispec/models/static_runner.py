@@ -31,6 +31,7 @@ from verispec.models.runner import KVState, ModelRunner
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # the pass widths compiled; wider passes run eagerly
 DEFAULT_CAPACITY = 4096  # cache columns per row unless the model's context window is shorter
+RECOMPILE_LIMIT = 256  # graphs kept per compiled frame: len(WIDTHS) per batch size a server reaches, and then some
 
 
 class StaticKVState(KVState):
@@ -105,6 +106,11 @@ class StaticRunner(ModelRunner):
         self.compiled = compile
         self._base = model.model  # the decoder stack: embeddings, layers, final norm
         if compile:
+            # one graph per (batch size, width): more than dynamo's default of 8 recompilations of one frame, after
+            # which it would run the rest eagerly without a word
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT))
             mode = mode or ("reduce-overhead" if self.device.type == "cuda" else None)
             self._step = torch.compile(self._base, mode=mode, dynamic=False, fullgraph=False)
         else:
