@@ -1,6 +1,8 @@
 """On a CUDA GPU only (`pytest -m gpu`; skipped where torch sees none): the static-cache runner with compiled passes
 gives Hugging Face `generate`'s greedy tokens on the GPU, sampled output follows the target's distribution
-(chi-square), and a pass makes one host sync (its kept logits coming back), counted with torch's sync debug mode."""
+(chi-square, sampling and verification on the GPU from per-sequence GPU generators), and host syncs stay at the
+decisions (at most three per pass: a greedy draft's token, the accepted count and the next token), counted with
+torch's sync debug mode."""
 
 import copy
 import warnings
@@ -49,7 +51,7 @@ def test_sampled_speculation_on_the_gpu_follows_the_target():
         assert fit.p_value > THRESHOLD, fit
 
 
-def test_a_pass_syncs_with_the_host_once():
+def test_host_syncs_are_only_the_decisions():
     target = tiny_model("llama", vocab=64, seed=4, sharpness=4.0)
     runner = StaticRunner(on_gpu(target), 256)
     engine = SpeculativeEngine(runner, DraftModelDrafter(StaticRunner(on_gpu(noisy_copy(target, 0.5)), 256), 64), set())
@@ -73,4 +75,4 @@ def test_a_pass_syncs_with_the_host_once():
         torch.cuda.set_sync_debug_mode(0)
         StaticRunner._run = forward
     syncs = sum("synchroniz" in str(w.message) for w in caught)
-    assert passes and syncs <= passes, (syncs, passes)
+    assert passes and syncs <= 3 * passes, (syncs, passes)

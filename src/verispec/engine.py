@@ -92,6 +92,9 @@ class SpeculativeEngine:
         # `observers`. With none set the loop stays bare. Observers only read: they never draw from seq.rng.
         self.tracer: Callable | None = None
         self.observers: list[Callable] = []
+        # Where the target's logits are (a GPU for the static runner on CUDA): sampling and verification run there,
+        # from per-sequence generators made there. Seeded draws on a GPU differ from the CPU's (another generator).
+        self.device: torch.device = getattr(target, "device", torch.device("cpu"))
 
     def make_sequences(
         self,
@@ -123,7 +126,7 @@ class SpeculativeEngine:
                 )
             if any(t < 0 or t >= self.target.vocab_size for t in prompt):
                 raise VerispecError(f"prompt {i} holds token ids outside the vocabulary (size {self.target.vocab_size})")
-            rng = torch.Generator()
+            rng = torch.Generator(device=self.device)  # draws happen where the target's logits are
             rng.manual_seed(seed) if seed is not None else rng.seed()
             room = self.context_window - len(prompt)
             sequences.append(Sequence(i, list(prompt), len(prompt), cfg, rng, min(spec.max_new_tokens, room), spec))

@@ -116,10 +116,12 @@ def verify(
         The Verdict, or (Verdict, u) with u: (n,) when return_uniforms is True.
     """
     n = draft_tokens.numel()
-    idx = torch.arange(n)
+    draft_tokens = draft_tokens.to(p.device)  # a draft made on the host, verified where p is (a GPU)
+    q = q.to(p.device) if q is not None else None
+    idx = torch.arange(n, device=p.device)
     p_x = p[idx, draft_tokens]  # (n,)
     q_x = torch.ones_like(p_x) if q is None else q[idx, draft_tokens]  # (n,)
-    u = torch.rand(n, generator=rng)  # (n,)
+    u = torch.rand(n, generator=rng, device=rng.device).to(p.device)  # (n,)
     accepted = u * q_x < p_x  # (n,)  <=>  u < p/q, without dividing
     num_accepted = int(accepted.to(torch.int64).cumprod(dim=0).sum()) if n else 0
     if num_accepted == n:
@@ -144,7 +146,7 @@ def verify_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> Ve
         draft_tokens: (n,).
     """
     n = draft_tokens.numel()
-    matches = (draft_tokens == target_argmax[:n]).to(torch.int64)  # (n,)
+    matches = (draft_tokens.to(target_argmax.device) == target_argmax[:n]).to(torch.int64)  # (n,)
     num_accepted = int(matches.cumprod(dim=0).sum()) if n else 0
     return Verdict(num_accepted, int(target_argmax[num_accepted]), bonus=num_accepted == n)
 
@@ -270,7 +272,9 @@ def verify_tree(
     Returns:
         The TreeVerdict, or (TreeVerdict, u) with u: (N,) when return_uniforms is True.
     """
-    u = torch.rand(tree.size, generator=rng)  # (N,)
+    u = torch.rand(tree.size, generator=rng, device=rng.device).cpu()  # (N,) read one by one on the host
+    if q is not None:
+        q = q.to(p[0].device)  # a draft made on the host, verified where p is (a GPU)
     path, final, leaf = walk_tree(p, tree, tokens, q, siblings, u)
     verdict = TreeVerdict(path, sample(final, rng), bonus=leaf)
     return (verdict, u) if return_uniforms else verdict

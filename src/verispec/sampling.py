@@ -66,6 +66,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     """
     if penalty == 1.0:
         return logits
+    seen = seen.to(logits.device)  # masks are built on the host; the logits may be on a GPU
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)  # (N, V)
     return torch.where(seen, penalised, logits)
 
@@ -128,7 +129,7 @@ def sample(probs: torch.Tensor, rng: torch.Generator) -> int:
     total = float(block_cdf[-1])
     if not total > 0.0 or total == float("inf"):
         raise ValueError(f"cannot sample from weights whose total is {total}")
-    u = float(torch.rand((), generator=rng, dtype=torch.float64)) * total  # uniform on [0, total)
+    u = float(torch.rand((), generator=rng, dtype=torch.float64, device=rng.device)) * total  # uniform on [0, total)
     b = _first_above(block_cdf, u)
     below = float(block_cdf[b - 1]) if b > 0 else 0.0  # mass of the blocks before b (<= u)
     inner_cdf = blocks[b].cumsum(0, dtype=torch.float64)  # (SAMPLE_BLOCK,)
@@ -138,7 +139,7 @@ def sample(probs: torch.Tensor, rng: torch.Generator) -> int:
 def _first_above(cdf: torch.Tensor, x: float) -> int:
     """The first index whose cdf (K,) float64 exceeds x >= 0: one with positive mass. Where rounding puts x
     at or past the end (the two levels' sums differ in their last bits), the last index with positive mass."""
-    i = int(torch.searchsorted(cdf, torch.tensor([x], dtype=torch.float64), right=True))
+    i = int(torch.searchsorted(cdf, torch.tensor([x], dtype=torch.float64, device=cdf.device), right=True))
     if i < cdf.numel():
         return i
     mass = torch.diff(cdf, prepend=cdf.new_zeros(1))  # (K,)

@@ -154,7 +154,8 @@ class DraftModelDrafter(Drafter):
                         limits[b] = step + 1  # no next draft could pay for its draft pass and its width
                 if not seq.sampling.greedy:
                     q_rows[b].append(self._pad_q(q) if q is not None else
-                                     torch.nn.functional.one_hot(torch.tensor(token), self.target_vocab_size).float())
+                                     torch.nn.functional.one_hot(torch.tensor(token), self.target_vocab_size).float()
+                                     .to(logits.device))
                 drafted[b].append(token)
                 if step + 1 < limits[b]:
                     inputs[b] = [token]  # the last draft token is never fed: the target scores it

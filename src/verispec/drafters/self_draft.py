@@ -36,6 +36,8 @@ different sets run as separate passes, so a row drafts the same whatever batch i
 
 from __future__ import annotations
 
+import torch
+
 from verispec.config import PromptLookupConfig, SelfSpecConfig, TreeConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft
 from verispec.drafters.draft_model import DraftModelDrafter
@@ -71,6 +73,9 @@ class SelfDrafter(DraftModelDrafter):
                                     "(--backend native): the torch draft keeps its own cache for one fixed set")
             from verispec.models.runner import ModelRunner
 
+            if getattr(target, "device", torch.device("cpu")).type != "cpu":
+                raise VerispecError("self-speculation runs on the CPU runners; this target is on "
+                                    f"{target.device}: use --device cpu")
             runner = ModelRunner(skipping_module(target.model, skip))
         super().__init__(runner, target.vocab_size, lookup)
         self.target = target

@@ -126,7 +126,7 @@ class TreeGrowth:
         if sampled and copied is None:
             q_rows = [self._pad(probs)] * len(tokens)
         elif sampled:
-            q_rows = [torch.nn.functional.one_hot(torch.tensor(copied), max(self.vocab_size, probs.numel())).to(probs.dtype)]
+            q_rows = [torch.nn.functional.one_hot(torch.tensor(copied), max(self.vocab_size, probs.numel())).to(probs)]
         top = probs.topk(len(tokens)).values.tolist()  # slot scores: by rank, never by the drawn token
         base = 1.0 if parent < 0 else self.scores[parent]
         depth = 1 if parent < 0 else self.depths[parent] + 1

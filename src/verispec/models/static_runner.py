@@ -12,10 +12,11 @@ mask always spans the whole capacity, so the model sees a handful of fixed shape
 run eagerly on the same cache: compiling a prefill of every length would cost more than it saves. The LM head runs
 outside the compiled call, on the kept positions only.
 
-Off the CPU, what a pass returns (logits, and the hidden states draft heads read) is copied to the host, where
-the engine samples and verifies: one device-to-host copy per pass, the value the step's decision needs. Seeded
-draws then come from the same host generators as on the CPU, so a seeded request differs between devices only
-where the logits do (bfloat16, other kernels).
+Off the CPU the logits stay on the device: the engine samples and verifies there, with per-sequence generators
+made there (`SpeculativeEngine.device`), and reads back only what a decision needs (the accepted count, the
+recovered or bonus token). So a seeded request on a GPU draws from another generator than on the CPU: its output
+is reproducible on each, and differs between them. The hidden states draft heads read are copied to the host
+(the heads run there).
 
 Trees work as in `ModelRunner` (their 4D mask padded to the capacity). Logits equal `ModelRunner`'s to float
 tolerance (attention reduces over more, masked, columns), and greedy tokens exactly (`tests/test_static_runner.py`).
@@ -168,8 +169,7 @@ class StaticRunner(ModelRunner):
         if self.aux_layers:
             aux = torch.cat([out.hidden_states[i] for i in self.aux_layers], dim=-1).float().cpu()  # (B, W, A E)
             self.aux_features = [aux[b, : int(n)].clone() for b, n in enumerate(counts)]
-        # the engine samples and verifies on the host: one copy of the kept logits per pass
-        return self.model.get_output_embeddings()(kept).float().cpu()  # (B, M, V)
+        return self.model.get_output_embeddings()(kept).float()  # (B, M, V) where the engine samples and verifies
 
     def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
