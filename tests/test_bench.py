@@ -13,7 +13,7 @@ from verispec.bench.report import BASELINES
 from verispec.bench.results import report_from_json
 from verispec.bench.runner import HEAD_SYSTEMS, LLAMACPP_SYSTEMS, SYSTEMS, BenchConfig, by_turns, run_bench
 from verispec.cli import main
-from verispec.distill.model import TinyDraftConfig, VocabMap, save_distilled, vocab_fingerprint
+from verispec.models.distilled import TinyDraftConfig, VocabMap, save_distilled, vocab_fingerprint
 from verispec.errors import VerispecError
 from verispec.models import load_model
 from verispec.tuning import AdaptiveK, CostProfile, best_k, expected_speedup, expected_tokens

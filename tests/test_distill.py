@@ -12,7 +12,7 @@ from tiny_hf import char_tokenizer
 from verispec.cli import main
 from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig, TreeConfig
 from verispec.distill.data import Record, load_shard, save_shard, split_of
-from verispec.distill.model import (
+from verispec.models.distilled import (
     TinyDraftConfig,
     VocabMap,
     choose_vocabulary,

@@ -22,7 +22,7 @@ from verispec.drafters.base import Drafter
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram_corpus import CorpusNGramDrafter, is_corpus_spec
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
-from verispec.distill.model import VocabMap
+from verispec.models.distilled import VocabMap
 from verispec.engine import SpeculativeEngine, StepEvent
 from verispec.errors import VerispecError
 from verispec.models.loading import (

@@ -22,7 +22,7 @@ def _default(cls, name):
 
 
 def add_parser(sub) -> None:
-    from verispec.distill.model import TinyDraftConfig
+    from verispec.models.distilled import TinyDraftConfig
     from verispec.distill.pipeline import LabelConfig
     from verispec.distill.train import TrainConfig
     from verispec.models.registry import DEFAULT_TARGET
@@ -123,7 +123,7 @@ def target_embeddings(spec: str) -> torch.Tensor:
 
 def _train(args: argparse.Namespace) -> int:
     from verispec.distill.data import SPLIT_RULE
-    from verispec.distill.model import TinyDraftConfig, VocabMap, choose_vocabulary, vocab_fingerprint
+    from verispec.models.distilled import TinyDraftConfig, VocabMap, choose_vocabulary, vocab_fingerprint
     from verispec.distill.pipeline import load_data, split_validation
     from verispec.distill.train import TrainConfig, init_embeddings_from_target, train
 

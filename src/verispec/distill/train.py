@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from verispec.distill.data import Record
-from verispec.distill.model import TinyDraftConfig, VocabMap, save_distilled
+from verispec.models.distilled import TinyDraftConfig, VocabMap, save_distilled
 from verispec.errors import VerispecError
 
 

@@ -181,7 +181,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
 
 def distilled_path(spec: str) -> Path | None:
     """The directory of a distilled draft spec: the shipped default's name, or a distilled draft directory."""
-    from verispec.distill.model import is_distilled_dir
+    from verispec.models.distilled import is_distilled_dir
 
     if spec in DISTILLED_DRAFTS:
         if not is_distilled_dir(DISTILLED_DRAFTS[spec]):
@@ -194,7 +194,7 @@ def distilled_path(spec: str) -> Path | None:
 
 def load_distilled_draft(spec: str, target: LoadedModel, weights: str = "dense") -> LoadedModel:
     """A distilled draft for `target`: checked (sha256, tokenizer) and given the target's tokenizer."""
-    from verispec.distill.model import load_distilled
+    from verispec.models.distilled import load_distilled
 
     path = distilled_path(spec)
     if path is None:

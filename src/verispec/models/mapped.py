@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.distill.model import VocabMap
+from verispec.models.distilled import VocabMap
 from verispec.models.runner import ModelRunner, training_logits
 
 
