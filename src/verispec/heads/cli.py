@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from verispec.console import notice
 from verispec.errors import VerispecError
 
 KINDS = ("medusa", "eagle3")

@@ -131,7 +131,6 @@ class ModelRunner:
             positions are in [:, :num_logits[b]] in order, the rest is filler.
         """
         state._no_speculative("forward")
-        B = len(tokens)
         counts = torch.tensor([len(t) for t in tokens], dtype=torch.long)  # (B,)
         W = self._width(int(counts.max()))
         M = max(1, max(num_logits))

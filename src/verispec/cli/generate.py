@@ -1,0 +1,87 @@
+"""`verispec generate`: generate text speculatively and show how it was produced (stream, JSON, trace)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from contextlib import nullcontext
+from pathlib import Path
+
+from verispec.cli.options import SAMPLING_OPTIONS, SPEC_OPTIONS, add_model_options, add_prompt_options, add_sampling_options, add_tree_options, build_config, default_of, load_decoder, read_prompt, tree_config
+from verispec.config import AdaptConfig, SamplingConfig, SpecConfig
+from verispec.errors import VerispecError
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("generate", help="generate text speculatively and show how it was produced")
+    add_model_options(g)
+    add_prompt_options(g)
+    add_sampling_options(g)
+    add_tree_options(g)
+    g.add_argument("--max-new-tokens", type=int, help=f"(default: {default_of(SpecConfig, 'max_new_tokens')})")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--auto-k", action="store_true",
+                   help="choose K each step from measured pass costs and acceptance (speculation off where it cannot win); "
+                        "with --tree-budget, keep only the tree nodes that pay for their share of the target pass")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--no-color", action="store_true", help="plain text output")
+    g.add_argument("--trace", type=Path, help="save every step's verification (p, q, min(1, p/q), u, verdict; for a tree every node) as JSON")
+    g.add_argument("--adapt", action="store_true",
+                   help="online adaptation: the drafter learns from the target's distributions where drafts failed, "
+                        "between steps (output distribution unchanged; mostly useful for serve and bench)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from verispec.render import StreamPrinter, legend, stats_table
+    from verispec.trace import Tracer, save_trace, trace_document, tracing
+
+    sampling = build_config(SamplingConfig, args, SAMPLING_OPTIONS)
+    if args.stop:
+        args.stop = tuple(args.stop)
+    tree = tree_config(args)
+    spec = dataclasses.replace(build_config(SpecConfig, args, SPEC_OPTIONS), tree=tree)
+    if tree is not None:
+        from verispec.api import NO_DRAFT
+
+        if args.draft in NO_DRAFT:
+            raise VerispecError("tree speculation needs a drafter that builds trees (a draft model or ngram), not --draft none")
+        if args.auto_k and tree.budget is None:
+            raise VerispecError("--auto-k sizes chains and dynamic trees (--tree-budget) from measured costs; "
+                                "it cannot tune a static --tree-shape")
+    prompt = read_prompt(args)
+    decoder = load_decoder(args)
+    k_max = max(8, spec.num_draft_tokens, (tree.budget or 0) if tree is not None else 0)  # a tree pass's widths
+    tuner = decoder.auto_tuner(k_max) if args.auto_k and decoder.drafter is not None else None
+    adapter = decoder.enable_adaptation(AdaptConfig(background=False)) if args.adapt else None
+    console = Console(no_color=args.no_color, highlight=False)
+    show = not args.json
+    printer = StreamPrinter(console if show else None, decoder.decode, plain_decoding=decoder.drafter is None)
+    tracer = Tracer(token_text=lambda t: decoder.target.tokenizer.decode([t])) if args.trace else None
+    if show:
+        console.print(legend(decoder.drafter is None))
+    steps, seq = [], None
+    with tracing(decoder.engine, tracer) if tracer else nullcontext():
+        for event, seq in decoder.stream(prompt, sampling, spec, args.seed, args.chat, tuner):
+            n_acc = min(len(event.accepted), len(event.committed))
+            if show or tracer:
+                pieces = printer.step(seq.generated, n_acc, event.bonus, len(event.committed), seq.text_end)
+            if tracer:
+                steps.append(tracer.step(event, seq, pieces))
+            if adapter is not None:
+                adapter.poke()  # between steps: the stream is paused here
+    result = decoder.result(seq)
+    if tracer:
+        save_trace(args.trace, trace_document(steps, result.to_dict(), prompt, dataclasses.asdict(sampling),
+                                              dataclasses.asdict(spec)))
+    if args.json:
+        print(json.dumps({**result.to_dict(), **({"adaptation": adapter.stats()} if adapter else {})}))
+        return 0
+    console.print()
+    console.print(stats_table(result))
+    if adapter is not None:
+        a = adapter.stats()
+        console.print(f"online adaptation: {a['collected']} examples collected, {a['updates']} updates")
+    return 0

@@ -1,0 +1,152 @@
+"""Options the commands share (models, sampling, trees, prompts), the config builders and the decoder loader.
+
+The CLI only builds the frozen configs; every default lives in `verispec.config` (options left unset are not passed,
+so the dataclass default applies) or in `verispec.models.registry`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from verispec.config import TREE_CHILDREN, PromptLookupConfig, SamplingConfig, SelfSpecConfig, ServeConfig, SpecConfig, TreeConfig
+from verispec.console import notice
+from verispec.errors import VerispecError
+from verispec.models.loading import BACKENDS, DEFAULT_BACKEND, DEFAULT_DRAFT_WEIGHTS, DEFAULT_DTYPE, DEFAULT_TARGET_WEIGHTS, DTYPES, WEIGHT_FORMATS
+from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, NAMED_MODELS
+
+
+def default_of(cls, name: str):
+    f = cls.__dataclass_fields__[name]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def build_config(cls, args: argparse.Namespace, mapping: dict[str, str]):
+    """Build a config from the options the user set; unset options keep the dataclass default."""
+    values = {field: getattr(args, opt) for field, opt in mapping.items() if getattr(args, opt, None) is not None}
+    return cls(**values)
+
+
+SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty"}
+SPEC_OPTIONS = {"num_draft_tokens": "num_draft_tokens", "max_new_tokens": "max_new_tokens", "stop": "stop",
+                "draft_stop": "draft_stop"}
+LOOKUP_OPTIONS = {"max_ngram": "ngram_max", "min_ngram": "ngram_min"}
+TREE_OPTIONS = {"budget": "tree_budget", "top_k": "tree_top_k", "children": "tree_children"}
+SERVE_OPTIONS = {name: name for name in ServeConfig.__dataclass_fields__}
+API_KEY_ENV = "VERISPEC_API_KEY"
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    names = ", ".join(NAMED_MODELS)
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"named default ({names}), HF model directory or .gguf file (default: %(default)s)")
+    p.add_argument("--draft", default=DEFAULT_DRAFT,
+                   help="a model spec like --target, 'ngram' (prompt lookup), 'ngram-corpus[:TABLE]' or a .ngram file "
+                        "(corpus n-grams, see `verispec ngram build`), 'self' / 'self:SKIP' / 'self:FILE' (the target "
+                        "drafts with sublayers skipped; SKIP like a4-9,m12,20-; FILE from `verispec self-tune`), "
+                        "'medusa' / 'eagle' (the Medusa / EAGLE-3 head shipped for the default target), 'medusa:DIR' "
+                        "(the Medusa repository's format), 'eagle:DIR' (an EAGLE-3 head, SpecForge's format) or 'none' "
+                        "(plain decoding) (default: %(default)s)")
+    p.add_argument("--self-adapt", action="store_true",
+                   help="--draft self: re-choose the skipped sublayers while decoding, from each request's verified "
+                        "steps (SWIFT-style; native runner)")
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["auto", *DTYPES],
+                   help="target compute dtype; auto: float32 on the CPU, which keeps greedy output equal to token-by-token "
+                        "decoding, bfloat16 on CUDA (default: %(default)s)")
+    p.add_argument("--draft-dtype", default=None, choices=["auto", *DTYPES], help="draft compute dtype (speed only; default: same as --dtype)")
+    p.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="auto, cpu, cuda or cuda:N; auto is CUDA when torch sees a GPU (then the torch route, a static "
+                        "cache and compiled passes) (default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch route: a static key/value cache and passes compiled with torch.compile (always on CUDA)")
+    p.add_argument("--target-weights", default=DEFAULT_TARGET_WEIGHTS, choices=["packed", "dense"],
+                   help="packed: same weights in oneDNN's layout, faster multi-token passes on CPU (default: %(default)s)")
+    p.add_argument("--draft-weights", default=DEFAULT_DRAFT_WEIGHTS, choices=list(WEIGHT_FORMATS),
+                   help="int8: weight-only int8 draft, changes speed and acceptance only (default: %(default)s)")
+    p.add_argument("--backend", default=DEFAULT_BACKEND, choices=list(BACKENDS),
+                   help="llama.cpp: run GGUF models with llama.cpp's kernels (needs llama-cpp-python) (default: %(default)s)")
+    p.add_argument("--ngram-max", type=int, help=f"prompt lookup: longest n-gram matched (default: {default_of(PromptLookupConfig, 'max_ngram')})")
+    p.add_argument("--ngram-min", type=int, help=f"prompt lookup: shortest n-gram matched (default: {default_of(PromptLookupConfig, 'min_ngram')})")
+    p.add_argument("--draft-lookup", type=int, default=None, metavar="N",
+                   help="a draft model or an EAGLE head copies from the context first where its last n-gram (n >= N) "
+                        "occurred before; "
+                        "0 turns it off (default: the draft's own setting, e.g. the distilled draft's)")
+    p.add_argument("--draft-context", type=int, default=None, metavar="N",
+                   help="a draft model reads only the last N tokens of each prompt: a long prompt's draft pass costs "
+                        "N tokens; only the draft's guesses change, never the output (default: all)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, help=f"0 is greedy (default: {default_of(SamplingConfig, 'temperature')})")
+    p.add_argument("--top-k", type=int, help="keep the k most likely tokens, 0 disables (default: 0)")
+    p.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (default: 1.0)")
+    p.add_argument("--min-p", type=float, help="drop tokens below min-p x top probability (default: 0)")
+    p.add_argument("--repetition-penalty", type=float, help="CTRL repetition penalty, 1.0 disables (default: 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="seed of this request's random generator (default: fresh entropy)")
+    p.add_argument("-k", "--num-draft-tokens", type=int, help=f"K, draft tokens per step (default: {default_of(SpecConfig, 'num_draft_tokens')})")
+    p.add_argument("--draft-stop", type=float, metavar="P",
+                   help="a draft model's or prompt lookup's chain stops early where the estimated chance that all its "
+                        "drafts are accepted (calibrated draft confidence) falls below P; with --auto-k, K is "
+                        f"still the tuner's (default: {default_of(SpecConfig, 'draft_stop')}, off)")
+
+
+def add_tree_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree-shape", help="tree speculation, static tree: branching factors per depth, e.g. 3,2,1 "
+                   "(the root gets 3 children, each of them 2, each of those 1)")
+    p.add_argument("--tree-budget", type=int, help="tree speculation, dynamic tree (EAGLE-2 style): at most this many "
+                   "nodes, depth K, grown where the draft is most confident")
+    p.add_argument("--tree-top-k", type=int, help="dynamic trees: nodes expanded per depth and children per expanded "
+                   f"node (default: {default_of(TreeConfig, 'top_k')})")
+    p.add_argument("--tree-children", choices=list(TREE_CHILDREN), help="how a sampling draft model picks children: "
+                   f"distinct samples, independent samples or its top tokens (default: {default_of(TreeConfig, 'children')})")
+
+
+def tree_config(args: argparse.Namespace) -> TreeConfig | None:
+    """The TreeConfig the --tree-* options ask for, or None (a chain)."""
+    if args.tree_shape is None and args.tree_budget is None:
+        if args.tree_top_k is not None or args.tree_children is not None:
+            raise VerispecError("--tree-top-k and --tree-children shape a tree: add --tree-shape or --tree-budget")
+        return None
+    values = {}
+    if args.tree_shape is not None:
+        try:
+            values["shape"] = tuple(int(b) for b in args.tree_shape.split(","))
+        except ValueError:
+            raise VerispecError(f"--tree-shape takes branching factors per depth like 3,2,1, got '{args.tree_shape}'") from None
+    return TreeConfig(**values, **{f: getattr(args, o) for f, o in TREE_OPTIONS.items() if getattr(args, o) is not None})
+
+
+def add_prompt_options(p: argparse.ArgumentParser) -> None:
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", help="the prompt text")
+    group.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the target's chat template as one user message (default: on when the target has one)")
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    try:
+        return args.prompt_file.read_text()
+    except OSError as err:
+        raise VerispecError(f"cannot read --prompt-file {args.prompt_file}: {err.strerror}") from None
+
+
+def load_decoder(args: argparse.Namespace):
+    from verispec.api import SpeculativeDecoder, set_threads
+
+    set_threads(args.threads)
+    lookup = build_config(PromptLookupConfig, args, LOOKUP_OPTIONS)
+    decoder = SpeculativeDecoder.load(args.target, args.draft, args.dtype, args.draft_dtype, lookup,
+                                      args.target_weights, args.draft_weights, args.backend,
+                                      draft_lookup=getattr(args, "draft_lookup", None),
+                                      draft_context=getattr(args, "draft_context", None),
+                                      self_spec=SelfSpecConfig(adapt=getattr(args, "self_adapt", False)),
+                                      device=args.device, compile=args.compile)
+    if decoder.skip_source == "default":
+        notice(f"self-speculation with the untuned default skip set {decoder.draft_name}: "
+               f"`verispec self-tune --target {args.target}` searches a faster one for this model")
+    return decoder
