@@ -135,17 +135,21 @@ def read_prompt(args: argparse.Namespace) -> str:
         raise VerispecError(f"cannot read --prompt-file {args.prompt_file}: {err.strerror}") from None
 
 
+def decoder_kwargs(args: argparse.Namespace) -> dict:
+    """The arguments of `SpeculativeDecoder.load` the model options ask for."""
+    return dict(target=args.target, draft=args.draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
+                prompt_lookup=build_config(PromptLookupConfig, args, LOOKUP_OPTIONS),
+                target_weights=args.target_weights, draft_weights=args.draft_weights, backend=args.backend,
+                draft_lookup=getattr(args, "draft_lookup", None), draft_context=getattr(args, "draft_context", None),
+                self_spec=SelfSpecConfig(adapt=getattr(args, "self_adapt", False)), device=args.device,
+                compile=args.compile)
+
+
 def load_decoder(args: argparse.Namespace):
     from verispec.api import SpeculativeDecoder, set_threads
 
     set_threads(args.threads)
-    lookup = build_config(PromptLookupConfig, args, LOOKUP_OPTIONS)
-    decoder = SpeculativeDecoder.load(args.target, args.draft, args.dtype, args.draft_dtype, lookup,
-                                      args.target_weights, args.draft_weights, args.backend,
-                                      draft_lookup=getattr(args, "draft_lookup", None),
-                                      draft_context=getattr(args, "draft_context", None),
-                                      self_spec=SelfSpecConfig(adapt=getattr(args, "self_adapt", False)),
-                                      device=args.device, compile=args.compile)
+    decoder = SpeculativeDecoder.load(**decoder_kwargs(args))
     if decoder.skip_source == "default":
         notice(f"self-speculation with the untuned default skip set {decoder.draft_name}: "
                f"`verispec self-tune --target {args.target}` searches a faster one for this model")

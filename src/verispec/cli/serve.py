@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from verispec.cli.options import API_KEY_ENV, SERVE_OPTIONS, add_model_options, build_config, default_of, load_decoder
+from verispec.cli.options import (API_KEY_ENV, SERVE_OPTIONS, add_model_options, build_config, decoder_kwargs, default_of,
+                                  load_decoder)
 from verispec.config import AdaptConfig, ServeConfig
 from verispec.errors import VerispecError
 
@@ -32,6 +33,14 @@ def add_parser(sub) -> None:
                    help=f"seconds in-flight requests get on shutdown (default: {default_of(ServeConfig, 'shutdown_timeout')})")
     s.add_argument("--adapt", action="store_true",
                    help="online adaptation: the drafter learns from verification between requests, in the background")
+    r = s.add_argument_group("scale-out on Ray Serve (pip install 'verispec[ray]')")
+    r.add_argument("--ray", action="store_true", help="serve N replicas of this app under Ray Serve, each loading its "
+                   "own models and batching its own requests, behind Ray's proxy on --host:--port")
+    r.add_argument("--replicas", type=int, default=2, help="replicas (default: %(default)s)")
+    r.add_argument("--ray-address", help="join a running Ray cluster ('auto', or HOST:6379; default: start Ray here)")
+    r.add_argument("--autoscale", metavar="MIN,MAX", help="let Ray scale the replicas between MIN and MAX "
+                   "(target ongoing requests per replica: --max-batch-size) instead of a fixed --replicas")
+    r.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs Ray reserves per replica (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,8 +56,27 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(ServeConfig, args, SERVE_OPTIONS)
     if args.backend == "llama.cpp" and config.max_batch_size != 1:
         raise VerispecError("the llama.cpp backend decodes one sequence at a time: add --max-batch-size 1")
+    if args.ray:
+        return _run_on_ray(args, config)
     decoder = load_decoder(args)
     if args.adapt:
         decoder.enable_adaptation(AdaptConfig())
     run_server(decoder, config)
+    return 0
+
+
+def _run_on_ray(args: argparse.Namespace, config: ServeConfig) -> int:
+    from verispec.serve import ray_serve
+
+    autoscaling = None
+    if args.autoscale:
+        try:
+            low, high = (int(x) for x in args.autoscale.split(","))
+        except ValueError:
+            raise VerispecError(f"--autoscale takes MIN,MAX replica counts, got '{args.autoscale}'") from None
+        if not 1 <= low <= high:
+            raise VerispecError(f"--autoscale needs 1 <= MIN <= MAX, got {low},{high}")
+        autoscaling = {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": config.max_batch_size}
+    ray_serve.run(decoder_kwargs(args), config, args.replicas, args.ray_address, args.adapt, args.threads,
+                  autoscaling, args.cpus_per_replica, blocking=True)
     return 0
