@@ -5,16 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from verispec.cli.options import SAMPLING_OPTIONS, add_model_options, add_prompt_options, add_sampling_options, add_tree_options, build_config, load_decoder, read_prompt, tree_config
+from verispec.cli.options import (SAMPLING_OPTIONS, add_decoding_options, build_config, load_decoder, read_prompt,
+                                  tree_config)
 from verispec.config import SamplingConfig, SpecConfig
 
 
 def add_parser(sub) -> None:
     a = sub.add_parser("audit", help="check that speculative sampling reproduces the target's distribution")
-    add_model_options(a)
-    add_prompt_options(a)
-    add_sampling_options(a)
-    add_tree_options(a)
+    add_decoding_options(a)
     a.add_argument("--samples", type=int, default=2000, help="continuations sampled (default: %(default)s)")
     a.add_argument("--batch-size", type=int, default=32, help="sequences decoded together (default: %(default)s)")
     a.add_argument("--alpha", type=float, default=0.01, help="family-wise significance level (default: %(default)s)")

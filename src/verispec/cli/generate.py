@@ -8,17 +8,15 @@ import json
 from contextlib import nullcontext
 from pathlib import Path
 
-from verispec.cli.options import SAMPLING_OPTIONS, SPEC_OPTIONS, add_model_options, add_prompt_options, add_sampling_options, add_tree_options, build_config, default_of, load_decoder, read_prompt, tree_config
+from verispec.cli.options import (SAMPLING_OPTIONS, SPEC_OPTIONS, add_decoding_options, build_config, default_of,
+                                  load_decoder, read_prompt, tree_config)
 from verispec.config import AdaptConfig, SamplingConfig, SpecConfig
 from verispec.errors import VerispecError
 
 
 def add_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text speculatively and show how it was produced")
-    add_model_options(g)
-    add_prompt_options(g)
-    add_sampling_options(g)
-    add_tree_options(g)
+    add_decoding_options(g)
     g.add_argument("--max-new-tokens", type=int, help=f"(default: {default_of(SpecConfig, 'max_new_tokens')})")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--auto-k", action="store_true",

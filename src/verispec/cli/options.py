@@ -103,6 +103,14 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
                    f"distinct samples, independent samples or its top tokens (default: {default_of(TreeConfig, 'children')})")
 
 
+def add_decoding_options(p: argparse.ArgumentParser) -> None:
+    """What a command that decodes one prompt takes: the models, the prompt, sampling and trees."""
+    add_model_options(p)
+    add_prompt_options(p)
+    add_sampling_options(p)
+    add_tree_options(p)
+
+
 def tree_config(args: argparse.Namespace) -> TreeConfig | None:
     """The TreeConfig the --tree-* options ask for, or None (a chain)."""
     if args.tree_shape is None and args.tree_budget is None:
