@@ -81,10 +81,10 @@ class LoadedModel:
         from verispec.models.rowwise import RowwiseRunner
         from verispec.models.runner import ModelRunner
 
-        if self.compiled or self.device != "cpu":
+        if self.compiled:  # load_model sets it for every model off the CPU
             from verispec.models.static_runner import StaticRunner
 
-            runner = StaticRunner(self.model, compile=self.compiled or self.device != "cpu")
+            runner = StaticRunner(self.model)
             return MappedVocabRunner(runner, self.vocab) if self.vocab is not None else runner
         runner = MappedVocabRunner(self.model, self.vocab) if self.vocab is not None else ModelRunner(self.model)
         return RowwiseRunner(runner) if self.weights == "int8" else runner

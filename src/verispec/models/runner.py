@@ -84,6 +84,11 @@ class KVState:
             return []
         return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4]
 
+    def truncate(self, length: int) -> None:
+        """Drop the cache columns from `length` on (every row's are dead there)."""
+        self.cache.crop(length - self.valid.shape[1])  # a negative count: the columns removed
+        self.valid = self.valid[:, :length]
+
     def _compact(self) -> None:
         """Remove columns that are a hole in every row (left by departed rows): the cache stays
         as long as its live rows need, however long a server runs. Order is kept, so causality holds."""
@@ -178,7 +183,8 @@ class ModelRunner:
     def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
         """(n,) token ids -> (n, E) float32 rows of the target's token embedding (draft heads embed with it)."""
         with torch.inference_mode():
-            return self.model.get_input_embeddings()(tokens).float()
+            embed = self.model.get_input_embeddings()
+            return embed(tokens.to(embed.weight.device)).float().cpu()
 
     @torch.inference_mode()
     def forward_tree(self, state: KVState, chains: list[list[int]], nodes: list[list[int]],
@@ -332,7 +338,7 @@ class ModelRunner:
         if weight.device.type == "meta":
             out[:, :rows] = head(hidden.to(self.dtype)).float()[:, :rows]
         else:
-            out[:, :rows] = torch.nn.functional.linear(hidden.to(weight.dtype), weight[:rows]).float()
+            out[:, :rows] = torch.nn.functional.linear(hidden.to(weight.device, weight.dtype), weight[:rows]).float().cpu()
         return out
 
     def training_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor,
@@ -359,10 +365,8 @@ class ModelRunner:
     def _crop_dead_columns(state: KVState) -> None:
         live_columns = state.valid.any(dim=0).nonzero()
         new_len = int(live_columns.max()) + 1 if live_columns.numel() else 0
-        dead = state.valid.shape[1] - new_len
-        if dead > 0:
-            state.cache.crop(-dead)
-            state.valid = state.valid[:, :new_len]
+        if new_len < state.valid.shape[1]:
+            state.truncate(new_len)
 
 
 def training_logits(model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

@@ -38,8 +38,6 @@ RECOMPILE_LIMIT = 256  # graphs kept per compiled frame: len(WIDTHS) per batch s
 class StaticKVState(KVState):
     """A batch's static cache: `valid` covers columns 0 .. L - 1, the layers' tensors run to the capacity."""
 
-    capacity: int = 0
-
     def _layers(self) -> list:
         return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
 
@@ -47,6 +45,11 @@ class StaticKVState(KVState):
         """Move the cache's write position to `length` (columns past it are free)."""
         for layer in self._layers():
             layer.cumulative_length.fill_(length)
+
+    def truncate(self, length: int) -> None:
+        """Move the write position back to `length`: the entries past it stay until overwritten, never attended."""
+        self.valid = self.valid[:, :length]
+        self.set_length(length)
 
     def _rebuild(self, change) -> None:
         """Replace every layer's tensors by change(tensor) (rows kept or added), keeping them static addresses."""
@@ -104,7 +107,6 @@ class StaticRunner(ModelRunner):
         if self.capacity < WIDTHS[-1]:
             raise VerispecError(f"a static cache needs at least {WIDTHS[-1]} columns, got {self.capacity}")
         self.device = next(model.parameters()).device
-        self.compiled = compile
         self._base = model.model  # the decoder stack: embeddings, layers, final norm
         if compile:
             # one graph per (batch size, width): more than dynamo's default of 8 recompilations of one frame, after
@@ -118,13 +120,11 @@ class StaticRunner(ModelRunner):
             self._step = self._base
 
     def new_state(self, batch_size: int) -> StaticKVState:
-        state = StaticKVState(
+        return StaticKVState(
             cache=StaticCache(config=self.model.config, max_cache_len=self.capacity),
             valid=torch.zeros(batch_size, 0, dtype=torch.bool),
             lengths=torch.zeros(batch_size, dtype=torch.long),
         )
-        state.capacity = self.capacity
-        return state
 
     @torch.inference_mode()
     def forward(self, state: StaticKVState, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
@@ -139,10 +139,10 @@ class StaticRunner(ModelRunner):
 
     def _make_room(self, state: StaticKVState, width: int) -> None:
         """Before a pass: compact the cache if the pass would run past its capacity, else refuse in one line."""
-        need = state.valid.shape[1] + self._width(max(1, width))
-        if need > self.capacity and not state.speculative:
+        width = self._width(max(1, width))
+        if state.valid.shape[1] + width > self.capacity and not state.speculative:
             state._compact()
-            need = state.valid.shape[1] + self._width(max(1, width))
+        need = state.valid.shape[1] + width
         if need > self.capacity:
             raise VerispecError(f"the static cache holds {self.capacity} columns per row and this pass needs {need}: "
                                 "load the model with a larger capacity")
@@ -171,23 +171,3 @@ class StaticRunner(ModelRunner):
             self.aux_features = [aux[b, : int(n)].clone() for b, n in enumerate(counts)]
         return self.model.get_output_embeddings()(kept).float()  # (B, M, V) where the engine samples and verifies
 
-    def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            return self.model.get_input_embeddings()(tokens.to(self.device)).float().cpu()
-
-    @torch.inference_mode()
-    def head_logits(self, hidden: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-        weight = self.model.get_output_embeddings().weight  # (V, E)
-        rows = self.vocab_size if rows is None else min(rows, self.vocab_size)
-        out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"))  # (n, V)
-        out[:, :rows] = torch.nn.functional.linear(hidden.to(self.device, weight.dtype), weight[:rows]).float().cpu()
-        return out
-
-    @staticmethod
-    def _crop_dead_columns(state: StaticKVState) -> None:
-        """Move the write position back over the columns dead in every row (their entries are overwritten later)."""
-        live_columns = state.valid.any(dim=0).nonzero()
-        new_len = int(live_columns.max()) + 1 if live_columns.numel() else 0
-        if new_len < state.valid.shape[1]:
-            state.valid = state.valid[:, :new_len]
-            state.set_length(new_len)
