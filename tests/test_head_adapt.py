@@ -10,11 +10,11 @@ import torch
 
 from test_eagle import AUX, PROMPTS, pair, plain, random_head  # noqa: F401 - fixtures
 from test_medusa import random_heads, second_token_distribution, small  # noqa: F401 - a fixture
-from verispec.adapt import OnlineAdapter
+from verispec.adapt import ExampleBuffer, OnlineAdapter
 from verispec.chisquare import chi_square_test
 from verispec.config import AdaptConfig, SamplingConfig, SpecConfig, TreeConfig
 from verispec.drafters.eagle import EagleDrafter
-from verispec.drafters.head_adapt import MIN_WINDOW, FeatureLog, WindowBuffer
+from verispec.drafters.head_adapt import MIN_WINDOW, FeatureLog
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.engine import DecodeBatch, SpeculativeEngine
 from verispec.models.medusa import MedusaHeads
@@ -24,7 +24,7 @@ GREEDY = SamplingConfig(temperature=0)
 
 
 def test_a_feature_log_cuts_windows_with_context_and_starts_again_after_a_gap():
-    out = WindowBuffer(100)
+    out = ExampleBuffer(100)
     log = FeatureLog(window=4, context=2)
     tokens = list(range(100, 130))
     features = torch.arange(30.0)[:, None]  # position t's feature is t

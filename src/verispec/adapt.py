@@ -48,15 +48,40 @@ class AdaptExample:
     probs: tuple[float, ...]
 
 
-class AdaptationBuffer:
-    """Collects AdaptExamples as an engine observer (`engine.observers`); bounded, thread-safe."""
+class ExampleBuffer:
+    """What waits for the next update: bounded (the oldest are dropped), thread-safe; `enabled` False stops
+    collecting. OnlineAdapter drains one (an AdaptationBuffer, or a head drafter's windows)."""
 
-    def __init__(self, config: AdaptConfig = AdaptConfig()) -> None:
-        self.config = config
+    def __init__(self, size: int) -> None:
         self.enabled = True
         self.collected = 0
-        self._examples: collections.deque[AdaptExample] = collections.deque(maxlen=config.buffer_size)
+        self._examples: collections.deque = collections.deque(maxlen=size)
         self._lock = threading.Lock()
+
+    def add(self, examples: list) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            self._examples.extend(examples)
+            self.collected += len(examples)
+
+    def __len__(self) -> int:
+        return len(self._examples)
+
+    def drain(self) -> list:
+        """Take every buffered example out."""
+        with self._lock:
+            examples = list(self._examples)
+            self._examples.clear()
+        return examples
+
+
+class AdaptationBuffer(ExampleBuffer):
+    """Collects AdaptExamples as an engine observer (`engine.observers`)."""
+
+    def __init__(self, config: AdaptConfig = AdaptConfig()) -> None:
+        super().__init__(config.buffer_size)
+        self.config = config
 
     def __call__(self, seq, draft, p: torch.Tensor, verdict: Verdict | TreeVerdict, uniforms) -> None:
         """p: (n + 1, V) the target's distributions at the step's positions (chains: after each draft
@@ -83,19 +108,7 @@ class AdaptationBuffer:
             top = torch.topk(dist, min(self.config.top_k, dist.shape[-1]))
             keep = top.values > 0
             examples.append(AdaptExample(tuple(context), tuple(top.indices[keep].tolist()), tuple(top.values[keep].tolist())))
-        with self._lock:
-            self._examples.extend(examples)
-            self.collected += len(examples)
-
-    def __len__(self) -> int:
-        return len(self._examples)
-
-    def drain(self) -> list[AdaptExample]:
-        """Take every buffered example out."""
-        with self._lock:
-            examples = list(self._examples)
-            self._examples.clear()
-        return examples
+        self.add(examples)
 
 
 class OnlineAdapter:

@@ -48,6 +48,30 @@ def shared_rows(contexts: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]],
     return carriers, row_of
 
 
+def optimizer_steps(examples: list, loss, params: list, optimizer: torch.optim.Optimizer, config: AdaptConfig,
+                    shuffle: torch.Generator) -> tuple[int, float | None]:
+    """One update: config.epochs passes over `examples` in an order drawn from `shuffle`, an optimizer step per
+    batch of config.batch_size (gradients clipped to norm 1), at most config.max_steps steps. loss(batch) -> a
+    scalar; a batch whose loss has no gradient (nothing in it to learn) is skipped. Returns the steps taken and
+    the last loss."""
+    steps, last = 0, None
+    for _ in range(config.epochs):
+        order = torch.randperm(len(examples), generator=shuffle).tolist()
+        for start in range(0, len(examples), config.batch_size):
+            if steps >= config.max_steps:
+                break
+            value = loss([examples[i] for i in order[start : start + config.batch_size]])
+            if not value.requires_grad:
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            value.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            last = float(value.detach())
+            steps += 1
+    return steps, last
+
+
 class DraftTrainer:
     """Owns the float32 master copy of a draft model and its optimizer.
 
@@ -104,20 +128,9 @@ class DraftTrainer:
             picks = torch.randperm(len(self._history), generator=self._shuffle)[: self.config.replay].tolist()
             examples = examples + [self._history[i] for i in picks]
         self._history.extend(fresh)
-        size = self.config.batch_size
-        steps = 0
-        for _ in range(self.config.epochs):
-            order = torch.randperm(len(examples), generator=self._shuffle).tolist()
-            for start in range(0, len(examples), size):
-                if steps >= self.config.max_steps:
-                    break
-                loss = self.loss([examples[i] for i in order[start : start + size]])
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.master.parameters(), 1.0)
-                self.optimizer.step()
-                self.last_loss = float(loss.detach())
-                steps += 1
+        steps, last = optimizer_steps(examples, self.loss, list(self.master.parameters()), self.optimizer, self.config,
+                                      self._shuffle)
+        self.last_loss = last if last is not None else self.last_loss
         self.steps += steps
         return self.serving_copy()
 

@@ -6,7 +6,7 @@ committed tokens are the target's own (at temperature 0 its argmax; otherwise dr
 distribution, whose expected cross-entropy is the soft one). A head drafts from a run of consecutive
 positions (EAGLE's layer attends over all of them), so heads learn from windows of a sequence, not single
 positions: each row logs its committed positions' features and tokens (`FeatureLog`) and hands a
-`HeadWindow` to the drafter's `WindowBuffer` every `AdaptConfig.head_window` positions whose next token the
+`HeadWindow` to the drafter's `ExampleBuffer` every `AdaptConfig.head_window` positions whose next token the
 target chose, and what is left (at least MIN_WINDOW of them) when the sequence leaves the batch. An EAGLE
 window carries up to head_window positions before those as context (the prompt's, or ones an earlier
 window learned from): the head learns with the context it drafts with, never the prompt's own tokens. `OnlineAdapter` drains that buffer as it
@@ -23,14 +23,15 @@ model's (`verispec.adapt`). EAGLE entries already in a row's cache stay as the o
 
 from __future__ import annotations
 
-import collections
 import copy
 import threading
 from dataclasses import dataclass
 
 import torch
 
+from verispec.adapt import ExampleBuffer
 from verispec.config import AdaptConfig
+from verispec.drafters.draft_adapt import optimizer_steps
 from verispec.models.eagle3 import Eagle3Head
 from verispec.models.eagle3_ttt import Sample, training_batch, unrolled
 from verispec.models.medusa import MedusaHeads
@@ -47,33 +48,6 @@ class HeadWindow:
     tokens: torch.Tensor  # (T + 1,) long: the tokens the target read at the T positions, then the one after the last
     features: torch.Tensor  # (T, F) float16: the target's features when it read each of them
     labelled: int  # the first position (index) whose next token the target chose
-
-
-class WindowBuffer:
-    """The windows waiting for an update (bounded: the oldest are dropped); thread-safe. Same face as
-    `adapt.AdaptationBuffer` (`enabled`, `collected`, len, `drain`)."""
-
-    def __init__(self, size: int) -> None:
-        self.enabled = True
-        self.collected = 0
-        self._windows: collections.deque[HeadWindow] = collections.deque(maxlen=size)
-        self._lock = threading.Lock()
-
-    def put(self, window: HeadWindow) -> None:
-        if not self.enabled:
-            return
-        with self._lock:
-            self._windows.append(window)
-            self.collected += 1
-
-    def __len__(self) -> int:
-        return len(self._windows)
-
-    def drain(self) -> list[HeadWindow]:
-        with self._lock:
-            windows = list(self._windows)
-            self._windows.clear()
-        return windows
 
 
 class FeatureLog:
@@ -98,7 +72,7 @@ class FeatureLog:
         """Logged positions whose next token a window can still learn."""
         return max(0, self.start + self.count - max(self.labelled_from, self.start))
 
-    def add(self, tokens: list[int], prompt_len: int, features: torch.Tensor, finished: bool, out: WindowBuffer) -> None:
+    def add(self, tokens: list[int], prompt_len: int, features: torch.Tensor, finished: bool, out: ExampleBuffer) -> None:
         """features: (n, F) the target's features at the n positions it read last; tokens: the sequence after this
         step's commit. A step that did not finish the sequence committed the token after the last of them; one that
         finished it may have been cut short (EOS, a stop string, the length), so its positions follow the log's."""
@@ -121,18 +95,18 @@ class FeatureLog:
             self._cut(self.labelled_from + self.window, out)
         self._trim()
 
-    def flush(self, out: WindowBuffer) -> None:
+    def flush(self, out: ExampleBuffer) -> None:
         """Hand over what is logged if it has enough to learn, and start empty."""
         if self.labelled >= MIN_WINDOW:
             self._cut(self.start + self.count, out)
         self.tokens, self.features = [], []
 
-    def _cut(self, end: int, out: WindowBuffer) -> None:
+    def _cut(self, end: int, out: ExampleBuffer) -> None:
         """Hand over positions start .. end - 1, learning from labelled_from on; keep the rest."""
         features = torch.cat(self.features)  # (count, F)
         size, labelled = end - self.start, max(0, self.labelled_from - self.start)
-        out.put(HeadWindow(self.start, torch.tensor(self.tokens[: size + 1], dtype=torch.long), features[:size].clone(),
-                           labelled))
+        out.add([HeadWindow(self.start, torch.tensor(self.tokens[: size + 1], dtype=torch.long), features[:size].clone(),
+                            labelled)])
         self.features, self.labelled_from = [features], end
         self._trim()
 
@@ -155,7 +129,7 @@ class HeadAdaptation:
 
     def __init__(self, config: AdaptConfig, trainer, context: int = 0) -> None:
         self.config, self.context = config, context
-        self.buffer = WindowBuffer(max(1, config.buffer_size // config.head_window))
+        self.buffer = ExampleBuffer(max(1, config.buffer_size // config.head_window))
         self.logs: list[FeatureLog] = []
         self._make_trainer, self.trainer = trainer, None
         self._pending = None
@@ -207,7 +181,7 @@ class AdaptiveHead:
     adaptation: HeadAdaptation | None = None
     head_attribute = "head"
 
-    def adaptation_buffer(self) -> WindowBuffer:
+    def adaptation_buffer(self) -> ExampleBuffer:
         return self.adaptation.buffer
 
     def adapt(self, examples: list) -> None:
@@ -255,21 +229,9 @@ class HeadTrainer:
         self._shuffle = torch.Generator().manual_seed(0)  # the order windows are visited in; never a sequence's
 
     def train(self, windows: list[HeadWindow]):
-        size, steps = self.config.batch_size, 0
-        for _ in range(self.config.epochs):
-            order = torch.randperm(len(windows), generator=self._shuffle).tolist()
-            for start in range(0, len(windows), size):
-                if steps >= self.config.max_steps:
-                    break
-                loss = self.loss(self.master, [windows[i] for i in order[start : start + size]])
-                if not loss.requires_grad:  # no position in these windows has a label the head can learn
-                    continue
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-                self.optimizer.step()
-                self.last_loss = float(loss.detach())
-                steps += 1
+        steps, last = optimizer_steps(windows, lambda batch: self.loss(self.master, batch), self.params, self.optimizer,
+                                      self.config, self._shuffle)
+        self.last_loss = last if last is not None else self.last_loss
         self.steps += steps
         with torch.no_grad():
             serving = copy.deepcopy(self.master).eval()
