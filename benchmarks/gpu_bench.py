@@ -101,7 +101,7 @@ def pass_costs(runner, device, context: int = 512, widths=range(1, 17), repeats:
     return {"seconds": costs, "v": {k: costs[k] / costs[1] for k in costs}}
 
 
-def hf_run(target, prompt, tokens, sampling, draft=None, seed=0) -> dict:
+def hf_run(target, prompt, tokens, sampling, draft=None, seed=0, tokens_out=False) -> dict:
     ids = torch.tensor([prompt], device=target.device)
     kwargs = {"do_sample": False} if sampling.greedy else {"do_sample": True, "temperature": sampling.temperature,
                                                           "top_k": None}
@@ -111,10 +111,13 @@ def hf_run(target, prompt, tokens, sampling, draft=None, seed=0) -> dict:
     out = []
     seconds = timed(lambda: out.append(target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
                                                        min_new_tokens=tokens, **kwargs)), target.device)
-    return {"seconds": seconds, "tokens": int(out[0].shape[1] - len(prompt))}
+    row = {"seconds": seconds, "tokens": int(out[0].shape[1] - len(prompt))}
+    if tokens_out:
+        row["ids"] = out[0][0, len(prompt):].tolist()
+    return row
 
 
-def verispec_run(engine, prompts, tokens, sampling, k, seed=0) -> dict:
+def verispec_run(engine, prompts, tokens, sampling, k, seed=0, tokens_out=False) -> dict:
     from verispec.config import SpecConfig
     from verispec.stats import GenerationStats
 
@@ -123,45 +126,76 @@ def verispec_run(engine, prompts, tokens, sampling, k, seed=0) -> dict:
     seconds = timed(lambda: seqs.extend(engine.generate(prompts, sampling, spec, seeds=seed)), engine.target.device
                     if hasattr(engine.target, "device") else torch.device("cpu"))
     merged = GenerationStats.merge([s.stats for s in seqs])
-    return {"seconds": seconds, "tokens": sum(len(s.generated) for s in seqs), "requests": len(prompts),
-            "acceptance_rate": merged.acceptance_rate, "tokens_per_target_pass": merged.tokens_per_target_pass}
+    row = {"seconds": seconds, "tokens": sum(len(s.generated) for s in seqs), "requests": len(prompts),
+           "acceptance_rate": merged.acceptance_rate, "tokens_per_target_pass": merged.tokens_per_target_pass}
+    if tokens_out:
+        row["ids"] = list(seqs[0].generated)
+    return row
 
 
-def measure(size: str, args, device: torch.device) -> dict:
+def measure(size: str, args, device: torch.device, result: dict, save) -> dict:
+    """Fill `result` phase by phase, calling save() after each (a run cut short keeps what it measured)."""
     from verispec.config import SamplingConfig
     from verispec.drafters.draft_model import DraftModelDrafter
     from verispec.engine import SpeculativeEngine
     from verispec.models.static_runner import StaticRunner
 
+    clock = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        result.setdefault("phase_seconds", {})[name] = round(now - clock, 2)
+        clock = now
+        save()
+        print(f"  {size} {name}: {result['phase_seconds'][name]:.1f} s", flush=True)
+
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target, draft = build_pair(size, args.draft_layers, args.scale, device, dtype)
     compile_ = not args.no_compile
-    runner = StaticRunner(target, capacity=2048, compile=compile_)
-    draft_runner = StaticRunner(draft, capacity=2048, compile=compile_)
+    runner = StaticRunner(target, capacity=2048, compile=compile_, backend=args.backend)
+    draft_runner = StaticRunner(draft, capacity=2048, compile=compile_, backend=args.backend)
     vocab = target.config.vocab_size
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, vocab, (args.prompt_tokens,), generator=g).tolist() for _ in range(8)]
-    result = {"size": size, "weight_bytes": weight_bytes(target), "draft_weight_bytes": weight_bytes(draft)}
+    result.update({"size": size, "weight_bytes": weight_bytes(target), "draft_weight_bytes": weight_bytes(draft)})
+    phase("build")
     plain = SpeculativeEngine(runner, None, set())
-    verispec_run(plain, prompts[:1], 16, SamplingConfig(temperature=0), 1)  # compile the widths first
+    verispec_run(plain, prompts[:1], 16, SamplingConfig(temperature=0), 1)  # compile the one-token pass first
+    phase("plain warm-up (compile)")
     run = verispec_run(plain, prompts[:1], args.tokens, SamplingConfig(temperature=0), 1)
     result["plain_tokens_per_second"] = run["tokens"] / run["seconds"]
     result["plain_streamed_gb_per_second"] = result["weight_bytes"] * result["plain_tokens_per_second"] / 1e9
-    result["pass_costs"] = pass_costs(runner, device)
+    phase("plain")
+    result["pass_costs"] = pass_costs(runner, device, widths=range(1, args.max_width + 1))
+    phase("pass costs")
     engine = SpeculativeEngine(runner, DraftModelDrafter(draft_runner, vocab), set())
-    for name, sampling in (("greedy", SamplingConfig(temperature=0)), ("t0.7", SamplingConfig(temperature=0.7))):
+    modes = {"greedy": SamplingConfig(temperature=0), "t0.7": SamplingConfig(temperature=0.7)}
+    for name in args.modes.split(","):
+        sampling = modes[name]
         verispec_run(engine, prompts[:1], 16, sampling, args.k)  # warm-up: compile the draft's and target's widths
         hf_run(target, prompts[0], 8, sampling)
-        rows = {"hf-generate": hf_run(target, prompts[0], args.tokens, sampling),
-                "hf-assisted": hf_run(target, prompts[0], args.tokens, sampling, draft),
-                "verispec": verispec_run(engine, prompts[:1], args.tokens, sampling, args.k)}
+        hf_run(target, prompts[0], 8, sampling, draft)
+        phase(f"{name} warm-up")
+        rows = result[name] = {}
+        rows["verispec"] = verispec_run(engine, prompts[:1], args.tokens, sampling, args.k, tokens_out=True)
+        rows["hf-generate"] = hf_run(target, prompts[0], args.tokens, sampling, tokens_out=True)
+        rows["hf-assisted"] = hf_run(target, prompts[0], args.tokens, sampling, draft)
         for row in rows.values():
             row["tokens_per_second"] = row["tokens"] / row["seconds"]
+        if sampling.greedy:  # bfloat16 on other kernels may break a near-tie: reported, not asserted
+            a, b = rows["verispec"].pop("ids"), rows["hf-generate"].pop("ids")
+            rows["greedy_equal_prefix"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        for row in rows.values():
+            if isinstance(row, dict):
+                row.pop("ids", None)
+        phase(name)
         rows["batches"] = {}
-        for batch in (1, 2, 4, 8):
+        for batch in (int(b) for b in args.batches.split(",") if b):
+            verispec_run(engine, prompts[:batch], 16, sampling, args.k)  # compile this batch size's widths
             b = verispec_run(engine, prompts[:batch], args.tokens, sampling, args.k)
             rows["batches"][batch] = {**b, "tokens_per_second_per_request": b["tokens"] / b["seconds"] / batch}
-        result[name] = rows
+            phase(f"{name} batch {batch}")
     del target, draft, runner, draft_runner, engine, plain
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -186,8 +220,10 @@ def plot(report: dict, out: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(out / "pass_costs.png", dpi=120)
     paths.append(str(out / "pass_costs.png"))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, mode in zip(axes, ("greedy", "t0.7")):
+    modes = [m for m in ("greedy", "t0.7") if all(m in r for r in report["results"])]
+    fig, axes = plt.subplots(1, max(1, len(modes)), figsize=(5 * max(1, len(modes)), 4), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, mode in zip(axes, modes):
         names = ["hf-generate", "hf-assisted", "verispec"]
         for i, r in enumerate(report["results"]):
             ax.bar([j + 0.25 * i for j in range(3)], [r[mode][n]["tokens_per_second"] for n in names], 0.25,
@@ -213,6 +249,10 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--scale", type=float, default=0.05, help="the target's later layers' output projections, scaled")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--backend", default="inductor", help="torch.compile backend: inductor or cudagraphs")
+    ap.add_argument("--modes", default="greedy,t0.7", help="sampling modes (default: %(default)s)")
+    ap.add_argument("--batches", default="1,2,4,8", help="batch sizes of the batch sweep, '' for none")
+    ap.add_argument("--max-width", type=int, default=16, help="v(k) for k = 1 .. this (default: %(default)s)")
     ap.add_argument("--out", default="artifacts/gpu_bench")
     args = ap.parse_args()
     from verispec.models.device import resolve_device
@@ -223,16 +263,25 @@ def main() -> None:
     report = {"args": vars(args), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
               "torch": torch.__version__, "copy_bandwidth_gb_per_second": copy_bandwidth(device), "results": []}
     print(f"{report['device_name']}: copy bandwidth {report['copy_bandwidth_gb_per_second']:.0f} GB/s", flush=True)
-    for size in args.sizes.split(","):
-        result = measure(size.strip(), args, device)
-        report["results"].append(result)
-        share = result["plain_streamed_gb_per_second"] / report["copy_bandwidth_gb_per_second"]
-        g = result["greedy"]
-        print(f"{size}: plain {result['plain_tokens_per_second']:.1f} tok/s ({share:.0%} of copy bandwidth); greedy "
-              f"verispec {g['verispec']['tokens_per_second']:.1f} (acceptance {g['verispec']['acceptance_rate']:.2f}), "
-              f"HF assisted {g['hf-assisted']['tokens_per_second']:.1f}, HF generate {g['hf-generate']['tokens_per_second']:.1f}"
-              f"; v(k) {[round(v, 2) for v in result['pass_costs']['v'].values()]}", flush=True)
+
+    def save() -> None:
         (out / "gpu_bench.json").write_text(json.dumps(report, indent=1))
+
+    for size in args.sizes.split(","):
+        result: dict = {}
+        report["results"].append(result)
+        measure(size.strip(), args, device, result, save)
+        share = result["plain_streamed_gb_per_second"] / report["copy_bandwidth_gb_per_second"]
+        print(f"{size}: plain {result['plain_tokens_per_second']:.1f} tok/s ({share:.0%} of copy bandwidth); "
+              f"v(k) {[round(v, 2) for v in result['pass_costs']['v'].values()]}", flush=True)
+        for mode in args.modes.split(","):
+            g = result[mode]
+            print(f"  {mode}: verispec {g['verispec']['tokens_per_second']:.1f} tok/s (acceptance "
+                  f"{g['verispec']['acceptance_rate']:.2f}, {g['verispec']['tokens_per_target_pass']:.2f} tokens/pass), "
+                  f"HF assisted {g['hf-assisted']['tokens_per_second']:.1f}, HF generate "
+                  f"{g['hf-generate']['tokens_per_second']:.1f}; batches "
+                  f"{ {b: round(r['tokens_per_second_per_request'], 1) for b, r in g['batches'].items()} }", flush=True)
+        save()
     report["plots"] = plot(report, out)
     (out / "gpu_bench.json").write_text(json.dumps(report, indent=1))
     print(f"written: {out / 'gpu_bench.json'}, " + ", ".join(Path(p).name for p in report["plots"]))

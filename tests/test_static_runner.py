@@ -134,3 +134,29 @@ def test_compiled_passes_equal_the_eager_ones():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # compiled, not run eagerly
     plain = decode(ModelRunner(target), None)
     assert decode(compiled, None) == plain
+
+
+def test_one_graph_per_batch_size_and_width():
+    """The cache is allocated with the state: a width compiles once, whether or not it is a request's first pass, and
+    a second request compiles nothing (a graph traced on a cache whose layers were not yet initialized used to be
+    traced again for the same width once they were)."""
+    runner = StaticRunner(tiny_model("llama", seed=6), 128, compile=True)
+    counters = torch._dynamo.utils.counters["stats"]
+
+    def one_request():
+        state = runner.new_state(1)
+        runner.forward(state, [[1, 2, 3]], [1])  # the prompt: width 4, compiled
+        runner.forward(state, [[4, 5, 6]], [3])  # width 4 again, on a cache that now holds tokens
+        runner.forward(state, [[7]], [1])  # width 1
+        runner.rollback(state, [1])
+
+    before = counters["unique_graphs"]
+    one_request()
+    assert counters["unique_graphs"] - before == 2
+    one_request()
+    assert counters["unique_graphs"] - before == 2
+
+
+def test_an_unknown_compile_backend_is_one_clear_line():
+    with pytest.raises(VerispecError, match="unknown compile backend 'tensorrt'"):
+        StaticRunner(tiny_model("llama"), 128, backend="tensorrt")

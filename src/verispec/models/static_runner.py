@@ -8,8 +8,9 @@ each row's `valid` mask says which columns hold its live tokens, and padded colu
 
 Every pass runs at one of a few widths (`WIDTHS`: a pass over 3 tokens runs at 4, its last column a hole) and its
 mask always spans the whole capacity, so the model sees a handful of fixed shapes per batch size, which
-`torch.compile` captures once each (with CUDA graphs, mode "reduce-overhead", on a GPU). Wider passes (a prompt)
-run eagerly on the same cache: compiling a prefill of every length would cost more than it saves. The LM head runs
+`torch.compile` captures once each (with CUDA graphs, mode "reduce-overhead", on a GPU) up to COMPILED_WIDTH.
+Wider passes (a prompt) run eagerly on the same cache: compiling a prefill of every length would cost more than it
+saves. The cache is allocated with the state, so a graph never sees a cache that is not yet initialized. The LM head runs
 outside the compiled call, on the kept positions only.
 
 Off the CPU the logits stay on the device: the engine samples and verifies there, with per-sequence generators
@@ -30,7 +31,9 @@ from transformers import StaticCache
 from verispec.errors import VerispecError
 from verispec.models.runner import KVState, ModelRunner
 
-WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # the pass widths compiled; wider passes run eagerly
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # the widths a pass is padded to
+COMPILED_WIDTH = 32  # passes up to this width run compiled (decode, verification, trees); wider ones (prompts) eagerly
+BACKENDS = ("inductor", "cudagraphs")  # torch.compile backends: fused kernels, or the eager kernels graph-captured
 DEFAULT_CAPACITY = 4096  # cache columns per row unless the model's context window is shorter
 RECOMPILE_LIMIT = 256  # graphs kept per compiled frame: len(WIDTHS) per batch size a server reaches, and then some
 
@@ -41,6 +44,7 @@ class StaticKVState(KVState):
     def _layers(self) -> list:
         return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
 
+    @torch.inference_mode()
     def set_length(self, length: int) -> None:
         """Move the cache's write position to `length` (columns past it are free)."""
         for layer in self._layers():
@@ -51,6 +55,7 @@ class StaticKVState(KVState):
         self.valid = self.valid[:, :length]
         self.set_length(length)
 
+    @torch.inference_mode()
     def _rebuild(self, change) -> None:
         """Replace every layer's tensors by change(tensor) (rows kept or added), keeping them static addresses."""
         for layer in self._layers():
@@ -96,12 +101,15 @@ class StaticRunner(ModelRunner):
         model: a transformers causal LM (on the device it runs on).
         capacity: cache columns per row (a row's live tokens plus the holes between them); None: the model's context
             window, at most DEFAULT_CAPACITY.
-        compile: compile the passes up to the widest of WIDTHS with `torch.compile` (False: the same code eagerly).
-        mode: torch.compile's mode (None: "reduce-overhead", CUDA graphs, on CUDA; the default mode elsewhere).
+        compile: compile the passes up to COMPILED_WIDTH with `torch.compile` (False: the same code eagerly).
+        mode: torch.compile's mode for the inductor backend (None: "reduce-overhead", CUDA graphs, on CUDA; the
+            default mode elsewhere).
+        backend: "inductor" (fused kernels; a compile of the whole decoder per batch size and width) or
+            "cudagraphs" (the eager kernels captured in CUDA graphs: no kernel compilation, seconds per shape).
     """
 
     def __init__(self, model: torch.nn.Module, capacity: int | None = None, compile: bool = True,
-                 mode: str | None = None) -> None:
+                 mode: str | None = None, backend: str = "inductor") -> None:
         super().__init__(model)
         self.capacity = int(capacity or min(self.context_window, DEFAULT_CAPACITY))
         if self.capacity < WIDTHS[-1]:
@@ -114,14 +122,27 @@ class StaticRunner(ModelRunner):
             for name in ("recompile_limit", "cache_size_limit"):
                 if hasattr(torch._dynamo.config, name):
                     setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT))
-            mode = mode or ("reduce-overhead" if self.device.type == "cuda" else None)
-            self._step = torch.compile(self._base, mode=mode, dynamic=False, fullgraph=False)
+            if backend not in BACKENDS:
+                raise VerispecError(f"unknown compile backend '{backend}': choose {' or '.join(BACKENDS)}")
+            if backend == "cudagraphs":
+                self._step = torch.compile(self._base, backend="cudagraphs", dynamic=False, fullgraph=False)
+            else:
+                mode = mode or ("reduce-overhead" if self.device.type == "cuda" else None)
+                self._step = torch.compile(self._base, mode=mode, dynamic=False, fullgraph=False)
         else:
             self._step = self._base
 
+    @torch.inference_mode()
     def new_state(self, batch_size: int) -> StaticKVState:
+        """A batch's cache, allocated now (not at its first pass): a compiled pass then always finds the same
+        initialized layers, and one graph serves a batch size and width whether or not the cache is new."""
+        config = self.model.config
+        cache = StaticCache(config=config, max_cache_len=self.capacity)
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        cache.early_initialization(batch_size, heads, head_dim, self.dtype, self.device)
         return StaticKVState(
-            cache=StaticCache(config=self.model.config, max_cache_len=self.capacity),
+            cache=cache,
             valid=torch.zeros(batch_size, 0, dtype=torch.bool),
             lengths=torch.zeros(batch_size, dtype=torch.long),
         )
@@ -157,7 +178,7 @@ class StaticRunner(ModelRunner):
     def _run(self, state: StaticKVState, input_ids: torch.Tensor, position_ids: torch.Tensor,
              attention_mask: torch.Tensor, keep: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         device = self.device
-        step = self._step if input_ids.shape[1] <= WIDTHS[-1] else self._base  # a prompt runs eagerly
+        step = self._step if input_ids.shape[1] <= COMPILED_WIDTH else self._base  # a prompt runs eagerly
         out = step(input_ids=input_ids.to(device), position_ids=position_ids.to(device),
                    attention_mask=attention_mask.to(device), past_key_values=state.cache, use_cache=True,
                    output_hidden_states=bool(self.aux_layers))

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One GPU session's measurements in one command (the device machine starts bare: no venv, its own torch).
+#   bash benchmarks/gpu_session.sh [gpu_bench.py arguments]
+# Writes under $OUT (or ./artifacts/gpu_session): env.txt, pytest_gpu.log, bench.log and gpu_bench.json with plots.
+# Wheels in .whl/ (e.g. the transformers this project is tested with) are installed to /tmp/site first.
+# PYTEST_TIMEOUT / BENCH_TIMEOUT bound each stage in seconds; SKIP_PYTEST=1 skips the tests.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-artifacts/gpu_session}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  "$PY" -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+  lscpu | grep -E "Model name|^CPU\(s\)"
+} 2>&1 | tee "$OUT/env.txt"
+if [ "${SKIP_PYTEST:-0}" != 1 ]; then
+  start=$(date +%s)
+  timeout "${PYTEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider -rA 2>&1 \
+    | tee "$OUT/pytest_gpu.log" | tail -25
+  echo "pytest -m gpu: $(( $(date +%s) - start )) s"
+fi
+timeout "${BENCH_TIMEOUT:-330}" "$PY" benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 \
+  | grep -v -E "FutureWarning|outputs = func|generation_config|deprecated" | tee "$OUT/bench.log"
