@@ -220,6 +220,21 @@ class ServeConfig:
         max_draft_tokens: largest per-request K (`speculative.K`), and deepest tree. Default 16.
         max_tree_nodes: most nodes a request's draft tree (`speculative.tree`) may have. Default 64.
         shutdown_timeout: seconds in-flight requests get to finish on shutdown before being cut. Default 10.
+        max_stop_strings: most stop strings a request may send (OpenAI's limit). Default 4.
+        max_stop_length: longest stop string, in characters. Default 128.
+        max_request_tokens: most tokens one request may hold, prompt plus max_tokens (None: the context window).
+        max_cache_bytes: key/value cache the running requests may hold together, reserved at admission for each
+            request's prompt plus max_tokens; a request that would not fit waits in the queue, one that could
+            never fit is refused (400). None: a quarter of this machine's memory.
+        prefill_chunk: prompt tokens a joining request reads per step, so a long prompt is read over several
+            steps interleaved with the other rows' decoding instead of stalling them. Default 256.
+        send_timeout: seconds a streamed chunk may wait for a client that reads nothing before the request is
+            cut. Default 30.
+        limit_concurrency: open connections and requests at once; more get HTTP 503. Default 128.
+        timeout_keep_alive: seconds an idle keep-alive connection stays open. Default 5.
+        header_timeout: seconds a client has to send a request's headers before its connection is closed
+            (clients that trickle headers byte by byte hold no connection for long). Default 10.
+        body_timeout: seconds a client has to send a request's body once its headers arrived. Default 30.
     """
 
     host: str = "127.0.0.1"
@@ -235,19 +250,31 @@ class ServeConfig:
     max_draft_tokens: int = 16
     max_tree_nodes: int = 64
     shutdown_timeout: float = 10.0
+    max_stop_strings: int = 4
+    max_stop_length: int = 128
+    max_request_tokens: int | None = None
+    max_cache_bytes: int | None = None
+    prefill_chunk: int = 256
+    send_timeout: float = 30.0
+    limit_concurrency: int = 128
+    timeout_keep_alive: float = 5.0
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
             raise VerispecError(f"port must be in 0..65535, got {self.port}")
         if self.api_key is not None and not self.api_key.strip():
             raise VerispecError("the API key is empty")
-        for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_draft_tokens", "max_tree_nodes"):
-            if getattr(self, name) < 1:
-                raise VerispecError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_prompt_tokens", "max_tokens_limit"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise VerispecError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("request_timeout", "shutdown_timeout"):
+        for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_draft_tokens", "max_tree_nodes",
+                     "max_stop_strings", "max_stop_length", "prefill_chunk", "limit_concurrency"):
+            if not _is_count(getattr(self, name), 1):
+                raise VerispecError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+        for name in ("max_prompt_tokens", "max_tokens_limit", "max_request_tokens", "max_cache_bytes"):
+            if getattr(self, name) is not None and not _is_count(getattr(self, name), 1):
+                raise VerispecError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+        for name in ("request_timeout", "shutdown_timeout", "send_timeout", "timeout_keep_alive", "header_timeout",
+                     "body_timeout"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
                 raise VerispecError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
 

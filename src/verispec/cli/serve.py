@@ -31,6 +31,27 @@ def add_parser(sub) -> None:
                    help=f"most nodes of a per-request speculative.tree (default: {default_of(ServeConfig, 'max_tree_nodes')})")
     s.add_argument("--shutdown-timeout", type=float,
                    help=f"seconds in-flight requests get on shutdown (default: {default_of(ServeConfig, 'shutdown_timeout')})")
+    s.add_argument("--max-stop-strings", type=int,
+                   help=f"most stop strings per request (default: {default_of(ServeConfig, 'max_stop_strings')})")
+    s.add_argument("--max-stop-length", type=int,
+                   help=f"longest stop string in characters (default: {default_of(ServeConfig, 'max_stop_length')})")
+    s.add_argument("--max-request-tokens", type=int, help="most prompt + max_tokens per request (default: the context window)")
+    s.add_argument("--max-cache-bytes", type=int,
+                   help="key/value cache the running requests may reserve together; requests that do not fit wait "
+                        "(default: a quarter of this machine's memory)")
+    s.add_argument("--prefill-chunk", type=int,
+                   help=f"prompt tokens a joining request reads per step, interleaved with the others' decoding "
+                        f"(default: {default_of(ServeConfig, 'prefill_chunk')})")
+    s.add_argument("--send-timeout", type=float,
+                   help=f"seconds a stream waits for a client that reads nothing (default: {default_of(ServeConfig, 'send_timeout')})")
+    s.add_argument("--limit-concurrency", type=int,
+                   help=f"open connections and requests before HTTP 503 (default: {default_of(ServeConfig, 'limit_concurrency')})")
+    s.add_argument("--timeout-keep-alive", type=float,
+                   help=f"seconds an idle keep-alive connection stays open (default: {default_of(ServeConfig, 'timeout_keep_alive')})")
+    s.add_argument("--header-timeout", type=float,
+                   help=f"seconds a client has to send its headers (default: {default_of(ServeConfig, 'header_timeout')})")
+    s.add_argument("--body-timeout", type=float,
+                   help=f"seconds a client has to send its body (default: {default_of(ServeConfig, 'body_timeout')})")
     s.add_argument("--adapt", action="store_true",
                    help="online adaptation: the drafter learns from verification between requests, in the background")
     r = s.add_argument_group("scale-out on Ray Serve (pip install 'verispec[ray]')")
