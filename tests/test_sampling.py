@@ -88,3 +88,30 @@ def test_bad_sampling_settings_are_rejected(kwargs, fragment):
 def test_bad_spec_settings_are_rejected(kwargs, fragment):
     with pytest.raises(VerispecError, match=fragment):
         SpecConfig(**kwargs)
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1e-40), SamplingConfig(temperature=5e-324),
+                                 SamplingConfig(temperature=1e-30, top_p=0.5, min_p=0.5),
+                                 SamplingConfig(temperature=1e300, top_k=3),
+                                 SamplingConfig(repetition_penalty=1e-300), SamplingConfig(repetition_penalty=1e300)],
+                         ids=["T1e-40", "T5e-324", "T1e-30-top-p", "T1e300", "penalty1e-300", "penalty1e300"])
+def test_extreme_settings_give_a_distribution_never_nan(cfg):
+    """Settings at the edge of float range used to become inf / inf = NaN, and the server's shared step raised for
+    every request batched with them; a tiny temperature now gives the argmax, a huge one the uniform."""
+    logits = torch.tensor([[2.0, 7.5, -3.0, 7.4, 0.5]])
+    seen = torch.tensor([[True, False, True, True, False]])
+    probs = logits_to_probs(logits, cfg, seen if cfg.repetition_penalty != 1 else None)
+    assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-6
+    if cfg.temperature < 1e-20:
+        assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]
+    if cfg.repetition_penalty == 1e-300:  # the seen positive logits dominate: 2.0 and 7.4 both reach float's max
+        assert probs[0, [0, 3]].sum() == pytest.approx(1.0)
+    assert greedy_tokens(logits, SamplingConfig(temperature=0, repetition_penalty=cfg.repetition_penalty),
+                         seen).numel() == 1
+
+
+def test_nan_logits_are_refused_not_sampled():
+    with pytest.raises(ValueError, match="NaN"):
+        logits_to_probs(torch.tensor([[0.0, float("nan")]]), SamplingConfig())
+    with pytest.raises(ValueError, match="NaN"):
+        greedy_tokens(torch.tensor([[0.0, float("nan")]]), SamplingConfig(temperature=0))

@@ -8,6 +8,11 @@ top-k, top-p, min-p, in that order (the order Hugging Face applies them).
 
 Temperature 0 is greedy: `greedy_tokens` takes the argmax of the (penalised) logits.
 Everything is computed in float32 whatever the model's dtype.
+
+No setting overflows into NaN: a penalised logit past float32's range is held at its largest finite value,
+and temperature divides the logits after their maximum is subtracted, so a tiny temperature (1e-40, or
+5e-324 which is 0 in float32) makes the distribution one-hot at the argmax instead of inf / inf. Logits that
+are NaN (a broken model) are refused with a ValueError rather than sampled from.
 """
 
 from __future__ import annotations
@@ -68,7 +73,16 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
         return logits
     seen = seen.to(logits.device)  # masks are built on the host; the logits may be on a GPU
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)  # (N, V)
+    penalised = penalised.clamp(max=torch.finfo(penalised.dtype).max)  # a tiny penalty: largest finite, not inf
     return torch.where(seen, penalised, logits)
+
+
+def _check_finite(logits: torch.Tensor) -> None:
+    """Refuse logits a distribution cannot be made from: NaN anywhere, or a row with no finite entry."""
+    if bool(torch.isnan(logits).any()):
+        raise ValueError("the model's logits hold NaN: no distribution can be made from them")
+    if bool((logits.amax(dim=-1) == float("-inf")).any()):
+        raise ValueError("a row of logits is -inf everywhere: no token is possible")
 
 
 def greedy_tokens(logits: torch.Tensor, config: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,6 +90,7 @@ def greedy_tokens(logits: torch.Tensor, config: SamplingConfig, seen: torch.Tens
     logits = logits.float()
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, config.repetition_penalty)
+    _check_finite(logits)
     return logits.argmax(dim=-1)
 
 
@@ -94,7 +109,10 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig, seen: torch.Te
     logits = logits.float()  # (N, V)
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, config.repetition_penalty)
-    logits = logits / config.temperature
+    _check_finite(logits)
+    # (l - max) / T <= 0: never overflows, however small T; entries below the max go to -inf as T -> 0
+    temperature = max(config.temperature, torch.finfo(logits.dtype).tiny)  # 5e-324 is 0 in float32: 0 / 0
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if config.top_k > 0 and config.top_k < logits.shape[-1]:
         kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]  # (N, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
