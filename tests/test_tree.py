@@ -311,3 +311,22 @@ def test_auto_tuned_dynamic_trees_equal_plain_decoding_and_shrink_with_steep_cos
         assert [s.generated for s in seqs] == plain_tokens(target, PROMPTS, eos={7})
         drafted[name] = sum(s.stats.draft_tokens for s in seqs) / sum(s.stats.target_forward_passes for s in seqs)
     assert drafted["steep"] < drafted["flat"]
+
+
+def test_a_huge_top_k_is_capped_at_the_budget_and_bounds_the_draft_work(pair):
+    """{"budget": 8, "top_k": 1000000000} gave every node up to V children and expanded every node of a depth in one
+    draft pass (2,209 nodes at K = 3 on a 47-token vocabulary, against 4 with top_k = 4): one ~100-byte request
+    made a step's work explode. top_k is now at most the budget, so a depth's pass reads at most budget nodes."""
+    assert TreeConfig(budget=8, top_k=10**9).top_k == 8 and TreeConfig(budget=8, top_k=3).top_k == 3
+    target, draft = pair
+    draft_runner = ModelRunner(draft)
+    widths = []
+    forward = draft_runner.forward
+    draft_runner.forward = lambda state, tokens, n: widths.append(max(map(len, tokens))) or forward(state, tokens, n)
+    engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(draft_runner, 64), set())
+    for sampling in (GREEDY, SamplingConfig(temperature=1.0)):
+        widths.clear()
+        seqs = engine.generate([PROMPTS[0]], sampling, SpecConfig(num_draft_tokens=3, max_new_tokens=12,
+                                                                 tree=TreeConfig(budget=8, top_k=10**9)), seeds=0)
+        assert len(seqs[0].generated) == 12
+        assert max(widths[1:]) <= 8  # after the prompt: at most `budget` nodes expanded per depth

@@ -71,8 +71,9 @@ class TreeConfig:
             them 2 and each of those 1 (3 + 6 + 6 = 15 nodes, depth 3).
         budget: dynamic tree (EAGLE-2 style): at most this many nodes, grown where the draft is most
             confident; its depth is the spec's K (num_draft_tokens), so it costs a chain's draft passes.
-        top_k: dynamic trees: nodes the draft model expands per depth, and children per expanded node.
-            Default 4.
+        top_k: dynamic trees: nodes the draft model expands per depth, and children per expanded node; at most
+            the budget (a tree keeps no more children of one node, nor needs more nodes of one depth, than its
+            budget), so a dynamic tree's draft work is bounded by budget x budget candidates per depth. Default 4.
         pass_costs: dynamic trees sized from measured costs (set by the engine from an auto-tuner's
             `CostProfile`, see `verispec.tuning`): pass_costs[n] is the cost of a target pass over n + 1
             tokens relative to one token. Nodes are then kept best first only while each raises the
@@ -118,6 +119,8 @@ class TreeConfig:
             raise VerispecError(f"a tree budget is a number of nodes in 1..{MAX_TREE_NODES}, got {self.budget}")
         if not _is_count(self.top_k, 1):
             raise VerispecError(f"tree top_k must be an integer >= 1, got {self.top_k}")
+        if self.budget is not None and self.top_k > self.budget:
+            object.__setattr__(self, "top_k", int(self.budget))
         if self.children not in TREE_CHILDREN:
             raise VerispecError(f"tree children must be one of {', '.join(TREE_CHILDREN)}, got '{self.children}'")
         if self.budget is not None:
