@@ -96,3 +96,33 @@ def test_damaged_converted_copy_is_rebuilt(tmp_path, monkeypatch, capsys):
     again = loading.load_model(str(gguf), backend="torch")
     assert len(conversions) == 2 and "failed to load" in capsys.readouterr().err
     assert type(again.model) is type(first.model)
+
+
+@pytest.mark.parametrize("stamp", [b"", b'{"size": 3', b"\xff\xfe garbage", b"[1, 2]", b'"verified"', b"null"])
+def test_an_unreadable_stamp_means_verify_again_not_a_crash(fake_model, tmp_path, monkeypatch, stamp):
+    """A truncated or garbage NAME.verified.json (a kill while an older version wrote it in place) used to
+    break every later load with a JSON error; now the file's sha256 is checked again and the stamp rewritten."""
+    import json
+
+    model, data, _ = fake_model
+    path = assemble(model)
+    stamp_file = path.with_suffix(".verified.json")
+    stamp_file.write_bytes(stamp)
+    hashed = []
+    real = registry.sha256_file
+    monkeypatch.setattr(registry, "sha256_file", lambda p: hashed.append(p) or real(p))
+    assert assemble(model) == path and hashed == [path] and path.read_bytes() == data
+    assert json.loads(stamp_file.read_text())["sha256"] == model.sha256
+    assert assemble(model) == path and hashed == [path]  # the new stamp holds: not hashed a third time
+    assert cache_files(tmp_path) == ["fake.gguf", "fake.verified.json"]
+
+
+def test_assembly_leaves_another_writers_temporary_file_alone(fake_model, tmp_path):
+    """Before: the temporary name was .NAME.PID.partial, the same for two threads of one process."""
+    model, data, _ = fake_model
+    gguf = tmp_path / "cache" / "gguf"
+    gguf.mkdir(parents=True)
+    other = gguf / f".fake.gguf.{os.getpid()}.partial"
+    other.write_bytes(b"another thread's half-assembled file")
+    assert assemble(model).read_bytes() == data
+    assert other.read_bytes() == b"another thread's half-assembled file"

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.atomic import atomic_write_json
 from verispec.errors import VerispecError
 from verispec.rejection import TreeTry, TreeVerdict, Verdict, acceptance_probability, residual_distribution, walk_tree
 from verispec.tree import TreeDraft
@@ -229,7 +230,7 @@ def trace_document(steps: list[dict], result: dict, prompt: str, sampling: dict,
 
 def save_trace(path: str | Path, document: dict) -> None:
     try:
-        Path(path).write_text(json.dumps(document))
+        atomic_write_json(path, document)
     except OSError as err:
         raise VerispecError(f"cannot write trace {path}: {err.strerror}") from None
 

@@ -8,6 +8,7 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
+from verispec.atomic import atomic_write_json, atomic_write_text
 from verispec.bench.plots import plot_acceptance_by_position, plot_speedup
 from verispec.bench.report import Record, best_speculative, markdown, summarize
 from verispec.bench.systems import Run
@@ -46,10 +47,9 @@ def _gguf_limit(head: dict, summary: dict) -> tuple[float | None, dict[str, floa
 
 
 def write_json(path: Path, report: dict) -> None:
-    """Write through a temporary file, so a reader (or a killed bench) never sees half a JSON file."""
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(path)
+    """Write through a temporary file of its own (`verispec.atomic`), so a reader (or a killed bench) never
+    sees half a JSON file."""
+    atomic_write_json(path, report, indent=2)
 
 
 def write_report(out: Path, head: dict, records: list[Record], failures: list[dict], greedy: bool) -> dict:
@@ -86,7 +86,7 @@ def write_report(out: Path, head: dict, records: list[Record], failures: list[di
         table += "\n\nfailed runs (left out of the figures above):\n" + "\n".join(
             f"- {f['system']} on q{f['question_id']} ({f['category']}, {f['prompt_tokens']} prompt tokens): {f['error']}"
             for f in failures)
-    (out / "bench.md").write_text(table + "\n")
+    atomic_write_text(out / "bench.md", table + "\n")
     report["markdown"] = table
     report["plots"] = [str(plot_speedup(summary, categories, out / "speedup_by_category.png")),
                        str(plot_acceptance_by_position(summary, out / "acceptance_by_position.png"))]

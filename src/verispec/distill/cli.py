@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.atomic import atomic_path
 from verispec.console import notice
 from verispec.errors import VerispecError
 
@@ -121,6 +122,24 @@ def target_embeddings(spec: str) -> torch.Tensor:
     return load_model(spec).model.get_input_embeddings().weight.detach()
 
 
+def draft_vocabulary(vocab_file: Path, resume: bool, choose) -> torch.Tensor:
+    """The run's draft vocabulary, (Vd,) target token ids: the one saved in `vocab_file` when resuming, else
+    choose()'s, saved there atomically (`verispec.atomic`: a kill leaves the previous file or none). A file
+    that cannot be read as one (damaged, or not a vocabulary) is chosen again: the choice is deterministic."""
+    if resume and vocab_file.is_file():
+        try:
+            to_target = torch.load(vocab_file, weights_only=True)  # a tensor: nothing to unpickle
+            if isinstance(to_target, torch.Tensor) and to_target.dim() == 1 and not to_target.is_floating_point():
+                return to_target
+            notice(f"[yellow]{vocab_file} holds no draft vocabulary[/yellow]; choosing it again")
+        except Exception as err:  # noqa: BLE001 - any unreadable file is chosen again, with one line
+            notice(f"[yellow]{vocab_file} cannot be read[/yellow] ({type(err).__name__}); choosing it again")
+    to_target = choose()
+    with atomic_path(vocab_file) as tmp:
+        torch.save(to_target, tmp)
+    return to_target
+
+
 def _train(args: argparse.Namespace) -> int:
     from verispec.distill.data import SPLIT_RULE
     from verispec.models.distilled import TinyDraftConfig, VocabMap, choose_vocabulary, vocab_fingerprint
@@ -136,13 +155,10 @@ def _train(args: argparse.Namespace) -> int:
         records, val = split_validation(records, 0.05, cfg.seed)
     target_vocab = len(tokenizer)
     args.out.mkdir(parents=True, exist_ok=True)
-    vocab_file = args.out / "vocab.pt"
-    if vocab_file.is_file() and not args.no_resume:
-        to_target = torch.load(vocab_file)
-    else:
-        always = sorted(set(tokenizer.all_special_ids) | eos_ids(tokenizer))
-        to_target = choose_vocabulary((r.tokens for r in records), shape.draft_vocab_size, always, target_vocab)
-        torch.save(to_target, vocab_file)
+    always = sorted(set(tokenizer.all_special_ids) | eos_ids(tokenizer))
+    to_target = draft_vocabulary(
+        args.out / "vocab.pt", not args.no_resume,
+        lambda: choose_vocabulary((r.tokens for r in records), shape.draft_vocab_size, always, target_vocab))
     vocab = VocabMap.from_target_ids(to_target, target_vocab)
     if vocab.draft_vocab_size != shape.draft_vocab_size:
         shape = dataclasses.replace(shape, draft_vocab_size=vocab.draft_vocab_size)

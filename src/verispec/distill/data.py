@@ -16,7 +16,6 @@ Positions before `label_start` are plain text (next-token cross-entropy only).
 from __future__ import annotations
 
 import ast
-import json
 import random
 import sysconfig
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.atomic import atomic_path, atomic_write_json
 from verispec.datasets import HELDOUT, SPLIT_RULE, TRAIN, load_prompts, split_of  # noqa: F401 (re-exported)
 
 
@@ -61,10 +61,8 @@ def save_shard(path: Path, records: list[Record]) -> None:
         "topk_logprobs": torch.cat([pad(r.topk_logprobs.reshape(-1, r.topk_logprobs.shape[1] or 1), float("-inf"))
                                     for r in records]).to(torch.float16),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
-    save_file({k_: v.contiguous() for k_, v in tensors.items()}, str(tmp))
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        save_file({k_: v.contiguous() for k_, v in tensors.items()}, str(tmp))
 
 
 def load_shard(path: Path) -> list[Record]:
@@ -155,5 +153,4 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n")
+    atomic_write_json(path, obj, indent=2)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.atomic import atomic_write_json
 from verispec.console import notice, stderr_console
 from verispec.distill.data import (
     HELDOUT,
@@ -93,9 +94,8 @@ def run_labels(config: LabelConfig, teacher, tokenizer, out: Path) -> int:
         if pending:
             save_shard(out / f"shard_{shard:05d}.safetensors", [r for _, r in pending])
             done.update(todo[j] for j, _ in pending)
-            tmp = state_file.with_suffix(".partial")
-            tmp.write_text(json.dumps({"config": config.__dict__, "done": sorted(done)}))
-            tmp.replace(state_file)  # a reader (or a crash) never sees half a file
+            # atomically: a reader (or a crash) never sees half a file
+            atomic_write_json(state_file, {"config": config.__dict__, "done": sorted(done)})
             shard += 1
             pending.clear()
 

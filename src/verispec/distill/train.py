@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.atomic import atomic_path
 from verispec.distill.data import Record
 from verispec.models.distilled import TinyDraftConfig, VocabMap, save_distilled
 from verispec.errors import VerispecError
@@ -249,7 +250,7 @@ def train(model: torch.nn.Module, config: TinyDraftConfig, vocab: VocabMap, trai
     step, history = 0, []
     ckpt = out / "checkpoint.pt"
     if resume and ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=True)  # tensors, numbers, strings: nothing to unpickle
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         rng.set_state(state["rng"])
@@ -285,10 +286,9 @@ def train(model: torch.nn.Module, config: TinyDraftConfig, vocab: VocabMap, trai
                     f.write(json.dumps(entry) + "\n")
                 progress.console.print(" ".join(f"{m}={v}" for m, v in entry.items()))
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                tmp = ckpt.with_suffix(".partial")
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng.get_state(),
-                            "step": step, "history": history}, tmp)
-                tmp.replace(ckpt)
+                with atomic_path(ckpt) as tmp:
+                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng.get_state(),
+                                "step": step, "history": history}, tmp)
     model.eval()
     summary = {**meta, "train_config": asdict(cfg), "draft_config": asdict(config), "history": history[-5:]}
     if val_records:

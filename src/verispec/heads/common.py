@@ -1,21 +1,22 @@
 """What both kinds of `verispec train-heads` share: the split into training and validation answers and the
 OUT.partial folder.
 
-Everything goes to OUT.partial first: the collected answers (`answers.pt`), a checkpoint every 100 steps
-(`checkpoint.pt`: the model, the optimizer, the step), then the head itself. `--resume` goes on from there
-(the answers are not collected again). OUT appears, by a rename, only when the head is complete; the answers
-and the checkpoint are not part of it.
+The collected answers (`answers.pt`) and a checkpoint every 100 steps (`checkpoint.pt`: the model, the
+optimizer, the step) go to OUT.partial, each written atomically (`verispec.atomic`: a kill leaves the last
+complete file). `--resume` goes on from there (the answers are not collected again). The head is built in a
+folder of its own beside OUT and renamed to OUT only when it is complete; OUT.partial is removed only after
+that, so a failure while saving the head (a full disk, a kill) loses no answers and no training.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from verispec.atomic import atomic_dir, atomic_path, atomic_write_json
 from verispec.console import notice
 from verispec.errors import VerispecError
 
@@ -46,8 +47,8 @@ class Partial:
             notice(f"resuming: {len(answers)} answers read from {path}")
             return answers
         answers = collect()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        torch.save(answers, path)
+        with atomic_path(path) as tmp:
+            torch.save(answers, tmp)
         return answers
 
     def checkpoint_to_resume(self, steps: int, device: str = "cpu") -> dict | None:
@@ -60,22 +61,18 @@ class Partial:
         return saved
 
     def checkpoint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-        """Save a checkpoint (written beside, then renamed over the last one)."""
-        tmp = self.folder / (CHECKPOINT + ".tmp")
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
-        tmp.replace(self.folder / CHECKPOINT)
+        """Save a checkpoint (written beside under a name of its own, then renamed over the last one)."""
+        with atomic_path(self.folder / CHECKPOINT) as tmp:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
 
     def finish(self, save, runner, target_name: str, log: dict) -> None:
-        """Empty the folder (the answers, the checkpoint, anything an earlier run left), save(folder) the head,
-        write training.json and the manifest (sha256, the target's fingerprint), then rename the folder to OUT:
-        it appears only complete."""
+        """save(folder) the head into a fresh folder, write training.json and the manifest (sha256, the target's
+        fingerprint) there, and rename that folder to OUT: it appears only complete. Only then is OUT.partial
+        (the answers, the checkpoint) removed; if anything before raises, it is kept for --resume."""
         from verispec.models.heads import write_manifest
 
+        with atomic_dir(self.out) as folder:
+            save(folder)
+            atomic_write_json(folder / "training.json", log, indent=1)
+            write_manifest(folder, runner, {"target": target_name})
         shutil.rmtree(self.folder, ignore_errors=True)
-        self.folder.mkdir(parents=True)
-        save(self.folder)
-        (self.folder / "training.json").write_text(json.dumps(log, indent=1) + "\n")
-        write_manifest(self.folder, runner, {"target": target_name})
-        if self.out.exists():
-            self.out.rmdir()
-        self.folder.rename(self.out)

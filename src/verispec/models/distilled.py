@@ -133,18 +133,22 @@ def is_distilled_dir(path: Path) -> bool:
 
 
 def save_distilled(out: Path, config: TinyDraftConfig, model: torch.nn.Module, vocab: VocabMap, meta: dict) -> Path:
-    """Write a distilled draft directory (weights as float16) with its manifest of sha256 sums."""
+    """Write a distilled draft directory (weights as float16) with its manifest of sha256 sums. The directory
+    is built aside and renamed into place whole (`atomic.atomic_dir`): a kill leaves the previous draft, never
+    new weights beside an old vocabulary or manifest."""
     from safetensors.torch import save_file
 
+    from verispec.atomic import atomic_dir, atomic_write_json
+
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()
              if k != "lm_head.weight"}  # tied to the embedding
-    save_file(state, str(out / WEIGHTS))
-    save_file({"to_target": vocab.to_target.to(torch.int32).contiguous()}, str(out / VOCAB))
-    (out / CONFIG).write_text(json.dumps(asdict(config), indent=2) + "\n")
-    manifest = {**meta, "sha256": {WEIGHTS: _sha256(out / WEIGHTS), VOCAB: _sha256(out / VOCAB)}}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    with atomic_dir(out) as folder:
+        save_file(state, str(folder / WEIGHTS))
+        save_file({"to_target": vocab.to_target.to(torch.int32).contiguous()}, str(folder / VOCAB))
+        atomic_write_json(folder / CONFIG, asdict(config), indent=2)
+        manifest = {**meta, "sha256": {WEIGHTS: _sha256(folder / WEIGHTS), VOCAB: _sha256(folder / VOCAB)}}
+        atomic_write_json(folder / MANIFEST, manifest, indent=2)
     return out
 
 

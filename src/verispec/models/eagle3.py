@@ -213,16 +213,18 @@ class Eagle3Head(nn.Module):
         """Write the SpecForge format: config.json and model.safetensors (weights in `dtype`)."""
         from safetensors.torch import save_file
 
+        from verispec.atomic import atomic_path, atomic_write_json
+
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
         tensors = {name: (t.to(dtype) if t.is_floating_point() else t).detach().contiguous()
                    for name, t in self.state_dict().items() if not name.startswith("rotary.")}
-        save_file(tensors, str(folder / "model.safetensors"))
-        (folder / CONFIG).write_text(json.dumps(self.config.to_json(), indent=1) + "\n")
+        with atomic_path(folder / "model.safetensors") as tmp:
+            save_file(tensors, str(tmp))
+        atomic_write_json(folder / CONFIG, self.config.to_json(), indent=1)
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("."))  # not a writer's temp file
     try:
         if files:
             from safetensors.torch import load_file

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from verispec.atomic import atomic_write_json
 from verispec.errors import VerispecError
 from verispec.models.eagle3 import EAGLE, is_eagle_spec
 from verispec.models.medusa import MEDUSA, is_medusa_spec
@@ -35,7 +36,7 @@ def write_manifest(folder: Path, runner, extra: dict | None = None) -> None:
     """sha256 of every file in `folder` and the target's fingerprint, as manifest.json."""
     sums = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.name != MANIFEST}
     payload = {"sha256": sums, "target_fingerprint": fingerprint(runner), **(extra or {})}
-    (folder / MANIFEST).write_text(json.dumps(payload, indent=1) + "\n")
+    atomic_write_json(folder / MANIFEST, payload, indent=1)
 
 
 def shipped_head(kind: str, runner) -> Path:

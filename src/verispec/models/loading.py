@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from verispec.atomic import atomic_dir
 from verispec.console import notice
 from verispec.errors import VerispecError
 from verispec.models.packed import pack_linear_layers
@@ -159,16 +159,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_dir(out) as tmp:  # built in a folder of its own, renamed into place complete
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / _COMPLETE).write_text(json.dumps({"source": str(gguf)}))
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype):
@@ -297,16 +291,12 @@ def _tokenizer_dir(gguf: Path) -> Path:
 
 def _save_tokenizer(tokenizer, out: Path) -> None:
     """Save through a temporary directory, so a reader never sees half a tokenizer; a failure only costs speed."""
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / _COMPLETE).write_text("{}")
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
+        with atomic_dir(out) as tmp:
+            tokenizer.save_pretrained(str(tmp))
+            (tmp / _COMPLETE).write_text("{}")
     except OSError as err:
         notice(f"[yellow]could not cache the tokenizer at {out}: {err}[/yellow]")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_for_llamacpp(spec: str) -> LoadedModel:

@@ -90,16 +90,18 @@ class MedusaHeads(torch.nn.Module):
         """Write the Medusa repository's format (config.json and medusa_lm_head.safetensors)."""
         from safetensors.torch import save_file
 
+        from verispec.atomic import atomic_path, atomic_write_json
+
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
         tensors = {f"{k}.{name}": p.detach().contiguous() for k, head in enumerate(self.heads)
                    for name, p in head.state_dict().items()}
-        save_file(tensors, str(folder / WEIGHTS[0]))
+        with atomic_path(folder / WEIGHTS[0]) as tmp:
+            save_file(tensors, str(tmp))
         config = {"medusa_num_heads": self.num_heads, "medusa_num_layers": self.num_layers,
                   "hidden_size": self.hidden, "vocab_size": self.vocab, "base_model_name_or_path": base_model}
         if self.tied_rows is not None:
             config["tied_lm_head"] = self.tied_rows
-        (folder / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+        atomic_write_json(folder / CONFIG, config, indent=1)
 
 
 def load_medusa(folder: str | Path, hidden: int, vocab: int) -> MedusaHeads:

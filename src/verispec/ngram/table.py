@@ -125,8 +125,11 @@ class NGramTable:
 
     # --- file ------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> int:
-        """Write the table; returns the file size in bytes."""
+        """Write the table atomically (`verispec.atomic`: a kill leaves the previous table); returns the file
+        size in bytes."""
         from safetensors.numpy import save_file
+
+        from verispec.atomic import atomic_path
 
         tensors = {}
         for n in range(1, self.max_n + 1):
@@ -135,8 +138,8 @@ class NGramTable:
         header = {**self.header, "format": FORMAT, "version": VERSION, "max_n": self.max_n, "vocab_size": self.vocab_size}
         path = Path(path)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(path), metadata={"verispec": json.dumps(header)})
+            with atomic_path(path) as tmp:
+                save_file(tensors, str(tmp), metadata={"verispec": json.dumps(header)})
         except OSError as err:
             raise VerispecError(f"cannot write n-gram table {path}: {err.strerror}") from None
         return path.stat().st_size
