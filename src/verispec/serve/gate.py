@@ -1,16 +1,58 @@
-"""The HTTP gate in front of the app: API key, body size and per-endpoint answer counts, before any handler runs."""
+"""The HTTP gate in front of the app: API key, body size and per-endpoint answer counts, before any handler runs.
+
+A refused request is answered with `refuse`: the OpenAI-style error, `Connection: close`, and the rest of the body
+the client is still sending read and dropped before the connection closes. A server that closes a connection with
+unread bytes in it makes its TCP stack send a reset; the client, still uploading, then sees "connection reset" (or a
+broken pipe) instead of the answer waiting in its buffer. Reading the rest costs bandwidth, so it is bounded:
+DRAIN_LIMIT_BYTES and DRAIN_LIMIT_S, after which the connection closes anyway.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import json
+import time
 
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.serve.metrics import Metrics
 from verispec.serve.protocol import APIError
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+DRAIN_LIMIT_BYTES = 64 << 20  # most of a refused body read and dropped so that its client can read the answer
+DRAIN_LIMIT_S = 10.0  # longest time spent doing so
+
+
+async def drain(receive, limit_bytes: int = DRAIN_LIMIT_BYTES, limit_s: float = DRAIN_LIMIT_S) -> int:
+    """Read and drop the rest of a request's body: until its end, the client leaving, `limit_bytes` or `limit_s`.
+    Returns the bytes dropped."""
+    dropped, deadline = 0, time.monotonic() + limit_s
+    while dropped <= limit_bytes and time.monotonic() < deadline:
+        try:
+            message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+        except asyncio.TimeoutError:
+            break
+        if message["type"] != "http.request":
+            break
+        dropped += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return dropped
+
+
+async def refuse(error: APIError, receive, send) -> None:
+    """Answer `error` (OpenAI-style JSON) with `Connection: close`, draining the request's body before the end.
+
+    The whole answer is sent first (its Content-Length met), so a client that reads while it uploads has it at
+    once; the response is only completed, and the connection closed, once the body is drained."""
+    body = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+    await drain(receive)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class Gate:
@@ -22,23 +64,6 @@ class Gate:
         self.app, self.key, self.metrics = app, api_key.encode() if api_key else None, metrics
         self.max_body_bytes = max_body_bytes
 
-    def _too_large(self) -> APIError:
-        return APIError(413, f"request body larger than {self.max_body_bytes} bytes")
-
-    def _limited(self, receive):
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise StarletteHTTPException(413)  # FastAPI passes it on to the handler below
-            return message
-
-        return limited_receive
-
     def _authorized(self, scope) -> bool:
         if self.key is None or scope["path"] == "/health":
             return True
@@ -46,29 +71,61 @@ class Gate:
         scheme, _, given = header.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key)
 
+    def check_headers(self, scope) -> APIError | None:
+        """The refusal a request earns from its headers alone (key, Content-Length), or None."""
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not self._authorized(scope):
+            return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                            "authentication_error", code="invalid_api_key")
+        if not length.isdigit():
+            return APIError(400, "invalid Content-Length header")
+        if int(length) > self.max_body_bytes:
+            return APIError(413, f"request body larger than {self.max_body_bytes} bytes")
+        return None
+
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = 500
-
-        async def counted(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        request = _Request(receive, send, self.max_body_bytes)
         try:
-            length = dict(scope["headers"]).get(b"content-length", b"0")
-            if not self._authorized(scope):
-                error = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                 "authentication_error", code="invalid_api_key")
-            elif not length.isdigit():
-                error = APIError(400, "invalid Content-Length header")
-            elif int(length) > self.max_body_bytes:
-                error = self._too_large()
+            error = self.check_headers(scope)
+            if error is not None:
+                await refuse(error, receive, request.forward)
             else:
-                return await self.app(scope, self._limited(receive), counted)
-            await JSONResponse(error.body(), error.status)(scope, receive, counted)
+                await self.app(scope, request.receive, request.send)
         finally:
             endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
-            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.requests.labels(endpoint, str(request.status)).inc()
+
+
+class _Request:
+    """One request through the gate: counts its body as the app reads it, and notes the answer's status.
+
+    A body that grows past the limit stops the app's read (an HTTPException the app answers); the app's answer is
+    then dropped and the gate's own `refuse` goes out instead, with the drain and `Connection: close`."""
+
+    def __init__(self, receive, send, max_body_bytes: int) -> None:
+        self._receive, self._send, self.max_body_bytes = receive, send, max_body_bytes
+        self.received = 0
+        self.refused: APIError | None = None
+        self.status = 500
+
+    async def receive(self):
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            if self.received > self.max_body_bytes:
+                self.refused = APIError(413, f"request body larger than {self.max_body_bytes} bytes")
+                raise StarletteHTTPException(413)
+        return message
+
+    async def send(self, message) -> None:
+        if self.refused is None:
+            await self.forward(message)
+        elif message["type"] == "http.response.start":  # the app's answer to a refused body: the gate's goes instead
+            await refuse(self.refused, self._receive, self.forward)
+
+    async def forward(self, message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self._send(message)
