@@ -1,23 +1,149 @@
 """Running the app with uvicorn: in the foreground (`verispec serve`) or in a background thread
-(tests and the load benchmark)."""
+(tests and the load benchmark). Both take their uvicorn settings from `uvicorn_config`.
+
+uvicorn bounds idle keep-alive connections and nothing else a client controls. `GuardedH11Protocol` adds the
+rest, per connection:
+
+- a header clock: a request's headers must be complete within header_timeout of the connection opening (or of
+  the request's first byte, on a kept-alive connection), or the connection is closed. A clock that is running is
+  not restarted by more bytes, so headers trickled a byte at a time hold a connection no longer than silence does;
+- a body clock: once the headers are in, the body must be complete within body_timeout, or the client gets a 408
+  (when nothing was answered yet) and the connection is closed. It runs whether or not the app reads the body: a
+  body the app never reads (a 404, a refusal) is still received to its end before the connection is reused;
+- a concurrency limit: while more than limit_concurrency connections are open or requests running, this one
+  included, a request gets an OpenAI-style 503 (uvicorn's own limit counts the asking connection against itself,
+  serving one fewer than asked, and answers in plain text).
+"""
 
 from __future__ import annotations
 
+import functools
+import ipaddress
+import json
+import logging
 import threading
 import time
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from verispec.api import SpeculativeDecoder
 from verispec.config import ServeConfig
 from verispec.errors import VerispecError
 from verispec.serve.app import create_app
+from verispec.serve.gate import refuse
+from verispec.serve.protocol import APIError
+
+log = logging.getLogger("verispec.serve")
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a header clock, a body clock and an OpenAI-style concurrency limit (see the
+    module's docstring). uvicorn makes one per connection: `uvicorn_config` passes the three limits in."""
+
+    def __init__(self, config: uvicorn.Config, server_state, app_state: dict, _loop=None, *, header_timeout: float,
+                 body_timeout: float, limit_concurrency: int) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.header_timeout, self.body_timeout, self.concurrency = header_timeout, body_timeout, limit_concurrency
+        self.app = functools.partial(self._admit, self.app)
+        self._clock: str | None = None  # "headers", "body" or None
+        self._alarm = None  # the running clock's asyncio.TimerHandle
+
+    # --- the clocks ---------------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._start("headers")
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._follow(idle_means_headers=True)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow(idle_means_headers=False)  # idle between requests: uvicorn's keep-alive timer runs
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop()
+        super().connection_lost(exc)
+
+    def _follow(self, idle_means_headers: bool) -> None:
+        """Run the clock the client's side of the connection is on: waiting for headers, or for a body."""
+        state = self.conn.their_state
+        if state is h11.IDLE and idle_means_headers:
+            self._start("headers")
+        elif state is h11.SEND_BODY:
+            self._start("body")
+        else:
+            self._stop()
+
+    def _start(self, clock: str) -> None:
+        if self._clock == clock:  # already running: more bytes buy no more time
+            return
+        self._stop()
+        seconds = self.header_timeout if clock == "headers" else self.body_timeout
+        self._clock, self._alarm = clock, self.loop.call_later(seconds, self._late)
+
+    def _stop(self) -> None:
+        if self._alarm is not None:
+            self._alarm.cancel()
+        self._clock = self._alarm = None
+
+    def _late(self) -> None:
+        clock, self._clock, self._alarm = self._clock, None, None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if clock == "body" and cycle is not None and not cycle.response_started and not cycle.disconnected:
+            error = APIError(408, f"the request body did not arrive within {self.body_timeout:g} seconds", "timeout")
+            body = json.dumps(error.body()).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                       (b"connection", b"close")]
+            for event in (h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+        if cycle is not None:  # the app's receive now reports the client gone, and whatever it sends is dropped
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.close()
+
+    # --- the concurrency limit ----------------------------------------------------------------------
+    async def _admit(self, app, scope, receive, send) -> None:
+        """The app as this connection runs it. `connections` and `tasks` include this connection and request."""
+        if len(self.connections) > self.concurrency or len(self.tasks) > self.concurrency:
+            log.warning("more than %d connections or requests at once: answered 503", self.concurrency)
+            error = APIError(503, f"the server is at its limit of {self.concurrency} connections; retry later",
+                             "server_error", code="too_many_connections")
+            return await refuse(error, receive, send)
+        await app(scope, receive, send)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def uvicorn_config(app, config: ServeConfig, log_level: str = "info") -> uvicorn.Config:
+    """The uvicorn settings every way of serving uses: the limits from `config`, the guarded protocol, and a
+    warning when the server is reachable from other machines and asks no API key."""
+    if not is_loopback(config.host) and config.api_key is None:
+        log.warning("serving on %s, reachable from other machines, without an API key: anyone who can reach it "
+                    "can use it (set --api-key or VERISPEC_API_KEY)", config.host)
+    protocol = functools.partial(GuardedH11Protocol, header_timeout=config.header_timeout,
+                                 body_timeout=config.body_timeout, limit_concurrency=config.limit_concurrency)
+    return uvicorn.Config(app, host=config.host, port=config.port, http=protocol, log_level=log_level,
+                          timeout_keep_alive=config.timeout_keep_alive,
+                          timeout_graceful_shutdown=config.shutdown_timeout)
 
 
 def run_server(decoder: SpeculativeDecoder, config: ServeConfig) -> None:
     """Serve until interrupted; on SIGINT / SIGTERM in-flight requests get `config.shutdown_timeout` to finish."""
-    uvicorn.run(create_app(decoder, config), host=config.host, port=config.port,
-                timeout_graceful_shutdown=config.shutdown_timeout, log_level="info")
+    uvicorn.Server(uvicorn_config(create_app(decoder, config), config)).run()
 
 
 class BackgroundServer:
@@ -36,8 +162,7 @@ class BackgroundServer:
                  start_timeout: float = 30.0) -> None:
         self.app = create_app(decoder, config)
         self.config = config
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port, log_level="warning",
-                                                    timeout_graceful_shutdown=config.shutdown_timeout))
+        self.server = uvicorn.Server(uvicorn_config(self.app, config, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="verispec-uvicorn", daemon=True)
         self.start_timeout = start_timeout
         self.url = ""
