@@ -11,6 +11,7 @@ from verispec.config import SamplingConfig, SpecConfig
 from verispec.stats import GenerationStats
 
 if TYPE_CHECKING:
+    from verispec.detokenize import IncrementalText
     from verispec.drafters.stopping import DraftStop
 
 
@@ -29,7 +30,10 @@ class Sequence:
     target_cached: how many of `tokens` the target's KV cache holds.
     draft_stop: where this step's draft chain stops early (set by the engine each step from
         spec.draft_stop or an auto-tuner's costs; None: the drafter drafts its budget). See drafters.stopping.
-    finish_reason: None while running, then "eos", "stop" or "length" ("cancelled" when removed early).
+    finish_reason: None while running, then "eos", "stop" or "length" ("cancelled" when removed early, "error"
+        when a fault in this sequence's own work ended it: see `error`).
+    error: the exception that ended the sequence (finish_reason "error"), else None.
+    text: the generated text, decoded incrementally where stop strings are scanned (see verispec.detokenize).
     """
 
     index: int
@@ -44,6 +48,8 @@ class Sequence:
     draft_stop: DraftStop | None = None
     finish_reason: str | None = None
     text_end: int | None = None  # where a stop string cut the text, if one did
+    error: BaseException | None = None
+    text: IncrementalText | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     @property
