@@ -16,27 +16,28 @@ target reads the pending tokens and the whole tree in one pass (`ModelRunner.for
 bonus token, and `commit_tree` keeps only that path in the caches. In a step where any sequence
 drafts a tree, the other drafting sequences draft the tree of shape (1, ..., 1), their chain.
 
-`DecodeBatch` is that step as an object: sequences join and leave between steps (the server's
-continuous batching); `SpeculativeEngine.stream` runs one DecodeBatch until it is empty.
+`DecodeBatch` (`verispec.batch`) is that step as an object: sequences join and leave between steps (the server's
+continuous batching), a fault stays with the sequence it belongs to, and long prompts can be read in chunks;
+`SpeculativeEngine.stream` runs one DecodeBatch until it is empty.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
+from verispec.batch import DecodeBatch
 from verispec.config import SamplingConfig, SpecConfig
-from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
-from verispec.drafters.stopping import DraftStop
+from verispec.detokenize import IncrementalText
+from verispec.drafters.base import Draft, Drafter
 from verispec.errors import VerispecError
 from verispec.models.runner import ModelRunner
 from verispec.rejection import TreeVerdict, Verdict, verify, verify_greedy, verify_tree, verify_tree_greedy
 from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks, tree_seen_masks
 from verispec.sequence import Sequence
-from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
+from verispec.tree import TreeDraft
 from verispec.tuning import AdaptiveK
 
 
@@ -49,7 +50,8 @@ class StepEvent:
         for a tree, the tokens of the accepted path.
     token: the recovered token (bonus=False) or the bonus token (bonus=True).
     committed: tokens appended to the output this step, after any EOS / stop / length cut.
-    finish_reason: None while the sequence runs on; "eos", "stop" or "length" at its end.
+    finish_reason: None while the sequence runs on; "eos", "stop" or "length" at its end; "error" when a fault
+        ended it (`Sequence.error`; committed and token are then empty and -1).
     """
 
     sequence: int
@@ -132,6 +134,10 @@ class SpeculativeEngine:
             sequences.append(Sequence(i, list(prompt), len(prompt), cfg, rng, min(spec.max_new_tokens, room), spec))
         return sequences
 
+    def cache_bytes(self, tokens: int) -> int:
+        """Bytes of key/value cache one sequence of `tokens` tokens holds, in the target and the drafter."""
+        return self.target.cache_bytes(tokens) + (self.drafter.cache_bytes(tokens) if self.drafter is not None else 0)
+
     def check_tree_support(self) -> None:
         """Raise a VerispecError unless this engine's target and drafter can run tree speculation."""
         if self.drafter is None:
@@ -160,7 +166,12 @@ class SpeculativeEngine:
         batch = DecodeBatch(self, tuner)
         batch.add(self.make_sequences(prompts, sampling, spec, seeds))
         while batch:
-            yield from batch.step()
+            results = batch.step()
+            for _, seq in results:
+                if seq.error is not None:  # a library call fails loudly (the server ends only that request)
+                    raise VerispecError(f"sequence {seq.index} failed: {type(seq.error).__name__}: {seq.error}") \
+                        from seq.error
+            yield from results
 
     def generate(self, prompts: list[list[int]], sampling=SamplingConfig(), spec=SpecConfig(), seeds=None,
                  tuner: AdaptiveK | None = None) -> list[Sequence]:
@@ -219,39 +230,41 @@ class SpeculativeEngine:
     def _commit(self, seq: Sequence, accepted: tuple[int, ...], verdict: Verdict | TreeVerdict) -> StepEvent:
         """Append the accepted tokens and the recovered / bonus token, stopping at EOS, a stop string or the length."""
         spec = seq.spec
+        scan = bool(spec.stop) and self.decode is not None
         committed: list[int] = []
         for token in (*accepted, verdict.token):
             seq.tokens.append(token)
             committed.append(token)
+            if scan and self._hit_stop_string(seq):
+                break
             if spec.stop_at_eos and token in self.eos_token_ids:
                 seq.finish_reason = "eos"
                 break
             if seq.num_generated >= seq.max_new_tokens:
                 seq.finish_reason = "length"
                 break
-        if spec.stop and self.decode is not None:
-            committed = self._apply_stop_strings(seq, committed, spec.stop)
         seq.stats.new_tokens = seq.num_generated
         return StepEvent(seq.index, accepted, verdict.token, verdict.bonus, tuple(committed), seq.finish_reason)
 
-    def _apply_stop_strings(self, seq: Sequence, committed: list[int], stops: tuple[str, ...]) -> list[int]:
-        """End the sequence at the first stop string; keep the fewest tokens whose text contains it."""
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        """After one more token: does the text now hold a stop string? Then the sequence ends there, its text cut
+        before the first one (`text_end`). Only the text the token added is scanned (with the longest stop string's
+        length less one before it, where a match may have begun), and it is decoded incrementally, so a step costs
+        the same however long the answer (`verispec.detokenize`)."""
         assert self.decode is not None
-        text = self.decode(seq.generated)
-        hits = [(text.find(s), s) for s in stops if s in text]
-        if not hits:
-            return committed
-        generated = seq.generated
-        first = len(generated) - len(committed)
-        for keep in range(max(first, 1), len(generated) + 1):
-            prefix_text = self.decode(generated[:keep])
-            found = [i for i in (prefix_text.find(s) for s in stops) if i >= 0]
-            if found:
-                del seq.tokens[seq.prompt_len + keep :]
-                seq.finish_reason = "stop"
-                seq.text_end = min(found)
-                return committed[: keep - first]
-        return committed
+        if seq.text is None:
+            seq.text = IncrementalText(self.decode)
+        text = seq.text
+        before = len(text.text)
+        if not text.update(seq.generated):
+            return False
+        stops = seq.spec.stop
+        start = max(0, before - max(len(s) for s in stops) + 1)
+        found = [i for i in (text.text.find(s, start) for s in stops) if i >= 0]
+        if not found:
+            return False
+        seq.finish_reason, seq.text_end = "stop", min(found)
+        return True
 
 
 class _ProbabilityRows:
@@ -280,154 +293,3 @@ class _OneHotRows:
         row = torch.zeros(self.vocab)  # (V,)
         row[int(self.target_argmax[i])] = 1.0
         return row
-
-
-class DecodeBatch:
-    """A running batch that sequences join (`add`) and leave (`cancel`, or by finishing) between steps.
-
-    This is the step API under `SpeculativeEngine.stream` and the server's continuous batching.
-    Row b of the target's KV state and of the drafter's state belongs to `sequences[b]`; a joining
-    sequence gets empty rows and its prompt is read by the target in its first step, together with
-    its first drafts. Each sequence keeps its own sampling settings, generator, spec (K, stop
-    strings, max_new_tokens) and acceptance, so its tokens do not depend on the batch around it.
-    The engine's drafter holds one batch's state: one DecodeBatch per engine is live at a time.
-
-    Args:
-        engine: supplies the target, the drafter and the stopping rules.
-        tuner: if given, chooses K each step for every drafting sequence instead of `seq.spec`.
-    """
-
-    def __init__(self, engine: SpeculativeEngine, tuner: AdaptiveK | None = None) -> None:
-        self.engine = engine
-        self.tuner = tuner
-        self.sequences: list[Sequence] = []
-        self.state = None  # the target's KV state; None while the batch is empty
-        self._joined: dict[int, float] = {}  # id(sequence) -> when it joined (perf_counter)
-
-    def __len__(self) -> int:
-        return len(self.sequences)
-
-    def add(self, sequences: list[Sequence]) -> None:
-        """Admit new sequences (from `engine.make_sequences`) at the end of the batch."""
-        if not sequences:
-            return
-        if self.tuner is not None and any(s.spec.tree is not None and s.spec.tree.budget is None for s in sequences):
-            raise VerispecError("auto-tuning sizes chains and dynamic trees (--tree-budget) from measured costs; "
-                                "a static tree shape cannot be auto-tuned")
-        drafter = self.engine.drafter
-        if not self.sequences:
-            self.state = self.engine.target.new_state(len(sequences))
-            if drafter is not None:
-                drafter.bind_target(self.state)
-                drafter.start(sequences)
-        else:
-            self.state.extend(len(sequences))
-            if drafter is not None:
-                drafter.extend(sequences)
-        now = time.perf_counter()
-        self._joined.update((id(s), now) for s in sequences)
-        self.sequences = self.sequences + list(sequences)
-
-    def cancel(self, seq: Sequence) -> None:
-        """Remove a running sequence now; its cache rows are freed and its finish_reason is "cancelled"."""
-        row = next(b for b, s in enumerate(self.sequences) if s is seq)
-        seq.finish_reason = "cancelled"
-        self._drop([row])
-
-    def step(self) -> list[tuple[StepEvent, Sequence]]:
-        """Draft, verify and commit once for every sequence; finished ones leave the batch.
-
-        Returns (event, sequence) for every sequence that was in the batch, in row order.
-        """
-        active, engine = self.sequences, self.engine
-        if not active:
-            return []
-        if engine.drafter is not None and any(s.drafting and s.spec.tree is not None for s in active):
-            return self._tree_step()
-        # At most K drafts, and never more than the tokens left after this step's own token.
-        k = None if self.tuner is None else self.tuner.k(getattr(engine.drafter, "stops_chains", False))
-        budgets = [min(s.spec.num_draft_tokens if k is None else k, s.max_new_tokens - s.num_generated - 1)
-                   if s.drafting else 0 for s in active]
-        tuned_stop = None if self.tuner is None else self.tuner.draft_stop()  # thresholds from measured costs
-        for s in active:
-            s.draft_stop = tuned_stop or (DraftStop.fixed(s.spec.draft_stop) if s.spec.draft_stop > 0 else None)
-        t0 = time.perf_counter()
-        if engine.drafter is not None and any(budgets):
-            drafts = engine.drafter.propose(active, budgets)
-        else:
-            drafts = [EMPTY_DRAFT] * len(active)
-        t1 = time.perf_counter()
-        inputs = [s.tokens[s.target_cached :] + d.tokens.tolist() for s, d in zip(active, drafts)]
-        logits = engine.target.forward(self.state, inputs, [len(d) + 1 for d in drafts])  # (B, M, V)
-        t2 = time.perf_counter()
-        verdicts = [engine._verify(s, d, logits[b, : len(d) + 1]) for b, (s, d) in enumerate(zip(active, drafts))]
-        engine.target.rollback(self.state, [len(d) - v.num_accepted for d, v in zip(drafts, verdicts)])
-        events = []
-        for s, d, v in zip(active, drafts, verdicts):
-            s.target_cached = len(s.tokens) + v.num_accepted
-            s.stats.record(len(d), v.num_accepted, v.bonus)
-            if self.tuner is not None and len(d):
-                self.tuner.observe(len(d), v.num_accepted)
-            events.append(engine._commit(s, tuple(d.tokens[: v.num_accepted].tolist()), v))
-        if engine.drafter is not None:
-            engine.drafter.commit(active, drafts, [v.num_accepted for v in verdicts])
-        return self._finish_step(events, t1 - t0, t2 - t1)
-
-    def _tree_step(self) -> list[tuple[StepEvent, Sequence]]:
-        """`step` when some sequence drafts a tree; the others draft their chain as a tree of shape (1, ..., 1)."""
-        active, engine = self.sequences, self.engine
-        trees = [s.spec.tree_or_chain for s in active]
-        # The tree's depth, never more than the tokens left after this step's own token.
-        depths = [min(t.depth(s.spec.num_draft_tokens), s.max_new_tokens - s.num_generated - 1) if s.drafting else 0
-                  for s, t in zip(active, trees)]
-        if self.tuner is not None:  # dynamic trees keep only the nodes that pay for their share of the pass
-            profile = self.tuner.profile
-            costs = profile.pass_costs()  # measured widths bound the tree: wider passes were never timed
-            trees = [replace(t, budget=min(t.budget, len(costs) - 1), pass_costs=costs, draft_cost=d * profile.c)
-                     if t.budget is not None else t for t, d in zip(trees, depths)]
-        t0 = time.perf_counter()
-        if any(depths):
-            drafts = engine.drafter.propose_tree(active, trees, depths)
-        else:
-            drafts = [EMPTY_TREE_DRAFT] * len(active)
-        t1 = time.perf_counter()
-        chains = [s.tokens[s.target_cached :] for s in active]
-        logits = engine.target.forward_tree(self.state, chains, [d.tokens.tolist() for d in drafts],
-                                            [d.tree.parents.tolist() for d in drafts])  # (B, M, V)
-        t2 = time.perf_counter()
-        verdicts = [engine._verify_tree(s, d, logits[b, : len(d) + 1]) for b, (s, d) in enumerate(zip(active, drafts))]
-        engine.target.commit_tree(self.state, [list(v.path) for v in verdicts])
-        events = []
-        for s, d, v in zip(active, drafts, verdicts):
-            s.target_cached = len(s.tokens) + v.num_accepted
-            s.stats.record(len(d), v.num_accepted, v.bonus, depth=d.tree.depth)
-            events.append(engine._commit(s, d.path_tokens(v.path), v))
-        engine.drafter.commit_tree(active, drafts, [v.path for v in verdicts])
-        return self._finish_step(events, t1 - t0, t2 - t1)
-
-    def _finish_step(self, events: list[StepEvent], draft_seconds: float, target_seconds: float) -> list[tuple[StepEvent, Sequence]]:
-        """Account the step's time to every sequence, drop the finished ones, pair events with sequences."""
-        active = self.sequences
-        now = time.perf_counter()
-        for s in active:
-            s.stats.wall_seconds = now - self._joined[id(s)]
-            s.stats.draft_seconds += draft_seconds
-            s.stats.target_seconds += target_seconds
-        self._drop([b for b, s in enumerate(active) if s.finish_reason is not None])
-        return list(zip(events, active))
-
-    def _drop(self, rows: list[int]) -> None:
-        """Remove these rows from the batch, the target's cache and the drafter's state."""
-        if not rows:
-            return
-        gone = set(rows)
-        for b in gone:
-            del self._joined[id(self.sequences[b])]
-        keep = [b for b in range(len(self.sequences)) if b not in gone]
-        self.sequences = [self.sequences[b] for b in keep]
-        if not self.sequences:
-            self.state = None  # frees the whole cache; the next add starts a fresh one
-        else:
-            self.state.select(torch.tensor(keep, dtype=torch.long))
-        if self.engine.drafter is not None:
-            self.engine.drafter.keep(keep)

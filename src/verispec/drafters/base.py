@@ -70,6 +70,12 @@ class Drafter(ABC):
     name: str = "drafter"
     adaptive: bool = False  # True for drafters that implement `adapt` (online adaptation, verispec.adapt)
     stops_chains: bool = False  # True for drafters whose chains honour a sequence's `draft_stop` (drafters.stopping)
+    # True for drafters that follow a prompt the target reads over several steps (chunked prefill, verispec.batch):
+    # those that read only the sequence's tokens. Heads and self-speculation read the target's pass itself.
+    chunked_prefill: bool = False
+    # Set by the batch: a row given no drafts reads at most this many of its pending tokens per call (None: all),
+    # so a drafter with a cache of its own reads a long prompt in chunks alongside the target.
+    prefill_chunk: int | None = None
 
     @property
     def supports_trees(self) -> bool:
@@ -87,6 +93,11 @@ class Drafter(ABC):
 
     def extend(self, sequences: list[Sequence]) -> None:
         """These new sequences join the running batch as its last rows (prompts only in `tokens`)."""
+
+    def cache_bytes(self, tokens: int) -> int:
+        """Bytes of state this drafter holds for one sequence of `tokens` tokens (its model's cache; 0 where it
+        keeps none of its own)."""
+        return 0
 
     def token_cost(self) -> float | None:
         """Seconds one drafted token costs, timed on this machine, for drafters without a runner of their own

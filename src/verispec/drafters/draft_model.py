@@ -60,6 +60,7 @@ class DraftModelDrafter(Drafter):
     name = "draft-model"
     adaptive = True
     stops_chains = True
+    chunked_prefill = True
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int, lookup: PromptLookupConfig | None = None,
                  context: int | None = None) -> None:
@@ -83,6 +84,9 @@ class DraftModelDrafter(Drafter):
     @property
     def supports_trees(self) -> bool:
         return hasattr(self.runner, "forward_tree")
+
+    def cache_bytes(self, tokens: int) -> int:
+        return self.runner.cache_bytes(tokens)
 
     def start(self, sequences: list[Sequence]) -> None:
         self.state = self.runner.new_state(len(sequences))
@@ -115,7 +119,8 @@ class DraftModelDrafter(Drafter):
         p_all = [1.0] * B  # per row: estimated probability that every draft so far is accepted
         limits = list(max_tokens)  # per row: drafts still allowed; cut to the last one where the chain stops
         self.fed = [0] * B  # per row: draft tokens fed to the draft model (in its cache until `commit`)
-        inputs = [seq.tokens[self.cached[b] :] for b, seq in enumerate(sequences)]
+        inputs = [self._catch_up(seq, b, max_tokens[b]) for b, seq in enumerate(sequences)]
+        read = [len(row) for row in inputs]  # per row: pending tokens this call reads
         for step in range(max(max_tokens, default=0)):
             if step > 0 and not any(inputs):
                 break  # every row's chain has ended
@@ -164,19 +169,25 @@ class DraftModelDrafter(Drafter):
             # Nothing to draft, but keep the cache caught up so the next step stays one token wide.
             if any(inputs):
                 self.runner.forward(self.state, inputs, [0] * B)
-        for b, seq in enumerate(sequences):
-            self.cached[b] = len(seq.tokens) + self.fed[b]
+        for b in range(B):
+            self.cached[b] += read[b] + self.fed[b]
         return [
             Draft(torch.tensor(d, dtype=torch.long), torch.stack(q_rows[b]) if q_rows[b] else None) if d else EMPTY_DRAFT
             for b, d in enumerate(drafted)
         ]
 
+    def _catch_up(self, seq: Sequence, b: int, budget: int) -> list[int]:
+        """The tokens row b reads first: all it has not read, or for a row given no drafts while the target reads a
+        long prompt in chunks (`prefill_chunk`), at most one chunk of them."""
+        end = len(seq.tokens) if budget > 0 or self.prefill_chunk is None else self.cached[b] + self.prefill_chunk
+        return seq.tokens[self.cached[b] : end]
+
     def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
         assert self.state is not None, "start() must be called before propose_tree()"
         B = len(sequences)
-        pending = [seq.tokens[self.cached[b] :] for b, seq in enumerate(sequences)]
+        pending = [self._catch_up(seq, b, depths[b]) for b, seq in enumerate(sequences)]
         logits = self._fit_vocab(self.runner.forward(self.state, pending, [1 if row else 0 for row in pending])[:, 0])
-        self.cached = [len(seq.tokens) for seq in sequences]
+        self.cached = [cached + len(row) for cached, row in zip(self.cached, pending)]
         growths = [TreeGrowth(trees[b], depths[b], seq.sampling, seq.rng, self.target_vocab_size) if depths[b] > 0
                    else None for b, seq in enumerate(sequences)]
         for b, growth in enumerate(growths):

@@ -113,6 +113,14 @@ class EagleDrafter(AdaptiveHead, Drafter):
         c = self.head.config
         return _Row(torch.zeros(64, c.kv_heads, c.head_dim), torch.zeros(64, c.kv_heads, c.head_dim))
 
+    def cache_bytes(self, tokens: int) -> int:
+        """The head's one layer: float32 keys and values, grown by doubling from 64 columns (`_Row.write`)."""
+        capacity = 64
+        while capacity < tokens:
+            capacity *= 2
+        c = self.head.config
+        return 2 * capacity * c.kv_heads * c.head_dim * 4
+
     def start(self, sequences: list[Sequence]) -> None:
         self.rows = [self._new_row() for _ in sequences]
         self._rows_started(len(sequences))

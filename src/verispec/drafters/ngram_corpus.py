@@ -145,6 +145,7 @@ class CorpusNGramDrafter(Drafter):
     """
 
     name = SPEC_PREFIX
+    chunked_prefill = True
     adaptive = True
 
     def __init__(self, table: NGramTable | None, vocab_size: int, config: NGramConfig = NGramConfig()) -> None:

@@ -114,6 +114,7 @@ class PromptLookupDrafter(Drafter):
 
     name = "ngram"
     stops_chains = True
+    chunked_prefill = True
 
     def __init__(self, config: PromptLookupConfig = PromptLookupConfig()) -> None:
         self.config = config

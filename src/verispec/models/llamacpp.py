@@ -107,6 +107,10 @@ class LlamaCppRunner:
         llm._ctx = llm._stack.enter_context(contextlib.closing(
             _internals.LlamaContext(model=llm._model, params=llm.context_params, verbose=False)))
 
+    def cache_bytes(self, tokens: int) -> int:
+        """llama.cpp allocates its context's cache when the model loads: a request adds nothing."""
+        return 0
+
     def new_state(self, batch_size: int) -> LlamaCppState:
         import llama_cpp
 

@@ -38,6 +38,9 @@ class MappedVocabRunner:
     def new_state(self, batch_size: int):
         return self.runner.new_state(batch_size)
 
+    def cache_bytes(self, tokens: int) -> int:
+        return self.runner.cache_bytes(tokens)
+
     def rollback(self, state, num_dropped: list[int]) -> None:
         self.runner.rollback(state, num_dropped)
 

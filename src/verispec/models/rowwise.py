@@ -64,6 +64,9 @@ class RowwiseRunner:
     def model(self, model: torch.nn.Module) -> None:  # online adaptation swaps in new weights
         self.runner.model = model
 
+    def cache_bytes(self, tokens: int) -> int:
+        return self.runner.cache_bytes(tokens)
+
     def new_state(self, batch_size: int) -> RowStates:
         state = RowStates(self.runner)
         state.extend(batch_size)

@@ -116,6 +116,15 @@ class ModelRunner:
         self.context_window: int = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 30
         self.dtype: torch.dtype = next(model.parameters()).dtype
 
+    def cache_bytes(self, tokens: int) -> int:
+        """Bytes one row's cache holds at `tokens` tokens: keys and values of every layer in the model's dtype.
+        (A ragged batch's rows also hold the holes between other rows' tokens: see the module docstring.)"""
+        config = self.model.config
+        layers = int(config.num_hidden_layers)
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        return 2 * layers * heads * head_dim * self.dtype.itemsize * tokens
+
     def new_state(self, batch_size: int) -> KVState:
         return KVState(
             cache=DynamicCache(config=self.model.config),

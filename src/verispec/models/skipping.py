@@ -33,6 +33,10 @@ class SkipRunner:
         self.context_window = target.context_window
         self.dtype = target.dtype
 
+    def cache_bytes(self, tokens: int) -> int:
+        """A state of its own holds the target's caches (the self drafter shares the target's instead)."""
+        return self.target.cache_bytes(tokens)
+
     def new_state(self, batch_size: int):
         """Caches of its own (for measuring its cost); the self drafter reads the target's through `view`."""
         return SkipState.of(self.target.new_state(batch_size), [self.skip] * batch_size)

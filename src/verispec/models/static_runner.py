@@ -132,6 +132,10 @@ class StaticRunner(ModelRunner):
         else:
             self._step = self._base
 
+    def cache_bytes(self, tokens: int) -> int:
+        """A row holds `capacity` columns whatever its length."""
+        return super().cache_bytes(self.capacity)
+
     @torch.inference_mode()
     def new_state(self, batch_size: int) -> StaticKVState:
         """A batch's cache, allocated now (not at its first pass): a compiled pass then always finds the same

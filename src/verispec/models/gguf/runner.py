@@ -195,6 +195,15 @@ class NativeRunner:
     def new_state(self, batch_size: int) -> NativeState:
         return NativeState(self, [self.new_row() for _ in range(batch_size)])
 
+    def cache_bytes(self, tokens: int) -> int:
+        """Bytes one row's cache holds once it holds `tokens` tokens: float32 keys and values per layer, the
+        capacity doubled from `initial_capacity` until it fits (`RowCache.reserve`)."""
+        capacity = self.initial_capacity
+        while capacity < tokens:
+            capacity *= 2
+        c = self.config
+        return 2 * c.layers * capacity * c.kv_dim * 4
+
     # ------------------------------------------------------------------ the interface
 
     def forward(self, state: NativeState, tokens: list[list[int]], num_logits: list[int],

@@ -1,0 +1,327 @@
+"""A running batch: sequences join and leave between steps, and a fault stays with whoever it belongs to.
+
+`DecodeBatch` is one step of the engine (draft, verify, commit; see `verispec.engine`) over a batch that changes
+between steps: the server's continuous batching, and `SpeculativeEngine.stream` for a fixed batch.
+
+Faults. A shared batch must not let one sequence's fault take the others with it:
+  - a fault in one sequence's own work (verifying its drafts, sampling its token, committing, its stop strings)
+    ends that sequence alone, with finish_reason "error" and the exception in `Sequence.error`; the others'
+    steps go on as if it had finished;
+  - a fault in the drafter (which drafts every row in one call) turns drafting off for the rows in the batch
+    now: they go on decoding plainly, which is exact (an empty draft is always a valid draft), and the drafter
+    is used again from the next batch on (when this one has emptied);
+  - a fault in the target's pass or its cache (memory, say) leaves the cache in no known state: every sequence
+    in the batch ends with that error and the batch starts afresh; sequences not yet admitted are untouched.
+
+Chunked prefill (`prefill_chunk`). A joining sequence's prompt is read `prefill_chunk` tokens per step, in the same
+pass as the other rows' drafts, so a long prompt delays the others' next token by one chunk's share of a pass
+rather than by the whole prompt. A row still reading its prompt drafts nothing and commits nothing; it yields no
+event until its first token. Drafters that read the target's own features or cache (heads, self-speculation) need
+the prompt's pass whole, so there the prompt is read in one step as before (`Drafter.chunked_prefill`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from verispec.drafters.base import EMPTY_DRAFT
+from verispec.drafters.stopping import DraftStop
+from verispec.errors import VerispecError
+from verispec.sequence import Sequence
+from verispec.tree import EMPTY_TREE_DRAFT
+
+if TYPE_CHECKING:
+    from verispec.engine import SpeculativeEngine, StepEvent
+    from verispec.tuning import AdaptiveK
+
+log = logging.getLogger("verispec.batch")
+
+
+class DecodeBatch:
+    """A running batch that sequences join (`add`) and leave (`cancel`, by finishing, or by a fault) between steps.
+
+    Row b of the target's KV state and of the drafter's state belongs to `sequences[b]`; a joining sequence gets
+    empty rows and its prompt is read by the target in its first steps, together with the others' drafts. Each
+    sequence keeps its own sampling settings, generator, spec (K, stop strings, max_new_tokens) and acceptance,
+    so its tokens do not depend on the batch around it. The engine's drafter holds one batch's state: one
+    DecodeBatch per engine is live at a time.
+
+    Args:
+        engine: supplies the target, the drafter and the stopping rules.
+        tuner: if given, chooses K each step for every drafting sequence instead of `seq.spec`.
+        prefill_chunk: prompt tokens a row reads per step while others decode (None: a prompt in one step).
+    """
+
+    def __init__(self, engine: SpeculativeEngine, tuner: AdaptiveK | None = None,
+                 prefill_chunk: int | None = None) -> None:
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise VerispecError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
+        self.engine = engine
+        self.tuner = tuner
+        self.prefill_chunk = prefill_chunk
+        self.sequences: list[Sequence] = []
+        self.state = None  # the target's KV state; None while the batch is empty
+        self.drafter = engine.drafter  # None once a fault turned drafting off for this batch's rows
+        self.faults: list[tuple[str, BaseException]] = []  # (stage, exception) of the faults the batch absorbed
+        self._joined: dict[int, float] = {}  # id(sequence) -> when it joined (perf_counter)
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    # --- membership --------------------------------------------------------------------------------
+    def add(self, sequences: list[Sequence]) -> None:
+        """Admit new sequences (from `engine.make_sequences`) at the end of the batch.
+
+        All or nothing: if the target's or the drafter's state cannot take them, the batch is left as it was
+        (or, if even that fails, emptied with its sequences ended by the error) and the exception is raised."""
+        if not sequences:
+            return
+        if self.tuner is not None and any(s.spec.tree is not None and s.spec.tree.budget is None for s in sequences):
+            raise VerispecError("auto-tuning sizes chains and dynamic trees (--tree-budget) from measured costs; "
+                                "a static tree shape cannot be auto-tuned")
+        if not self.sequences:
+            self.drafter = self.engine.drafter  # a fresh batch drafts again
+            self.state = self.engine.target.new_state(len(sequences))
+            if self.drafter is not None:
+                self.drafter.prefill_chunk = self.prefill_chunk
+                try:
+                    self.drafter.bind_target(self.state)
+                    self.drafter.start(sequences)
+                except Exception as err:
+                    self._drafter_fault("start", err)
+        else:
+            rows = len(self.sequences)
+            self.state.extend(len(sequences))
+            if self.drafter is not None:
+                try:
+                    self.drafter.extend(sequences)
+                except Exception as err:
+                    self._drafter_fault("extend", err)
+            if self.state.batch_size != rows + len(sequences):  # pragma: no cover - a runner broke its contract
+                raise VerispecError("the target's state did not take the joining rows")
+        now = time.perf_counter()
+        self._joined.update((id(s), now) for s in sequences)
+        self.sequences = self.sequences + list(sequences)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Remove a running sequence now; its cache rows are freed and its finish_reason is "cancelled"."""
+        row = next(b for b, s in enumerate(self.sequences) if s is seq)
+        seq.finish_reason = "cancelled"
+        self._drop([row])
+
+    # --- one step ------------------------------------------------------------------------------------
+    def step(self) -> list[tuple[StepEvent, Sequence]]:
+        """Draft, verify and commit once for every sequence; finished ones (and failed ones) leave the batch.
+
+        Returns (event, sequence) for every sequence that committed tokens or ended this step, in row order
+        (a row still reading its prompt has no event yet)."""
+        if not self.sequences:
+            return []
+        try:
+            if self.drafter is not None and any(s.drafting and s.spec.tree is not None for s in self.sequences):
+                return self._tree_step()
+            return self._chain_step()
+        except _TargetFault as fault:
+            return self._fail_all(fault.stage, fault.error)
+
+    def _prefilling(self) -> list[bool]:
+        """Rows that still have more prompt to read than one chunk."""
+        chunk = self.prefill_chunk
+        if chunk is None or (self.drafter is not None and not self.drafter.chunked_prefill):
+            return [False] * len(self.sequences)
+        return [len(s.tokens) - s.target_cached > chunk for s in self.sequences]
+
+    def _pending(self, seq: Sequence, prefilling: bool) -> list[int]:
+        """The tokens the target reads for this row now: a chunk of its prompt, or everything not yet cached."""
+        end = seq.target_cached + self.prefill_chunk if prefilling else len(seq.tokens)
+        return seq.tokens[seq.target_cached : end]
+
+    def _chain_step(self) -> list[tuple[StepEvent, Sequence]]:
+        active, engine = self.sequences, self.engine
+        prefilling = self._prefilling()
+        # At most K drafts, and never more than the tokens left after this step's own token.
+        k = None if self.tuner is None else self.tuner.k(getattr(self.drafter, "stops_chains", False))
+        budgets = [min(s.spec.num_draft_tokens if k is None else k, s.max_new_tokens - s.num_generated - 1)
+                   if s.drafting and not pre and self.drafter is not None else 0 for s, pre in zip(active, prefilling)]
+        tuned_stop = None if self.tuner is None else self.tuner.draft_stop()  # thresholds from measured costs
+        for s in active:
+            s.draft_stop = tuned_stop or (DraftStop.fixed(s.spec.draft_stop) if s.spec.draft_stop > 0 else None)
+        t0 = time.perf_counter()
+        drafts = [EMPTY_DRAFT] * len(active)
+        if self.drafter is not None and any(budgets):
+            try:
+                drafts = self.drafter.propose(active, budgets)
+            except Exception as err:
+                self._drafter_fault("propose", err)
+                drafts = [EMPTY_DRAFT] * len(active)
+        t1 = time.perf_counter()
+        inputs = [self._pending(s, pre) + d.tokens.tolist() for s, d, pre in zip(active, drafts, prefilling)]
+        wanted = [0 if pre else len(d) + 1 for d, pre in zip(drafts, prefilling)]
+        logits = self._target("forward", lambda: engine.target.forward(self.state, inputs, wanted))  # (B, M, V)
+        t2 = time.perf_counter()
+        verdicts = [None if pre else self._row(s, "verify", lambda b=b, s=s, d=d: engine._verify(s, d, logits[b, : len(d) + 1]))
+                    for b, (s, d, pre) in enumerate(zip(active, drafts, prefilling))]
+        accepted = [v.num_accepted if v is not None else 0 for v in verdicts]
+        self._target("rollback", lambda: engine.target.rollback(self.state, [len(d) - a for d, a in zip(drafts, accepted)]))
+        events = []
+        for s, d, v, pre, inp in zip(active, drafts, verdicts, prefilling, inputs):
+            if pre:
+                s.target_cached += len(inp)
+                continue
+            if v is None:  # the row failed: its drafts are out of the cache, and it leaves below
+                continue
+            s.target_cached = len(s.tokens) + v.num_accepted
+            s.stats.record(len(d), v.num_accepted, v.bonus)
+            if self.tuner is not None and len(d):
+                self.tuner.observe(len(d), v.num_accepted)
+            event = self._row(s, "commit", lambda s=s, d=d, v=v: engine._commit(s, tuple(d.tokens[: v.num_accepted].tolist()), v))
+            if event is not None:
+                events.append((event, s))
+        if self.drafter is not None:
+            try:
+                self.drafter.commit(active, drafts, accepted)
+            except Exception as err:
+                self._drafter_fault("commit", err)
+        return self._finish_step(events, t1 - t0, t2 - t1)
+
+    def _tree_step(self) -> list[tuple[StepEvent, Sequence]]:
+        """`step` when some sequence drafts a tree; the others draft their chain as a tree of shape (1, ..., 1)."""
+        active, engine = self.sequences, self.engine
+        prefilling = self._prefilling()
+        trees = [s.spec.tree_or_chain for s in active]
+        # The tree's depth, never more than the tokens left after this step's own token.
+        depths = [min(t.depth(s.spec.num_draft_tokens), s.max_new_tokens - s.num_generated - 1)
+                  if s.drafting and not pre else 0 for s, t, pre in zip(active, trees, prefilling)]
+        if self.tuner is not None:  # dynamic trees keep only the nodes that pay for their share of the pass
+            profile = self.tuner.profile
+            costs = profile.pass_costs()  # measured widths bound the tree: wider passes were never timed
+            trees = [replace(t, budget=min(t.budget, len(costs) - 1), pass_costs=costs, draft_cost=d * profile.c)
+                     if t.budget is not None else t for t, d in zip(trees, depths)]
+        t0 = time.perf_counter()
+        drafts = [EMPTY_TREE_DRAFT] * len(active)
+        if any(depths):
+            try:
+                drafts = self.drafter.propose_tree(active, trees, depths)
+            except Exception as err:
+                self._drafter_fault("propose_tree", err)
+                return self._chain_step()  # the drafter is off now: this step decodes plainly
+        t1 = time.perf_counter()
+        chains = [self._pending(s, pre) for s, pre in zip(active, prefilling)]
+        logits = self._target("forward_tree", lambda: engine.target.forward_tree(
+            self.state, chains, [d.tokens.tolist() for d in drafts], [d.tree.parents.tolist() for d in drafts]))
+        t2 = time.perf_counter()
+        verdicts = [None if pre else self._row(s, "verify", lambda b=b, s=s, d=d: engine._verify_tree(s, d, logits[b, : len(d) + 1]))
+                    for b, (s, d, pre) in enumerate(zip(active, drafts, prefilling))]
+        paths = [tuple(v.path) if v is not None else () for v in verdicts]
+        self._target("commit_tree", lambda: engine.target.commit_tree(self.state, [list(p) for p in paths]))
+        events = []
+        for s, d, v, pre, chain in zip(active, drafts, verdicts, prefilling, chains):
+            if pre:
+                s.target_cached += len(chain)
+                continue
+            if v is None:
+                continue
+            s.target_cached = len(s.tokens) + v.num_accepted
+            s.stats.record(len(d), v.num_accepted, v.bonus, depth=d.tree.depth)
+            event = self._row(s, "commit", lambda s=s, d=d, v=v: engine._commit(s, d.path_tokens(v.path), v))
+            if event is not None:
+                events.append((event, s))
+        if self.drafter is not None:
+            try:
+                self.drafter.commit_tree(active, drafts, paths)
+            except Exception as err:
+                self._drafter_fault("commit_tree", err)
+        return self._finish_step(events, t1 - t0, t2 - t1)
+
+    # --- faults --------------------------------------------------------------------------------------
+    def _row(self, seq: Sequence, stage: str, work):
+        """Run one row's own work; a fault ends that row alone (finish_reason "error") and returns None."""
+        try:
+            return work()
+        except Exception as err:
+            log.warning("sequence %d failed in %s: %s: %s", seq.index, stage, type(err).__name__, err)
+            self.faults.append((stage, err))
+            seq.finish_reason, seq.error = "error", err
+            return None
+
+    def _target(self, stage: str, work):
+        """Run the target's batched work; a fault there ends the whole batch (its cache is in no known state)."""
+        try:
+            return work()
+        except Exception as err:
+            raise _TargetFault(stage, err) from err
+
+    def _drafter_fault(self, stage: str, err: Exception) -> None:
+        """The drafter failed: the rows in the batch now decode plainly (exactly), and the drafter rests until the
+        batch has emptied (its state for these rows may be half-updated)."""
+        log.warning("the drafter failed in %s (%s: %s); this batch's rows decode without drafts", stage,
+                    type(err).__name__, err)
+        self.faults.append((f"drafter.{stage}", err))
+        self.drafter = None
+
+    def _fail_all(self, stage: str, err: Exception) -> list[tuple[StepEvent, Sequence]]:
+        """End every sequence of the batch with this error and start afresh."""
+        from verispec.engine import StepEvent
+
+        log.error("the target failed in %s (%s: %s); the %d sequences of the batch are ended", stage,
+                  type(err).__name__, err, len(self.sequences))
+        self.faults.append((f"target.{stage}", err))
+        events = []
+        for s in self.sequences:
+            s.finish_reason, s.error = "error", err
+            events.append((StepEvent(s.index, (), -1, False, (), "error"), s))
+        self.sequences, self.state, self._joined = [], None, {}
+        return events
+
+    # --- bookkeeping ---------------------------------------------------------------------------------
+    def _finish_step(self, events: list, draft_seconds: float, target_seconds: float) -> list[tuple[StepEvent, Sequence]]:
+        """Account the step's time to every sequence, drop the finished and failed ones, add failure events."""
+        from verispec.engine import StepEvent
+
+        active = self.sequences
+        now = time.perf_counter()
+        for s in active:
+            s.stats.wall_seconds = now - self._joined[id(s)]
+            s.stats.draft_seconds += draft_seconds
+            s.stats.target_seconds += target_seconds
+        reported = {id(s) for _, s in events}
+        failed = [(StepEvent(s.index, (), -1, False, (), "error"), s) for s in active
+                  if s.finish_reason == "error" and id(s) not in reported]
+        try:
+            self._drop([b for b, s in enumerate(active) if s.finish_reason is not None])
+        except Exception as err:  # the cache could not drop the rows: start afresh
+            return [*events, *failed, *self._fail_all("select", err)]
+        order = {id(s): b for b, s in enumerate(active)}
+        return sorted([*events, *failed], key=lambda pair: order[id(pair[1])])
+
+    def _drop(self, rows: list[int]) -> None:
+        """Remove these rows from the batch, the target's cache and the drafter's state."""
+        if not rows:
+            return
+        gone = set(rows)
+        for b in gone:
+            del self._joined[id(self.sequences[b])]
+        keep = [b for b in range(len(self.sequences)) if b not in gone]
+        self.sequences = [self.sequences[b] for b in keep]
+        if not self.sequences:
+            self.state = None  # frees the whole cache; the next add starts a fresh one
+        else:
+            self.state.select(torch.tensor(keep, dtype=torch.long))
+        if self.drafter is not None:  # the drafter frees its rows too
+            try:
+                self.drafter.keep(keep)
+            except Exception as err:
+                self._drafter_fault("keep", err)
+
+
+class _TargetFault(Exception):
+    """The target's batched work failed at `stage` with `error`."""
+
+    def __init__(self, stage: str, error: Exception) -> None:
+        super().__init__(f"{stage}: {error}")
+        self.stage, self.error = stage, error
