@@ -99,7 +99,7 @@ def test_a_flood_past_the_queue_gets_429_and_the_rest_complete(decoder):
                 assert out["usage"]["completion_tokens"] == 100 or out["choices"][0]["finish_reason"] == "stop"
         scheduler = s.app.state.scheduler
         assert scheduler.cache_rows() == 0 and scheduler.queue_depth == 0
-        assert httpx.get(s.url + "/health").json() == {"status": "ok", "running": 0, "queued": 0}
+        assert httpx.get(s.url + "/health").json() == {"status": "ok"}
 
 
 def test_requests_past_the_timeout_are_cut_with_408(decoder):
@@ -138,9 +138,9 @@ def test_shutdown_past_its_timeout_cuts_requests_with_503(decoder):
         assert time.monotonic() - started < 10
         last = []
         for t in tickets:
-            update = await asyncio.wait_for(t.updates.get(), 10)
-            while not update.done:
-                update = await asyncio.wait_for(t.updates.get(), 10)
+            update = await t.next(10)
+            while update is not None and not update.done:
+                update = await t.next(10)
             last.append(update)
         return scheduler, last
 

@@ -88,3 +88,16 @@ def test_info_offers_the_tree_options(client):
     info = client.get("/api/info").json()
     assert info["tree"] == {"children": ["without_replacement", "iid", "top"], "max_nodes": 64, "max_depth": 16}
     assert info["defaults"]["tree_top_k"] == 4 and info["defaults"]["tree_children"] == "without_replacement"
+
+
+def test_a_live_request_is_bounded_before_it_starts(client, model_dirs):
+    """The live view had the server's gap: {"budget": 8, "top_k": 1000000000} was accepted and expanded every node
+    with up to V children; now top_k is capped at the budget, and K, max_new_tokens and temperature have ranges."""
+    r = client.post("/api/live/start", json={"prompt": "ab", "drafter": model_dirs[1],
+                                             "tree": {"budget": 8, "top_k": 10**9}})
+    assert r.status_code == 200 and r.json()["tree"]["top_k"] == 8
+    step = client.post("/api/live/step", json={"session": r.json()["session"]})
+    assert step.status_code == 200 and step.json()["record"]["tree"]["size"] <= 8
+    for field, value in (("k", 10**6), ("max_new_tokens", 10**9), ("temperature", 1e300), ("temperature", -1)):
+        r = client.post("/api/live/start", json={"prompt": "ab", "drafter": model_dirs[1], field: value})
+        assert r.status_code == 422 and field in r.text, (field, r.text)

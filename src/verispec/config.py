@@ -51,6 +51,11 @@ class SamplingConfig:
 
 
 MAX_TREE_NODES = 1024
+# The ranges a request (the server's, the live view's) may give sampling settings. Sampling is NaN-safe for any
+# value SamplingConfig accepts (see `verispec.sampling`); past these a setting means nothing more (at temperature
+# 100 logits spanning 10 are uniform to within 10%) and is refused as a client's mistake.
+MAX_TEMPERATURE = 100.0
+PENALTY_RANGE = (0.01, 100.0)
 
 
 def _is_count(value, minimum: int) -> bool:

@@ -3,10 +3,11 @@
     POST /v1/completions, /v1/chat/completions   (JSON, or server-sent events with "stream": true)
     GET  /v1/models, /health, /metrics           (/metrics in Prometheus text format)
 
-Every request is checked here (fields, limits, context window) and becomes one Sequence; the
-Scheduler's thread decodes all running sequences together. Errors are OpenAI-style JSON
-({"error": {...}}) with 4xx codes; an unexpected failure is a 500 with a one-line message, never a
-traceback.
+Every request is checked (fields, limits, context window, cache budget: `serve.requests`) and becomes one
+Sequence; the Scheduler's thread decodes all running sequences together. Errors are OpenAI-style JSON
+({"error": {...}}) with 4xx codes; an unexpected failure is a 500 with a one-line message, never a traceback.
+A request never waits without a bound: past its deadline (the request timeout and a grace period) it is answered
+408 whatever the decoding thread is doing, and at once with 503 if that thread has died.
 """
 
 from __future__ import annotations
@@ -18,21 +19,23 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from verispec.api import NO_DRAFT, SpeculativeDecoder
-from verispec.config import SamplingConfig, ServeConfig, SpecConfig
-from verispec.errors import VerispecError
+from verispec.api import SpeculativeDecoder
+from verispec.config import ServeConfig
 from verispec.sequence import Sequence
 from verispec.serve import protocol as wire
 from verispec.serve.gate import Gate
 from verispec.serve.metrics import Metrics
 from verispec.serve.protocol import APIError, ChatRequest, CompletionRequest, GenerationRequest
-from verispec.serve.scheduler import QueueFull, Scheduler, ShuttingDown, Ticket, Update
+from verispec.serve.requests import RequestBuilder
+from verispec.serve.scheduler import QueueFull, Scheduler, ShuttingDown, Ticket, TooLarge, Unavailable, Update
+from verispec.serve.streaming import TextStream, TimedStreamingResponse
 
-DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks that its client is still there
+POLL_S = 0.5  # how often a waiting request checks its client, its deadline and the decoding thread
+DEADLINE_GRACE_S = 5.0  # past the request timeout, the scheduler has this long to answer before the request does
 
 
 def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig()) -> FastAPI:
@@ -40,12 +43,12 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
     engine = decoder.engine
     adapter = decoder.adapter  # online adaptation (`serve --adapt`): updates run while the scheduler idles
     scheduler = Scheduler(engine, config.max_batch_size, config.max_queue,
-                          on_idle=adapter.poke if adapter is not None else None)
-    metrics = Metrics(scheduler)
+                          on_idle=adapter.poke if adapter is not None else None, prefill_chunk=config.prefill_chunk,
+                          max_cache_bytes=config.max_cache_bytes)
+    metrics = Metrics(scheduler, adapter)
     model_name = config.served_model_name or decoder.target.name
     context_window = engine.context_window
-    max_prompt = min(config.max_prompt_tokens or context_window - 1, context_window - 1)
-    drafter_names = {decoder.draft_name} | ({decoder.drafter.name} if decoder.drafter is not None else set())
+    requests = RequestBuilder(decoder, config, model_name)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -87,88 +90,6 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
         return JSONResponse(APIError(500, "internal server error; see the server log", "internal_error").body(), 500)
 
     # --- requests -> sequences ---------------------------------------------------------------------
-    def make_sequence(body: GenerationRequest, prompt: list[int], max_tokens: int | None) -> Sequence:
-        if body.model is not None and body.model != model_name:
-            raise APIError(404, f"model '{body.model}' is not served here; this server serves '{model_name}'",
-                           param="model", code="model_not_found")
-        if body.n != 1:
-            raise APIError(400, "only n=1 is supported (send several requests: the server batches them)", param="n")
-        spec_options = body.speculative or wire.SpeculativeOptions()
-        tree = wire.tree_config(spec_options.tree)
-        drafting = decoder.drafter is not None
-        if spec_options.drafter is not None:
-            if spec_options.drafter in NO_DRAFT:
-                drafting = False
-            elif spec_options.drafter not in drafter_names:
-                raise APIError(400, f"this server drafts with '{decoder.draft_name}'; speculative.drafter may be "
-                               f"'{decoder.draft_name}' or 'none'", param="speculative.drafter")
-        if spec_options.K is not None and spec_options.K > config.max_draft_tokens:
-            raise APIError(400, f"speculative.K may be at most {config.max_draft_tokens}", param="speculative.K")
-        if tree is not None:
-            if not drafting:
-                raise APIError(400, "speculative.tree needs a drafter; this request decodes plainly", param="speculative.tree")
-            try:
-                engine.check_tree_support()
-            except VerispecError as err:
-                raise APIError(400, str(err), param="speculative.tree") from None
-            depth = tree.depth(spec_options.K or SpecConfig().num_draft_tokens)
-            if tree.size_upper_bound(depth) > config.max_tree_nodes or depth > config.max_draft_tokens:
-                raise APIError(400, f"speculative.tree may have at most {config.max_tree_nodes} nodes and depth "
-                               f"{config.max_draft_tokens}", param="speculative.tree")
-        if len(prompt) > max_prompt:
-            raise APIError(400, f"the prompt has {len(prompt)} tokens; this server accepts at most {max_prompt}",
-                           param="prompt", code="context_length_exceeded")
-        if max_tokens is not None:
-            if config.max_tokens_limit is not None and max_tokens > config.max_tokens_limit:
-                raise APIError(400, f"max_tokens may be at most {config.max_tokens_limit}", param="max_tokens")
-            if len(prompt) + max_tokens > context_window:
-                raise APIError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                               f"context window of {context_window} tokens", param="max_tokens",
-                               code="context_length_exceeded")
-        spec_fields = {"stop": body.stop_strings()}
-        if max_tokens is not None:
-            spec_fields["max_new_tokens"] = max_tokens
-        if spec_options.K is not None:
-            spec_fields["num_draft_tokens"] = spec_options.K
-        if spec_options.draft_stop is not None:
-            spec_fields["draft_stop"] = spec_options.draft_stop
-        if tree is not None:
-            spec_fields["tree"] = tree
-        try:
-            sampling = SamplingConfig(**body.sampling_fields())
-            spec = SpecConfig(**spec_fields)
-            seq = engine.make_sequences([prompt], sampling, spec, [body.seed])[0]
-        except VerispecError as err:
-            field = str(err).split(" ", 1)[0]
-            raise APIError(400, str(err), param=field if field in GenerationRequest.model_fields else None) from None
-        seq.drafting = drafting
-        return seq
-
-    def completion_prompt(body: CompletionRequest) -> list[int]:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "one prompt per request (send several requests: the server batches them)",
-                               param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            try:
-                return decoder.encode(prompt, chat=False)
-            except VerispecError as err:
-                raise APIError(400, str(err), param="prompt") from None
-        return list(prompt)
-
-    def chat_prompt(body: ChatRequest) -> list[int]:
-        if not decoder.has_chat_template:
-            raise APIError(400, f"model '{model_name}' has no chat template; use /v1/completions", param="messages")
-        tok = decoder.target.tokenizer
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as err:  # the template's own checks (e.g. role order) fail with its own errors
-            raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
-        return list(tok(text, add_special_tokens=False)["input_ids"])
-
     def submit(seq: Sequence) -> Ticket:
         try:
             return scheduler.submit(seq, config.request_timeout)
@@ -177,40 +98,62 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
                            "rate_limit_error", code="queue_full") from None
         except ShuttingDown:
             raise APIError(503, "the server is shutting down", "server_shutting_down") from None
+        except Unavailable:
+            raise APIError(503, "the server is not decoding (its decoding thread stopped); see its log",
+                           "server_unavailable") from None
+        except TooLarge as err:
+            raise APIError(400, f"this request's prompt and max_tokens need {err.needed / 2**20:.0f} MiB of key/value "
+                           f"cache, more than this server's budget of {err.budget / 2**20:.0f} MiB; ask for fewer "
+                           "tokens", param="max_tokens", code="context_length_exceeded") from None
 
     # --- answering ---------------------------------------------------------------------------------
     async def respond(request: Request, body: GenerationRequest, prompt: list[int], max_tokens: int | None,
                       chat: bool) -> Response:
         arrival = time.monotonic()
-        ticket = submit(make_sequence(body, prompt, max_tokens))
+        ticket = submit(requests.sequence(body, prompt, max_tokens))
         rid = wire.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(stream(ticket, body, rid, chat, arrival, len(prompt), include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return TimedStreamingResponse(stream(ticket, body, rid, chat, arrival, len(prompt), include_usage),
+                                          send_timeout=config.send_timeout, media_type="text/event-stream",
+                                          headers={"Cache-Control": "no-cache"})
+        generated: list[int] = []
         try:
-            update = await final_update(request, ticket, arrival)
+            update = await final_update(request, ticket, arrival, generated)
         finally:
             ticket.cancel()
         if update is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        text = decoder.decode(list(update.generated))[: update.text_end]
+        text = decoder.decode(generated)[: update.text_end]
         use = wire.usage(len(prompt), update.stats, decoder.draft_name if ticket.sequence.drafting else "none")
         metrics.finished(len(prompt), update.stats)
         make = wire.chat_body if chat else wire.completion_body
         return JSONResponse(make(rid, model_name, text, update.finish_reason, use))
 
-    async def final_update(request: Request, ticket: Ticket, arrival: float) -> Update | None:
+    async def next_update(ticket: Ticket) -> Update | None:
+        """The ticket's next update, or None after POLL_S; raises the answer a request gets when the decoding
+        thread has died or the request's deadline (and its grace) has passed without the thread answering."""
+        update = await ticket.next(POLL_S)
+        if update is not None:
+            return update
+        if not scheduler.alive:
+            raise APIError(503, "the server stopped decoding; see its log", "server_unavailable")
+        if time.monotonic() > ticket.deadline + DEADLINE_GRACE_S:
+            ticket.cancel()
+            raise APIError(408, "the request ran past the server's request timeout", "timeout")
+        return None
+
+    async def final_update(request: Request, ticket: Ticket, arrival: float, generated: list[int]) -> Update | None:
         first = True
         while True:
-            try:
-                update = await asyncio.wait_for(ticket.updates.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            update = await next_update(ticket)
+            if update is None:
                 if await request.is_disconnected():
                     return None
                 continue
             if update.error is not None:
                 raise APIError(update.error.status, update.error.message, update.error.type)
+            generated.extend(update.tokens)
             if first:
                 metrics.first_token.observe(time.monotonic() - arrival)
                 first = False
@@ -229,20 +172,26 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
                 return sse(wire.chat_chunk(rid, model_name, delta, finish, use))
             return sse(wire.completion_chunk(rid, model_name, text, finish, use))
 
-        text = wire.TextStream(decoder.decode, body.stop_strings())
+        text = TextStream(decoder.decode, body.stop_strings())
         first = True
         try:
             if chat:
                 yield sse(wire.chat_chunk(rid, model_name, {"role": "assistant", "content": ""}, None))
             while True:
-                update = await ticket.updates.get()
+                try:
+                    update = await next_update(ticket)
+                except APIError as err:
+                    yield sse(err.body())
+                    break
+                if update is None:
+                    continue
                 if update.error is not None:
                     yield sse(APIError(update.error.status, update.error.message, update.error.type).body())
                     break
                 if first:
                     metrics.first_token.observe(time.monotonic() - arrival)
                     first = False
-                piece = text.delta(update.generated, update.done, update.text_end)
+                piece = text.delta(update.tokens, update.done, update.text_end)
                 if not update.done:
                     if piece:
                         yield chunk(piece, None)
@@ -260,12 +209,12 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await respond(request, body, completion_prompt(body), body.max_tokens, chat=False)
+        return await respond(request, body, requests.completion_prompt(body), body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest) -> Response:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await respond(request, body, chat_prompt(body), max_tokens, chat=True)
+        return await respond(request, body, requests.chat_prompt(body), max_tokens, chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -274,11 +223,13 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        body = {"status": "shutting_down" if scheduler.stopping else "ok", "running": scheduler.running,
-                "queued": scheduler.queue_depth}
-        if adapter is not None:
-            body["adaptation"] = adapter.stats()
-        return JSONResponse(body, 503 if scheduler.stopping else 200)
+        """ok, or 503 while shutting down or once the decoding thread has stopped (so a monitor or Ray Serve replaces
+        the replica). Nothing internal: queue depth, running requests and faults are at /metrics."""
+        if not scheduler.alive:
+            return JSONResponse({"status": "unavailable"}, 503)
+        if scheduler.stopping:
+            return JSONResponse({"status": "shutting_down"}, 503)
+        return JSONResponse({"status": "ok"}, 200)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

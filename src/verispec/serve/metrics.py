@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from verispec.serve.scheduler import Scheduler
 from verispec.stats import GenerationStats
@@ -17,7 +18,7 @@ class Metrics:
         scheduler: read at scrape time for queue depth, running sequences and cache rows.
     """
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, adapter=None) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("verispec_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("verispec_prompt_tokens", "prompt tokens of finished requests", registry=r)
@@ -39,6 +40,21 @@ class Metrics:
         Gauge("verispec_running_sequences", "sequences in the running batch", registry=r).set_function(
             lambda: scheduler.running)
         Gauge("verispec_cache_rows", "rows held in the target's KV cache", registry=r).set_function(scheduler.cache_rows)
+        Gauge("verispec_cache_reserved_bytes", "key/value cache reserved by the running requests",
+              registry=r).set_function(lambda: scheduler.reserved)
+        Gauge("verispec_cache_budget_bytes", "key/value cache the running requests may reserve",
+              registry=r).set_function(lambda: scheduler.max_cache_bytes)
+        Gauge("verispec_decoding_alive", "1 while the decoding thread runs", registry=r).set_function(
+            lambda: int(scheduler.alive))
+        r.register(_FaultCollector(scheduler))
+        if adapter is not None:  # online adaptation (`serve --adapt`)
+            for key, doc in (("collected", "examples collected"), ("buffered", "examples waiting"),
+                             ("updates", "drafter updates made"), ("examples_used", "examples trained on"),
+                             ("update_seconds", "seconds spent updating")):
+                Gauge(f"verispec_adaptation_{key}", f"online adaptation: {doc}", registry=r).set_function(
+                    lambda key=key: adapter.stats()[key])
+            Gauge("verispec_adaptation_failed", "1 when the last update failed (the server log says why)",
+                  registry=r).set_function(lambda: int(adapter.stats()["last_error"] is not None))
 
     def finished(self, prompt_tokens: int, stats: GenerationStats) -> None:
         """Count a finished request's tokens (called on the event loop)."""
@@ -51,3 +67,17 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _FaultCollector:
+    """verispec_faults_total{stage}: faults the server absorbed (a request's own, the drafter's, the target's, the
+    scheduler's), read from the scheduler at scrape time."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def collect(self):
+        family = CounterMetricFamily("verispec_faults", "faults absorbed, by where they happened", labels=["stage"])
+        for stage, count in sorted(self.scheduler.faults.counts.items()):
+            family.add_metric([stage], count)
+        yield family

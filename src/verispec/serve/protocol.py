@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from verispec.config import TreeConfig
+from verispec.config import MAX_TEMPERATURE, PENALTY_RANGE, TreeConfig
 from verispec.errors import VerispecError
 from verispec.stats import GenerationStats
 
@@ -71,16 +71,19 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+MAX_TOP_K = 2**31 - 1
+
+
 class GenerationRequest(Strict):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_TOP_K)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     n: int = 1
@@ -165,33 +168,3 @@ def chat_chunk(rid: str, model: str, delta: dict | None, finish: str | None, use
                                          "finish_reason": FINISH_REASONS.get(finish) if finish else None}]
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": choices, "usage": use}
-
-
-class TextStream:
-    """Turns growing token lists into text deltas that are safe to send.
-
-    Text that could still become the start of a stop string, or ends in an incomplete UTF-8
-    character, is held back until the next step decides it.
-
-    Args:
-        decode: token ids -> text.
-        stops: the request's stop strings.
-    """
-
-    def __init__(self, decode, stops: tuple[str, ...]) -> None:
-        self.decode = decode
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.sent = 0
-
-    def delta(self, generated: tuple[int, ...], done: bool, text_end: int | None) -> str:
-        text = self.decode(list(generated))
-        if done:
-            end = len(text) if text_end is None else text_end
-        else:
-            end = len(text) - self.hold
-            while end > 0 and text[end - 1] == "\ufffd":
-                end -= 1
-        if end <= self.sent:
-            return ""
-        piece, self.sent = text[self.sent : end], end
-        return piece

@@ -26,11 +26,11 @@ from typing import Any
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from verispec.analyze import AnalyzeConfig, measured_from_bench, speedup_table
 from verispec.api import NGRAM, SpeculativeDecoder
-from verispec.config import TREE_CHILDREN, SamplingConfig, ServeConfig, SpecConfig, TreeConfig
+from verispec.config import MAX_TEMPERATURE, TREE_CHILDREN, SamplingConfig, ServeConfig, SpecConfig, TreeConfig
 from verispec.errors import VerispecError
 from verispec.render import StreamPrinter
 from verispec.trace import Tracer, tracing
@@ -46,13 +46,16 @@ MAX_LIVE_TREE_NODES = ServeConfig().max_tree_nodes
 MAX_LIVE_TREE_DEPTH = ServeConfig().max_draft_tokens
 
 
+MAX_LIVE_TOKENS = 4096  # a live decoding's max_new_tokens (each step is one request, but the text is kept)
+
+
 class LiveRequest(BaseModel):
-    prompt: str
+    prompt: str = Field(max_length=100_000)
     drafter: str
-    k: int = SpecConfig().num_draft_tokens
-    temperature: float = SamplingConfig().temperature
-    seed: int = 0
-    max_new_tokens: int = 64
+    k: int = Field(SpecConfig().num_draft_tokens, ge=1, le=MAX_LIVE_TREE_DEPTH)
+    temperature: float = Field(SamplingConfig().temperature, ge=0.0, le=MAX_TEMPERATURE)
+    seed: int = Field(0, ge=0, lt=2**63)
+    max_new_tokens: int = Field(64, ge=1, le=MAX_LIVE_TOKENS)
     chat: bool | None = None
     tree: Any = None  # None: a chain of K drafts; else read by `live_tree_config`
 

@@ -1,0 +1,142 @@
+"""From an HTTP request to a Sequence, with every request's work bounded before it is admitted.
+
+A server is shared, so each request is checked against the server's limits (`ServeConfig`) before it may cost
+anything: its prompt and max_tokens against the context window and the per-request token budget, its stop strings
+in count and length, its speculation (K, tree nodes and depth; a tree's top_k is at most its budget, `TreeConfig`),
+its sampling settings in ranges (`protocol`; sampling is NaN-safe for any of them anyway), and what its key/value
+cache will cost against the running requests' budget (checked by the scheduler at submission). Whatever fails is
+a 4xx naming the field, never a traceback.
+"""
+
+from __future__ import annotations
+
+from verispec.api import NO_DRAFT, SpeculativeDecoder
+from verispec.config import SamplingConfig, ServeConfig, SpecConfig
+from verispec.errors import VerispecError
+from verispec.sequence import Sequence
+from verispec.serve import protocol as wire
+from verispec.serve.protocol import APIError, ChatRequest, CompletionRequest, GenerationRequest
+
+
+class RequestBuilder:
+    """Checks requests against the server's limits and turns them into sequences of `decoder.engine`."""
+
+    def __init__(self, decoder: SpeculativeDecoder, config: ServeConfig, model_name: str) -> None:
+        self.decoder, self.config, self.model_name = decoder, config, model_name
+        self.engine = decoder.engine
+        window = self.engine.context_window
+        self.context_window = window
+        self.max_prompt = min(config.max_prompt_tokens or window - 1, window - 1)
+        self.max_request = min(config.max_request_tokens or window, window)
+        self.drafter_names = {decoder.draft_name} | ({decoder.drafter.name} if decoder.drafter is not None else set())
+
+    # --- prompts -------------------------------------------------------------------------------------
+    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request (send several requests: the server batches them)",
+                               param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            try:
+                return self.decoder.encode(prompt, chat=False)
+            except VerispecError as err:
+                raise APIError(400, str(err), param="prompt") from None
+            except Exception as err:  # the tokenizer's own failures (e.g. a lone surrogate)
+                raise APIError(400, f"the prompt cannot be tokenized: {type(err).__name__}", param="prompt") from None
+        return list(prompt)
+
+    def chat_prompt(self, body: ChatRequest) -> list[int]:
+        if not self.decoder.has_chat_template:
+            raise APIError(400, f"model '{self.model_name}' has no chat template; use /v1/completions", param="messages")
+        tok = self.decoder.target.tokenizer
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # the template's own checks (e.g. role order) fail with its own errors
+            raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
+        try:
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+        except Exception as err:
+            raise APIError(400, f"the messages cannot be tokenized: {type(err).__name__}", param="messages") from None
+
+    # --- the sequence --------------------------------------------------------------------------------
+    def sequence(self, body: GenerationRequest, prompt: list[int], max_tokens: int | None) -> Sequence:
+        config = self.config
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"model '{body.model}' is not served here; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        if body.n != 1:
+            raise APIError(400, "only n=1 is supported (send several requests: the server batches them)", param="n")
+        stops = body.stop_strings()
+        if len(stops) > config.max_stop_strings:
+            raise APIError(400, f"at most {config.max_stop_strings} stop strings, got {len(stops)}", param="stop")
+        if any(len(s) > config.max_stop_length for s in stops):
+            raise APIError(400, f"a stop string may be at most {config.max_stop_length} characters", param="stop")
+        spec_options = body.speculative or wire.SpeculativeOptions()
+        drafting = self._drafting(spec_options)
+        tree = self._tree(spec_options, drafting)
+        if spec_options.K is not None and spec_options.K > config.max_draft_tokens:
+            raise APIError(400, f"speculative.K may be at most {config.max_draft_tokens}", param="speculative.K")
+        self._check_length(len(prompt), max_tokens)
+        spec_fields = {"stop": stops}
+        if max_tokens is not None:
+            spec_fields["max_new_tokens"] = max_tokens
+        if spec_options.K is not None:
+            spec_fields["num_draft_tokens"] = spec_options.K
+        if spec_options.draft_stop is not None:
+            spec_fields["draft_stop"] = spec_options.draft_stop
+        if tree is not None:
+            spec_fields["tree"] = tree
+        try:
+            sampling = SamplingConfig(**body.sampling_fields())
+            spec = SpecConfig(**spec_fields)
+            seq = self.engine.make_sequences([prompt], sampling, spec, [body.seed])[0]
+        except VerispecError as err:
+            field = str(err).split(" ", 1)[0]
+            raise APIError(400, str(err), param=field if field in GenerationRequest.model_fields else None) from None
+        seq.drafting = drafting
+        return seq
+
+    def _drafting(self, options: wire.SpeculativeOptions) -> bool:
+        if options.drafter is None:
+            return self.decoder.drafter is not None
+        if options.drafter in NO_DRAFT:
+            return False
+        if options.drafter not in self.drafter_names:
+            raise APIError(400, f"this server drafts with '{self.decoder.draft_name}'; speculative.drafter may be "
+                           f"'{self.decoder.draft_name}' or 'none'", param="speculative.drafter")
+        return self.decoder.drafter is not None
+
+    def _tree(self, options: wire.SpeculativeOptions, drafting: bool):
+        tree = wire.tree_config(options.tree)
+        if tree is None:
+            return None
+        config = self.config
+        if not drafting:
+            raise APIError(400, "speculative.tree needs a drafter; this request decodes plainly", param="speculative.tree")
+        try:
+            self.engine.check_tree_support()
+        except VerispecError as err:
+            raise APIError(400, str(err), param="speculative.tree") from None
+        depth = tree.depth(options.K or SpecConfig().num_draft_tokens)
+        if tree.size_upper_bound(depth) > config.max_tree_nodes or depth > config.max_draft_tokens:
+            raise APIError(400, f"speculative.tree may have at most {config.max_tree_nodes} nodes and depth "
+                           f"{config.max_draft_tokens}", param="speculative.tree")
+        return tree
+
+    def _check_length(self, prompt: int, max_tokens: int | None) -> None:
+        config = self.config
+        if prompt > self.max_prompt:
+            raise APIError(400, f"the prompt has {prompt} tokens; this server accepts at most {self.max_prompt}",
+                           param="prompt", code="context_length_exceeded")
+        if max_tokens is not None and config.max_tokens_limit is not None and max_tokens > config.max_tokens_limit:
+            raise APIError(400, f"max_tokens may be at most {config.max_tokens_limit}", param="max_tokens")
+        new = max_tokens if max_tokens is not None else min(SpecConfig().max_new_tokens, self.context_window - prompt)
+        if prompt + new > self.context_window:
+            raise APIError(400, f"the prompt ({prompt} tokens) plus max_tokens ({new}) exceeds the context window of "
+                           f"{self.context_window} tokens", param="max_tokens", code="context_length_exceeded")
+        if prompt + new > self.max_request:
+            raise APIError(400, f"the prompt ({prompt} tokens) plus max_tokens ({new}) exceeds this server's limit of "
+                           f"{self.max_request} tokens per request", param="max_tokens", code="context_length_exceeded")
