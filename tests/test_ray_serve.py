@@ -1,11 +1,16 @@
 """Scale-out on Ray Serve (`verispec serve --ray`, `serve/ray_serve.py`; runs where the `ray` extra is installed, as
-the README's test command does): a local Ray instance on loopback with 2 replicas of a tiny model answers every
-concurrent request, greedy answers equal a single process's, a replica killed mid-run is replaced and the client's
-retries lose no request, and the API key is enforced through Ray's proxy."""
+the README's test command does). One local Ray instance on loopback, 2 replicas of a tiny model, shared by the
+module: every concurrent request is answered with the tokens a single process gives and the API key is enforced
+through Ray's proxy; streamed chunks arrive as they are made; a bad key or an oversized Content-Length is refused
+before the body is sent; a flood past the queue is refused at once; a replica killed mid-stream is replaced and
+the client's retries lose no request."""
 
+import asyncio
+import json
 import socket
 import threading
 import time
+from dataclasses import dataclass, replace
 
 import httpx
 import pytest
@@ -13,6 +18,7 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
+from test_serve_http import read_response  # noqa: E402
 from tiny_hf import save_tiny_model_dir  # noqa: E402
 
 from verispec import SpeculativeDecoder  # noqa: E402
@@ -21,7 +27,10 @@ from verispec.serve import ray_serve  # noqa: E402
 from verispec.serve.server import BackgroundServer  # noqa: E402
 
 KEY = "secret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPTS = ["hello there", "a b c d", "the cache", "abc abc abc", "speculative", "exact", "tree of tokens", "zz"]
+CONFIG = ServeConfig(host="127.0.0.1", port=0, api_key=KEY, served_model_name="tiny", max_batch_size=4, max_queue=4)
+# Each replica holds max_batch_size + max_queue = 8 requests, Ray's proxy queues max_queue = 4 more: 20 in all.
 
 
 def free_port() -> int:
@@ -30,16 +39,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def body(prompt: str) -> dict:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": 48, "temperature": 0}
+def body(prompt: str, **fields) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 48, "temperature": 0, **fields}
 
 
 def ask(url: str, prompt: str, retries: int = 30) -> tuple[str, int]:
     """A client that retries on 5xx and connection errors (as the OpenAI client does); returns (text, tries)."""
     for attempt in range(1, retries + 1):
         try:
-            r = httpx.post(url + "/v1/completions", json=body(prompt), headers={"Authorization": f"Bearer {KEY}"},
-                           timeout=60)
+            r = httpx.post(url + "/v1/completions", json=body(prompt), headers=AUTH, timeout=60)
             if r.status_code < 500:
                 assert r.status_code == 200, r.text
                 return r.json()["choices"][0]["text"], attempt
@@ -59,58 +67,131 @@ def answer_all(url: str, prompts: list[str]) -> dict[str, tuple[str, int]]:
     return out
 
 
-def replica_actors() -> list:
+def replica_actors() -> dict:
+    """The live replicas' actors, by actor name (what the answers' x-verispec-replica header says)."""
     names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA" in a["name"]]
-    return [ray.get_actor(a["name"], namespace=a["namespace"]) for a in names]
+    return {a["name"]: ray.get_actor(a["name"], namespace=a["namespace"]) for a in names}
 
 
-def test_two_replicas_answer_everything_survive_a_killed_replica_and_enforce_the_key(tmp_path):
-    target = save_tiny_model_dir(tmp_path / "target", "llama", seed=0)
+def wait_for_replicas(count: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and len(replica_actors()) != count:
+        time.sleep(0.5)
+    assert len(replica_actors()) == count
+
+
+@dataclass
+class Cluster:
+    url: str
+    expected: dict[str, str]  # prompt -> a single process's greedy answer
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    target = save_tiny_model_dir(tmp_path_factory.mktemp("ray_models") / "target", "llama", seed=0)
     load = {"target": str(target), "draft": "ngram"}
-    config = ServeConfig(host="127.0.0.1", port=0, api_key=KEY, served_model_name="tiny", max_batch_size=4)
-    with BackgroundServer(SpeculativeDecoder.load(**load), config) as single:
+    with BackgroundServer(SpeculativeDecoder.load(**load), CONFIG) as single:
         expected = {p: ask(single.url, p)[0] for p in PROMPTS}
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     try:
-        ray_serve.run(load, ServeConfig(host="127.0.0.1", port=port, api_key=KEY, served_model_name="tiny",
-                                        max_batch_size=4), replicas=2, cpus_per_replica=0.5, blocking=False)
-        assert len(replica_actors()) == 2
-        assert httpx.post(url + "/v1/completions", json=body("hi"), timeout=60).status_code == 401
-        assert httpx.get(url + "/health", timeout=60).status_code == 200
-        answers = answer_all(url, PROMPTS)
-        assert {p: a[0] for p, a in answers.items()} == expected
-
-        killed = replica_actors()[0]
-        results: list = []
-        many = [p for p in PROMPTS for _ in range(4)]
-        threads = [threading.Thread(target=lambda p=p: results.append((p, *ask(url, p)))) for p in many]
-        for t in threads:
-            t.start()
-        while not results:  # requests are being answered: kill one replica mid-run
-            time.sleep(0.01)
-        ray.kill(killed, no_restart=True)  # Ray Serve's controller starts a replacement
-        for t in threads:
-            t.join()
-        assert len(results) == len(many) and all(text == expected[p] for p, text, _ in results)  # none lost
-        assert len(results) - sum(tries == 1 for _, _, tries in results) >= 1  # the kill cut some: they were retried
-        deadline = time.time() + 120
-        while time.time() < deadline and len(replica_actors()) < 2:
-            time.sleep(1)
-        assert len(replica_actors()) == 2  # replaced
-        assert {p: a[0] for p, a in answer_all(url, PROMPTS[:4]).items()} == {p: expected[p] for p in PROMPTS[:4]}
+        ray_serve.run(load, replace(CONFIG, port=port), replicas=2, cpus_per_replica=0.5, blocking=False)
+        wait_for_replicas(2)
+        yield Cluster(f"http://127.0.0.1:{port}", expected)
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-def test_bad_scale_out_options_are_one_line(tmp_path, capsys):
+def test_bad_scale_out_options_are_one_line(tmp_path, capsys, monkeypatch):
     from verispec.cli import main
 
+    started = []
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append(1))
     target = save_tiny_model_dir(tmp_path / "target", "llama", seed=0)
     for option, message in ((["--autoscale", "3,1"], "--autoscale needs 1 <= MIN <= MAX, got 3,1"),
                             (["--autoscale", "many"], "--autoscale takes MIN,MAX replica counts, got 'many'"),
                             (["--replicas", "0"], "--replicas must be >= 1, got 0")):
         assert main(["serve", "--ray", "--target", str(target), "--draft", "ngram", *option]) == 2
         assert message in capsys.readouterr().err
-    assert not ray.is_initialized()  # refused before Ray started
+    assert not started  # refused before Ray started
+
+
+def test_replicas_answer_as_one_process_does_and_enforce_the_key(cluster):
+    assert httpx.post(cluster.url + "/v1/completions", json=body("hi"), timeout=60).status_code == 401
+    assert httpx.get(cluster.url + "/health", timeout=60).status_code == 200
+    answers = answer_all(cluster.url, PROMPTS)
+    assert {p: a[0] for p, a in answers.items()} == cluster.expected
+
+
+def test_streamed_chunks_arrive_as_they_are_made(cluster):
+    """Through Ray's proxy each SSE chunk reaches the client when the replica sends it, not all at the end."""
+    arrivals, texts = [], []
+    request = body("zz", max_tokens=120, stream=True, speculative={"drafter": "none"})  # one token per chunk
+    started = time.monotonic()
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=request, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.monotonic() - started)
+                texts.append(json.loads(line[6:])["choices"][0]["text"])
+    assert len(arrivals) > 10
+    first, last = arrivals[0], arrivals[-1]
+    assert last - first > 0.5 * last, arrivals  # the first chunk came well before the last
+    assert "".join(texts).startswith(cluster.expected["zz"])  # greedy: the 48-token answer, continued
+
+
+def test_a_bad_key_or_an_oversized_body_is_refused_before_the_body_is_sent(cluster):
+    host, port = cluster.url.removeprefix("http://").split(":")
+    for auth, length, status in ((b"Bearer wrong", 100, 401), (f"Bearer {KEY}".encode(), 50_000_000, 413)):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            started = time.monotonic()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: %s\r\nContent-Length: %d\r\n\r\n" % (auth, length))  # and no body
+            code, _, answer = read_response(sock)
+            assert code == status and b'"error"' in answer
+            assert time.monotonic() - started < 5
+
+
+async def flood(url: str, n: int) -> list[tuple[int, float]]:
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, float]:
+        started = time.monotonic()
+        r = await client.post("/v1/completions", json=body(PROMPTS[i % 8], max_tokens=100, temperature=1.0, seed=i),
+                              headers=AUTH)
+        return r.status_code, time.monotonic() - started
+
+    limits = httpx.Limits(max_connections=n)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        return await asyncio.gather(*(one(client, i) for i in range(n)))
+
+
+def test_a_flood_past_the_queue_is_refused_at_once(cluster):
+    """40 requests at once where at most 20 fit (2 replicas x (batch 4 + queue 4), and Ray's queue of 4): the rest
+    get 503 at once instead of waiting in an unbounded queue, and the admitted ones are answered. (Ray counts a
+    request as queued until a replica takes it, so of a burst it admits about max_queue, not 20.)"""
+    results = asyncio.run(flood(cluster.url, 40))
+    refused = [t for code, t in results if code == 503]
+    served = [t for code, t in results if code == 200]
+    assert len(refused) + len(served) == 40 and len(refused) >= 10 and len(served) >= CONFIG.max_queue
+    assert max(refused) < 5 and max(refused) < max(served)
+
+
+def test_a_replica_killed_mid_stream_is_replaced_and_no_request_is_lost(cluster):
+    request = body("zz", max_tokens=120, stream=True, speculative={"drafter": "none"})
+    results: list = []
+    many = [p for p in PROMPTS for _ in range(2)]
+    threads = [threading.Thread(target=lambda p=p: results.append((p, *ask(cluster.url, p)))) for p in many]
+    with pytest.raises(httpx.TransportError):  # the stream is cut when its replica dies
+        with httpx.stream("POST", cluster.url + "/v1/completions", json=request, headers=AUTH, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            for t in threads:
+                t.start()
+            ray.kill(replica_actors()[r.headers["x-verispec-replica"]], no_restart=True)  # Ray starts another
+            for line in lines:
+                assert line != "data: [DONE]"
+    for t in threads:
+        t.join()
+    assert len(results) == len(many) and all(text == cluster.expected[p] for p, text, _ in results)  # none lost
+    wait_for_replicas(2)  # replaced
+    answers = answer_all(cluster.url, PROMPTS[:4])
+    assert {p: a[0] for p, a in answers.items()} == {p: cluster.expected[p] for p in PROMPTS[:4]}
