@@ -128,12 +128,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def uvicorn_config(app, config: ServeConfig, log_level: str = "info") -> uvicorn.Config:
-    """The uvicorn settings every way of serving uses: the limits from `config`, the guarded protocol, and a
-    warning when the server is reachable from other machines and asks no API key."""
+def warn_if_public(config: ServeConfig) -> None:
+    """Log one warning line when the server will be reachable from other machines and asks no API key."""
     if not is_loopback(config.host) and config.api_key is None:
         log.warning("serving on %s, reachable from other machines, without an API key: anyone who can reach it "
                     "can use it (set --api-key or VERISPEC_API_KEY)", config.host)
+
+
+def uvicorn_config(app, config: ServeConfig, log_level: str = "info") -> uvicorn.Config:
+    """The uvicorn settings every way of serving uses: the limits from `config` and the guarded protocol (and
+    `warn_if_public`)."""
+    warn_if_public(config)
     protocol = functools.partial(GuardedH11Protocol, header_timeout=config.header_timeout,
                                  body_timeout=config.body_timeout, limit_concurrency=config.limit_concurrency)
     return uvicorn.Config(app, host=config.host, port=config.port, http=protocol, log_level=log_level,
