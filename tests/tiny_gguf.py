@@ -6,6 +6,8 @@ Every matmul weight can take any supported type; quantized blocks are random byt
 
 from __future__ import annotations
 
+import struct
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -145,3 +147,132 @@ def gguf_from_hf(model, path: Path, qtype=T.F32) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# ------------------------------------------------------------------ a GGUF file as parts to edit (the fuzz tests)
+
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+STRING, ARRAY = 8, 9
+
+
+@dataclass
+class GGUFLayout:
+    """A GGUF file split into what a test edits, independently of the reader under test.
+
+    fields: [key, value type, the value's encoding]; tensors: [name, dims, type id, offset from the data's
+    start]; data: the tensor data (from the aligned start to the end); slots: (offset, size, what) of every
+    number in the header (counts, lengths, types, values, dims, offsets), for byte-level mutations."""
+
+    version: int
+    fields: list[list]
+    tensors: list[list]
+    data: bytes
+    alignment: int
+    header_end: int  # where the header ends (before the padding to the data)
+    data_start: int
+    slots: list[tuple[int, int, str]] = field(default_factory=list)
+
+    def field_value(self, key: str):
+        for k, vtype, raw in self.fields:
+            if k == key and vtype in _SCALAR_FORMATS:
+                return struct.unpack(_SCALAR_FORMATS[vtype], raw)[0]
+        return None
+
+    def with_field(self, key: str, vtype: int, value) -> "GGUFLayout":
+        """A copy with `key` set (replaced in place, or appended) to `value` of GGUF type `vtype`."""
+        fields = [f for f in self.fields if f[0] != key]
+        where = next((i for i, f in enumerate(self.fields) if f[0] == key), len(fields))
+        fields.insert(where, [key, vtype, encode_value(vtype, value)])
+        return replace(self, fields=fields)
+
+    def without_field(self, key: str) -> "GGUFLayout":
+        return replace(self, fields=[f for f in self.fields if f[0] != key])
+
+    def build(self, alignment: int | None = None) -> bytes:
+        """The file's bytes: header, padding to `alignment` (default: the layout's), data."""
+        out = bytearray(b"GGUF" + struct.pack("<IQQ", self.version, len(self.tensors), len(self.fields)))
+        for key, vtype, raw in self.fields:
+            out += _encode_string(key) + struct.pack("<I", vtype) + raw
+        for name, dims, qtype, offset in self.tensors:
+            out += _encode_string(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+            out += struct.pack("<IQ", qtype, offset)
+        align = alignment or self.alignment
+        out += b"\0" * (-len(out) % align)
+        return bytes(out) + self.data
+
+
+def _encode_string(text) -> bytes:
+    raw = text if isinstance(text, bytes) else text.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def encode_value(vtype: int, value) -> bytes:
+    """A metadata value's encoding: a scalar, a string (str or bytes), or an array given as (item type, items)."""
+    if vtype in _SCALAR_FORMATS:
+        return struct.pack(_SCALAR_FORMATS[vtype], value)
+    if vtype == STRING:
+        return _encode_string(value)
+    item, items = value
+    return struct.pack("<IQ", item, len(items)) + b"".join(encode_value(item, v) for v in items)
+
+
+def read_layout(path: Path) -> GGUFLayout:
+    """Split a well-formed GGUF file (one gguf's writer made) into a GGUFLayout."""
+    raw = Path(path).read_bytes()
+    pos, slots = 0, []
+
+    def take(fmt: str, what: str):
+        nonlocal pos
+        size = struct.calcsize(fmt)
+        slots.append((pos, size, what))
+        value = struct.unpack_from(fmt, raw, pos)[0]
+        pos += size
+        return value
+
+    def string(what: str) -> str:
+        nonlocal pos
+        n = take("<Q", f"length of {what}")
+        pos += n
+        return raw[pos - n : pos].decode()
+
+    def skip_value(vtype: int, what: str) -> None:
+        if vtype in _SCALAR_FORMATS:
+            take(_SCALAR_FORMATS[vtype], f"value of {what}")
+        elif vtype == STRING:
+            string(f"string {what}")
+        else:
+            item, count = take("<I", f"item type of {what}"), take("<Q", f"count of {what}")
+            for i in range(count):
+                skip_value(item, f"{what}[{i}]") if i < 2 else skip_value_quiet(item)
+
+    def skip_value_quiet(vtype: int) -> None:  # an array's later items: no slots (a vocabulary has thousands)
+        nonlocal pos
+        if vtype in _SCALAR_FORMATS:
+            pos += struct.calcsize(_SCALAR_FORMATS[vtype])
+        elif vtype == STRING:
+            pos += 8 + struct.unpack_from("<Q", raw, pos)[0]
+        else:
+            item, count = struct.unpack_from("<IQ", raw, pos)
+            pos += 12
+            for _ in range(count):
+                skip_value_quiet(item)
+
+    assert raw[:4] == b"GGUF"
+    pos = 4
+    version = take("<I", "version")
+    n_tensors, n_fields = take("<Q", "tensor count"), take("<Q", "metadata count")
+    fields = []
+    for _ in range(n_fields):
+        key = string("a key")
+        vtype = take("<I", f"type of {key}")
+        start = pos
+        skip_value(vtype, key)
+        fields.append([key, vtype, raw[start:pos]])
+    tensors = []
+    for _ in range(n_tensors):
+        name = string("a tensor name")
+        dims = [take("<Q", f"dim {j} of {name}") for j in range(take("<I", f"dimension count of {name}"))]
+        tensors.append([name, dims, take("<I", f"type of {name}"), take("<Q", f"offset of {name}")])
+    alignment = next((struct.unpack(_SCALAR_FORMATS[t], v)[0] for k, t, v in fields if k == "general.alignment"), 32)
+    start = (pos + alignment - 1) // alignment * alignment
+    return GGUFLayout(version, fields, tensors, raw[start:], alignment, pos, start, slots)

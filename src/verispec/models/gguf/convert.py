@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from verispec.errors import VerispecError
-from verispec.models.gguf.model import GGUFConfig, GGUFModel, Layer
+from verispec.models.gguf.model import GGUFConfig, GGUFModel, Layer, check_config
 from verispec.models.gguf.ops import Activations, Weight
 
 Q8_0 = 8
@@ -49,6 +49,7 @@ def model_from_torch(model: torch.nn.Module, source: str = "", qtype: int = Q8_0
         vocab=int(model.get_output_embeddings().weight.shape[0]), context=config.max_position_embeddings,
         rope_theta=float(theta), rms_eps=float(config.rms_norm_eps), neox=True,
     )
+    check_config(c, source or type(model).__name__)  # the kernels' limits hold for converted drafts too
     base = model.model
     layers = []
     for i, block in enumerate(base.layers):

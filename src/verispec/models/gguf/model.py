@@ -10,6 +10,7 @@ Architectures: `llama` (RoPE on adjacent pairs, as llama.cpp's converter permute
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 
 from verispec.console import progress
 from verispec.errors import VerispecError
-from verispec.models.gguf.gguf_file import GGUFFile, TensorInfo
+from verispec.models.gguf.gguf_file import FLOAT_KINDS, INTEGER_KINDS, GGUFFile, TensorInfo, shown
 from verispec.models.gguf.native import set_threads
 from verispec.models.gguf.ops import FLOAT_TYPES, Weight, check_tensor
 
@@ -81,31 +82,84 @@ class GGUFModel:
         return sum({id(w): w.data.nbytes for w in weights}.values())
 
 
+INT32_MAX = 2**31 - 1  # the kernels take head counts, head sizes and cache columns as C int / int32
+
+
 def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
+    """The model's configuration from the file's metadata, checked (`check_config`) before any kernel sees it."""
     arch = reader.fields.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise VerispecError(f"{path.name}: architecture '{arch}' is not supported by verispec's CPU runner "
+        raise VerispecError(f"{path.name}: architecture '{shown(arch)}' is not supported by verispec's CPU runner "
                             f"(supported: {', '.join(ARCHITECTURES)}); use --backend torch or llama.cpp")
     scaling = reader.fields.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
-        raise VerispecError(f"{path.name}: RoPE scaling '{scaling}' is not supported by verispec's CPU runner")
+        raise VerispecError(f"{path.name}: RoPE scaling '{shown(scaling)}' is not supported by verispec's CPU runner")
 
-    def need(key: str):
-        value = reader.fields.get(f"{arch}.{key}")
-        if value is None:
-            raise VerispecError(f"{path.name}: metadata '{arch}.{key}' is missing: not a complete {arch} GGUF")
-        return value
+    def field(key: str, kinds: frozenset, default=None):
+        """The value of `{arch}.{key}`, of one of these GGUF types; missing: `default`, or an error if None."""
+        name = f"{arch}.{key}"
+        if name not in reader.fields:
+            if default is None:
+                raise VerispecError(f"{path.name}: metadata '{name}' is missing: not a complete {arch} GGUF")
+            return default
+        if reader.kinds[name] not in kinds:
+            raise VerispecError(f"{path.name}: metadata '{name}' is {shown(reader.fields[name])} (GGUF type "
+                                f"{reader.kinds[name]}), not {'an integer' if kinds == INTEGER_KINDS else 'a number'}")
+        return reader.fields[name]
 
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(reader.fields.get(f"{arch}.attention.key_length", hidden // heads))
+    number = INTEGER_KINDS | FLOAT_KINDS
+    hidden, heads = field("embedding_length", INTEGER_KINDS), field("attention.head_count", INTEGER_KINDS)
+    if heads > 0 and f"{arch}.attention.key_length" not in reader.fields and hidden % heads:
+        raise VerispecError(f"{path.name}: metadata '{arch}.embedding_length' ({hidden}) is not a multiple of "
+                            f"'{arch}.attention.head_count' ({heads}), and no '{arch}.attention.key_length' says "
+                            "the heads' size: the file is damaged")
+    head_dim = field("attention.key_length", INTEGER_KINDS, hidden // heads if heads > 0 else 0)
+    value_dim = field("attention.value_length", INTEGER_KINDS, head_dim)
+    if value_dim != head_dim:
+        raise VerispecError(f"{path.name}: metadata '{arch}.attention.value_length' ({value_dim}) differs from the "
+                            f"key length ({head_dim}); verispec's CPU runner needs them equal")
     embed = _tensor(reader, "token_embd.weight", path)
-    return GGUFConfig(
-        architecture=arch, layers=int(need("block_count")), hidden=hidden, heads=heads,
-        kv_heads=int(reader.fields.get(f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
-        ffn=int(need("feed_forward_length")), vocab=int(embed.shape[1]), context=int(need("context_length")),
-        rope_theta=float(reader.fields.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(need("attention.layer_norm_rms_epsilon")), neox=ARCHITECTURES[arch],
+    if len(embed.shape) != 2:
+        raise VerispecError(f"{path.name}: tensor 'token_embd.weight' has {len(embed.shape)} dimensions, not 2")
+    config = GGUFConfig(
+        architecture=arch, layers=field("block_count", INTEGER_KINDS), hidden=hidden, heads=heads,
+        kv_heads=field("attention.head_count_kv", INTEGER_KINDS, heads), head_dim=head_dim,
+        ffn=field("feed_forward_length", INTEGER_KINDS), vocab=int(embed.shape[1]),
+        context=field("context_length", INTEGER_KINDS),
+        rope_theta=float(field("rope.freq_base", number, 10000.0)),
+        rms_eps=float(field("attention.layer_norm_rms_epsilon", number)), neox=ARCHITECTURES[arch],
     )
+    check_config(config, path.name)
+    return config
+
+
+def check_config(c: GGUFConfig, where: str) -> None:
+    """Refuse, in one line naming `where` and the field, a configuration the kernels cannot run: every count
+    positive and within their int types, query heads a multiple of key/value heads, an even head size (RoPE
+    rotates pairs), a finite positive RoPE base and a finite non-negative epsilon. Runs before any kernel."""
+    arch = c.architecture
+    names = {"layers": "block_count", "hidden": "embedding_length", "heads": "attention.head_count",
+             "kv_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
+             "ffn": "feed_forward_length", "vocab": "vocabulary size (token_embd.weight)",
+             "context": "context_length"}
+    for name, meta in names.items():
+        value = getattr(c, name)
+        label = meta if name == "vocab" else f"metadata '{arch}.{meta}'"
+        if not 0 < value <= INT32_MAX:
+            raise VerispecError(f"{where}: {label} is {value}; it must be between 1 and {INT32_MAX}")
+    if c.heads % c.kv_heads:
+        raise VerispecError(f"{where}: metadata '{arch}.attention.head_count' ({c.heads}) is not a multiple of "
+                            f"'{arch}.attention.head_count_kv' ({c.kv_heads})")
+    if c.head_dim % 2:
+        raise VerispecError(f"{where}: the heads' size ({c.head_dim}, metadata '{arch}.attention.key_length' or "
+                            f"embedding_length / head_count) is odd; RoPE rotates pairs")
+    if c.heads * c.head_dim > INT32_MAX:
+        raise VerispecError(f"{where}: {c.heads} heads of {c.head_dim} values are more than the kernels index")
+    if not (math.isfinite(c.rope_theta) and c.rope_theta > 0):
+        raise VerispecError(f"{where}: metadata '{arch}.rope.freq_base' is {c.rope_theta}; it must be positive")
+    if not (math.isfinite(c.rms_eps) and c.rms_eps >= 0):
+        raise VerispecError(f"{where}: metadata '{arch}.attention.layer_norm_rms_epsilon' is {c.rms_eps}; it must "
+                            "be a finite number >= 0")
 
 
 def _tensor(reader: GGUFFile, name: str, path: Path, required: bool = True) -> TensorInfo | None:
@@ -119,9 +173,12 @@ def _weight(reader: GGUFFile, name: str, path: Path, rows: int, cols: int) -> We
     tensor = _tensor(reader, name, path)
     if list(tensor.shape) != [cols, rows]:  # ggml order: (cols, rows)
         raise VerispecError(f"{path.name}: tensor '{name}' has shape {list(tensor.shape[::-1])}, expected [{rows}, {cols}]")
+    try:
+        row_bytes = check_tensor(name, tensor.qtype, tensor.nbytes, rows, cols)  # before any byte is read
+    except VerispecError as err:
+        raise VerispecError(f"{path.name}: {err}") from None
     if tensor.qtype in FLOAT_TYPES or tensor.nbytes <= CHUNK_BYTES:
         return Weight.from_raw(name, tensor.qtype, reader.read(name), rows, cols)
-    row_bytes = check_tensor(name, tensor.qtype, tensor.nbytes, rows, cols)
     return Weight.from_chunks(name, tensor.qtype, rows, cols,
                               lambda r0, r1: reader.read(name, r0 * row_bytes, r1 * row_bytes), CHUNK_BYTES // row_bytes)
 
@@ -136,12 +193,20 @@ def _vector(reader: GGUFFile, name: str, path: Path, size: int, required: bool =
 
 
 def load_gguf(path: Path, show_progress: bool = True) -> GGUFModel:
-    """Read and repack a GGUF model. Damaged files and unsupported content are one VerispecError."""
+    """Read and repack a GGUF model. Damaged files and unsupported content are one VerispecError line naming the
+    file (and the field, where one is at fault); the configuration is checked before any kernel runs."""
+    path = Path(path)
     try:
-        reader = GGUFFile(path)
-    except (OSError, ValueError, struct.error, MemoryError) as err:
-        raise VerispecError(f"{path}: not a readable GGUF file ({type(err).__name__}: {str(err)[:120]}); "
-                            "the file is damaged or truncated") from None
+        return _load_gguf(path, show_progress)
+    except VerispecError:
+        raise
+    except (OSError, ValueError, struct.error, OverflowError, IndexError, KeyError, TypeError, RecursionError) as err:
+        what = " ".join(f"{type(err).__name__}: {err}".split())[:160]  # one line
+        raise VerispecError(f"{path}: not a readable GGUF file ({what}); the file is damaged or truncated") from None
+
+
+def _load_gguf(path: Path, show_progress: bool) -> GGUFModel:
+    reader = GGUFFile(path)
     set_threads(torch.get_num_threads())  # repacking runs on the kernels' threads
     c = read_config(reader, path)
     qkv = (c.heads * c.head_dim, c.kv_dim, c.kv_dim)

@@ -24,7 +24,7 @@ _SIGNATURES = {
     "vs_packed_bytes": ([_I, _I64, _I64], _I64),
     "vs_repack": ([_I, _P, _I64, _I64, _P], _I),
     "vs_dequantize_rows": ([_I, _P, _I64, _I64, _P, _I64, _P], _I),
-    "vs_quantize_rows": ([_P, _I64, _I64, _I, _P, _P, _P], None),
+    "vs_quantize_rows": ([_P, _I64, _I64, _I, _P, _P, _P], _I),
     "vs_matmul": ([_I, _P, _I64, _I64, _I64, _P, _P, _P, _P], _I),
     "vs_matmul_float": ([_I, _P, _I64, _I64, _I64, _P, _P], _I),
     "vs_float_rows": ([_I, _P, _I64, _I64, _P, _I64, _P], _I),
@@ -32,9 +32,24 @@ _SIGNATURES = {
     "vs_rope_table": ([_P, _I64, _I, _D, _P], None),
     "vs_rope": ([_P, _I64, _I, _I, _P, _I], None),
     "vs_silu_mul": ([_P, _P, _I64, _P], None),
-    "vs_attention": ([_P, _I64, _I, _I, _I, _F, _P, _P, _I64, _P, _P, _P, _P], None),
+    "vs_attention": ([_P, _I64, _I, _I, _I, _F, _P, _P, _I64, _P, _P, _P, _P], _I),
     "vs_layer_forward": ([_P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _I], _I),
 }
+
+
+# csrc's status codes (VS_EINVAL, VS_ERANGE, VS_ENOMEM)
+EINVAL, ERANGE, ENOMEM = -1, -2, -3
+
+
+def check(status: int, what: str) -> None:
+    """A kernel's status as Python sees it: 0 passes; running out of memory is a MemoryError; anything else
+    (a size or an id the kernel refused) one VerispecError line."""
+    if status == 0:
+        return
+    if status == ENOMEM:
+        raise MemoryError(f"{what}: the native kernels could not allocate their scratch memory")
+    reason = {EINVAL: "sizes the kernel refuses", ERANGE: "an index out of range"}.get(status, f"status {status}")
+    raise VerispecError(f"{what} failed in the native kernels ({reason})")
 
 
 class WeightStruct(ctypes.Structure):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from verispec.errors import VerispecError
-from verispec.models.gguf.native import lib, ptr
+from verispec.models.gguf.native import ENOMEM, check, lib, ptr
 from verispec.models.gguf.reference import FLOAT_TYPES, SUPPORTED, activation_block, block_shape
 
 GROUP_ROWS = 16  # rows the kernels interleave (csrc/kernels.c, GROUP)
@@ -55,7 +55,8 @@ class Activations:
             d = np.empty((n, k // block), np.float32)
             bsum = np.empty((n, k // 16), np.int32)
             self.pointers[block] = (ptr(q), ptr(d), ptr(bsum))
-            lib().vs_quantize_rows(ptr(self.x), n, k, block, *self.pointers[block])
+            check(lib().vs_quantize_rows(ptr(self.x), n, k, block, *self.pointers[block]),
+                  f"quantizing activations of width {k} in blocks of {block}")
             self.quantized[block] = (q, d, bsum)
         return self.quantized[block]
 
@@ -116,8 +117,7 @@ class Weight:
         else:
             x.quantize(self.block)
             status = self._matmul(self.qtype, self.address, self.rows, self.cols, n, *x.pointers[self.block], ptr(out))
-        if status != 0:
-            raise VerispecError(f"matmul with '{self.name}' failed (status {status})")
+        check(status, f"matmul with '{self.name}'")
         return out
 
     def take_rows(self, ids: np.ndarray) -> np.ndarray:
@@ -128,6 +128,8 @@ class Weight:
             status = lib().vs_float_rows(self.qtype, ptr(self.data), self.rows, self.cols, ptr(ids), ids.size, ptr(out))
         else:
             status = lib().vs_dequantize_rows(self.qtype, ptr(self.data), self.rows, self.cols, ptr(ids), ids.size, ptr(out))
+        if status == ENOMEM or status == -1:
+            check(status, f"rows of '{self.name}'")
         if status != 0:
             raise VerispecError(f"token id out of range 0..{self.rows - 1} for '{self.name}'")
         return out

@@ -29,7 +29,7 @@ import torch
 from verispec.errors import VerispecError
 from verispec.models.gguf import ops
 from verispec.models.gguf.model import GGUFModel
-from verispec.models.gguf.native import DimsStruct, LayerStruct, WeightStruct, lib, ptr, set_threads
+from verispec.models.gguf.native import DimsStruct, LayerStruct, WeightStruct, check, lib, ptr, set_threads
 from verispec.models.runner import training_logits
 
 MAX_PASS_TOKENS = 4096  # tokens in one pass (all rows together): a longer prompt is read in chunks
@@ -430,8 +430,7 @@ class NativeRunner:
                              ptr(angles), ptr(a.key_base), ptr(a.value_base), ptr(a.layer_bytes), i,
                              self.config.kv_dim, ptr(columns), ptr(a.prefix), ptr(a.extra_off), ptr(a.extra),
                              int(skips[i]))
-            if status:
-                raise VerispecError(f"layer {i} failed in the native kernels (status {status})")
+            check(status, f"layer {i}")
 
     def _layers_per_op(self, x: np.ndarray, queries: list[_Query], rows: list[RowCache], angles: np.ndarray,
                        attend: "_Attend", layers: range, skips: np.ndarray) -> np.ndarray:
@@ -460,8 +459,9 @@ class NativeRunner:
                     row.keys[i, column : column + count] = k[first : first + count]
                     row.values[i, column : column + count] = v[first : first + count]
                 keys, values = a.key_base + i * a.layer_bytes, a.value_base + i * a.layer_bytes  # (N,) this layer's
-                lib().vs_attention(ptr(q), n, c.heads, c.kv_heads, c.head_dim, scale, ptr(keys), ptr(values),
-                                   c.kv_dim, ptr(a.prefix), ptr(a.extra_off), ptr(a.extra), ptr(attn))
+                check(lib().vs_attention(ptr(q), n, c.heads, c.kv_heads, c.head_dim, scale, ptr(keys), ptr(values),
+                                         c.kv_dim, ptr(a.prefix), ptr(a.extra_off), ptr(a.extra), ptr(attn)),
+                      f"attention of layer {i}")
                 x = x + layer.out(ops.Activations(attn))
             if not skips[i] & 2:
                 h = ops.Activations(ops.rmsnorm(x, layer.ffn_norm, c.rms_eps))

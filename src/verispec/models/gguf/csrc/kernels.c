@@ -45,6 +45,10 @@
 static struct PyModuleDef vs_module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, NULL, NULL, NULL, NULL, NULL};
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&vs_module); }
 
+/* Status codes of the int-returning functions; the Python side (native.py, `check`) turns them into a
+ * VerispecError or a MemoryError. Nothing here divides by a size it was given without checking it first. */
+enum { VS_OK = 0, VS_EINVAL = -1, VS_ERANGE = -2, VS_ENOMEM = -3 };
+
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 enum { GROUP = 16, TILE = 4 };
 enum { PATH_GENERIC = 0, PATH_AVX512 = 1, PATH_AVX2 = 2 };
@@ -266,7 +270,7 @@ static void write_planes(uint8_t *pl, int bits, int r, const uint8_t *q) {
 
 int64_t vs_packed_bytes(int type, int64_t rows, int64_t cols) {
     layout_t L;
-    if (get_layout(type, &L) || cols % L.q) return -1;
+    if (get_layout(type, &L) || rows < 0 || cols < 0 || cols % L.q) return VS_EINVAL;
     return (rows + GROUP - 1) / GROUP * (cols / L.q) * sb_bytes(&L);
 }
 
@@ -274,7 +278,7 @@ int64_t vs_packed_bytes(int type, int64_t rows, int64_t cols) {
  * last one (up to a multiple of 16) are zero. Returns 0, or -1 for an unknown type or shape. */
 int vs_repack(int type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
     layout_t L;
-    if (get_layout(type, &L) || cols % L.q) return -1;
+    if (get_layout(type, &L) || rows < 0 || cols < 0 || cols % L.q) return VS_EINVAL;
     const int64_t nsb = cols / L.q, SB = sb_bytes(&L), ngroups = (rows + GROUP - 1) / GROUP;
     const int64_t row_bytes = nsb * L.src_bytes;
     const int nsc = nscales(&L);
@@ -330,11 +334,11 @@ static int sb_m(const layout_t *L, const uint8_t *sb, int j, int r) {
 /* Rows of a packed weight back to float32: (d sc) q - dmin m (a row of the token embedding). */
 int vs_dequantize_rows(int type, const uint8_t *packed, int64_t rows, int64_t cols, const int64_t *ids, int64_t n, float *out) {
     layout_t L;
-    if (get_layout(type, &L) || cols % L.q) return -1;
+    if (get_layout(type, &L) || rows < 0 || cols < 0 || cols % L.q) return VS_EINVAL;
     const int64_t nsb = cols / L.q, SB = sb_bytes(&L);
     for (int64_t i = 0; i < n; i++) {
         int64_t row = ids[i];
-        if (row < 0 || row >= rows) return -2;
+        if (row < 0 || row >= rows) return VS_ERANGE;
         const uint8_t *grp = packed + (row / GROUP) * nsb * SB;
         int r = (int)(row % GROUP);
         for (int64_t s = 0; s < nsb; s++) {
@@ -378,9 +382,11 @@ static inline float quantize_block(const float *xb, int block, int8_t *qb) {
 }
 
 /* x (n, k) float32 -> q (n, k) int8, d (n, k / block) float32, bsum (n, k / 16) int32. The arithmetic is
- * the contract that verispec.models.gguf.reference.quantize_activations states. */
+ * the contract that verispec.models.gguf.reference.quantize_activations states. block: a positive multiple
+ * of 16 that divides k (else VS_EINVAL). */
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-void vs_quantize_rows(const float *x, int64_t n, int64_t k, int block, int8_t *q, float *d, int32_t *bsum) {
+int vs_quantize_rows(const float *x, int64_t n, int64_t k, int block, int8_t *q, float *d, int32_t *bsum) {
+    if (block <= 0 || block % 16 || n < 0 || k < 0 || k % block) return VS_EINVAL;
     for (int64_t i = 0; i < n; i++) {
         for (int64_t b0 = 0; b0 < k; b0 += block)
             d[i * (k / block) + b0 / block] = quantize_block(x + i * k + b0, block, q + i * k + b0);
@@ -390,6 +396,7 @@ void vs_quantize_rows(const float *x, int64_t n, int64_t k, int block, int8_t *q
             bsum[i * (k / 16) + j] = sum;
         }
     }
+    return VS_OK;
 }
 
 /* ------------------------------------------------------------------ quantized matmul: portable path */
@@ -703,7 +710,7 @@ static VS_AVX2 void group_avx2(int type, const uint8_t *grp, int64_t nsb, const 
 int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64_t n, const int8_t *q, const float *d,
               const int32_t *bsum, float *out) {
     layout_t L;
-    if (get_layout(type, &L) || cols % L.q) return -1;
+    if (get_layout(type, &L) || rows < 0 || cols < 0 || cols % L.q) return VS_EINVAL;
     const int64_t nsb = cols / L.q, SB = sb_bytes(&L), ngroups = (rows + GROUP - 1) / GROUP;
     const int path = vs_get_path();
 #pragma omp parallel num_threads(vs_threads)
@@ -762,25 +769,33 @@ static void to_float_row(int type, const uint8_t *src, int64_t cols, float *dst)
 
 /* out (n, rows) = x (n, cols) W^T for float weights (F32 / F16 / BF16, GGUF's row-major layout). */
 int vs_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t n, const float *x, float *out) {
-    if (type != T_F32 && type != T_F16 && type != T_BF16) return -1;
+    if (type != T_F32 && type != T_F16 && type != T_BF16) return VS_EINVAL;
+    if (rows < 0 || cols <= 0 || n < 0) return VS_EINVAL;
     const int64_t row_bytes = cols * (type == T_F32 ? 4 : 2);
+    int failed = 0;
 #pragma omp parallel num_threads(vs_threads)
     {
         float *row = malloc(sizeof(float) * (size_t)cols);
+        if (!row) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
+            if (!row) continue; /* every thread still reaches the loop's barrier */
             to_float_row(type, w + r * row_bytes, cols, row);
             for (int64_t i = 0; i < n; i++) out[i * rows + r] = dot16(row, x + i * cols, cols);
         }
         free(row);
     }
-    return 0;
+    return failed ? VS_ENOMEM : VS_OK;
 }
 
 int vs_float_rows(int type, const uint8_t *w, int64_t rows, int64_t cols, const int64_t *ids, int64_t n, float *out) {
+    if ((type != T_F32 && type != T_F16 && type != T_BF16) || cols < 0) return VS_EINVAL;
     const int64_t row_bytes = cols * (type == T_F32 ? 4 : 2);
     for (int64_t i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= rows) return -2;
+        if (ids[i] < 0 || ids[i] >= rows) return VS_ERANGE;
         to_float_row(type, w + ids[i] * row_bytes, cols, out + i * cols);
     }
     return 0;
@@ -912,8 +927,10 @@ static VS_AVX512 void attend_group_avx512(const float *qg, int G, int dim, const
  * extra[extra_off[i] .. extra_off[i+1]-1] (increasing). out (n, hq, dim).
  * Scores, softmax and the weighted sum run over the attended columns in order: a query's result is the
  * same whatever other queries the call has, and a tree node's equals the chain's over the same entries. */
-void vs_attention(const float *q, int64_t n, int hq, int hkv, int dim, float scale, const int64_t *kbase, const int64_t *vbase,
-                  int64_t stride, const int32_t *prefix, const int32_t *extra_off, const int32_t *extra, float *out) {
+int vs_attention(const float *q, int64_t n, int hq, int hkv, int dim, float scale, const int64_t *kbase, const int64_t *vbase,
+                 int64_t stride, const int32_t *prefix, const int32_t *extra_off, const int32_t *extra, float *out) {
+    if (n < 0 || hq <= 0 || hkv <= 0 || hq % hkv || dim <= 0) return VS_EINVAL; /* G = hq / hkv below */
+    if (n == 0) return VS_OK;
     int64_t most = 0;
     for (int64_t i = 0; i < n; i++) {
         int64_t c = prefix[i] + extra_off[i + 1] - extra_off[i];
@@ -921,12 +938,18 @@ void vs_attention(const float *q, int64_t n, int hq, int hkv, int dim, float sca
     }
     const int G = hq / hkv;
     const int simd = vs_get_path() == PATH_AVX512 && dim % 16 == 0 && G <= 64;
+    int failed = 0;
 #pragma omp parallel num_threads(vs_threads) if (n * hkv > 1)
     {
-        float *score = malloc(sizeof(float) * (size_t)(G * (most + 1)));
+        float *score = malloc(sizeof(float) * (size_t)G * (size_t)(most + 1));
         int32_t *cols = malloc(sizeof(int32_t) * (size_t)(most + 1));
+        if (!score || !cols) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t ih = 0; ih < n * hkv; ih++) {
+            if (!score || !cols) continue; /* every thread still reaches the loop's barrier */
             int64_t i = ih / hkv;
             int kvh = (int)(ih % hkv);
             const float *K = (const float *)(intptr_t)kbase[i] + kvh * dim, *V = (const float *)(intptr_t)vbase[i] + kvh * dim;
@@ -945,6 +968,7 @@ void vs_attention(const float *q, int64_t n, int hq, int hkv, int dim, float sca
         free(cols);
     }
     (void)simd;
+    return failed ? VS_ENOMEM : VS_OK;
 }
 
 /* ------------------------------------------------------------------ one whole layer */
@@ -979,19 +1003,28 @@ static int act_matmul(const vs_weight_t *w, act_t *a, float *out) {
     if (w->qtype == T_F32 || w->qtype == T_F16 || w->qtype == T_BF16)
         return vs_matmul_float((int)w->qtype, w->data, w->rows, w->cols, a->n, a->x, out);
     layout_t L;
-    if (get_layout((int)w->qtype, &L)) return -1;
+    if (get_layout((int)w->qtype, &L)) return VS_EINVAL;
     int j = L.q == 32 ? 0 : 1;
     if (!a->q[j]) {
         a->q[j] = malloc((size_t)(a->n * a->k));
         a->d[j] = malloc(sizeof(float) * (size_t)(a->n * a->k / L.q));
         a->bsum[j] = malloc(sizeof(int32_t) * (size_t)(a->n * a->k / 16));
-        vs_quantize_rows(a->x, a->n, a->k, L.q, a->q[j], a->d[j], a->bsum[j]);
+        if (!a->q[j] || !a->d[j] || !a->bsum[j]) {
+            free(a->q[j]); free(a->d[j]); free(a->bsum[j]);
+            a->q[j] = NULL; a->d[j] = NULL; a->bsum[j] = NULL;
+            return VS_ENOMEM;
+        }
+        int status = vs_quantize_rows(a->x, a->n, a->k, L.q, a->q[j], a->d[j], a->bsum[j]);
+        if (status) return status;
     }
     return vs_matmul((int)w->qtype, w->data, w->rows, w->cols, a->n, a->q[j], a->d[j], a->bsum[j], out);
 }
 
-static void act_free(act_t *a) {
-    for (int j = 0; j < 2; j++) { free(a->q[j]); free(a->d[j]); free(a->bsum[j]); }
+static void act_free(act_t *a) { /* idempotent: the pointers are cleared */
+    for (int j = 0; j < 2; j++) {
+        free(a->q[j]); free(a->d[j]); free(a->bsum[j]);
+        a->q[j] = NULL; a->d[j] = NULL; a->bsum[j] = NULL;
+    }
 }
 
 static void add_rows(float *y, const float *b, int64_t n, int64_t width) { /* y[i] += b, b one row or n rows */
@@ -1007,23 +1040,31 @@ int vs_layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int64_t 
                      const int32_t *extra, int32_t skip) {
     /* skip: bit 1 skips the attention sublayer (no keys or values written), bit 2 the MLP sublayer: the
        residual stream passes through unchanged (self-speculation's draft, verispec.drafters.self_draft). */
+    if (!D || D->hidden <= 0 || D->heads <= 0 || D->kv_heads <= 0 || D->heads % D->kv_heads || D->head_dim <= 0 ||
+        D->head_dim % 2 || D->ffn <= 0 || n < 0 || D->heads > INT32_MAX || D->head_dim > INT32_MAX)
+        return VS_EINVAL; /* the dimensions vs_attention and vs_rope divide by, checked once here */
+    if (n == 0) return VS_OK;
     const int64_t E = D->hidden, QD = D->heads * D->head_dim, KD = D->kv_heads * D->head_dim, F = D->ffn;
     const float eps = (float)D->eps;
-    int status = 0;
+    int status = VS_OK;
+    act_t a = {0}, a2 = {0}, a3 = {0}, a4 = {0};
     float *xn = malloc(sizeof(float) * (size_t)(n * E)), *q = malloc(sizeof(float) * (size_t)(n * QD));
     float *k = malloc(sizeof(float) * (size_t)(n * KD)), *v = malloc(sizeof(float) * (size_t)(n * KD));
     float *attn = malloc(sizeof(float) * (size_t)(n * QD)), *o = malloc(sizeof(float) * (size_t)(n * E));
     float *g = malloc(sizeof(float) * (size_t)(n * F)), *u = malloc(sizeof(float) * (size_t)(n * F));
     float *h = malloc(sizeof(float) * (size_t)(n * F));
     int64_t *kb = malloc(sizeof(int64_t) * (size_t)n), *vb = malloc(sizeof(int64_t) * (size_t)n);
+    if (!xn || !q || !k || !v || !attn || !o || !g || !u || !h || !kb || !vb) {
+        status = VS_ENOMEM;
+        goto done;
+    }
     for (int64_t i = 0; i < n; i++) { kb[i] = kbase0[i] + layer * layer_bytes[i]; vb[i] = vbase0[i] + layer * layer_bytes[i]; }
 
     if (skip & 1) goto mlp;
     vs_rmsnorm(x, n, E, L->attn_norm, eps, xn);
-    act_t a = {xn, n, E, {0}, {0}, {0}};
-    status |= act_matmul(&L->q, &a, q);
-    status |= act_matmul(&L->k, &a, k);
-    status |= act_matmul(&L->v, &a, v);
+    a = (act_t){xn, n, E, {0}, {0}, {0}};
+    if ((status = act_matmul(&L->q, &a, q)) || (status = act_matmul(&L->k, &a, k)) || (status = act_matmul(&L->v, &a, v)))
+        goto done;
     act_free(&a);
     if (L->q_bias) add_rows(q, L->q_bias, n, QD);
     if (L->k_bias) add_rows(k, L->k_bias, n, KD);
@@ -1034,27 +1075,28 @@ int vs_layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int64_t 
         memcpy((float *)(intptr_t)kb[i] + columns[i] * stride, k + i * KD, sizeof(float) * (size_t)KD);
         memcpy((float *)(intptr_t)vb[i] + columns[i] * stride, v + i * KD, sizeof(float) * (size_t)KD);
     }
-    vs_attention(q, n, (int)D->heads, (int)D->kv_heads, (int)D->head_dim, (float)D->scale, kb, vb, stride, prefix,
-                 extra_off, extra, attn);
-    act_t a2 = {attn, n, QD, {0}, {0}, {0}};
-    status |= act_matmul(&L->out, &a2, o);
+    if ((status = vs_attention(q, n, (int)D->heads, (int)D->kv_heads, (int)D->head_dim, (float)D->scale, kb, vb, stride,
+                               prefix, extra_off, extra, attn)))
+        goto done;
+    a2 = (act_t){attn, n, QD, {0}, {0}, {0}};
+    if ((status = act_matmul(&L->out, &a2, o))) goto done;
     act_free(&a2);
     for (int64_t i = 0; i < n * E; i++) x[i] = x[i] + o[i];
 
 mlp:
     if (skip & 2) goto done;
     vs_rmsnorm(x, n, E, L->ffn_norm, eps, xn);
-    act_t a3 = {xn, n, E, {0}, {0}, {0}};
-    status |= act_matmul(&L->gate, &a3, g);
-    status |= act_matmul(&L->up, &a3, u);
+    a3 = (act_t){xn, n, E, {0}, {0}, {0}};
+    if ((status = act_matmul(&L->gate, &a3, g)) || (status = act_matmul(&L->up, &a3, u))) goto done;
     act_free(&a3);
     vs_silu_mul(g, u, n * F, h);
-    act_t a4 = {h, n, F, {0}, {0}, {0}};
-    status |= act_matmul(&L->down, &a4, o);
+    a4 = (act_t){h, n, F, {0}, {0}, {0}};
+    if ((status = act_matmul(&L->down, &a4, o))) goto done;
     act_free(&a4);
     for (int64_t i = 0; i < n * E; i++) x[i] = x[i] + o[i];
 
 done:
+    act_free(&a); act_free(&a2); act_free(&a3); act_free(&a4);
     free(xn); free(q); free(k); free(v); free(attn); free(o); free(g); free(u); free(h); free(kb); free(vb);
     return status;
 }
