@@ -52,7 +52,7 @@ def test_writes_replace_the_whole_file_and_leave_no_temporary_file(tmp_path):
     assert target.read_text() == "short"
     atomic_write_json(target, {"a": [1, 2]}, indent=1)
     assert json.loads(target.read_text()) == {"a": [1, 2]} and target.read_text().endswith("\n")
-    with atomic_path(tmp_path / "arr.npy") as tmp:
+    with atomic_path(tmp_path / "arr.npy", keep_suffix=True) as tmp:
         assert tmp.suffix == ".npy" and tmp.parent == tmp_path and str(os.getpid()) in tmp.name
         np.save(tmp, np.arange(5))  # np.save keeps a name that ends in .npy as it is
     assert np.load(tmp_path / "arr.npy").tolist() == [0, 1, 2, 3, 4]
@@ -62,7 +62,8 @@ def test_writes_replace_the_whole_file_and_leave_no_temporary_file(tmp_path):
 def test_temporary_names_are_unique_per_call_and_carry_the_pid(tmp_path):
     made = {atomic.temp_path(tmp_path / "f.pt") for _ in range(100)}
     assert len(made) == 100
-    assert all(p.name.startswith(f".f.pt.{os.getpid()}.") and p.name.endswith(".pt") for p in made)
+    assert all(p.name.startswith(f".f.pt.{os.getpid()}.") and p.name.endswith(".tmp") for p in made)
+    assert not list(tmp_path.glob("*.pt")) and not [p for p in made if p.match("*.pt")]  # a reader's glob skips them
 
 
 @pytest.mark.parametrize("failure", ["raise inside the write", "os.replace fails", "fsync fails", "KeyboardInterrupt"])

@@ -170,6 +170,38 @@ def test_training_raises_validation_acceptance_and_resumes(greedy_pair, tmp_path
     assert torch.allclose(loaded(ctx).logits, second.half().float()(ctx).logits, atol=1e-3)
 
 
+def test_a_killed_run_resumes_with_each_evaluation_logged_once(greedy_pair, tmp_path, monkeypatch):
+    """log.jsonl is the history rewritten atomically: before, it was appended to, so the evaluations a killed
+    run logged after its last checkpoint were logged again when the resumed run redid them."""
+    from verispec.distill import train as train_module
+
+    class Killed(BaseException):
+        pass
+
+    target, _ = greedy_pair
+    records = _tiny_training_set(target, n=3, tokens=8)
+    vocab = VocabMap.from_target_ids(torch.arange(64), 64)
+    shape = TinyDraftConfig(**{**SHAPE.__dict__, "draft_vocab_size": 64, "hidden_size": 32, "intermediate_size": 64})
+    cfg = TrainConfig(steps=30, batch_size=2, seq_len=16, warmup=2, eval_every=5, checkpoint_every=15)
+    real, calls = train_module.evaluate, []
+
+    def killed_at_step_25(*args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise Killed
+        return real(*args)
+
+    monkeypatch.setattr(train_module, "evaluate", killed_at_step_25)
+    with pytest.raises(Killed):
+        train(shape.build(), shape, vocab, records, records, cfg, tmp_path, {"target": "tiny"}, log=lambda *_: None)
+    logged = [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert logged == [5, 10, 15, 20]  # step 20 is logged, the checkpoint is step 15's
+    monkeypatch.setattr(train_module, "evaluate", real)
+    train(shape.build(), shape, vocab, records, records, cfg, tmp_path, {"target": "tiny"}, log=lambda *_: None)
+    logged = [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert logged == [5, 10, 15, 20, 25, 30]
+
+
 def test_export_integrity_and_tokenizer_checks(tmp_path):
     shape, model, vocab = mapped_draft([0, 1, 2, 3, 4], 8)
     tok = char_tokenizer()

@@ -4,10 +4,11 @@ Every file a later run reads (checkpoints, collected answers, n-gram tables, hea
 goes through here, so a kill at any instant leaves either the old file or the new one, never a prefix of
 the new one, and a reader never sees a mix of two writers (the last rename wins).
 
-- The temporary name is unique per writer: `.NAME.PID.RANDOM.tmp.SUFFIX` in the target's own folder (a
-  rename never crosses file systems), created with O_EXCL, so two processes or two threads never share one.
-  It keeps the target's suffix at the end, for libraries that choose a format by it (`np.save` appends
-  `.npy` to a name without it; matplotlib reads the suffix).
+- The temporary name is unique per writer: `.NAME.PID.RANDOM.tmp` in the target's own folder (a rename
+  never crosses file systems), created with O_EXCL, so two processes or two threads never share one. It is
+  hidden and ends in `.tmp`, so a reader listing `*.safetensors` or `*.json` never picks up a write in
+  progress. `atomic_path(..., keep_suffix=True)` ends it with the target's suffix instead, for libraries
+  that choose a format by it (`np.save` appends `.npy` to a name without it; matplotlib reads the suffix).
 - Any exception (KeyboardInterrupt included) removes the temporary file and leaves the target untouched.
   A writer killed outright (SIGKILL, power loss) leaves its temporary file: the next write to that target
   removes the ones whose process is gone and which are older than `STALE_SECONDS`.
@@ -33,10 +34,12 @@ from pathlib import Path
 STALE_SECONDS = 600  # a dead writer's temporary file older than this is removed by the next write
 
 
-def temp_path(path: str | Path, kind: str = "tmp") -> Path:
-    """A fresh name beside `path`, unique to this process and call: .NAME.PID.RANDOM.KIND.SUFFIX."""
+def temp_path(path: str | Path, kind: str = "tmp", keep_suffix: bool = False) -> Path:
+    """A fresh name beside `path`, unique to this process and call: .NAME.PID.RANDOM.KIND (then .SUFFIX, the
+    target's, with keep_suffix)."""
     path = Path(path)
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.{kind}{path.suffix}")
+    suffix = path.suffix if keep_suffix else ""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.{kind}{suffix}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -109,10 +112,11 @@ def _remove(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def atomic_path(path: str | Path, keep_suffix: bool = False) -> Iterator[Path]:
     """A temporary path to write `path`'s new content to, for libraries that write by name (torch.save,
-    safetensors' save_file, np.save, savefig). On a normal exit it is fsynced and renamed over `path`;
-    on any exception it is removed and `path` keeps its old content.
+    safetensors' save_file; np.save and savefig with keep_suffix=True, as they read or add the suffix).
+    On a normal exit it is fsynced and renamed over `path`; on any exception it is removed and `path` keeps
+    its old content.
 
         with atomic_path(folder / "checkpoint.pt") as tmp:
             torch.save(state, tmp)
@@ -120,7 +124,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(path)
-    tmp = temp_path(path)
+    tmp = temp_path(path, keep_suffix=keep_suffix)
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))  # reserve the name: no other writer has it
     try:
         yield tmp

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.atomic import atomic_path
+from verispec.atomic import atomic_path, atomic_write_text
 from verispec.distill.data import Record
 from verispec.models.distilled import TinyDraftConfig, VocabMap, save_distilled
 from verispec.errors import VerispecError
@@ -282,8 +282,9 @@ def train(model: torch.nn.Module, config: TinyDraftConfig, vocab: VocabMap, trai
                          "tokens_per_second": round(tokens_seen / (time.perf_counter() - started), 1),
                          **{m: round(v, 4) if isinstance(v, float) else v for m, v in metrics.items()}}
                 history.append(entry)
-                with open(out / "log.jsonl", "a") as f:
-                    f.write(json.dumps(entry) + "\n")
+                # the whole history, rewritten atomically: a kill never leaves half a line, and a resumed run
+                # (whose history comes from its checkpoint) does not log again the steps it redoes
+                atomic_write_text(out / "log.jsonl", "".join(json.dumps(e) + "\n" for e in history))
                 progress.console.print(" ".join(f"{m}={v}" for m, v in entry.items()))
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 with atomic_path(ckpt) as tmp:
