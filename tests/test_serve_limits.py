@@ -109,6 +109,13 @@ def test_a_stalled_reader_costs_one_pending_update_not_a_queue():
         final = await ticket.next(5)
         assert final.tokens == (7,) and final.done and len(wakes) == 2
         assert await ticket.next(0.05) is None
+        whole = Ticket(None, loop, time.monotonic() + 60, ticket._scheduler, streaming=False)  # answered in one piece
+        for i in range(100):
+            whole.post(Update((i,)))
+        assert len(wakes) == 2 and await whole.next(0.05) is None  # the loop sleeps while it decodes
+        whole.post(Update((100,), finish_reason="length"))
+        update = await whole.next(5)
+        assert update.tokens == tuple(range(101)) and update.done and len(wakes) == 3
 
     asyncio.run(run())
 

@@ -12,7 +12,7 @@ Everything is computed in float32 whatever the model's dtype.
 No setting overflows into NaN: a penalised logit past float32's range is held at its largest finite value,
 and temperature divides the logits after their maximum is subtracted, so a tiny temperature (1e-40, or
 5e-324 which is 0 in float32) makes the distribution one-hot at the argmax instead of inf / inf. Logits that
-are NaN (a broken model) are refused with a ValueError rather than sampled from.
+are NaN or +inf (a broken model) are refused with a ValueError rather than sampled from.
 """
 
 from __future__ import annotations
@@ -77,12 +77,17 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, penalised, logits)
 
 
-def _check_finite(logits: torch.Tensor) -> None:
-    """Refuse logits a distribution cannot be made from: NaN anywhere, or a row with no finite entry."""
-    if bool(torch.isnan(logits).any()):
-        raise ValueError("the model's logits hold NaN: no distribution can be made from them")
-    if bool((logits.amax(dim=-1) == float("-inf")).any()):
+def _row_max(logits: torch.Tensor) -> torch.Tensor:
+    """(N, V) -> (N, 1) each row's largest logit, refusing logits no distribution can be made from: NaN anywhere
+    (the maximum propagates it), +inf (a model that overflowed), or a row that is -inf everywhere."""
+    top = logits.amax(dim=-1, keepdim=True)  # (N, 1)
+    if not bool(torch.isfinite(top).all()):
+        if bool(torch.isnan(top).any()):
+            raise ValueError("the model's logits hold NaN: no distribution can be made from them")
+        if bool((top == float("inf")).any()):
+            raise ValueError("the model's logits hold +inf: no distribution can be made from them")
         raise ValueError("a row of logits is -inf everywhere: no token is possible")
+    return top
 
 
 def greedy_tokens(logits: torch.Tensor, config: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,7 +95,7 @@ def greedy_tokens(logits: torch.Tensor, config: SamplingConfig, seen: torch.Tens
     logits = logits.float()
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, config.repetition_penalty)
-    _check_finite(logits)
+    _row_max(logits)
     return logits.argmax(dim=-1)
 
 
@@ -109,10 +114,9 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig, seen: torch.Te
     logits = logits.float()  # (N, V)
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, config.repetition_penalty)
-    _check_finite(logits)
     # (l - max) / T <= 0: never overflows, however small T; entries below the max go to -inf as T -> 0
     temperature = max(config.temperature, torch.finfo(logits.dtype).tiny)  # 5e-324 is 0 in float32: 0 / 0
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    logits = (logits - _row_max(logits)) / temperature
     if config.top_k > 0 and config.top_k < logits.shape[-1]:
         kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]  # (N, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

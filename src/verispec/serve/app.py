@@ -90,9 +90,9 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
         return JSONResponse(APIError(500, "internal server error; see the server log", "internal_error").body(), 500)
 
     # --- requests -> sequences ---------------------------------------------------------------------
-    def submit(seq: Sequence) -> Ticket:
+    def submit(seq: Sequence, streaming: bool) -> Ticket:
         try:
-            return scheduler.submit(seq, config.request_timeout)
+            return scheduler.submit(seq, config.request_timeout, streaming)
         except QueueFull:
             raise APIError(429, f"the server is busy ({config.max_queue} requests waiting); retry later",
                            "rate_limit_error", code="queue_full") from None
@@ -110,7 +110,7 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
     async def respond(request: Request, body: GenerationRequest, prompt: list[int], max_tokens: int | None,
                       chat: bool) -> Response:
         arrival = time.monotonic()
-        ticket = submit(requests.sequence(body, prompt, max_tokens))
+        ticket = submit(requests.sequence(body, prompt, max_tokens), body.stream)
         rid = wire.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -144,7 +144,7 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
         return None
 
     async def final_update(request: Request, ticket: Ticket, arrival: float, generated: list[int]) -> Update | None:
-        first = True
+        """The request's last update (its mailbox wakes the loop only then), with the tokens gathered on the way."""
         while True:
             update = await next_update(ticket)
             if update is None:
@@ -154,10 +154,9 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
             if update.error is not None:
                 raise APIError(update.error.status, update.error.message, update.error.type)
             generated.extend(update.tokens)
-            if first:
-                metrics.first_token.observe(time.monotonic() - arrival)
-                first = False
             if update.done:
+                if ticket.first_token_at is not None:
+                    metrics.first_token.observe(ticket.first_token_at - arrival)
                 metrics.latency.observe(time.monotonic() - arrival)
                 return update
 

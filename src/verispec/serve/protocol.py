@@ -86,6 +86,7 @@ class GenerationRequest(Strict):
     repetition_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
+    ignore_eos: bool = False  # vLLM's extension: decode past the end-of-sequence token (benchmarks)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

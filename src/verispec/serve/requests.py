@@ -80,7 +80,7 @@ class RequestBuilder:
         if spec_options.K is not None and spec_options.K > config.max_draft_tokens:
             raise APIError(400, f"speculative.K may be at most {config.max_draft_tokens}", param="speculative.K")
         self._check_length(len(prompt), max_tokens)
-        spec_fields = {"stop": stops}
+        spec_fields = {"stop": stops, "stop_at_eos": not body.ignore_eos}
         if max_tokens is not None:
             spec_fields["max_new_tokens"] = max_tokens
         if spec_options.K is not None:

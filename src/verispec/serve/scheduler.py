@@ -100,10 +100,12 @@ class Ticket:
         deadline: time.monotonic() after which the request is cut.
         scheduler: to wake on `cancel`.
         reserved: bytes of key/value cache the request reserves while it runs.
+        streaming: wake the reader at every post (a stream sends each step's text); False wakes it only at the
+            end, so a request answered in one piece costs the event loop nothing while it decodes.
     """
 
     def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop, deadline: float, scheduler: Scheduler,
-                 reserved: int = 0) -> None:
+                 reserved: int = 0, streaming: bool = True) -> None:
         self.sequence = sequence
         self.loop = loop
         self.deadline = deadline
@@ -111,9 +113,12 @@ class Ticket:
         self.cancelled = False
         self.finished = False
         self.posted = 0  # tokens of sequence.generated posted so far (scheduler thread)
+        self.first_token_at: float | None = None  # time.monotonic() when its first token was posted
+        self.streaming = streaming
         self._scheduler = scheduler
         self._lock = threading.Lock()
         self._pending: Update | None = None
+        self._woken = False  # a wake-up is on its way to the reader, or it has not taken the mail since
         self._ready = asyncio.Event()
 
     def cancel(self) -> None:
@@ -123,12 +128,14 @@ class Ticket:
             self._scheduler.wake()
 
     def post(self, update: Update) -> None:
-        """Called from the scheduler thread: merge into the mailbox; wake the reader if it was empty."""
+        """Called from the scheduler thread: merge into the mailbox; wake the reader unless a wake-up is already
+        on its way (or, when not streaming, until the request is done)."""
         with self._lock:
-            wake = self._pending is None
             self._pending = update if self._pending is None else self._pending.then(update)
             if update.done:
                 self.finished = True
+            wake = not self._woken and (self.streaming or update.done)
+            self._woken = self._woken or wake
         if wake:
             try:
                 self.loop.call_soon_threadsafe(self._ready.set)
@@ -147,6 +154,7 @@ class Ticket:
         with self._lock:
             update, self._pending = self._pending, None
             self._ready.clear()
+            self._woken = False
         return update
 
 
@@ -215,12 +223,12 @@ class Scheduler:
         drafts = spec.tree.size_upper_bound(spec.tree.depth(spec.num_draft_tokens)) if spec.tree else spec.num_draft_tokens
         return self.engine.cache_bytes(len(sequence.tokens) + sequence.max_new_tokens + drafts + 1)
 
-    def submit(self, sequence: Sequence, timeout_s: float) -> Ticket:
+    def submit(self, sequence: Sequence, timeout_s: float, streaming: bool = True) -> Ticket:
         """Queue a sequence (from `engine.make_sequences`); must be called on the running event loop."""
         reserved = self.reservation(sequence)
         if reserved > self.max_cache_bytes:
             raise TooLarge(reserved, self.max_cache_bytes)
-        ticket = Ticket(sequence, asyncio.get_running_loop(), time.monotonic() + timeout_s, self, reserved)
+        ticket = Ticket(sequence, asyncio.get_running_loop(), time.monotonic() + timeout_s, self, reserved, streaming)
         with self._lock:
             if not self.alive:
                 raise Unavailable()
@@ -331,6 +339,8 @@ class Scheduler:
             ticket.post(Update(error=error_for(seq.error)))
             return
         generated = seq.generated
+        if ticket.first_token_at is None and generated:
+            ticket.first_token_at = time.monotonic()
         new, ticket.posted = tuple(generated[ticket.posted :]), len(generated)
         ticket.post(Update(new, seq.finish_reason, seq.text_end, copy.deepcopy(seq.stats) if final else None))
 
