@@ -3,11 +3,12 @@ the README's test command does). One local Ray instance on loopback, 2 replicas 
 module: every concurrent request is answered with the tokens a single process gives and the API key is enforced
 through Ray's proxy; streamed chunks arrive as they are made; a bad key or an oversized Content-Length is refused
 before the body is sent; a flood past the queue is refused at once; a replica killed mid-stream is replaced and
-the client's retries lose no request."""
+the client's retries lose no request; a replica whose decoding thread died fails its health check and is replaced."""
 
 import asyncio
 import json
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -193,5 +194,45 @@ def test_a_replica_killed_mid_stream_is_replaced_and_no_request_is_lost(cluster)
         t.join()
     assert len(results) == len(many) and all(text == cluster.expected[p] for p, text, _ in results)  # none lost
     wait_for_replicas(2)  # replaced
+    answers = answer_all(cluster.url, PROMPTS[:4])
+    assert {p: a[0] for p, a in answers.items()} == {p: cluster.expected[p] for p in PROMPTS[:4]}
+
+
+def stop_decoding(_replica_actor) -> int:
+    """Run inside a replica (`__ray_call__`): raise, in its scheduler thread, an exception no guard catches (Ray's
+    worker freezes its objects out of `gc`'s reach, so the thread is found by name). Returns the threads hit."""
+    import ctypes
+    import threading
+
+    class Died(BaseException):
+        pass
+
+    hit = 0
+    for thread in threading.enumerate():
+        if thread.name == "verispec-scheduler":
+            hit += ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(Died))
+    return hit
+
+
+def test_a_replica_whose_decoding_thread_died_is_replaced(cluster):
+    """The app's /health answers 503 once its scheduler thread is dead; Ray's health check (that /health) fails and
+    Ray replaces the replica, where the process itself lives on."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    name, actor = next(iter(replica_actors().items()))
+    ray.get(actor.check_health.remote())  # healthy; and the app's lifespan (its scheduler thread) has started
+    assert ray.get(actor.__ray_call__.remote(stop_decoding)) == 1
+    failure, deadline = "", time.monotonic() + 10
+    while not failure and time.monotonic() < deadline:  # Ray's own health check of that replica fails, and why
+        try:
+            ray.get(actor.check_health.remote())
+            time.sleep(0.2)
+        except ray.exceptions.RayError as err:
+            failure = str(err)
+    assert "/health answered 503" in failure
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and name in replica_actors():
+        time.sleep(0.5)
+    assert name not in replica_actors()
+    wait_for_replicas(2)
     answers = answer_all(cluster.url, PROMPTS[:4])
     assert {p: a[0] for p, a in answers.items()} == {p: cluster.expected[p] for p in PROMPTS[:4]}
