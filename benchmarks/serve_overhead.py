@@ -1,5 +1,6 @@
 """What the server costs one request: the same prompt decoded by the Python API (what `verispec generate` runs) and
-through `verispec serve` (HTTP, the scheduler thread, streaming), alternating, in one process and one run.
+through `verispec serve` (its own process, as users run it: HTTP, the scheduler thread), streamed and answered in
+one piece, alternating, in one run.
 
     .venv/bin/python benchmarks/serve_overhead.py --draft none --tokens 256 --repeats 5 --threads 2
     .venv/bin/python benchmarks/serve_overhead.py --draft qwen2.5-coder-0.5b-instruct --tokens 256 --repeats 5
@@ -7,16 +8,20 @@ through `verispec serve` (HTTP, the scheduler thread, streaming), alternating, i
 The prompt is a HumanEval-style completion (a function signature and docstring, no chat template), greedy, with
 stop_at_eos off so every run makes exactly --tokens tokens. For each way the script reports decoding speed,
 (tokens - 1) / (last token - first token), and end-to-end speed, tokens / (answer - request), as medians over the
-repeats, and the server's ratio to the API. `--profile FILE` writes a py-spy-free profile of the server's decoding
-thread (cProfile of Scheduler._loop) for the last server run.
+repeats, and the server's ratios to the API. `--in-process` runs the server in this process instead (a thread
+beside the client: the GIL and the 2 cores are then shared with the client's own work).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
+import subprocess
+import sys
 import time
+from contextlib import contextmanager
 
 import httpx
 
@@ -46,22 +51,63 @@ def api_run(decoder: SpeculativeDecoder, tokens: int, k: int) -> dict:
     return timing(started, times)
 
 
-def server_run(url: str, tokens: int, k: int, drafting: bool) -> dict:
-    body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+def server_run(url: str, tokens: int, k: int, drafting: bool, stream: bool = True) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": stream, "ignore_eos": True,
             "speculative": {"K": k} if drafting else {"drafter": "none"}}
     times, text = [], []
     started = time.perf_counter()
-    with httpx.Client(timeout=600) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0]["text"]:
-                times.append(time.perf_counter())
-                text.append(chunk["choices"][0]["text"])
+    with httpx.Client(timeout=600) as client:
+        if not stream:
+            r = client.post(url + "/v1/completions", json=body)
+            out = timing(started, [time.perf_counter()])
+            out["text"] = r.json()["choices"][0]["text"]
+            return out
+        with client.stream("POST", url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0]["text"]:
+                    times.append(time.perf_counter())
+                    text.append(chunk["choices"][0]["text"])
     out = timing(started, times)
     out["text"] = "".join(text)
     return out
+
+
+@contextmanager
+def serve_process(args):
+    """`verispec serve` in a process of its own on a free port; yields its URL once it answers /health."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "verispec", "serve", "--target", args.target, "--draft", args.draft,
+               "--port", str(port), "--threads", str(args.threads), "--max-batch-size", "1"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if process.poll() is not None:
+                raise SystemExit(f"verispec serve exited: {process.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("verispec serve did not start in 10 minutes")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+@contextmanager
+def serve_thread(decoder):
+    with BackgroundServer(decoder, ServeConfig(port=0, max_batch_size=1)) as server:
+        yield server.url
 
 
 def spec(tokens: int, k: int) -> SpecConfig:
@@ -81,51 +127,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--profile", help="write a cProfile of the server's decoding thread here (.prof)")
+    ap.add_argument("--in-process", action="store_true", help="serve from a thread of this process")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     set_threads(args.threads)
     decoder = SpeculativeDecoder.load(args.target, args.draft)
     drafting = decoder.drafter is not None
     expected = decoder.generate(PROMPT, SamplingConfig(temperature=0), spec(args.tokens, args.k), chat=False).text
-    rows: dict[str, list[dict]] = {"api": [], "server": []}
-    with BackgroundServer(decoder, ServeConfig(port=0, max_batch_size=1)) as server:
-        server_run(server.url, 8, args.k, drafting)  # warm up the HTTP path
+    rows: dict[str, list[dict]] = {"api": [], "server streamed": [], "server one piece": []}
+    with (serve_thread(decoder) if args.in_process else serve_process(args)) as url:
+        server_run(url, 8, args.k, drafting)  # warm up the HTTP path
         for repeat in range(args.repeats):
             rows["api"].append(api_run(decoder, args.tokens, args.k))
-            if args.profile and repeat == args.repeats - 1:
-                import cProfile
-
-                from verispec.batch import DecodeBatch
-
-                profile = cProfile.Profile()
-                step = DecodeBatch.step
-                DecodeBatch.step = lambda self: profile.runcall(step, self)
-                row = server_run(server.url, args.tokens, args.k, drafting)
-                DecodeBatch.step = step
-                profile.dump_stats(args.profile)
-            else:
-                row = server_run(server.url, args.tokens, args.k, drafting)
-            if row.pop("text") != expected:
-                raise SystemExit("the server's answer differs from the API's")
-            rows["server"].append(row)
-            print(f"repeat {repeat + 1}: api {args.tokens / rows['api'][-1]['end_to_end_s']:.2f} tok/s, server "
-                  f"{args.tokens / row['end_to_end_s']:.2f} tok/s (end to end)", flush=True)
-    summary = {}
-    for way, runs in rows.items():
-        summary[way] = {"decode_tokens_per_second": statistics.median((args.tokens - 1) / r["decode_s"] for r in runs)
-                        if all(r["decode_s"] > 0 for r in runs) else None,
-                        "end_to_end_tokens_per_second": statistics.median(args.tokens / r["end_to_end_s"] for r in runs),
-                        "first_token_s": statistics.median(r["first_s"] for r in runs)}
-    e2e = summary["server"]["end_to_end_tokens_per_second"] / summary["api"]["end_to_end_tokens_per_second"]
-    print(f"\n{args.target}, draft {args.draft}, {args.tokens} tokens, median of {args.repeats}:")
+            for way, stream in (("server streamed", True), ("server one piece", False)):
+                row = server_run(url, args.tokens, args.k, drafting, stream)
+                if row.pop("text") != expected:
+                    raise SystemExit(f"the {way} answer differs from the API's")
+                rows[way].append(row)
+            print(f"repeat {repeat + 1}: " + ", ".join(f"{way} {args.tokens / runs[-1]['end_to_end_s']:.2f}"
+                                                     for way, runs in rows.items()) + " tok/s end to end", flush=True)
+    summary = {way: {"end_to_end_tokens_per_second": statistics.median(args.tokens / r["end_to_end_s"] for r in runs),
+                     "first_token_s": statistics.median(r["first_s"] for r in runs)} for way, runs in rows.items()}
+    base = summary["api"]["end_to_end_tokens_per_second"]
+    ratios = {way: s["end_to_end_tokens_per_second"] / base for way, s in summary.items() if way != "api"}
+    print(f"\n{args.target}, draft {args.draft}, {args.tokens} tokens, {args.threads} threads, median of {args.repeats}:")
     for way, s in summary.items():
-        print(f"  {way:7s} end to end {s['end_to_end_tokens_per_second']:6.2f} tok/s, first token "
-              f"{s['first_token_s'] * 1000:6.0f} ms")
-    print(f"  server / api: {e2e:.3f} end to end")
+        print(f"  {way:16s} {s['end_to_end_tokens_per_second']:6.2f} tok/s end to end"
+              + (f" ({ratios[way]:.3f} of the API)" if way in ratios else ""))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "summary": summary, "runs": rows, "server_over_api": e2e}, f, indent=1)
+            json.dump({"args": vars(args), "summary": summary, "runs": rows, "server_over_api": ratios}, f, indent=1)
     return 0
 
 

@@ -38,8 +38,10 @@ POLL_S = 0.5  # how often a waiting request checks its client, its deadline and 
 DEADLINE_GRACE_S = 5.0  # past the request timeout, the scheduler has this long to answer before the request does
 
 
-def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig()) -> FastAPI:
-    """Build the app; its lifespan starts the scheduler thread and stops it (gracefully) at shutdown."""
+def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig(), scheduler_thread: bool = True) -> FastAPI:
+    """Build the app. With `scheduler_thread` its lifespan runs the scheduler in a thread of its own and stops it
+    (gracefully) at shutdown; without, the caller runs `app.state.scheduler.run()` itself (on the main thread:
+    `serve.server.run_server`) and stops it."""
     engine = decoder.engine
     adapter = decoder.adapter  # online adaptation (`serve --adapt`): updates run while the scheduler idles
     scheduler = Scheduler(engine, config.max_batch_size, config.max_queue,
@@ -52,6 +54,9 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        if not scheduler_thread:  # the caller runs the loop and stops it
+            yield
+            return
         scheduler.start()
         yield
         await asyncio.to_thread(scheduler.stop, config.shutdown_timeout)

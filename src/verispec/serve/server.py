@@ -21,6 +21,7 @@ import functools
 import ipaddress
 import json
 import logging
+import signal
 import threading
 import time
 
@@ -147,8 +148,42 @@ def uvicorn_config(app, config: ServeConfig, log_level: str = "info") -> uvicorn
 
 
 def run_server(decoder: SpeculativeDecoder, config: ServeConfig) -> None:
-    """Serve until interrupted; on SIGINT / SIGTERM in-flight requests get `config.shutdown_timeout` to finish."""
-    uvicorn.Server(uvicorn_config(create_app(decoder, config), config)).run()
+    """Serve until interrupted; on SIGINT / SIGTERM in-flight requests get `config.shutdown_timeout` to finish.
+
+    The decoding loop runs on this (the main) thread and uvicorn's event loop in a second one: the kernels' OpenMP
+    regions started from a thread other than the main one cost 2-4x more (see `Scheduler.run`), which made a
+    request through the server decode 10% slower than `verispec generate`."""
+    app = create_app(decoder, config, scheduler_thread=False)
+    scheduler = app.state.scheduler
+    server = uvicorn.Server(uvicorn_config(app, config))
+    web = threading.Thread(target=server.run, name="verispec-http", daemon=True)
+
+    def shut_down(signum, _frame) -> None:
+        log.info("shutting down (signal %d): in-flight requests get %g s", signum, config.shutdown_timeout)
+        server.should_exit = True  # stop listening; uvicorn waits for the answers in flight
+        scheduler.request_stop(config.shutdown_timeout)  # the loop finishes them, then returns
+
+    def watch_web() -> None:  # uvicorn ended on its own (it could not bind, say): stop decoding too
+        web.join()
+        scheduler.request_stop(config.shutdown_timeout)
+
+    previous = {sig: signal.signal(sig, shut_down) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        web.start()
+        threading.Thread(target=watch_web, name="verispec-http-watch", daemon=True).start()
+        scheduler.run()  # until shut down
+        web.join(config.shutdown_timeout + 5)
+        if scheduler.died is not None:
+            raise VerispecError(f"the decoding loop died ({type(scheduler.died).__name__}: {scheduler.died}); "
+                                "see the log above")
+        if not server.started:
+            raise VerispecError(f"the server could not start on {config.host}:{config.port} (see the log above)")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.should_exit = True
+        if decoder.adapter is not None:
+            decoder.adapter.close()
 
 
 class BackgroundServer:
