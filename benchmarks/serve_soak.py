@@ -188,6 +188,46 @@ def run_soak(decoder: SpeculativeDecoder, args) -> dict:
         }
 
 
+async def stall_probe(url: str, long_prompt: str, short: int, tokens: int) -> dict:
+    """`short` streams decode while one long prompt arrives: the longest wait between two of their chunks while
+    the long prompt is read, and the long prompt's own time to first token."""
+    arrivals: list[list[float]] = [[] for _ in range(short)]
+    long_first: list[float] = []
+
+    async def stream(body: dict, times: list[float]) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as c, \
+                c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    times.append(time.monotonic())
+
+    body = {"prompt": "def fib(n):", "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    tasks = [asyncio.create_task(stream(body, times)) for times in arrivals]
+    await asyncio.sleep(2.0)  # the short ones are decoding
+    sent = time.monotonic()
+    await stream({"prompt": long_prompt, "max_tokens": 1, "temperature": 0}, long_first)
+    first = long_first[0] - sent
+    gaps = [b - a for times in arrivals for a, b in zip(times, times[1:]) if sent <= b and a <= sent + first]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return {"long_prompt_first_token_s": round(first, 2), "others_longest_wait_s": round(max(gaps, default=0.0), 2)}
+
+
+def run_stall(decoder: SpeculativeDecoder, args) -> list[dict]:
+    """The stall probe for each prefill chunk in --stall (0: the whole prompt in one step)."""
+    long_prompt = " ".join(random.Random(args.seed).choice(["alpha", "beta", "gamma", "delta"])
+                           for _ in range(args.long_words))
+    rows = []
+    for chunk in (int(c) for c in args.stall.split(",")):
+        config = ServeConfig(port=0, max_batch_size=args.batch, prefill_chunk=chunk or 10**9)
+        with BackgroundServer(decoder, config) as server:
+            result = asyncio.run(stall_probe(server.url, long_prompt, 3, args.tokens * 20))
+        rows.append({"prefill_chunk": chunk or "whole prompt", **result})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def tiny_decoder() -> SpeculativeDecoder:
     """Tiny random models with the test suite's character tokenizer (no download)."""
     import sys
@@ -222,6 +262,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=3, help="rounds against one server; memory is read after each "
                     "(the first warms the server up) (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stall", metavar="CHUNKS", help="instead of the soak: how long one long prompt stalls three "
+                    "decoding streams, for each prefill chunk given (e.g. 0,64,256; 0: the whole prompt in one step)")
     ap.add_argument("--out", help="write the summary as JSON here")
     return ap
 
@@ -234,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         decoder = tiny_decoder()
         args.long_words = min(args.long_words, 15)  # the tiny models' context window is 128 tokens
+    if args.stall:
+        rows = run_stall(decoder, args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+        return 0
     summary = run_soak(decoder, args)
     print(json.dumps(summary, indent=1))
     if args.out:

@@ -326,3 +326,16 @@ def test_repacking_in_chunks_gives_the_same_weights(mixed, monkeypatch):
              ((la.q, lb.q), (la.k, lb.k), (la.v, lb.v), (la.out, lb.out), (la.gate, lb.gate), (la.up, lb.up),
               (la.down, lb.down))] + [(whole.embed, chunked.embed), (whole.head, chunked.head)]
     assert all(np.array_equal(a.data, b.data) for a, b in pairs)
+
+
+def test_a_prompt_longer_than_one_pass_is_read_in_passes_with_the_same_bits(mixed, monkeypatch):
+    """A pass holds at most MAX_PASS_TOKENS tokens (512: measured faster than one wide pass, see runner.py); a
+    longer prompt is read in several, and its logits are the bits of one pass."""
+    from verispec.models.gguf import runner as runner_module
+
+    prompt = [(5 * i) % 60 + 1 for i in range(40)]
+    whole = mixed.forward(mixed.new_state(1), [prompt], [len(prompt)])[0]
+    monkeypatch.setattr(runner_module, "MAX_PASS_TOKENS", 7)
+    state = mixed.new_state(2)
+    split = mixed.forward(state, [prompt, prompt[:9]], [len(prompt), 9])  # 49 tokens: 7 passes of at most 7
+    assert torch.equal(split[0], whole) and torch.equal(split[1, :9], whole[:9])

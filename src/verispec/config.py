@@ -235,7 +235,9 @@ class ServeConfig:
             request's prompt plus max_tokens; a request that would not fit waits in the queue, one that could
             never fit is refused (400). None: a quarter of this machine's memory.
         prefill_chunk: prompt tokens a joining request reads per step, so a long prompt is read over several
-            steps interleaved with the other rows' decoding instead of stalling them. Default 256.
+            steps interleaved with the other rows' decoding instead of stalling them. Default 64 (measured with
+            the default target: a 1,500-token prompt arriving beside three decoding streams made them wait at
+            most 0.7 s between tokens, against 16 s when read in one step, and got its own first token sooner).
         send_timeout: seconds a streamed chunk may wait for a client that reads nothing before the request is
             cut. Default 30.
         limit_concurrency: open connections and requests at once; more get HTTP 503. Default 128.
@@ -262,7 +264,7 @@ class ServeConfig:
     max_stop_length: int = 128
     max_request_tokens: int | None = None
     max_cache_bytes: int | None = None
-    prefill_chunk: int = 256
+    prefill_chunk: int = 64
     send_timeout: float = 30.0
     limit_concurrency: int = 128
     timeout_keep_alive: float = 5.0
