@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import noisy_copy, tiny_model
+from drafting import drafts_accepted
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter, lookup
@@ -44,9 +45,10 @@ def test_greedy_equals_model_generate(arch, kind, K):
         assert seq.stats.new_tokens == 24
         if kind != "none":
             assert seq.stats.target_forward_passes <= 24
-    if kind == "draft-model":
-        accepted = sum(s.stats.accepted_tokens for s in sequences)
-        assert 0 < accepted < sum(s.stats.draft_tokens for s in sequences), "both paths should be exercised"
+    if kind != "none":  # "none" checks plain decoding against `generate`; the drafters must have drafted
+        drafted, accepted = drafts_accepted(sequences)
+        if kind == "draft-model":
+            assert accepted < drafted, "both paths should be exercised"
 
 
 def test_draft_equal_to_target_accepts_everything_and_catches_up(greedy_pair):
@@ -54,7 +56,7 @@ def test_draft_equal_to_target_accepts_everything_and_catches_up(greedy_pair):
     engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(target), 64), set())
     seq = engine.generate([PROMPTS[1]], GREEDY, SpecConfig(num_draft_tokens=4, max_new_tokens=25))[0]
     assert seq.generated == hf_greedy(target, PROMPTS[1], 25)
-    assert seq.stats.acceptance_rate == 1.0
+    assert drafts_accepted([seq]) == (20, 20)
     assert seq.stats.target_forward_passes == 5  # 5 tokens per pass: 4 accepted + 1 bonus
 
 
@@ -71,7 +73,7 @@ def test_a_draft_that_reads_only_the_prompt_tail_stays_greedy_equal_and_reads_le
         engine = SpeculativeEngine(ModelRunner(target), drafter, set())
         seqs = engine.generate(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=20, tree=tree))
         assert [s.generated for s in seqs] == expected
-        assert any(s.stats.accepted_tokens for s in seqs)
+        drafts_accepted(seqs)
     drafter = DraftModelDrafter(ModelRunner(draft), 64, context=3)
     engine = SpeculativeEngine(ModelRunner(target), drafter, set())
     seqs = engine.make_sequences(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=2), 0)
@@ -85,13 +87,17 @@ def test_a_draft_that_reads_only_the_prompt_tail_stays_greedy_equal_and_reads_le
 
 def test_draft_vocab_padding_is_aligned(greedy_pair):
     """A draft whose output layer is padded to a larger vocabulary (as 151936 vs 152064) still works."""
-    target, _ = greedy_pair
+    target, near = greedy_pair
     draft = tiny_model("llama", vocab=80, seed=5)
+    with torch.no_grad():  # the greedy pair's draft in its first 64 rows, so its drafts are often accepted
+        for name, p in draft.named_parameters():
+            p[: near.get_parameter(name).shape[0]] = near.get_parameter(name)
     engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), 64), set())
     seq = engine.generate([PROMPTS[0]], SamplingConfig(temperature=1.0), SpecConfig(max_new_tokens=20), seeds=0)[0]
     assert all(t < 64 for t in seq.generated)
     seq = engine.generate([PROMPTS[0]], GREEDY, SpecConfig(max_new_tokens=20))[0]
     assert seq.generated == hf_greedy(target, PROMPTS[0], 20)
+    drafts_accepted([seq])
 
 
 @pytest.mark.parametrize("kind", ["draft-model", "ngram"])
@@ -128,6 +134,7 @@ def test_eos_inside_a_draft_stops_exactly_there(greedy_pair, K):
     engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(target), 64), {eos})
     seq = engine.generate([PROMPTS[1]], GREEDY, SpecConfig(num_draft_tokens=K, max_new_tokens=30))[0]
     assert seq.generated == reference[: first + 1] and seq.finish_reason == "eos"
+    drafts_accepted([seq])
     assert seq.generated == hf_greedy(target, PROMPTS[1], 30, eos=eos)
 
 
@@ -143,9 +150,10 @@ def test_stop_strings_end_the_text_before_the_match(greedy_pair):
     target, _ = greedy_pair
     decode = lambda ids: "".join(chr(ord("a") + t % 26) for t in ids)  # noqa: E731
     reference = hf_greedy(target, PROMPTS[0], 30)
-    stop = decode(reference)[10:12]
+    stop = decode(reference)[20:22]  # after the output starts repeating itself, so prompt lookup drafts
     engine = SpeculativeEngine(ModelRunner(target), PromptLookupDrafter(), set(), decode=decode)
     seq = engine.generate([PROMPTS[0]], GREEDY, SpecConfig(max_new_tokens=30, stop=(stop,)))[0]
+    drafts_accepted([seq])
     text = decode(seq.generated)[: seq.text_end]
     assert seq.finish_reason == "stop"
     assert text == decode(reference)[: decode(reference).find(stop)]
