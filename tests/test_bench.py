@@ -38,11 +38,10 @@ def assert_every_system_drafted(report, expected_systems) -> None:
     assert set(runs) == set(expected_systems)
     idle = []
     for system, system_runs in sorted(runs.items()):
-        print(system, end=": ")
         try:
             drafts_accepted(system_runs)
-        except AssertionError:
-            idle.append(system)
+        except AssertionError as err:
+            idle.append(f"{system} ({err})")
     assert not idle, f"these systems drafted nothing or had nothing accepted: {idle}"
 
 

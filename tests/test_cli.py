@@ -6,9 +6,11 @@ import json
 import pytest
 import torch
 
+from drafting import drafts_accepted
 from tiny_hf import CHARS, save_tiny_model_dir
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
 from verispec.cli import main
+from verispec.tuning import AdaptiveK, CostProfile
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,7 @@ def test_draft_stop_option_keeps_greedy_output(model_dirs, capsys):
     plain = run_json(capsys, *common, "--draft", "none")
     stopped = run_json(capsys, *common, "--draft", model_dirs["draft"], "--draft-stop", "0.5")
     assert stopped["token_ids"] == plain["token_ids"]
+    drafts_accepted([stopped])
 
 
 def test_json_output_has_every_field_and_greedy_equals_plain_decoding(model_dirs, capsys):
@@ -44,6 +47,8 @@ def test_json_output_has_every_field_and_greedy_equals_plain_decoding(model_dirs
                                      "tokens_per_target_pass", "accepted_per_position", "wall_seconds", "tokens_per_second"}
         assert out["dtype"] == "float32"
     assert spec["token_ids"] == plain["token_ids"] == ngram["token_ids"]
+    for run in (spec, ngram):
+        drafts_accepted([run])
     assert spec["prompt_token_ids"] == plain["prompt_token_ids"]
     assert spec["stats"]["acceptance_rate"] == 1.0 and spec["stats"]["tokens_per_target_pass"] > 1
     assert len(spec["stats"]["accepted_per_position"]) == 3
@@ -114,13 +119,34 @@ def test_models_lists_the_named_defaults(capsys):
     assert "qwen2.5-coder-1.5b-instruct" in out and "smollm2-135m-instruct" in out
 
 
-def test_auto_k_generation_is_greedy_equal(model_dirs, capsys):
+def test_auto_k_generation_is_greedy_equal(model_dirs, capsys, monkeypatch):
+    """--auto-k with a fixed cost profile in which drafting pays (a target pass costs the same over 1 to k_max + 1
+    tokens, a draft token 5% of it): costs measured on a busy CPU may turn drafting off, and the comparison would
+    then be plain decoding with itself. The measurement itself is the next test's."""
+    monkeypatch.setattr(SpeculativeDecoder, "auto_tuner",
+                        lambda self, k_max=8: AdaptiveK(CostProfile({w: 1.0 for w in range(1, k_max + 2)}, 0.05)))
     common = ["--target", model_dirs["target"], "--prompt", "hello there", "--temperature", "0", "--max-new-tokens", "16"]
     auto = run_json(capsys, *common, "--draft", model_dirs["draft"], "--auto-k")
     plain = run_json(capsys, *common, "--draft", "none")
     assert auto["token_ids"] == plain["token_ids"]
+    drafts_accepted([auto])
     tree = run_json(capsys, *common, "--draft", model_dirs["draft"], "--auto-k", "--tree-budget", "8")
-    assert tree["token_ids"] == plain["token_ids"]  # a dynamic tree sized from the measured costs
+    assert tree["token_ids"] == plain["token_ids"]  # a dynamic tree sized from the profile's costs
+    drafts_accepted([tree])
+
+
+def test_auto_k_measures_a_cost_for_every_pass_width_and_the_draft(model_dirs):
+    """The one test of the real measurement (`measure_costs` through `auto_tuner`): what it measures, never how fast.
+    Whatever the timings, the profile holds a positive cost for target passes over 1 .. k_max + 1 tokens and for a
+    draft token, and the K it picks is one of 0 .. k_max."""
+    decoder = SpeculativeDecoder.load(model_dirs["target"], model_dirs["draft"])
+    tuner = decoder.auto_tuner(3)
+    profile = tuner.profile
+    assert sorted(profile.target_pass) == [1, 2, 3, 4] and profile.k_max == 3
+    assert all(seconds > 0 for seconds in profile.target_pass.values()) and profile.draft_token > 0
+    assert profile.v(0) == 1.0 and profile.c == profile.draft_token / profile.target_pass[1]
+    assert 0 <= tuner.k() <= 3
+    assert SpeculativeDecoder.load(model_dirs["target"], "ngram").auto_tuner(2).profile.draft_token == 0  # free
 
 
 def test_tree_options_greedy_equal_with_tree_stats(model_dirs, capsys):
@@ -129,6 +155,8 @@ def test_tree_options_greedy_equal_with_tree_stats(model_dirs, capsys):
     shaped = run_json(capsys, *common, "--draft", model_dirs["draft"], "--tree-shape", "3,2,1")
     budget = run_json(capsys, *common, "--draft", "ngram", "--tree-budget", "8", "-k", "3")
     assert shaped["token_ids"] == budget["token_ids"] == plain["token_ids"]
+    for run in (shaped, budget):
+        drafts_accepted([run])
     assert len(shaped["stats"]["drafted_per_position"]) == 3 and shaped["stats"]["mean_accepted_length"] > 0
     stats = shaped["stats"]
     assert stats["tokens_per_target_pass"] <= stats["mean_accepted_length"] + 1 + 1e-9
