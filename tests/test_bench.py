@@ -6,17 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from conftest import tiny_model
 from drafting import drafts_accepted
-from tiny_hf import char_tokenizer, save_tiny_model_dir
+from tiny_hf import char_tokenizer, distilled_copy_of, save_tiny_model_dir, tiny_dir_with_head_from_embedding
 from verispec.bench.report import BASELINES
 from verispec.bench.results import report_from_json
 from verispec.bench.runner import HEAD_SYSTEMS, LLAMACPP_SYSTEMS, SYSTEMS, BenchConfig, by_turns, run_bench
 from verispec.api import SpeculativeDecoder
 from verispec.cli import main
-from verispec.models.distilled import TinyDraftConfig, VocabMap, save_distilled, vocab_fingerprint
+from verispec.models.distilled import VocabMap, save_distilled, vocab_fingerprint
 from verispec.errors import VerispecError
 from verispec.models import load_model
 from verispec.tuning import AdaptiveK, CostProfile, best_k, expected_speedup, expected_tokens
@@ -45,43 +44,6 @@ def assert_every_system_drafted(report, expected_systems) -> None:
     assert not idle, f"these systems drafted nothing or had nothing accepted: {idle}"
 
 
-HEAD_SCALE = 30.0 * torch.randn(32, generator=torch.Generator().manual_seed(0)).sign()  # (H,): sharpness, random signs
-
-
-def tiny_dir_with_head_from_embedding(path: Path) -> Path:
-    """A tiny model directory whose output head is its input embedding times a diagonal (HEAD_SCALE, untied), so
-    that a draft with tied embeddings (a distilled draft's) computes the same logits with its final norm's weight
-    times that diagonal. (A head of the embedding times the sharpness alone would make the target repeat its last
-    token: each token's embedding is most like itself; the random signs undo that.)"""
-    save_tiny_model_dir(path, "llama", seed=0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path))
-    with torch.no_grad():
-        model.lm_head.weight.copy_(model.model.embed_tokens.weight * HEAD_SCALE)  # (V, H)
-    model.save_pretrained(str(path))
-    return path
-
-
-def distilled_copy_of(target: Path, shape: TinyDraftConfig, vocab: VocabMap) -> torch.nn.Module:
-    """A distilled draft (a Qwen2 with tied embeddings) holding the target's weights: the same transformer, its
-    tokens' embeddings, the head's diagonal in the final norm and zero attention biases, so that its greedy
-    guesses are mostly accepted (they differ only where float16 and int8 weights break a near-tie)."""
-    source = transformers.AutoModelForCausalLM.from_pretrained(str(target))
-    draft = shape.build()
-    weights = source.state_dict()
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if name == "model.embed_tokens.weight":
-                p[:-1] = weights[name][vocab.to_target]  # (Vd, H): draft id -> target id
-                p[-1] = weights[name][0]  # OTHER: the target's <unk>, which it never writes
-            elif name == "model.norm.weight":
-                p.copy_(weights[name] * HEAD_SCALE)
-            elif name.endswith(".bias"):
-                p.zero_()  # Qwen2's q, k, v biases; Llama has none
-            else:
-                p.copy_(weights[name])
-    return draft
-
-
 @pytest.fixture()
 def fixed_costs(monkeypatch):
     """The -auto systems tune K from a fixed cost profile in which drafting pays (a target pass costs the same
@@ -105,10 +67,9 @@ def setup(tmp_path_factory):
     assert main(["ngram", "build", "--tokenizer", str(target), "--corpus", str(prompts), "--out", str(root / "t.ngram"),
                  "--min-count", "1"]) == 0
     tok = char_tokenizer()
-    shape = TinyDraftConfig(draft_vocab_size=len(tok) - 2, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                            num_kv_heads=2, rope_theta=10000.0, max_positions=128)  # the target's shape (conftest)
     vocab = VocabMap.from_target_ids(torch.arange(2, len(tok)), len(tok))
-    distilled = save_distilled(root / "distilled", shape, distilled_copy_of(target, shape, vocab), vocab,
+    shape, model = distilled_copy_of(target, vocab)
+    distilled = save_distilled(root / "distilled", shape, model, vocab,
                                {"target": "tiny", "target_vocab_sha256": vocab_fingerprint(tok), "target_vocab_size": len(tok)})
     return root, str(target), str(draft), str(prompts), str(distilled)
 

@@ -2,11 +2,13 @@
 the teacher's labels, training, export / load with integrity checks, and the `distill` CLI."""
 
 
+import copy
 import json
 
 import pytest
 import torch
 from test_exactness import THRESHOLD, V, check_distribution, sample_tokens
+from drafting import drafts_accepted
 from tiny_hf import char_tokenizer
 
 from verispec.cli import main
@@ -30,6 +32,28 @@ from verispec.models.runner import ModelRunner
 
 SHAPE = TinyDraftConfig(draft_vocab_size=5, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                         num_kv_heads=1, max_positions=128)
+
+
+def reduced_copy(model, to_target) -> tuple[torch.nn.Module, VocabMap]:
+    """A reduced-vocabulary draft that is `model` (a tiny Llama) on the tokens `to_target`: their embedding and
+    head rows, OTHER's zero. Where the target writes those tokens, a copy of the greedy pair's draft guesses as
+    that draft does (mostly accepted); a randomly initialised draft has nearly all of its guesses rejected."""
+    vocab = VocabMap.from_target_ids(torch.tensor(to_target), model.config.vocab_size)
+    config = copy.deepcopy(model.config)
+    config.vocab_size = vocab.draft_vocab_size + 1
+    weights = model.state_dict()
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rows = weights[name][vocab.to_target]  # (Vd, H)
+        weights[name] = torch.cat([rows, torch.zeros_like(rows[:1])])  # (Vd + 1, H)
+    draft = type(model)(config)
+    draft.load_state_dict(weights)
+    return draft.eval(), vocab
+
+
+def most_written(outputs: list[list[int]], size: int = 32) -> list[int]:
+    """The `size` tokens written most in `outputs` (a target's plain decoding): a distilled draft's vocabulary is
+    chosen so (`choose_vocabulary`)."""
+    return choose_vocabulary(outputs, size=size, always=[], target_vocab_size=64).tolist()
 
 
 def mapped_draft(to_target, target_vocab, seed=0):
@@ -89,14 +113,16 @@ def test_reduced_vocabulary_draft_keeps_sampling_exact(sampling_pair, sampling, 
 
 
 def test_reduced_vocabulary_draft_greedy_equals_plain(greedy_pair):
-    target, _ = greedy_pair
-    _, model, vocab = mapped_draft(list(range(0, 64, 2)), 64, seed=3)
+    target, draft = greedy_pair
     plain = SpeculativeEngine(ModelRunner(target), None, eos_token_ids=set())
-    spec = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(MappedVocabRunner(model, vocab), 64), eos_token_ids=set())
     greedy, cfg = SamplingConfig(temperature=0), SpecConfig(num_draft_tokens=3, max_new_tokens=24, stop_at_eos=False)
     prompts = [[1, 2, 3], [5, 9, 11, 4, 8]]
     expected = [s.generated for s in plain.generate(prompts, greedy, cfg, seeds=0)]
-    assert [s.generated for s in spec.generate(prompts, greedy, cfg, seeds=0)] == expected
+    model, vocab = reduced_copy(draft, most_written(expected))
+    spec = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(MappedVocabRunner(model, vocab), 64), eos_token_ids=set())
+    seqs = spec.generate(prompts, greedy, cfg, seeds=0)
+    assert [s.generated for s in seqs] == expected
+    drafts_accepted(seqs)
 
 
 def test_teacher_labels_are_the_target_distributions(greedy_pair):
@@ -219,20 +245,23 @@ def test_export_integrity_and_tokenizer_checks(tmp_path):
 
 def test_distilled_draft_through_the_api(tmp_path):
     """A distilled draft directory works as --draft for a target with the same tokenizer."""
-    from tiny_hf import save_tiny_model_dir
+    from tiny_hf import distilled_copy_of, tiny_dir_with_head_from_embedding
 
     from verispec import SpeculativeDecoder
 
-    target_dir = save_tiny_model_dir(tmp_path / "target")
+    target_dir = tiny_dir_with_head_from_embedding(tmp_path / "target")
     tok = char_tokenizer()
     vocab_size = len(tok)
-    shape, model, vocab = mapped_draft(list(range(0, vocab_size, 2)), vocab_size)
+    vocab = VocabMap.from_target_ids(torch.arange(1, vocab_size, 2), vocab_size)  # half, with most of what it writes
+    shape, model = distilled_copy_of(target_dir, vocab)  # the target on that half: its drafts are accepted
     draft_dir = save_distilled(tmp_path / "draft", shape, model, vocab,
                                {"target": "t", "target_vocab_sha256": vocab_fingerprint(tok), "target_vocab_size": vocab_size})
     plain = SpeculativeDecoder.load(str(target_dir), "none", target_weights="dense")
     spec = SpeculativeDecoder.load(str(target_dir), str(draft_dir), target_weights="dense", draft_weights="dense")
     greedy, cfg = SamplingConfig(temperature=0), SpecConfig(max_new_tokens=16, stop_at_eos=False)
-    assert spec.generate("ab", greedy, cfg).token_ids == plain.generate("ab", greedy, cfg).token_ids
+    out = spec.generate("ab", greedy, cfg)
+    assert out.token_ids == plain.generate("ab", greedy, cfg).token_ids
+    drafts_accepted([out])
     assert spec.draft_name == str(draft_dir)
 
 
@@ -284,17 +313,19 @@ def test_distill_cli_end_to_end(tmp_path):
 @pytest.mark.parametrize("lookup", [None, LOOKUP], ids=["draft", "lookup-first"])
 @pytest.mark.parametrize("tree", [TreeConfig(shape=(3, 2, 1)), TreeConfig(budget=8, top_k=3)])
 def test_reduced_vocabulary_draft_trees_greedy_equal_plain(greedy_pair, tree, lookup):
-    target, _ = greedy_pair
-    _, model, vocab = mapped_draft(list(range(0, 64, 2)), 64, seed=3)
+    target, draft = greedy_pair
     plain = SpeculativeEngine(ModelRunner(target), None, eos_token_ids=set())
-    drafter = DraftModelDrafter(MappedVocabRunner(model, vocab), 64, lookup=lookup)
-    spec = SpeculativeEngine(ModelRunner(target), drafter, eos_token_ids=set())
     greedy = SamplingConfig(temperature=0)
     cfg = SpecConfig(num_draft_tokens=3, max_new_tokens=20, stop_at_eos=False)
     prompts = [[1, 2, 3], [5, 9, 11, 4, 8]]
     expected = [s.generated for s in plain.generate(prompts, greedy, cfg, seeds=0)]
+    model, vocab = reduced_copy(draft, most_written(expected))
+    drafter = DraftModelDrafter(MappedVocabRunner(model, vocab), 64, lookup=lookup)
+    spec = SpeculativeEngine(ModelRunner(target), drafter, eos_token_ids=set())
     tree_cfg = SpecConfig(num_draft_tokens=3, max_new_tokens=20, stop_at_eos=False, tree=tree)
-    assert [s.generated for s in spec.generate(prompts, greedy, tree_cfg, seeds=0)] == expected
+    seqs = spec.generate(prompts, greedy, tree_cfg, seeds=0)
+    assert [s.generated for s in seqs] == expected
+    drafts_accepted(seqs)
 
 
 def test_reduced_vocabulary_draft_adapts_online(greedy_pair):
@@ -324,14 +355,15 @@ def test_reduced_vocabulary_draft_adapts_online(greedy_pair):
 
 def test_lookup_first_copies_and_stays_greedy_equal(greedy_pair):
     target, _ = greedy_pair
-    _, model, vocab = mapped_draft(list(range(0, 64, 2)), 64, seed=3)
+    _, model, vocab = mapped_draft(list(range(0, 64, 2)), 64, seed=3)  # random: what is accepted was copied
     plain = SpeculativeEngine(ModelRunner(target), None, eos_token_ids=set())
     drafter = DraftModelDrafter(MappedVocabRunner(model, vocab), 64, lookup=LOOKUP)
     spec = SpeculativeEngine(ModelRunner(target), drafter, eos_token_ids=set())
     greedy, cfg = SamplingConfig(temperature=0), SpecConfig(num_draft_tokens=3, max_new_tokens=24, stop_at_eos=False)
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 11, 4, 8]]
-    assert [s.generated for s in spec.generate(prompts, greedy, cfg, seeds=0)] == \
-        [s.generated for s in plain.generate(prompts, greedy, cfg, seeds=0)]
+    seqs = spec.generate(prompts, greedy, cfg, seeds=0)
+    assert [s.generated for s in seqs] == [s.generated for s in plain.generate(prompts, greedy, cfg, seeds=0)]
+    drafts_accepted(seqs)
     seqs = plain.make_sequences([[1, 2, 3, 1, 2]], greedy, cfg, 0)
     drafter.start(seqs)
     assert drafter.propose(seqs, [1])[0].tokens.tolist() == [3]  # "1 2" was followed by 3: copied
