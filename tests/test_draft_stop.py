@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from drafting import drafts_accepted
 from test_exactness import THRESHOLD, V, check_distribution, sample_tokens
 from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig
 from verispec.drafters.draft_model import DraftModelDrafter
@@ -94,10 +95,10 @@ def test_stopped_chains_stay_greedy_equal_and_keep_the_cache_consistent(greedy_p
     seqs = engine.generate(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=4, max_new_tokens=24, draft_stop=threshold))
     assert [s.generated for s in seqs] == expected
     assert 0 < drafter.stopped < drafter.steps  # some chains stopped early, some ran their K
-    assert any(s.stats.accepted_tokens for s in seqs)
+    drafts_accepted(seqs)
 
 
-def test_an_auto_tuner_stops_chains_from_measured_costs(greedy_pair):
+def test_an_auto_tuner_stops_chains_from_its_cost_profile(greedy_pair):
     """With costs where a second verified token is dear, the tuned chains stop early; output unchanged."""
     target, draft = greedy_pair
     plain = SpeculativeEngine(ModelRunner(target), None, set())
@@ -111,7 +112,7 @@ def test_an_auto_tuner_stops_chains_from_measured_costs(greedy_pair):
         tuner = AdaptiveK(profile, prior=0.9, stop_drafts=stop)
         seqs = engine.generate(PROMPTS, GREEDY, SpecConfig(max_new_tokens=24), tuner=tuner)
         assert [s.generated for s in seqs] == expected
-        results[stop] = (drafter.stopped, sum(s.stats.draft_tokens for s in seqs))
+        results[stop] = (drafter.stopped, drafts_accepted(seqs)[0])
     assert results[False][0] == 0 < results[True][0]
     assert results[True][1] < results[False][1]
 
@@ -185,7 +186,7 @@ def test_prompt_lookup_chains_stop_by_match_length_and_stay_greedy_equal(greedy_
         engine = SpeculativeEngine(ModelRunner(target), drafter, set())
         seqs = engine.generate(prompts, GREEDY, SpecConfig(num_draft_tokens=4, max_new_tokens=24, draft_stop=stop))
         assert [s.generated for s in seqs] == expected
-        drafted[stop] = sum(s.stats.draft_tokens for s in seqs)
+        drafted[stop] = drafts_accepted(seqs)[0]
         assert bool(drafter.calibration.counts) == (stop > 0)
     # At the prior (0.35 a copy) a chain's second token has P_2 = 0.12 < 0.3: copies stop after one token
     # until a match length has shown it is accepted more often.
@@ -220,6 +221,7 @@ def test_a_fixed_threshold_applies_under_an_auto_tuner_without_cost_thresholds(g
     seqs = engine.generate(PROMPTS, GREEDY, SpecConfig(max_new_tokens=24, draft_stop=0.5), tuner=tuner)
     assert [s.generated for s in seqs] == expected
     assert 0 < drafter.stopped < drafter.steps
+    drafts_accepted(seqs)
 
 
 def test_a_copy_is_keyed_by_the_length_of_its_verbatim_match():
@@ -255,6 +257,6 @@ def test_a_free_drafter_under_cost_thresholds_is_gated_by_its_own_calibration(gr
         seqs = engine.generate(prompts, GREEDY, SpecConfig(max_new_tokens=24),
                                tuner=AdaptiveK(steep, prior=0.3, stop_drafts=stop))
         assert [s.generated for s in seqs] == expected
-        drafted[stop] = sum(s.stats.draft_tokens for s in seqs)
+        drafted[stop] = drafts_accepted(seqs)[0]
         assert bool(drafter.calibration.counts) == stop
     assert drafted[True] > drafted[False]
