@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from drafting import drafts_accepted
 from test_medusa import cli_greedy_equals_plain, second_tokens_follow_the_target, small  # noqa: F401 - a fixture
 from tiny_gguf import T, gguf_from_hf
 from verispec.config import SamplingConfig, SpecConfig, TreeConfig
@@ -246,8 +247,8 @@ def test_greedy_eagle_speculation_equals_plain_decoding(pair, trained, backend):
         for tree in (None, TreeConfig(shape=(2, 2, 1)), TreeConfig(budget=6, top_k=2)) if not argmax else (None,):
             out = engine.generate(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=30, tree=tree))
             assert [s.generated for s in out] == expected, (argmax, tree)
-            drafted = sum(s.stats.draft_tokens for s in out)
-            assert 0 < sum(s.stats.accepted_tokens for s in out) < drafted
+            drafted, accepted = drafts_accepted(out)
+            assert accepted < drafted
 
 
 def test_lookup_first_copies_from_the_context_and_stays_exact(pair, trained, small):
@@ -262,6 +263,7 @@ def test_lookup_first_copies_from_the_context_and_stays_exact(pair, trained, sma
     for tree in (None, TreeConfig(budget=6, top_k=2)):
         out = engine.generate(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=30, tree=tree))
         assert [s.generated for s in out] == plain(native)
+        drafts_accepted(out)
     seq = engine.make_sequences([[5, 6, 7, 8, 5, 6]], GREEDY, SpecConfig(num_draft_tokens=2), 0)[0]
     assert drafter._copied(seq, []) == 7 and drafter._copied(seq, [7]) == 8
     tiny, runner = small
@@ -311,14 +313,20 @@ def test_eagle_on_a_runner_without_features_or_another_targets_head_is_one_line(
         head_drafter("medusa", native)
 
 
-def test_auto_k_times_a_heads_drafted_token(pair, tmp_path):
-    """Heads have no runner for `measure_costs` to time: each times its own drafted token, and --auto-k uses it."""
+def test_auto_k_times_a_heads_drafted_token(pair, tmp_path, monkeypatch):
+    """Heads have no runner for `measure_costs` to time: each times its own drafted token, and --auto-k uses it.
+    The target's passes come from a fixed profile here (test_cli.py has the one test of their measurement)."""
     from test_medusa import random_heads
     from tiny_hf import save_tiny_model_dir
     from transformers import AutoModelForCausalLM
 
+    import verispec.api
     from verispec import SpeculativeDecoder
     from verispec.drafters.medusa import MedusaDrafter
+    from verispec.tuning import CostProfile
+
+    passes = {1: 1.0, 2: 1.0, 3: 1.0}
+    monkeypatch.setattr(verispec.api, "measure_costs", lambda target, draft, k_max: CostProfile(passes, 0.0))
 
     model, native = pair
     for drafter in (EagleDrafter(native, random_head(model)), MedusaDrafter(native, random_heads(model))):
@@ -328,7 +336,8 @@ def test_auto_k_times_a_heads_drafted_token(pair, tmp_path):
     tiny = AutoModelForCausalLM.from_pretrained(str(folder))
     random_head(tiny, draft_vocab=tiny.config.vocab_size, aux=(0, 1, 1)).save(tmp_path / "eagle")
     decoder = SpeculativeDecoder.load(str(folder), f"eagle:{tmp_path / 'eagle'}")
-    assert decoder.auto_tuner(2).profile.draft_token > 0
+    profile = decoder.auto_tuner(2).profile
+    assert profile.target_pass == passes and profile.draft_token > 0  # the head's own timed token
 
 
 # ---------------------------------------------------------------- training
