@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 from conftest import noisy_copy, tiny_model
+from drafting import drafts_accepted
 from test_exactness import PROMPT, THRESHOLD, V, check_distribution
 from test_ngram import random_table, table_from
 from tiny_hf import save_tiny_model_dir
@@ -303,6 +304,9 @@ def test_background_adapter_updates_between_prompts_and_stops(greedy_pair):
         adapter.poke()
         time.sleep(0.05)
     assert adapter.updates >= 1 and adapter.last_error is None
+    seq = engine.generate([[3, 1, 4]], GREEDY, spec)[0]  # a table learned from the answers: drafts, still plain's
+    assert seq.generated == plain.generated
+    drafts_accepted([seq])
     adapter.close()
     assert not adapter._thread.is_alive() and adapter.buffer not in engine.observers
 
@@ -330,6 +334,7 @@ def test_cli_generate_adapt(model_dirs, capsys):
     assert out["adaptation"]["collected"] > 0 and out["adaptation"]["updates"] > 0
     assert main([*common, "--draft", "none", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == out["token_ids"]
+    drafts_accepted([out])
     for draft_spec, message in [("ngram", "'ngram' cannot"), ("none", "'none' cannot")]:
         assert main([*common, "--draft", draft_spec, "--adapt"]) == 2
         err = capsys.readouterr().err.strip()
@@ -368,6 +373,7 @@ def test_serve_adapts_while_idle_and_answers_stay_the_same(model_dirs):
         assert client.get("/health").json() == {"status": "ok"}  # nothing internal there
         body = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 20, "temperature": 0}).json()
         assert body["choices"][0]["text"] == expected.text
+        drafts_accepted([body["usage"]["speculative"]])
     assert not decoder.adapter._thread.is_alive()  # stopped with the server
 
 
