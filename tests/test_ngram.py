@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
+from drafting import drafts_accepted
 from test_exactness import PROMPT, THRESHOLD, V, check_distribution, sample_tokens
 from tiny_hf import CHARS, char_tokenizer, save_tiny_model_dir
 
@@ -209,10 +210,12 @@ def test_greedy_equals_plain_decoding_alone_and_in_ragged_batches(model_dirs, ta
     alone = [corpus.generate(p, greedy, spec, chat=False) for p in prompts]
     for p, b, a in zip(plain, batch, alone):
         assert b.token_ids == p.token_ids == a.token_ids
-    assert sum(r.stats.draft_tokens for r in batch) > 0 and sum(r.stats.accepted_tokens for r in batch) > 0
+    for runs in (batch, alone):
+        drafts_accepted(runs)
     # A .ngram path is a drafter spec too.
-    assert SpeculativeDecoder.load(target, table_file).generate(prompts[0], greedy, spec, chat=False).token_ids == \
-        plain[0].token_ids
+    by_path = SpeculativeDecoder.load(target, table_file).generate(prompts[0], greedy, spec, chat=False)
+    assert by_path.token_ids == plain[0].token_ids
+    drafts_accepted([by_path])
 
 
 def random_table(seed=0, vocab=V, length=400) -> NGramTable:
@@ -284,7 +287,7 @@ def test_corpus_ngram_trees_greedy_equal_plain(model_dirs, table_file, tree):
     spec = SpecConfig(num_draft_tokens=3, max_new_tokens=30, tree=tree)
     batch = corpus.generate_batch(prompts, greedy, spec, chat=False)
     assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
-    assert sum(r.stats.draft_tokens for r in batch) > 0
+    drafts_accepted(batch)
 
 
 def test_corpus_ngram_tree_shape_and_order(target):
