@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import noisy_copy, tiny_model
+from drafting import drafts_accepted
 from verispec.config import SamplingConfig, SpecConfig, TreeConfig
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.engine import SpeculativeEngine
@@ -105,18 +106,25 @@ def test_tree_passes_give_the_dynamic_runners_logits():
     torch.testing.assert_close(outs[1][1], outs[0][1], **TOL)
 
 
-def decode(target, draft, tree=None):
+def decode_sequences(target, draft, tree=None):
     engine = SpeculativeEngine(target, DraftModelDrafter(draft, 64) if draft is not None else None, set())
     spec = SpecConfig(num_draft_tokens=3, max_new_tokens=24, stop_at_eos=False, tree=tree)
-    return [s.generated for s in engine.generate([[1, 2, 3, 4, 5, 6], [7, 8, 9]], GREEDY, spec)]
+    return engine.generate([[1, 2, 3, 4, 5, 6], [7, 8, 9]], GREEDY, spec)
+
+
+def decode(target, draft, tree=None):
+    return [s.generated for s in decode_sequences(target, draft, tree)]
 
 
 @pytest.mark.parametrize("tree", [None, TreeConfig(shape=(2, 2, 1))], ids=["chain", "tree"])
 def test_speculative_decoding_on_static_runners_gives_plain_decodings_tokens(tree):
     target = tiny_model("llama", seed=4, sharpness=4.0)
     draft = noisy_copy(target, 0.5)
-    plain = decode(ModelRunner(target), None)
-    assert decode(StaticRunner(target, 256, compile=False), StaticRunner(draft, 256, compile=False), tree) == plain
+    plain = decode(StaticRunner(target, 256, compile=False), None)  # the same runner, plainly
+    assert plain == decode(ModelRunner(target), None)
+    seqs = decode_sequences(StaticRunner(target, 256, compile=False), StaticRunner(draft, 256, compile=False), tree)
+    assert [s.generated for s in seqs] == plain
+    drafts_accepted(seqs)
 
 
 def test_compiled_passes_equal_the_eager_ones():
