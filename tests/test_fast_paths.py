@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import noisy_copy, tiny_model
+from drafting import drafts_accepted
 from test_engine import GREEDY, PROMPTS, hf_greedy
 from test_exactness import V, check_distribution, sample_tokens
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder, VerispecError
@@ -46,8 +47,10 @@ def test_packed_target_with_int8_draft_is_greedy_equal(K):
     target = tiny_model("llama", vocab=64, seed=0, sharpness=30.0)
     draft = noisy_copy(target, 0.3)
     engine = SpeculativeEngine(ModelRunner(packed(target)), DraftModelDrafter(ModelRunner(quantized(draft)), 64), set())
-    for prompt, seq in zip(PROMPTS, engine.generate(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=K, max_new_tokens=24))):
+    seqs = engine.generate(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=K, max_new_tokens=24))
+    for prompt, seq in zip(PROMPTS, seqs):
         assert seq.generated == hf_greedy(target, prompt, 24)
+    drafts_accepted(seqs)
 
 
 @needs_packing
