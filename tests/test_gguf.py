@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 
+from drafting import drafts_accepted
 from tiny_hf import save_tiny_model_dir
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder, VerispecError
 from verispec.models import load_model, loading, registry
@@ -41,10 +42,12 @@ def test_real_weights_greedy_speculation_equals_plain(smollm):
     greedy = SamplingConfig(temperature=0)
     spec = SpecConfig(num_draft_tokens=4, max_new_tokens=24)
     prompt = "List three prime numbers and explain why each is prime."
-    plain = SpeculativeDecoder(first, "none").generate(prompt, greedy, spec)
+    plain = SpeculativeDecoder(second, "none").generate(prompt, greedy, spec)  # the same packed weights, plainly
+    assert plain.token_ids == SpeculativeDecoder(first, "none").generate(prompt, greedy, spec).token_ids
     for drafter in ("ngram", first):
         out = SpeculativeDecoder(second, drafter).generate(prompt, greedy, spec)
         assert out.token_ids == plain.token_ids
+        drafts_accepted([out])
     assert plain.text.strip()
 
 
