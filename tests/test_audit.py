@@ -36,12 +36,21 @@ def test_audit_fails_when_the_residual_is_wrong(decoder, monkeypatch):
     assert not report.passed
 
 
-def test_audit_cli_json_and_greedy(decoder, capsys):
-    _, target, draft = decoder
-    code = main(["audit", "--target", target, "--draft", draft, "--prompt", "dog", "--no-chat", "--temperature", "0",
-                 "--samples", "40", "--batch-size", "20", "--json"])
+def test_audit_cli_json_and_greedy(decoder, capsys, tmp_path):
+    """The greedy audit with a draft near the target (a noisy copy): the fixture's other draft has none of its
+    greedy guesses accepted, and the check would then compare the target with itself."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import noisy_copy
+
+    _, target, _ = decoder
+    noisy_copy(AutoModelForCausalLM.from_pretrained(target), 0.3).save_pretrained(str(tmp_path / "near"))
+    AutoTokenizer.from_pretrained(target).save_pretrained(str(tmp_path / "near"))
+    code = main(["audit", "--target", target, "--draft", str(tmp_path / "near"), "--prompt", "dog", "--no-chat",
+                 "--temperature", "0", "--samples", "40", "--batch-size", "20", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["passed"] and out["checks"][0]["p_value"] == 1.0
+    assert 0 < out["acceptance_rate"] < 1, out
 
 
 def test_audit_of_tree_sampling_passes(decoder):
