@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from drafting import drafts_accepted
 from verispec.errors import VerispecError
 from verispec.models.device import default_dtype, resolve_device
 from verispec.models.loading import load_model
@@ -54,14 +55,16 @@ def test_cli_compile_gives_plain_decodings_tokens(tmp_path, capsys):
 
     from verispec.cli import main
 
-    target = save_tiny_model_dir(tmp_path / "target", "qwen2", seed=0, sharpness=3.0)
+    target = save_tiny_model_dir(tmp_path / "target", "qwen2", seed=1, sharpness=3.0)  # seed 0 writes 2 tokens, then EOS
     common = ["generate", "--json", "--target", str(target), "--prompt", "hello there", "--temperature", "0",
               "--max-new-tokens", "20", "--draft", "ngram", "-k", "3"]
     outputs = []
-    for extra in ([], ["--compile"]):
+    for extra in ([], ["--compile"], ["--draft", "none"]):
         assert main([*common, *extra]) == 0
         outputs.append(json.loads(capsys.readouterr().out))
-    assert outputs[0]["token_ids"] == outputs[1]["token_ids"]
+    assert outputs[0]["token_ids"] == outputs[1]["token_ids"] == outputs[2]["token_ids"]  # eager, compiled, plain
+    for speculative in outputs[:2]:
+        drafts_accepted([speculative])
     assert main([*common, "--device", "tpu"]) == 2
     assert "unknown device 'tpu'" in capsys.readouterr().err
 
