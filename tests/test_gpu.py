@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import noisy_copy, tiny_model
+from drafting import drafts_accepted
 from test_exactness import PROMPT, THRESHOLD, check_distribution
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.drafters.draft_model import DraftModelDrafter
@@ -34,9 +35,10 @@ def test_greedy_speculation_on_the_gpu_gives_hf_generates_tokens():
         want = gpu_target.generate(torch.tensor([prompt], device=CUDA), do_sample=False, max_new_tokens=24,
                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     engine = SpeculativeEngine(StaticRunner(gpu_target, 256), DraftModelDrafter(StaticRunner(on_gpu(draft), 256), 64), set())
-    got = engine.generate([prompt], SamplingConfig(temperature=0), SpecConfig(num_draft_tokens=3, max_new_tokens=24,
-                                                                             stop_at_eos=False))[0].generated
-    assert got == want
+    seq = engine.generate([prompt], SamplingConfig(temperature=0), SpecConfig(num_draft_tokens=3, max_new_tokens=24,
+                                                                             stop_at_eos=False))[0]
+    assert seq.generated == want
+    drafts_accepted([seq])  # on the CPU this pair drafts 43 tokens here and has 8 accepted
 
 
 def test_sampled_speculation_on_the_gpu_follows_the_target():
