@@ -5,6 +5,7 @@ answering correctly. Every loop here is bounded in count and in time."""
 import asyncio
 import importlib.util
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -103,7 +104,12 @@ def test_a_flood_past_the_queue_gets_429_and_the_rest_complete(decoder):
 
 
 def test_requests_past_the_timeout_are_cut_with_408(decoder):
+    """Every decoding step outlasts the 0.02 s request timeout (it sleeps 0.1 s first), so a request of 100 tokens
+    is past its deadline after its first step whatever the machine's speed, and is cut before its second."""
     with BackgroundServer(decoder, ServeConfig(port=0, request_timeout=0.02)) as s:
+        batch = s.app.state.scheduler.batch
+        step = batch.step
+        batch.step = lambda: time.sleep(0.1) or step()
         r = httpx.post(s.url + "/v1/completions", json=LONG, timeout=30)
         assert r.status_code == 408 and r.json()["error"]["type"] == "timeout"
         streamed = httpx.post(s.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30).text
@@ -127,27 +133,40 @@ def test_shutdown_finishes_in_flight_requests_and_refuses_new_ones(decoder):
 
 
 def test_shutdown_past_its_timeout_cuts_requests_with_503(decoder):
+    """A stop with no time left, asked for while requests are in flight: the decoding step is held on an event until
+    the stop has been asked for, so no request can finish first however fast the machine; each ends with the
+    shutdown's 503 short of its 120 tokens, and the loop ends."""
     async def run():
         scheduler = Scheduler(decoder.engine, max_batch_size=2, max_queue=4)
+        stepping, released = threading.Event(), threading.Event()
+        step = scheduler.batch.step
+
+        def held_step():
+            stepping.set()
+            released.wait(60)  # a bound only: released once the stop has been asked for
+            return step()
+
+        scheduler.batch.step = held_step
         spec = SpecConfig(max_new_tokens=120)
         seqs = [decoder.engine.make_sequences([[5, 6, 7]], SamplingConfig(), spec, [i])[0] for i in range(3)]
         scheduler.start()
         tickets = [scheduler.submit(seq, 60) for seq in seqs]
-        started = time.monotonic()
-        await asyncio.to_thread(scheduler.stop, 0.001)
-        assert time.monotonic() - started < 10
+        assert await asyncio.to_thread(stepping.wait, 60)  # two requests admitted, the third waiting
+        scheduler.request_stop(0.0)
+        released.set()
+        await asyncio.to_thread(scheduler.stop, 0.0)
         last = []
         for t in tickets:
             update = await t.next(10)
             while update is not None and not update.done:
                 update = await t.next(10)
             last.append(update)
-        return scheduler, last
+        return scheduler, seqs, last
 
-    scheduler, last = asyncio.run(run())
-    assert any(u.error is not None and u.error.status == 503 for u in last)
-    assert all(u.error is not None or u.finish_reason is not None for u in last)
-    assert scheduler.cache_rows() == 0
+    scheduler, seqs, last = asyncio.run(run())
+    assert [(u.error.status, u.error.type) for u in last] == [(503, "server_shutting_down")] * 3
+    assert all(seq.num_generated < 120 for seq in seqs)  # cut, not finished
+    assert not scheduler._thread.is_alive() and scheduler.cache_rows() == 0
 
 
 def test_load_script_reports_percentiles_and_finds_no_mismatch(decoder, capsys):
