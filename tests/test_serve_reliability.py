@@ -285,32 +285,32 @@ def test_a_fault_in_posting_fails_that_request_alone_by_its_deadline(decoder, so
 
     monkeypatch.setattr(Ticket, "post", faulty)
     with BackgroundServer(decoder, ServeConfig(port=0, max_batch_size=8, request_timeout=2)) as s:
-        started = time.monotonic()
+        # A request left waiting would end in the client's own 60 s timeout (an exception), not in this 408.
         rs = post_many(s.url, [SENTINEL, {**SENTINEL, "max_tokens": 23}, SENTINEL])
-        took = time.monotonic() - started
         assert answers(rs) == [(200, solo), (408, "timeout"), (200, solo)]
-        assert took < 2 + 0.2 + 2  # answered by its own deadline, not left waiting
         assert faults_metric(s.url).get("post", 0) >= 1
         assert httpx.get(s.url + "/health").status_code == 200
 
 
 def test_a_step_stalled_past_the_request_timeout_is_answered_at_the_deadline(decoder, monkeypatch):
+    """The step stalls until released (e.g. a huge pass; the request timeout is 1 s): the 408 must reach the client
+    while the step is still stalled, i.e. from the request's own deadline, not after the step."""
     monkeypatch.setattr(app_module, "DEADLINE_GRACE_S", 0.2)
     step = DecodeBatch.step
-    release = threading.Event()
+    release, stepped = threading.Event(), threading.Event()
 
     def stalled(self):
-        release.wait(20)  # a step that takes 20 s (e.g. a huge pass): the request timeout is 1 s
+        release.wait(30)  # a bound only, so that a broken server fails the test instead of hanging it
+        stepped.set()
         return step(self)
 
     monkeypatch.setattr(DecodeBatch, "step", stalled)
     with BackgroundServer(decoder, ServeConfig(port=0, request_timeout=1)) as s:
-        started = time.monotonic()
         r = httpx.post(s.url + "/v1/completions", json=SENTINEL, timeout=60)
-        took = time.monotonic() - started
+        answered_while_stalled = not stepped.is_set()
         release.set()
         assert r.status_code == 408 and r.json()["error"]["type"] == "timeout"
-        assert took < 1 + 0.2 + 1.5, took  # not the 20 s the step took
+        assert answered_while_stalled  # not after the step the request waited on
 
 
 def test_memory_error_in_the_targets_pass_fails_that_batch_and_the_server_goes_on(fresh, solo, monkeypatch):
@@ -346,10 +346,10 @@ def test_a_killed_scheduler_thread_turns_health_to_503_and_nobody_waits_forever(
     with BackgroundServer(decoder, ServeConfig(port=0, request_timeout=60)) as s:
         assert httpx.get(s.url + "/health").status_code == 200
         monkeypatch.setattr(DecodeBatch, "step", killed)
-        started = time.monotonic()
-        r = httpx.post(s.url + "/v1/completions", json=SENTINEL, timeout=60)
+        # The client gives up after 30 s, before the request's 60 s timeout: a request left to that timeout would
+        # end in the client's exception, not in this 503.
+        r = httpx.post(s.url + "/v1/completions", json=SENTINEL, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_unavailable"
-        assert time.monotonic() - started < 5  # answered, not left to its 60 s timeout
         monkeypatch.setattr(DecodeBatch, "step", step)
         health = httpx.get(s.url + "/health")
         assert health.status_code == 503 and health.json() == {"status": "unavailable"}
@@ -365,7 +365,9 @@ def test_a_raise_in_the_idle_hook_is_absorbed(decoder, solo, monkeypatch):
     with BackgroundServer(decoder, ServeConfig(port=0)) as s:
         scheduler = s.app.state.scheduler
         scheduler.on_idle = lambda: (_ for _ in ()).throw(RuntimeError("injected into on_idle"))
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30  # a bound only: the idle loop raises every 0.05 s
+        while not faults_metric(s.url).get("idle") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert faults_metric(s.url).get("idle", 0) >= 1
         r = httpx.post(s.url + "/v1/completions", json=SENTINEL, timeout=60)
         assert r.json()["choices"][0]["text"] == solo and scheduler.alive
-        assert faults_metric(s.url)["idle"] >= 1
