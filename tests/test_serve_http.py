@@ -1,7 +1,7 @@
 """HTTP hygiene over real sockets on loopback: an oversized body gets a readable 413 in every transport (the body
 is drained, so no client sees a reset), slow or silent clients are cut by the header and body clocks, connections
 past limit_concurrency get a 503 and idle keep-alive connections close, and a public bind without an API key is
-warned about. Every wait here is bounded and a few seconds at most."""
+warned about. Every wait here is bounded, and no check depends on how fast the machine answers."""
 
 import json
 import logging
@@ -49,23 +49,24 @@ def read_response(sock: socket.socket) -> tuple[int, dict, bytes]:
     return int(status_line.split()[1]), headers, body
 
 
-def closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> float | None:
-    """Seconds until the server closes `sock` (None if it stays open for `seconds`), sending `trickle` one byte
-    about every 0.1 s meanwhile."""
+def closed_by_the_server(sock: socket.socket, trickle: bytes = b"", bound_s: float = 30.0) -> tuple[bool, int]:
+    """Whether the server closed `sock` (waiting at most `bound_s`, a bound only, so that a server that never
+    closes fails the test instead of hanging it), sending `trickle` one byte about every 0.1 s meanwhile; and how
+    many of those bytes were sent before it did."""
     start, sent = time.monotonic(), 0
     sock.settimeout(0.1)
-    while time.monotonic() - start < seconds:
+    while time.monotonic() - start < bound_s:
         try:
             if sent < len(trickle):
                 sock.sendall(trickle[sent : sent + 1])
                 sent += 1
             if sock.recv(65536) == b"":
-                return time.monotonic() - start
+                return True, sent
         except socket.timeout:
             continue
         except (ConnectionResetError, BrokenPipeError):
-            return time.monotonic() - start
-    return None
+            return True, sent
+    return False, sent
 
 
 def send_big(sock: socket.socket, chunked: bool, headers: bytes = b"") -> None:
@@ -89,13 +90,11 @@ def test_an_oversized_body_gets_a_readable_413_in_every_transport(decoder):
         auth = b"Authorization: Bearer %s\r\n" % KEY.encode()
         for chunked, headers, status in ((False, auth, 413), (True, auth, 413), (False, b"", 401)):
             with connect(s) as sock:
-                started = time.monotonic()
                 send_big(sock, chunked, headers)  # the whole body goes through: no reset, no broken pipe
                 code, got, body = read_response(sock)
                 assert code == status and got["connection"] == "close", (chunked, headers, code)
                 assert json.loads(body)["error"]["message"]
-                assert sock.recv(65536) == b""  # then the server closes, cleanly
-                assert time.monotonic() - started < 10
+                assert sock.recv(65536) == b""  # then the server closes, cleanly (within the socket's timeout)
         big = {"prompt": "x" * BIG}
         r = httpx.post(s.url + "/v1/completions", json=big, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
         assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
@@ -107,21 +106,29 @@ def test_an_oversized_body_gets_a_readable_413_in_every_transport(decoder):
 
 
 def test_slow_headers_and_stalled_bodies_are_cut(decoder):
+    """The clocks cut what is too slow, whatever the machine's load: headers trickled a byte every 0.1 s are cut
+    while bytes are still arriving (so by the header clock, which more bytes do not restart, and not by an idle
+    timeout), a silent connection is closed, a stalled body gets its 408. None of them before its clock's 0.5 s,
+    counted from before the client began (a clock can only start later than that)."""
     config = ServeConfig(port=0, header_timeout=0.5, body_timeout=0.5)
+    trickle = b"POST /v1/completions HTTP/1.1\r\nX-Slow: " + b"a" * 300  # 33 s of headers at a byte per 0.1 s
     with BackgroundServer(decoder, config) as s:
+        started = time.monotonic()
         with connect(s) as sock:  # headers byte by byte, each byte well inside the timeout, the whole too slow
-            cut = closed_within(sock, 5.0, trickle=b"POST /v1/completions HTTP/1.1\r\nX-Slow: " + b"a" * 50)
-            assert cut is not None and 0.4 < cut < 2.0
+            closed, sent = closed_by_the_server(sock, trickle)
+            assert closed and sent < len(trickle), sent  # cut while the client was still sending
+            assert time.monotonic() - started >= 0.4
+        started = time.monotonic()
         with connect(s) as sock:  # a connection that never sends a byte
-            cut = closed_within(sock, 5.0)
-            assert cut is not None and 0.4 < cut < 2.0
+            assert closed_by_the_server(sock) == (True, 0)
+            assert time.monotonic() - started >= 0.4
         with connect(s) as sock:  # headers, then part of the body, then nothing
+            started = time.monotonic()
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 100\r\n\r\n{\"prompt\": ")
-            started = time.monotonic()
-            code, headers, body = read_response(sock)
+            code, headers, body = read_response(sock)  # within the socket's timeout
             assert code == 408 and headers["connection"] == "close" and json.loads(body)["error"]["type"] == "timeout"
-            assert 0.4 < time.monotonic() - started < 2.0 and sock.recv(65536) == b""
+            assert time.monotonic() - started >= 0.4 and sock.recv(65536) == b""
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200  # a client that sends in time is served as ever
 
@@ -136,8 +143,8 @@ def test_connections_past_the_limit_get_503_and_idle_ones_close(decoder):
             assert code == 503 and headers["connection"] == "close" and json.loads(body)["error"]["message"]
         for sock in held:
             sock.close()
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:  # the server notices the closed connections within a moment
+        deadline = time.monotonic() + 30  # a bound only: the server notices the closed connections within a moment
+        while time.monotonic() < deadline:
             if httpx.get(s.url + "/v1/models", timeout=10).status_code == 200:
                 break
             time.sleep(0.05)
@@ -148,11 +155,12 @@ def test_connections_past_the_limit_get_503_and_idle_ones_close(decoder):
         assert httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30).status_code == 503
         held.pop().close()
         with connect(s) as sock:  # a keep-alive connection, idle after its answer, is closed
+            started = time.monotonic()  # before the request: the keep-alive clock starts after its answer
             sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
             code, headers, _ = read_response(sock)
             assert code == 200 and headers.get("connection") != "close"
-            cut = closed_within(sock, 5.0)
-            assert cut is not None and 0.3 < cut < 2.0
+            assert closed_by_the_server(sock) == (True, 0)
+            assert time.monotonic() - started >= 0.4
         for sock in held:
             sock.close()
 
