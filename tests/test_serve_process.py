@@ -2,12 +2,12 @@
 second one. It answers, a SIGTERM lets the request in flight finish and the process exits 0, and a port that is
 taken is one clear line and exit status 2 (the CLI's status for an error it explains)."""
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -55,15 +55,16 @@ def test_serve_answers_and_a_sigterm_lets_the_request_in_flight_finish(model_dir
         wait_healthy(url, process)
         r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 8, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-        answer = {}
-        body = {"prompt": "hello", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
-        client = threading.Thread(target=lambda: answer.update(r=httpx.post(url + "/v1/completions", json=body,
-                                                                            timeout=60)))
-        client.start()
-        time.sleep(0.3)  # in flight
-        process.send_signal(signal.SIGTERM)
-        client.join(60)
-        assert answer["r"].status_code == 200 and answer["r"].json()["usage"]["completion_tokens"] == 100
+        body = {"prompt": "hello", "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            first = next(lines)  # the answer has begun: the request is in flight, however fast the machine
+            process.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert r.status_code == 200 and rest[-1] == "data: [DONE]"
+        chunks = [json.loads(line.removeprefix("data: ")) for line in [first, *rest[:-1]]]
+        assert chunks[-1]["usage"]["completion_tokens"] == 100  # the whole answer, after the SIGTERM
         assert process.wait(60) == 0
     finally:
         if process.poll() is None:
