@@ -57,10 +57,10 @@ def server(model_dirs):
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    for _ in range(200):
-        if srv.started:
-            break
+    deadline = time.monotonic() + 60  # a bound only
+    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert srv.started, "the viz server did not start"
     yield f"http://127.0.0.1:{port}"
     srv.should_exit = True
     thread.join(timeout=10)
