@@ -42,6 +42,27 @@ def test_identity_accepted_plus_rejected_times_residual_is_p(case):
         torch.testing.assert_close(output_distribution(p, q), p, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("case", ["random", "sparse", "one_hot"])
+def test_verify_decides_by_the_identitys_rule_on_every_draw(case):
+    """The identity above is about `acceptance_probability` and `residual_distribution`; `verify` has its rule
+    inline (u * q(x) < p(x), no division). On every draw, verify accepts x exactly when u < min(1, p(x)/q(x)),
+    and a recovered token lies in the residual's support, so the identity speaks for the rule that runs."""
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(300):
+        p, q = random_dist(20, gen, zeros=5 if case == "sparse" else 0), random_dist(20, gen)
+        if case == "one_hot":
+            q = torch.zeros(20, dtype=torch.float64)
+            q[trial % 20] = 1.0
+        x = int(torch.multinomial(q, 1, generator=gen))
+        verdict, u = verify(p[None].repeat(2, 1), torch.tensor([x]), None if case == "one_hot" else q[None],
+                            torch.Generator().manual_seed(trial), return_uniforms=True)
+        alpha = float(acceptance_probability(p, q)[x])
+        if abs(float(u[0]) - alpha) > 1e-9:  # away from the boundary, where rounding may decide either way
+            assert (verdict.num_accepted == 1) == (float(u[0]) < alpha), (trial, float(u[0]), alpha)
+        if verdict.num_accepted == 0:
+            assert residual_distribution(p, q)[verdict.token] > 0
+
+
 def test_residual_is_a_distribution_and_empty_residual_falls_back_to_p():
     gen = torch.Generator().manual_seed(1)
     p, q = random_dist(30, gen), random_dist(30, gen)
