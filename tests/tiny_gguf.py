@@ -96,14 +96,31 @@ def _permute_for_llama(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def gguf_from_hf(model, path: Path, qtype=T.F32) -> Path:
+def add_placeholder_vocab(writer: GGUFWriter, size: int) -> None:
+    """A SentencePiece-style vocabulary of `size` (>= 5) tokens: <unk>, <s>, </s>, the newline byte and plain
+    pieces. llama.cpp will not load a GGUF without one (verispec's own loader does not need it); the tests pass
+    token ids, never text, so the pieces' spelling does not matter."""
+    tokens = ["<unk>", "<s>", "</s>", "<0x0A>"] + [f"t{i}" for i in range(4, size)]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * size)
+    writer.add_token_types([2, 3, 3, 6] + [1] * (size - 4))  # unknown, control, control, byte, normal
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def gguf_from_hf(model, path: Path, qtype=T.F32, vocab: bool = False) -> Path:
     """Write a transformers Llama / Qwen2 model (tiny_model) as a GGUF with its matmul weights in `qtype`
-    (F32, F16, BF16, Q8_0, Q4_0 or Q4_1: the types gguf's numpy code can quantize)."""
+    (F32, F16, BF16, Q8_0, Q4_0 or Q4_1: the types gguf's numpy code can quantize). vocab: add a placeholder
+    vocabulary (`add_placeholder_vocab`), so that llama.cpp loads the file."""
     from gguf import quants
 
     config = model.config
     arch = "llama" if config.model_type == "llama" else "qwen2"
     writer = GGUFWriter(str(path), arch)
+    if vocab:
+        add_placeholder_vocab(writer, config.vocab_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)

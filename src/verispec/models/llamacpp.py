@@ -86,7 +86,10 @@ class LlamaCppRunner:
         # n_threads_batch too: llama-cpp-python defaults it to every core, and passes over several tokens
         # (prompts, verification) would then run more threads than asked for (oversubscribed, ggml's
         # spinning threads slow every process on the machine to a crawl)
-        self.llm = Llama(model_path=str(gguf), n_ctx=context_window, verbose=False, n_threads=threads,
+        # llama.cpp rounds its context up to a multiple of 256 cells; asked for less, llama-cpp-python sized its
+        # batch to the smaller figure and the first pass aborted the process (an assertion on the outputs' count)
+        cells = -(-max(context_window, 1) // 256) * 256
+        self.llm = Llama(model_path=str(gguf), n_ctx=cells, verbose=False, n_threads=threads,
                          n_threads_batch=threads, n_batch=512)
         self._reopen_with_tree_sequences(flash_attention)
         self.vocab_size = int(self.llm.n_vocab())
