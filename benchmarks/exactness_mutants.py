@@ -37,7 +37,8 @@ def table(selected_mutants: list[str], groups: dict[tuple[str, str], list[grid.C
             every &= ok
             row.append(f"caught ({how})" if ok else how)
             print(f"{mutant:16s} {key[0]:17s} {key[1]:7s} {row[-1]}", flush=True)
-        lines.append(f"| {mutant} | " + " | ".join(row) + " |")
+        name = mutant.replace("|", "\\|")  # a bare pipe would end the table cell
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
     return lines, every
 
 

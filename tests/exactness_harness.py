@@ -67,24 +67,46 @@ def torch_runner(model):
 _gguf_dir = None
 
 
-def native_runner(model):
-    """The native runner of a float32 GGUF of `model` (written once per model)."""
+def gguf_of(model, vocab: bool = False):
+    """A float32 GGUF of `model`, written once per model (with a placeholder vocabulary for llama.cpp)."""
     import tempfile
     from pathlib import Path
 
     from tiny_gguf import T, gguf_from_hf
-    from verispec.models.gguf.model import load_gguf
-    from verispec.models.gguf.runner import NativeRunner
 
     global _gguf_dir
     _gguf_dir = _gguf_dir or Path(tempfile.mkdtemp(prefix="verispec-grid-"))
-    path = _gguf_dir / f"m{id(model)}.gguf"
+    path = _gguf_dir / f"m{id(model)}{'-vocab' if vocab else ''}.gguf"
     if not path.exists():
-        gguf_from_hf(model, path, T.F32)
-    return NativeRunner(load_gguf(path, show_progress=False))
+        gguf_from_hf(model, path, T.F32, vocab=vocab)
+    return path
 
 
-BACKENDS = {"torch": torch_runner, "native": native_runner}
+def native_runner(model):
+    """The native runner of a float32 GGUF of `model`."""
+    from verispec.models.gguf.model import load_gguf
+    from verispec.models.gguf.runner import NativeRunner
+
+    return NativeRunner(load_gguf(gguf_of(model), show_progress=False))
+
+
+def llamacpp_runner(model):
+    """llama.cpp's evaluation of a float32 GGUF of `model` (one thread: the model is tiny). With float32 weights a
+    pass's width changes its logits by float rounding only, far below what a chi-square test of this size sees;
+    the quantized kernels of real models are where width changes them by more (docs/exactness.md)."""
+    from verispec.models.llamacpp import LlamaCppRunner
+
+    return LlamaCppRunner(gguf_of(model, vocab=True), context_window=64, threads=1)
+
+
+def llamacpp_installed() -> bool:
+    from verispec.models.llamacpp import llamacpp_available
+
+    return llamacpp_available()
+
+
+BACKENDS = {"torch": torch_runner, "native": native_runner, "llama.cpp": llamacpp_runner}
+SEQUENTIAL = {"llama.cpp"}  # backends that decode one sequence at a time: a cell's sequences run one by one
 
 
 # --- drafter families ----------------------------------------------------------------------------------------
@@ -176,6 +198,11 @@ def distilled(target, backend):
 FAMILIES = {"draft-model": draft_model, "prompt-lookup": prompt_lookup, "ngram-corpus": ngram_corpus,
             "self-speculation": self_speculation, "medusa": medusa, "eagle": eagle, "distilled": distilled}
 DETERMINISTIC = {"prompt-lookup"}  # candidates with a one-hot q: their trees have no sampled / top choice
+UNSUPPORTED = {  # (backend, family): why the family cannot run there (the engine refuses it with that reason)
+    ("llama.cpp", "self-speculation"): "skips sublayers inside the target's pass, which llama.cpp does not expose",
+    ("llama.cpp", "medusa"): "reads the target's hidden states, which llama.cpp does not expose",
+    ("llama.cpp", "eagle"): "reads the target's hidden states, which llama.cpp does not expose",
+}
 
 
 # --- the grid --------------------------------------------------------------------------------------------------
@@ -214,6 +241,8 @@ def grid() -> list[Cell]:
     for backend in BACKENDS:
         rotation = itertools.cycle(SETTINGS)
         for family in FAMILIES:
+            if (backend, family) in UNSUPPORTED:
+                continue
             shapes = ["chain", "tree-budget"] if family in DETERMINISTIC else ["chain", "tree-sampled", "tree-top"]
             if family == "draft-model":
                 shapes.append("tree-iid")
@@ -297,7 +326,10 @@ def run_cell(cell: Cell, n: int | None = None, seed: int = 0) -> Outcome:
 
     engine.observers.append(observe)
     try:
-        seqs = engine.generate([PROMPT] * n, sampling, spec, seeds=seed)
+        if cell.backend in SEQUENTIAL:
+            seqs = [engine.generate([PROMPT], sampling, spec, seeds=seed + i)[0] for i in range(n)]
+        else:
+            seqs = engine.generate([PROMPT] * n, sampling, spec, seeds=seed)
     finally:
         engine.observers.remove(observe)
     exact = exact_joint_for(cell.backend, cell.setting, depth)
@@ -377,6 +409,7 @@ def coverage_markdown() -> str:
     backends = list(BACKENDS)
     lines = ["| drafter family | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
     for family in FAMILIES:
-        cells = [", ".join(f"{c.shape} {c.setting}" for c in by_group[(family, b)]) for b in backends]
+        cells = [", ".join(f"{c.shape} {c.setting}" for c in by_group[(family, b)]) if (family, b) in by_group
+                 else f"not run: {UNSUPPORTED[(b, family)]}" for b in backends]
         lines.append(f"| {family} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

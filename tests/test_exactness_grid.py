@@ -1,6 +1,6 @@
 """Sampled exactness with power, everywhere: the grid of `tests/exactness_harness.py` (every drafter family on the
-torch and native backends, chains and trees with sampled and top-token children, every sampling setting on each
-backend), and the proof that it has power: each standard wrong verification rule (`tests/verifier_mutants.py`)
+torch and native backends and every family llama.cpp can run on it, chains and trees with sampled and top-token
+children, every sampling setting on each backend), and the proof that it has power: each standard wrong verification rule (`tests/verifier_mutants.py`)
 fails the grid of every family on every backend. `benchmarks/exactness_mutants.py` prints the same as a table.
 
 Each cell samples 3,000 sequences (6,000 where drafting starts a step late), checks that drafts were accepted and
@@ -14,14 +14,20 @@ from verifier_mutants import MUTANTS
 
 CELLS = grid.grid()
 GROUPS = grid.groups()
+# the llama.cpp backend is an optional extra that scripts/test.sh installs (scripts/install-llamacpp.sh)
+needs_llamacpp = pytest.mark.skipif(not grid.llamacpp_installed(), reason="llama-cpp-python is not installed")
 
 
-@pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
+def marked(backend: str) -> list:
+    return [needs_llamacpp] if backend == "llama.cpp" else []
+
+
+@pytest.mark.parametrize("cell", [pytest.param(c, id=c.id, marks=marked(c.backend)) for c in CELLS])
 def test_every_cell_follows_the_targets_distribution(cell):
     grid.check(grid.run_cell(cell), cell)
 
 
-@pytest.mark.parametrize("group", list(GROUPS), ids=[f"{f}-{b}" for f, b in GROUPS])
+@pytest.mark.parametrize("group", [pytest.param(g, id=f"{g[0]}-{g[1]}", marks=marked(g[1])) for g in GROUPS])
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_every_wrong_rule_fails_every_familys_grid(mutant, group):
     caught, how = grid.caught_by(GROUPS[group], mutant)
@@ -32,11 +38,23 @@ def test_the_grid_covers_every_family_backend_shape_and_setting():
     """What docs/exactness.md claims is what runs (tests/test_docs checks the page against `grid.coverage()`)."""
     for backend in grid.BACKENDS:
         cells = [c for c in CELLS if c.backend == backend]
-        assert {c.family for c in cells} == set(grid.FAMILIES)
+        runs = {f for f in grid.FAMILIES if (backend, f) not in grid.UNSUPPORTED}
+        assert {c.family for c in cells} == runs
         assert {c.setting for c in cells} == set(grid.SETTINGS)
-        for family in grid.FAMILIES:
+        for family in runs:
             shapes = {c.shape for c in cells if c.family == family}
             assert "chain" in shapes and any(s.startswith("tree") for s in shapes), (family, backend)
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("backend, family", list(grid.UNSUPPORTED))
+def test_the_families_left_out_of_a_backend_are_refused_there(backend, family):
+    """A family the grid leaves out of a backend is one the engine refuses there, with one clear line."""
+    from verispec.errors import VerispecError
+
+    target = grid.BACKENDS[backend](grid.target_model())
+    with pytest.raises(VerispecError, match="hidden states|skips sublayers"):
+        grid.FAMILIES[family](target, backend)
 
 
 def test_the_docs_show_the_grid_that_runs():
