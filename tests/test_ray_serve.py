@@ -3,7 +3,9 @@ the README's test command does). One local Ray instance on loopback, 2 replicas 
 module: every concurrent request is answered with the tokens a single process gives and the API key is enforced
 through Ray's proxy; streamed chunks arrive as they are made; a bad key or an oversized Content-Length is refused
 before the body is sent; a flood past the queue is refused at once; a replica killed mid-stream is replaced and
-the client's retries lose no request; a replica whose decoding thread died fails its health check and is replaced."""
+the client's retries lose no request; a replica whose decoding thread died fails its health check and is replaced.
+No check depends on how fast the machine is: where an order matters it is made so (decoding held on an event), or
+every outcome of the race is accepted and checked."""
 
 import asyncio
 import json
@@ -74,11 +76,25 @@ def replica_actors() -> dict:
     return {a["name"]: ray.get_actor(a["name"], namespace=a["namespace"]) for a in names}
 
 
+def healthy(actor) -> bool:
+    """Whether a replica passes Ray's health check (one that is still loading fails it)."""
+    try:
+        ray.get(actor.check_health.remote(), timeout=30)
+        return True
+    except ray.exceptions.RayError:
+        return False
+
+
 def wait_for_replicas(count: int, timeout_s: float = 120.0) -> None:
+    """Until `count` replicas are up and each passes its health check (a new replica is listed before it has loaded
+    its model); the timeout is a bound only."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and len(replica_actors()) != count:
+    while time.monotonic() < deadline:
+        actors = replica_actors()
+        if len(actors) == count and all(healthy(a) for a in actors.values()):
+            return
         time.sleep(0.5)
-    assert len(replica_actors()) == count
+    raise AssertionError(f"{count} healthy replicas were wanted, found {len(replica_actors())} replicas")
 
 
 @dataclass
@@ -124,41 +140,82 @@ def test_replicas_answer_as_one_process_does_and_enforce_the_key(cluster):
     assert {p: a[0] for p, a in answers.items()} == cluster.expected
 
 
+FREE_STEPS = 10  # decoding steps a replica runs before gate_decoding holds the next
+
+
+def gate_decoding(_replica_actor, hold: bool) -> tuple[int, bool]:
+    """Run inside a replica (`__ray_call__`). hold: let the next FREE_STEPS decoding steps run, then hold every later
+    one until called again without hold (each waits 60 s at most, a bound only). Without hold: release the held steps,
+    restore the step and return how many steps had begun and whether any wait ran out (the steps then went on
+    without being released)."""
+    import threading
+
+    from verispec.batch import DecodeBatch
+
+    if hold:
+        gate = {"open": threading.Event(), "steps": 0, "ran_out": False, "step": DecodeBatch.step}
+
+        def held(self):
+            gate["steps"] += 1
+            if gate["steps"] > FREE_STEPS and not gate["open"].wait(60):
+                gate["ran_out"] = True
+            return gate["step"](self)
+
+        DecodeBatch.step, DecodeBatch.test_gate = held, gate
+        return 0, False
+    gate = DecodeBatch.__dict__.get("test_gate")
+    if gate is None:
+        return 0, False
+    gate["open"].set()
+    DecodeBatch.step = gate["step"]
+    del DecodeBatch.test_gate
+    return gate["steps"], gate["ran_out"]
+
+
 def test_streamed_chunks_arrive_as_they_are_made(cluster):
-    """Through Ray's proxy each SSE chunk reaches the client when the replica sends it, not all at the end."""
-    arrivals, texts = [], []
+    """Through Ray's proxy each SSE chunk reaches the client when the replica sends it, not all at the end: the
+    replicas' decoding is held after 10 steps of a 120-token answer (one token a step, no drafter) until the client
+    has its first chunk, so that chunk cannot come from a finished answer, however fast the machine."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    actors = list(replica_actors().values())
+    texts, gates = [], []
     request = body("zz", max_tokens=120, stream=True, speculative={"drafter": "none"})  # one token per chunk
-    started = time.monotonic()
-    with httpx.stream("POST", cluster.url + "/v1/completions", json=request, headers=AUTH, timeout=60) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                arrivals.append(time.monotonic() - started)
-                texts.append(json.loads(line[6:])["choices"][0]["text"])
-    assert len(arrivals) > 10
-    first, last = arrivals[0], arrivals[-1]
-    assert last - first > 0.5 * last, arrivals  # the first chunk came well before the last
+    ray.get([a.__ray_call__.remote(gate_decoding, True) for a in actors])
+    try:
+        with httpx.stream("POST", cluster.url + "/v1/completions", json=request, headers=AUTH, timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            lines = (line for line in r.iter_lines() if line.startswith("data: {"))
+            texts.append(json.loads(next(lines)[6:])["choices"][0]["text"])  # while the answer is held unfinished
+            gates = ray.get([a.__ray_call__.remote(gate_decoding, False) for a in actors])
+            texts += [json.loads(line[6:])["choices"][0]["text"] for line in lines]
+    finally:
+        ray.get([a.__ray_call__.remote(gate_decoding, False) for a in actors])
+    steps = sum(n for n, _ in gates)
+    assert 1 <= steps <= FREE_STEPS + 1, gates  # the gate counted the answer's steps: at most 11 of 120 had begun
+    assert not any(ran_out for _, ran_out in gates)  # released by the client's first chunk, not by the gate's bound
+    assert len(texts) > 10
     assert "".join(texts).startswith(cluster.expected["zz"])  # greedy: the 48-token answer, continued
 
 
 def test_a_bad_key_or_an_oversized_body_is_refused_before_the_body_is_sent(cluster):
     host, port = cluster.url.removeprefix("http://").split(":")
     for auth, length, status in ((b"Bearer wrong", 100, 401), (f"Bearer {KEY}".encode(), 50_000_000, 413)):
-        with socket.create_connection((host, int(port)), timeout=10) as sock:
-            started = time.monotonic()
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Authorization: %s\r\nContent-Length: %d\r\n\r\n" % (auth, length))  # and no body
-            code, _, answer = read_response(sock)
+            code, _, answer = read_response(sock)  # answered though no byte of the body was ever sent
             assert code == status and b'"error"' in answer
-            assert time.monotonic() - started < 5
 
 
-async def flood(url: str, n: int) -> list[tuple[int, float]]:
-    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, float]:
-        started = time.monotonic()
+async def flood(url: str, n: int) -> list[tuple[int, int]]:
+    """n requests at once: (status, the order in which its answer came, 0 first)."""
+    done = []
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, int]:
         r = await client.post("/v1/completions", json=body(PROMPTS[i % 8], max_tokens=100, temperature=1.0, seed=i),
                               headers=AUTH)
-        return r.status_code, time.monotonic() - started
+        done.append(i)
+        return r.status_code, len(done) - 1
 
     limits = httpx.Limits(max_connections=n)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
@@ -168,31 +225,64 @@ async def flood(url: str, n: int) -> list[tuple[int, float]]:
 def test_a_flood_past_the_queue_is_refused_at_once(cluster):
     """40 requests at once where at most 20 fit (2 replicas x (batch 4 + queue 4), and Ray's queue of 4): the rest
     get 503 at once instead of waiting in an unbounded queue, and the admitted ones are answered. (Ray counts a
-    request as queued until a replica takes it, so of a burst it admits about max_queue, not 20.)"""
+    request as queued until a replica takes it, so of a burst it admits about max_queue, not 20.) "At once" by
+    order, not by a clock: every refusal comes before the last admitted request is answered, so none of them waited
+    for a place to free up."""
     results = asyncio.run(flood(cluster.url, 40))
-    refused = [t for code, t in results if code == 503]
-    served = [t for code, t in results if code == 200]
+    refused = [order for code, order in results if code == 503]
+    served = [order for code, order in results if code == 200]
     assert len(refused) + len(served) == 40 and len(refused) >= 10 and len(served) >= CONFIG.max_queue
-    assert max(refused) < 5 and max(refused) < max(served)
+    assert max(refused) < max(served)
+
+
+def stream_outcome(url: str, request: dict, on_first_chunk) -> tuple[str, str]:
+    """Stream `request`; call on_first_chunk(replica name) at its first chunk. Returns how it ended, as a client sees
+    it ("done": the whole answer; "cut": the connection broke or the stream ended without [DONE]; or the HTTP status
+    of an error answer), and the text that came."""
+    texts = []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=request, headers=AUTH, timeout=60) as r:
+            if r.status_code != 200:
+                return str(r.status_code), ""
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            first = next(lines)
+            on_first_chunk(r.headers["x-verispec-replica"])
+            for line in [first, *lines]:
+                if line == "data: [DONE]":
+                    return "done", "".join(texts)
+                texts.append(json.loads(line[6:])["choices"][0]["text"])
+    except httpx.TransportError:
+        pass
+    return "cut", "".join(texts)
 
 
 def test_a_replica_killed_mid_stream_is_replaced_and_no_request_is_lost(cluster):
+    """A replica is killed while it streams an answer and other requests are arriving. Whether the kill lands before
+    that answer ends, and before or after each other request reached that replica, is a race the test does not
+    decide: the stream ends as documented (cut, Ray's 500, or whole if it finished first), every request gets its
+    single-process answer within its client's retries (`ask`: 30 tries), and the replica is replaced."""
     request = body("zz", max_tokens=120, stream=True, speculative={"drafter": "none"})
     results: list = []
     many = [p for p in PROMPTS for _ in range(2)]
     threads = [threading.Thread(target=lambda p=p: results.append((p, *ask(cluster.url, p)))) for p in many]
-    with pytest.raises(httpx.TransportError):  # the stream is cut when its replica dies
-        with httpx.stream("POST", cluster.url + "/v1/completions", json=request, headers=AUTH, timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: {"))
-            for t in threads:
-                t.start()
-            ray.kill(replica_actors()[r.headers["x-verispec-replica"]], no_restart=True)  # Ray starts another
-            for line in lines:
-                assert line != "data: [DONE]"
+    killed = []
+
+    def kill(replica: str) -> None:
+        for t in threads:
+            t.start()
+        killed.append(replica)
+        ray.kill(replica_actors()[replica], no_restart=True)  # Ray starts another
+
+    outcome, text = stream_outcome(cluster.url, request, kill)
     for t in threads:
         t.join()
+    assert killed and outcome in ("cut", "500", "done"), outcome
+    assert text.startswith(cluster.expected["zz"]) or cluster.expected["zz"].startswith(text)  # as far as it came
     assert len(results) == len(many) and all(text == cluster.expected[p] for p, text, _ in results)  # none lost
+    deadline = time.monotonic() + 120  # a bound only
+    while time.monotonic() < deadline and (killed[0] in replica_actors() or len(replica_actors()) != 2):
+        time.sleep(0.5)
+    assert killed[0] not in replica_actors()
     wait_for_replicas(2)  # replaced
     answers = answer_all(cluster.url, PROMPTS[:4])
     assert {p: a[0] for p, a in answers.items()} == {p: cluster.expected[p] for p in PROMPTS[:4]}
@@ -221,7 +311,7 @@ def test_a_replica_whose_decoding_thread_died_is_replaced(cluster):
     name, actor = next(iter(replica_actors().items()))
     ray.get(actor.check_health.remote())  # healthy; and the app's lifespan (its scheduler thread) has started
     assert ray.get(actor.__ray_call__.remote(stop_decoding)) == 1
-    failure, deadline = "", time.monotonic() + 10
+    failure, deadline = "", time.monotonic() + 60  # a bound only
     while not failure and time.monotonic() < deadline:  # Ray's own health check of that replica fails, and why
         try:
             ray.get(actor.check_health.remote())
