@@ -12,6 +12,7 @@ setup(
         Extension(
             "verispec.models.gguf._native",
             sources=["src/verispec/models/gguf/csrc/kernels.c"],
+            depends=["src/verispec/models/gguf/csrc/amx_group.h", "src/verispec/models/gguf/csrc/amx_tiles.h"],
             # -ffp-contract=off: a multiply and an add stay two roundings unless the code asks for fmaf,
             # so every path (and the portable one on any compiler) computes the same float operations.
             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],

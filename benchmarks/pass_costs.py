@@ -33,17 +33,24 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--kernel-path", help="native backend: force a kernel path (portable, avx2, avx512-vnni, "
+                        "amx, amx-emulated); default the best this CPU has")
     parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--overlay", type=Path, nargs="*", default=[], help="earlier runs' --json files to plot beside")
     parser.add_argument("--plot", type=Path, help="PNG of v(k) for this run and the overlays")
     args = parser.parse_args()
     set_threads(args.threads)
+    from verispec.models.gguf import native
+
+    if args.kernel_path and native.set_path(args.kernel_path) != args.kernel_path:
+        parser.error(f"this CPU cannot run the {args.kernel_path} kernel path")
     model = load_model(args.model, weights=args.weights, backend=args.backend)
     profile = measure_costs(model.make_runner(), None, k_max=args.max_tokens - 1, context=args.context,
                             repeats=args.repeats)
     for width, seconds in sorted(profile.target_pass.items()):
         print(f"{width:3d} tokens: {seconds * 1000:8.1f} ms   v = {seconds / profile.target_pass[1]:.2f}")
     result = {"model": args.model, "backend": args.backend, "weights": model.weights, "threads": args.threads,
+              "kernel_path": native.path() if args.backend != "torch" else None,
               "pass_seconds": profile.target_pass}
     print(json.dumps(result))
     if args.json:

@@ -12,7 +12,7 @@ from verispec.models.gguf.ops import Activations, Weight, rmsnorm, rope, rope_ta
 from verispec.models.gguf.native import lib, ptr
 
 BEST = native.path()
-PATHS = [p for p in ("portable", "avx2", "avx512-vnni") if native.set_path(p) == p]
+PATHS = [p for p in ("portable", "avx2", "avx512-vnni", "amx-emulated", "amx") if native.set_path(p) == p]
 native.set_path(BEST)
 
 
@@ -55,6 +55,47 @@ def test_simd_and_portable_paths_give_the_same_bits(qtype):
         outs.append(weight(Activations(x)))
     for other in outs[1:]:
         assert np.array_equal(outs[0], other)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
+    """The AMX kernel (emulated tiles on every machine, the real ones where the CPU has them) against the portable
+    path and the other SIMD paths, bit for bit, for every width from 1 to 35 tokens (tiles of 16: full, partial and
+    several; the real path sends fewer than 8 tokens, and Q6_K, to the VNNI kernel) and rows that end mid-group."""
+    raw, weight = make(qtype, 40, 512, seed=6)
+    x = np.random.default_rng(7).standard_normal((35, 512)).astype(np.float32) * 3
+    native.set_path("portable")
+    expected = weight(Activations(x))
+    alone = np.concatenate([weight(Activations(x[i : i + 1].copy())) for i in range(35)])
+    assert np.array_equal(expected, alone)
+    try:
+        for threads in (1, 2):
+            native.set_threads(threads)
+            for path in PATHS:
+                assert native.set_path(path) == path
+                for n in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 35):
+                    assert np.array_equal(weight(Activations(x[:n].copy())), expected[:n]), (path, n, threads)
+    finally:
+        native.set_threads(1)
+
+
+def test_the_emulated_tiles_follow_the_instructions_semantics():
+    """The emulation's tile product is tdpbsud's: signed bytes of A times unsigned bytes of B, four to a dword, added
+    to C; checked here against numpy on extreme values (-128, 255), where a sign slip would show."""
+    raw, weight = make(T.Q8_0, 16, 64, seed=8)  # Q8_0 stores q + 128: every unsigned byte value occurs
+    x = np.full((16, 64), -1.0, dtype=np.float32)
+    x[::2] = 1.0  # quantized to -127 / 127: the extreme products
+    native.set_path("portable")
+    expected = weight(Activations(x))
+    native.set_path("amx-emulated")
+    assert np.array_equal(weight(Activations(x)), expected)
+
+
+def test_the_real_tiles_are_used_where_the_cpu_and_os_allow_them():
+    status = native.amx_status()
+    if status != "usable":
+        pytest.skip(f"AMX is {status} here: only the emulated tile kernel runs (tested above)")
+    assert "amx" in PATHS and BEST == "amx"
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)

@@ -330,6 +330,12 @@ def _notice_kernel_path() -> None:
     from verispec.models.gguf import native
 
     path = native.path()
+    amx = native.amx_status()
+    if path == "amx":
+        notice("[dim]native runner: AMX tile kernels for passes over several tokens (AVX-512 VNNI for fewer)[/dim]")
+    elif amx in ("refused", "no AVX-512"):
+        notice(f"[yellow]this CPU has AMX tiles but they cannot be used ({amx}): the native runner uses its "
+               f"{path} kernels (same results)[/yellow]")
     if path == "avx2":
         notice("[yellow]this CPU has no AVX-512 VNNI: the native runner uses its AVX2 kernels (same results, "
                "slower passes over several tokens)[/yellow]")

@@ -14,13 +14,14 @@ import numpy as np
 
 from verispec.errors import VerispecError
 
-PATHS = {0: "portable", 1: "avx512-vnni", 2: "avx2"}
+PATHS = {0: "portable", 1: "avx512-vnni", 2: "avx2", 3: "amx", 4: "amx-emulated"}
 _P, _I, _I64, _F, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_double
 _SIGNATURES = {
     "vs_cpu_features": ([], _I),
     "vs_get_path": ([], _I),
     "vs_set_path": ([_I], _I),
     "vs_set_threads": ([_I], None),
+    "vs_amx_status": ([], _I),
     "vs_packed_bytes": ([_I, _I64, _I64], _I64),
     "vs_repack": ([_I, _P, _I64, _I64, _P], _I),
     "vs_dequantize_rows": ([_I, _P, _I64, _I64, _P, _I64, _P], _I),
@@ -93,7 +94,7 @@ def ptr(a: np.ndarray) -> int:
 
 def cpu_features() -> dict[str, bool]:
     bits = lib().vs_cpu_features()
-    names = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512vnni", "f16c")
+    names = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512vnni", "f16c", "amx-tile", "amx-int8")
     return {name: bool(bits >> i & 1) for i, name in enumerate(names)}
 
 
@@ -102,9 +103,16 @@ def path() -> str:
 
 
 def set_path(name: str) -> str:
-    """Force 'portable', 'avx2' or 'avx512-vnni' (one the CPU lacks falls back to portable); returns the one in force."""
+    """Force 'portable', 'avx2', 'avx512-vnni', 'amx' or 'amx-emulated' (the AMX kernel on software tiles, on any
+    CPU: tests compare it with the others); one the CPU lacks falls back to portable. Returns the one in force."""
     code = {v: k for k, v in PATHS.items()}[name]
     return PATHS[lib().vs_set_path(code)]
+
+
+def amx_status() -> str:
+    """Whether the AMX kernels can run here: "usable", "absent" (no AMX tiles on this CPU), "no AVX-512" (the
+    kernel's epilogue needs it) or "refused" (the OS did not grant the tile state: arch_prctl failed)."""
+    return ("usable", "absent", "no AVX-512", "refused")[lib().vs_amx_status()]
 
 
 def set_threads(n: int) -> None:

@@ -38,7 +38,10 @@
 #include <omp.h>
 #endif
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define VS_X86 1
 #endif
 
@@ -51,7 +54,7 @@ enum { VS_OK = 0, VS_EINVAL = -1, VS_ERANGE = -2, VS_ENOMEM = -3 };
 
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 enum { GROUP = 16, TILE = 4 };
-enum { PATH_GENERIC = 0, PATH_AVX512 = 1, PATH_AVX2 = 2 };
+enum { PATH_GENERIC = 0, PATH_AVX512 = 1, PATH_AVX2 = 2, PATH_AMX = 3, PATH_AMX_EMULATED = 4 };
 
 typedef struct {
     int q;          /* weights per super-block */
@@ -138,7 +141,7 @@ static int vs_path = -1;
 static int vs_threads = 1;
 
 int vs_cpu_features(void) {
-    /* bit 0 avx2, 1 fma, 2 avx512f, 3 avx512bw, 4 avx512vl, 5 avx512vnni, 6 f16c */
+    /* bit 0 avx2, 1 fma, 2 avx512f, 3 avx512bw, 4 avx512vl, 5 avx512vnni, 6 f16c, 7 amx-tile, 8 amx-int8 */
     int f = 0;
 #ifdef VS_X86
     __builtin_cpu_init();
@@ -149,19 +152,42 @@ int vs_cpu_features(void) {
     f |= __builtin_cpu_supports("avx512vl") ? 16 : 0;
     f |= __builtin_cpu_supports("avx512vnni") ? 32 : 0;
     f |= __builtin_cpu_supports("f16c") ? 64 : 0;
+    unsigned a, b, c, d;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) f |= (d >> 24 & 1 ? 128 : 0) | (d >> 25 & 1 ? 256 : 0);
 #endif
     return f;
+}
+
+/* AMX needs the CPU's tiles and the kernel's leave to use them: Linux asks each process to request the tile
+ * state (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA) before the first tile instruction, which would
+ * otherwise fault. Asked once; 1 granted, 0 not (no AMX, or refused: vs_amx_status says which). */
+static int amx_status = -1; /* 0 usable, 1 no AMX on this CPU, 2 no AVX-512 beside it, 3 the kernel refused */
+
+int vs_amx_status(void) {
+    if (amx_status < 0) {
+        int f = vs_cpu_features();
+        amx_status = (f & 0x180) != 0x180 ? 1 : (f & 0x7E) != 0x7E ? 2 : 0;
+#ifdef VS_X86
+        if (amx_status == 0 && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0)
+            amx_status = 3;
+#else
+        amx_status = 1;
+#endif
+    }
+    return amx_status;
 }
 
 static int path_supported(int path) {
     int f = vs_cpu_features();
     if (path == PATH_AVX512) return (f & 0x7E) == 0x7E;
     if (path == PATH_AVX2) return (f & 0x43) == 0x43; /* avx2, fma, f16c */
-    return path == PATH_GENERIC;
+    if (path == PATH_AMX) return vs_amx_status() == 0;
+    return path == PATH_GENERIC || path == PATH_AMX_EMULATED;
 }
 
 static int best_path(void) {
-    return path_supported(PATH_AVX512) ? PATH_AVX512 : path_supported(PATH_AVX2) ? PATH_AVX2 : PATH_GENERIC;
+    return path_supported(PATH_AMX) ? PATH_AMX : path_supported(PATH_AVX512) ? PATH_AVX512
+         : path_supported(PATH_AVX2) ? PATH_AVX2 : PATH_GENERIC;
 }
 
 int vs_get_path(void) {
@@ -706,6 +732,92 @@ static VS_AVX2 void group_avx2(int type, const uint8_t *grp, int64_t nsb, const 
 }
 #endif
 
+/* ------------------------------------------------------------------ quantized matmul: AMX tiles */
+#include "amx_tiles.h"
+
+/* The emulated copy: portable C, on every machine (the tests run it against the other paths). */
+#define AMX_NAME(x) x##_amx_emulated
+#define AMX_ATTR
+#define AMX_CONFIG(cfg) emu_config(cfg)
+#define AMX_ZERO(t) emu_zero(t)
+#define AMX_LOAD(t, p, s) emu_load(t, p, s)
+#define AMX_STORE(t, p, s) emu_store(t, p, s)
+#define AMX_DPBSUD(c, a, b) emu_dpbsud(c, a, b)
+#define AMX_OPERANDS(L, sb, hi, lo) amx_operands_portable(L, sb, hi, lo)
+#define AMX_IMIN(mins, bs, imin) amx_imin_portable(mins, bs, imin)
+#define AMX_SCALES(L, sb, d, dmin) amx_scales_portable(L, sb, d, dmin)
+#include "amx_group.h"
+#undef AMX_NAME
+#undef AMX_ATTR
+#undef AMX_CONFIG
+#undef AMX_ZERO
+#undef AMX_LOAD
+#undef AMX_STORE
+#undef AMX_DPBSUD
+#undef AMX_OPERANDS
+#undef AMX_SCALES
+#undef AMX_IMIN
+
+#ifdef VS_X86
+/* The real copy: the AMX instructions, the operands built with AVX-512 (amx_operands_portable's bytes). */
+#define VS_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+/* v's bytes times a factor s16 holds in every 16-bit lane (products < 256: no carries between bytes) */
+VS_INLINE VS_AMX __m512i bytes_times(__m512i v, __m512i s16) {
+    const __m512i even = _mm512_set1_epi16(0x00FF), odd = _mm512_set1_epi16((short)0xFF00);
+    return _mm512_or_si512(_mm512_mullo_epi16(_mm512_and_si512(v, even), s16),
+                           _mm512_mullo_epi16(_mm512_and_si512(v, odd), s16)); /* products < 256: no carries */
+}
+VS_INLINE VS_AMX void amx_operands_avx512(const layout_t *L, const uint8_t *sb, uint8_t *hi, uint8_t *lo) {
+    const int64_t poff = planes_offset(L);
+    const int pb = plane_bytes(L->bits), hdr = header_bytes(L);
+    for (int u = 0; u < L->q / 32; u++) {
+        __m512i v[8];
+        unpack8(sb + poff + u * pb, L->bits, v);
+        if (!L->scsub) {
+            for (int i = 0; i < 8; i++) _mm512_store_si512(hi + 512 * u + 64 * i, v[i]);
+            continue;
+        }
+        const __m512i sc = load_i8x16(sb + hdr + u * GROUP);
+        const __m512i h = _mm512_srli_epi32(sc, 3), l = _mm512_and_si512(sc, _mm512_set1_epi32(7));
+        const __m512i h16 = _mm512_or_si512(h, _mm512_slli_epi32(h, 16)), l16 = _mm512_or_si512(l, _mm512_slli_epi32(l, 16));
+        for (int i = 0; i < 8; i++) {
+            _mm512_store_si512(hi + 512 * u + 64 * i, bytes_times(v[i], h16));
+            _mm512_store_si512(lo + 512 * u + 64 * i, bytes_times(v[i], l16));
+        }
+    }
+}
+VS_INLINE VS_AMX void amx_imin_avx512(const amx_mins_t *mins, const int32_t *bs, int32_t *imin) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) {
+        const int32_t pair = (int32_t)(uint16_t)(bs[4 * j] + bs[4 * j + 1]) | (int32_t)((uint32_t)(uint16_t)(bs[4 * j + 2] + bs[4 * j + 3]) << 16);
+        sum = _mm512_dpwssd_epi32(sum, _mm512_load_si512(mins->pair[j]), _mm512_set1_epi32(pair));
+    }
+    _mm512_storeu_si512(imin, sum);
+}
+VS_INLINE VS_AMX void amx_scales_avx512(const layout_t *L, const uint8_t *sb, float *d, float *dmin) {
+    __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+    _mm512_storeu_ps(d, dv);
+    _mm512_storeu_ps(dmin, L->dmin_kind ? _mm512_mul_ps(dv, _mm512_set1_ps((float)L->dmin_kind))
+                                        : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32))));
+}
+#define AMX_NAME(x) x##_amx
+#define AMX_ATTR VS_AMX
+#define AMX_CONFIG(cfg) _tile_loadconfig(cfg)
+#define AMX_ZERO(t) _tile_zero(t)
+#define AMX_LOAD(t, p, s) _tile_loadd(t, p, s)
+#define AMX_STORE(t, p, s) _tile_stored(t, p, s)
+#define AMX_DPBSUD(c, a, b) _tile_dpbsud(c, a, b)
+#define AMX_OPERANDS(L, sb, hi, lo) amx_operands_avx512(L, sb, hi, lo)
+#define AMX_IMIN(mins, bs, imin) amx_imin_avx512(mins, bs, imin)
+#define AMX_SCALES(L, sb, d, dmin) amx_scales_avx512(L, sb, d, dmin)
+#include "amx_group.h"
+#endif
+
+/* Fewer tokens than this go to the AVX-512 kernel on the AMX path (the same bits; a tile product pays only
+ * past a few tokens), and so do Q6_K's groups (amx_group.h). The emulated path takes every tile of the other types
+ * through the tile kernel, so the tests reach every shape, and Q6_K through the portable one. */
+enum { AMX_MIN_TOKENS = 8 }; /* measured on a Xeon with AMX: Q4_K groups cost the same at 8 tokens, 20% less at 12 */
+
 /* out (n, rows) = x (n, cols) W^T with x given quantized (vs_quantize_rows with block = the type's Q). */
 int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64_t n, const int8_t *q, const float *d,
               const int32_t *bsum, float *out) {
@@ -713,28 +825,34 @@ int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64
     if (get_layout(type, &L) || rows < 0 || cols < 0 || cols % L.q) return VS_EINVAL;
     const int64_t nsb = cols / L.q, SB = sb_bytes(&L), ngroups = (rows + GROUP - 1) / GROUP;
     const int path = vs_get_path();
+    const int amx = path == PATH_AMX || path == PATH_AMX_EMULATED;
+    const int tile = amx ? AMX_TOKENS : TILE;
 #pragma omp parallel num_threads(vs_threads)
     {
-        token_t tok[TILE];
-        float spill[TILE][GROUP];
+        token_t tok[AMX_TOKENS];
+        float spill[AMX_TOKENS][GROUP];
         /* dynamic: a thread the OS parks for a while leaves its groups to the others (a group's result
          * does not depend on which thread computes it) */
 #pragma omp for schedule(dynamic, 8)
         for (int64_t g = 0; g < ngroups; g++) {
             const uint8_t *grp = packed + g * nsb * SB;
             int full = (g + 1) * GROUP <= rows;
-            for (int64_t t0 = 0; t0 < n; t0 += TILE) {
-                int T = (int)(n - t0 < TILE ? n - t0 : TILE);
+            for (int64_t t0 = 0; t0 < n; t0 += tile) {
+                int T = (int)(n - t0 < tile ? n - t0 : tile);
                 for (int t = 0; t < T; t++) {
                     int64_t i = t0 + t;
                     tok[t] = (token_t){q + i * cols, d + i * (cols / L.q), bsum + i * (cols / 16),
                                        full ? out + i * rows + g * GROUP : spill[t]};
                 }
+                if (path == PATH_AMX_EMULATED && type != T_Q6_K) group_amx_emulated(&L, grp, nsb, tok, T, cols);
 #ifdef VS_X86
-                if (path == PATH_AVX512) group_avx512(type, grp, nsb, tok, T);
+                else if (path == PATH_AMX && T >= AMX_MIN_TOKENS && type != T_Q6_K) group_amx(&L, grp, nsb, tok, T, cols);
+                else if (path == PATH_AMX) /* a short tail: tiles of 4 on the AVX-512 kernel */
+                    for (int t = 0; t < T; t += TILE) group_avx512(type, grp, nsb, tok + t, T - t < TILE ? T - t : TILE);
+                else if (path == PATH_AVX512) group_avx512(type, grp, nsb, tok, T);
                 else if (path == PATH_AVX2) group_avx2(type, grp, nsb, tok, T);
-                else
 #endif
+                else
                     group_generic(&L, grp, nsb, tok, T);
                 if (!full)
                     for (int t = 0; t < T; t++)
@@ -937,7 +1055,7 @@ int vs_attention(const float *q, int64_t n, int hq, int hkv, int dim, float scal
         most = c > most ? c : most;
     }
     const int G = hq / hkv;
-    const int simd = vs_get_path() == PATH_AVX512 && dim % 16 == 0 && G <= 64;
+    const int simd = (vs_get_path() == PATH_AVX512 || vs_get_path() == PATH_AMX) && dim % 16 == 0 && G <= 64;
     int failed = 0;
 #pragma omp parallel num_threads(vs_threads) if (n * hkv > 1)
     {

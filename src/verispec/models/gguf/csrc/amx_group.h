@@ -1,0 +1,87 @@
+/* One group of 16 weight rows against a tile of up to 16 tokens with AMX tile products. kernels.c includes this
+ * file twice: once with the tile operations defined as the AMX instructions (run where the CPU has them), once as
+ * their software emulation (amx_tiles.h), so that the tile layout, the packing and the epilogue are tested bit for
+ * bit on every machine. Before including, define:
+ *   AMX_NAME(x)        the name of this copy's functions
+ *   AMX_ATTR           its function attributes
+ *   AMX_CONFIG(cfg)    load a tile configuration (an amx_config_t *)
+ *   AMX_ZERO(t)        tile t = 0
+ *   AMX_LOAD(t, p, s)  tile t <- rows at p, s bytes apart
+ *   AMX_STORE(t, p, s) rows at p, s bytes apart <- tile t
+ *   AMX_DPBSUD(c, a, b)  c += a (signed bytes) x b (unsigned bytes, four to a dword): the tdpbsud instruction
+ *   AMX_OPERANDS(L, sb, hi, lo)  a super-block's B operands (amx_tiles.h, amx_operands_portable)
+ *   AMX_IMIN(mins, bs, imin)  a token's min sums (amx_tiles.h, amx_imin_portable)
+ *   AMX_SCALES(L, sb, d, dmin)        its rows' d and dmin as floats (the values the VNNI path converts)
+ *
+ * Roles: A = the tokens' int8 activations (a row per token, read in place from the call's activation matrix,
+ * `stride` bytes apart); B = weights built from the super-block, "slots" of 64 bytes (slot i of a sub-block: its
+ * weights 4i..4i+3 of the 16 rows, byte 4r + j for row r), which is the layout a B tile reads; C = int32, a row
+ * per token and a dword per weight row.
+ *
+ * The VNNI path computes, per super-block, isum = sum_u sc_u dot_u and imin = sum_u m_u bsum_u over its sub-blocks
+ * u (32 weights each). Here the scales go into B instead, so that a whole super-block is two tile sums with no
+ * per-sub-block work per token: with sc = 8 hi + lo (hi, lo < 8; sc < 64 for Q4_K / Q5_K),
+ *   C_hi = A x (hi q),  C_lo = A x (lo q)   (every B byte <= 7 x 31: unsigned bytes),   isum = 8 C_hi + C_lo,
+ * and imin, 8 products a token, in 4 vpdpwssd over pairs of sub-blocks (m < 64, |bsum of 32| < 2^12: int16),
+ * the very integers of the VNNI path (integer sums are exact), so the same float epilogue (d da and dmin da
+ * products, two fmaf in the same order) gives the same bits. Types without scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0:
+ * one sub-block a super-block) take isum = A x q and imin = bsum. Q6_K's scales are signed 8-bit: they do not
+ * fit this split, and its groups stay on the VNNI kernel (kernels.c).
+ */
+
+static AMX_ATTR void AMX_NAME(group)(const layout_t *L, const uint8_t *grp, int64_t nsb, const token_t *tok, int T,
+                                     int64_t stride) {
+    const int64_t SB = sb_bytes(L);
+    const int scaled = L->scsub == 32, K = scaled ? 64 : 32, chunks = L->q / K; /* K: a tile product's depth */
+    amx_config_t cfg;
+    amx_configure(&cfg, T, K);
+    AMX_CONFIG(&cfg);
+    /* Two of each buffer, pipelined: super-block s + 1's operands are built (vector stores) while s's products
+     * run, and s's sums are read after that, so no tile load waits for the stores just before it, and no vector
+     * load for a tile store (neither is forwarded) */
+    uint8_t ops[2][2][256 * GROUP] __attribute__((aligned(64))); /* hi, lo */
+    int32_t sums[2][2][AMX_TOKENS][GROUP] __attribute__((aligned(64))); /* C_hi, C_lo */
+    amx_mins_t mins;
+    float acc[AMX_TOKENS][GROUP];
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < GROUP; r++) acc[t][r] = 0.0f;
+    if (nsb > 0) AMX_OPERANDS(L, grp, ops[0][0], ops[0][1]);
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *sb = grp + s * SB;
+        uint8_t(*op)[256 * GROUP] = ops[s & 1];
+        int32_t(*c)[AMX_TOKENS][GROUP] = sums[s & 1];
+        const int8_t *a = tok[0].q + s * L->q; /* token t's activations at a + t stride */
+        AMX_ZERO(2);
+        if (scaled) AMX_ZERO(3);
+        for (int k = 0; k < chunks; k++) {
+            AMX_LOAD(0, a + K * k, stride);
+            AMX_LOAD(1, op[0] + 16 * K * k, 64);
+            AMX_DPBSUD(2, 0, 1);
+            if (scaled) {
+                AMX_LOAD(5, op[1] + 16 * K * k, 64);
+                AMX_DPBSUD(3, 0, 5);
+            }
+        }
+        AMX_STORE(2, c[0], 4 * GROUP);
+        if (scaled) AMX_STORE(3, c[1], 4 * GROUP);
+        if (s + 1 < nsb) AMX_OPERANDS(L, sb + SB, ops[(s + 1) & 1][0], ops[(s + 1) & 1][1]);
+        if (scaled) amx_mins_of(L, sb, &mins);
+        float d[GROUP], dmin[GROUP];
+        AMX_SCALES(L, sb, d, dmin);
+        for (int t = 0; t < T; t++) {
+            const float da = tok[t].d[s];
+            const int32_t *bs = tok[t].bsum + s * L->q / 16;
+            int32_t isum[GROUP], imin[GROUP];
+            if (scaled) AMX_IMIN(&mins, bs, imin);
+            for (int r = 0; r < GROUP; r++) {
+                isum[r] = scaled ? 8 * c[0][t][r] + c[1][t][r] : c[0][t][r];
+                if (!scaled) imin[r] = bs[0] + bs[1];
+            }
+            for (int r = 0; r < GROUP; r++) {
+                acc[t][r] = fmaf(d[r] * da, (float)isum[r], acc[t][r]);
+                acc[t][r] = fmaf(-(dmin[r] * da), (float)imin[r], acc[t][r]);
+            }
+        }
+    }
+    for (int t = 0; t < T; t++) memcpy(tok[t].out, acc[t], sizeof acc[t]);
+}

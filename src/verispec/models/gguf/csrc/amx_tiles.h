@@ -1,0 +1,106 @@
+/* AMX tiles for amx_group.h: the configuration both copies load, and the software emulation of the five tile
+ * operations the kernel uses, with the instructions' semantics (Intel SDM, "Intel AMX Instruction Set
+ * Reference"): a tile is up to 16 rows of up to 64 bytes, shaped by the configuration; a load or store moves
+ * `rows` rows of `colsb` bytes, `stride` bytes apart; tdpbsud adds to C[m][n] (an int32) the products of A's row m
+ * (signed bytes) with B's column n, four unsigned bytes per dword: sum over k < colsb(A) / 4, j < 4 of
+ * A[m][4k + j] B[k][4n + j], wrapping modulo 2^32. */
+
+enum { AMX_TOKENS = 16 }; /* a tile holds 16 rows: the tokens of one tile product */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config_t;
+
+/* Tile 0: A (T tokens, K bytes of activations); 1, 5: B (K / 4 rows of 64 bytes: the hi and lo operands);
+ * 2, 3: C (T rows of 16 int32). K: a product's depth, 64 (two sub-blocks), or 32 for types without scales. */
+static void amx_configure(amx_config_t *c, int T, int K) {
+    memset(c, 0, sizeof *c);
+    c->palette = 1;
+    c->rows[0] = (uint8_t)T, c->colsb[0] = (uint16_t)K;
+    for (int i = 1; i < 6; i++) {
+        int b = i == 1 || i == 5;
+        c->rows[i] = (uint8_t)(b ? K / 4 : T), c->colsb[i] = 64;
+    }
+}
+
+typedef struct {
+    uint8_t b[16][64];
+} emu_tile_t;
+
+static __thread emu_tile_t emu_tile[8]; /* tile registers are per thread, as on the CPU */
+static __thread amx_config_t emu_cfg;
+
+static void emu_config(const amx_config_t *c) {
+    emu_cfg = *c;
+    memset(emu_tile, 0, sizeof emu_tile); /* ldtilecfg zeroes every tile */
+}
+static void emu_zero(int t) { memset(&emu_tile[t], 0, sizeof emu_tile[t]); }
+static void emu_load(int t, const void *p, int64_t stride) {
+    for (int r = 0; r < emu_cfg.rows[t]; r++) memcpy(emu_tile[t].b[r], (const uint8_t *)p + r * stride, emu_cfg.colsb[t]);
+}
+static void emu_store(int t, void *p, int64_t stride) {
+    for (int r = 0; r < emu_cfg.rows[t]; r++) memcpy((uint8_t *)p + r * stride, emu_tile[t].b[r], emu_cfg.colsb[t]);
+}
+static void emu_dpbsud(int c, int a, int b) {
+    for (int m = 0; m < emu_cfg.rows[c]; m++)
+        for (int n = 0; n < emu_cfg.colsb[c] / 4; n++) {
+            uint32_t acc;
+            memcpy(&acc, emu_tile[c].b[m] + 4 * n, 4);
+            for (int k = 0; k < emu_cfg.colsb[a] / 4; k++)
+                for (int j = 0; j < 4; j++)
+                    acc += (uint32_t)((int32_t)(int8_t)emu_tile[a].b[m][4 * k + j] * (int32_t)emu_tile[b].b[k][4 * n + j]);
+            memcpy(emu_tile[c].b[m] + 4 * n, &acc, 4);
+        }
+}
+
+/* A super-block's B operands, in slots (sub-block u at 512 u, slot i at 64 i, row r's 4 bytes at 4 r): with
+ * scales, hi = (sc >> 3) q and lo = (sc & 7) q; without, hi = q. Portable; the AVX-512 copy is in kernels.c. */
+static void amx_operands_portable(const layout_t *L, const uint8_t *sb, uint8_t *hi, uint8_t *lo) {
+    const int64_t poff = planes_offset(L);
+    const int pb = plane_bytes(L->bits), hdr = header_bytes(L);
+    for (int u = 0; u < L->q / 32; u++)
+        for (int r = 0; r < GROUP; r++) {
+            const int sc = L->scsub ? ((const int8_t *)sb)[hdr + u * GROUP + r] : 0;
+            for (int k = 0; k < 32; k++) {
+                const int i = 512 * u + 64 * (k / 4) + 4 * r + k % 4, q = unpack_value(sb + poff + u * pb, L->bits, r, k);
+                if (L->scsub) {
+                    hi[i] = (uint8_t)((sc >> 3) * q), lo[i] = (uint8_t)((sc & 7) * q);
+                } else {
+                    hi[i] = (uint8_t)q;
+                }
+            }
+        }
+}
+
+/* A super-block's d and dmin per row, as the other paths compute them. */
+static void amx_scales_portable(const layout_t *L, const uint8_t *sb, float *d, float *dmin) {
+    for (int r = 0; r < GROUP; r++) d[r] = sb_d(sb, r), dmin[r] = sb_dmin(L, sb, r);
+}
+
+/* A super-block's m (8 sub-blocks of Q4_K / Q5_K) as int16 pairs per row: pair[j][r] = m[2j][r] | m[2j + 1][r] << 16,
+ * the operand of vpdpwssd. */
+typedef struct {
+    int32_t pair[4][GROUP] __attribute__((aligned(64)));
+} amx_mins_t;
+
+static void amx_mins_of(const layout_t *L, const uint8_t *sb, amx_mins_t *mins) {
+    const int8_t *m = (const int8_t *)sb + header_bytes(L) + nscales(L) * GROUP; /* m[u][r] at m + u GROUP + r */
+    for (int j = 0; j < 4; j++)
+        for (int r = 0; r < GROUP; r++)
+            mins->pair[j][r] = (int32_t)(uint16_t)m[2 * j * GROUP + r] | (int32_t)((uint32_t)(uint16_t)m[(2 * j + 1) * GROUP + r] << 16);
+}
+
+/* imin[r] = sum_u m[u][r] bsum_u, bsum_u the token's sum over sub-block u (bs: its sums over 16). */
+static void amx_imin_portable(const amx_mins_t *mins, const int32_t *bs, int32_t *imin) {
+    for (int r = 0; r < GROUP; r++) {
+        int32_t sum = 0;
+        for (int j = 0; j < 4; j++) {
+            const int32_t p = mins->pair[j][r];
+            sum += (int32_t)(int16_t)(p & 0xFFFF) * (bs[4 * j] + bs[4 * j + 1]);
+            sum += (int32_t)(int16_t)(p >> 16) * (bs[4 * j + 2] + bs[4 * j + 3]);
+        }
+        imin[r] = sum;
+    }
+}
