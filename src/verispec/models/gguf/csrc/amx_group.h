@@ -10,7 +10,8 @@
  *   AMX_STORE(t, p, s) rows at p, s bytes apart <- tile t
  *   AMX_DPBSUD(c, a, b)  c += a (signed bytes) x b (unsigned bytes, four to a dword): the tdpbsud instruction
  *   AMX_OPERANDS(L, sb, hi, lo)  a super-block's B operands (amx_tiles.h, amx_operands_portable)
- *   AMX_IMIN(mins, bs, imin)  a token's min sums (amx_tiles.h, amx_imin_portable)
+ *   AMX_MINS(L, sb, mins)  a super-block's min factors in pairs (amx_tiles.h, amx_mins_portable)
+ *   AMX_IMIN(mins, pairs, imin)  a token's min sums (amx_tiles.h, amx_imin_portable)
  *   AMX_SCALES(L, sb, d, dmin)        its rows' d and dmin as floats (the values the VNNI path converts)
  *
  * Roles: A = the tokens' int8 activations (a row per token, read in place from the call's activation matrix,
@@ -29,13 +30,18 @@
  * fit this split, and its groups stay on the VNNI kernel (kernels.c).
  */
 
+/* configured: the shape this thread's tiles were last configured for in this call (-1: none), so that the costly
+ * ldtilecfg runs once per call and thread and shape, not once per group (it was an eighth of the kernel's time). */
 static AMX_ATTR void AMX_NAME(group)(const layout_t *L, const uint8_t *grp, int64_t nsb, const token_t *tok, int T,
-                                     int64_t stride) {
+                                     int64_t stride, int *configured) {
     const int64_t SB = sb_bytes(L);
     const int scaled = L->scsub == 32, K = scaled ? 64 : 32, chunks = L->q / K; /* K: a tile product's depth */
-    amx_config_t cfg;
-    amx_configure(&cfg, T, K);
-    AMX_CONFIG(&cfg);
+    if (*configured != T * 256 + K) {
+        amx_config_t cfg;
+        amx_configure(&cfg, T, K);
+        AMX_CONFIG(&cfg);
+        *configured = T * 256 + K;
+    }
     /* Two of each buffer, pipelined: super-block s + 1's operands are built (vector stores) while s's products
      * run, and s's sums are read after that, so no tile load waits for the stores just before it, and no vector
      * load for a tile store (neither is forwarded) */
@@ -65,14 +71,14 @@ static AMX_ATTR void AMX_NAME(group)(const layout_t *L, const uint8_t *grp, int6
         AMX_STORE(2, c[0], 4 * GROUP);
         if (scaled) AMX_STORE(3, c[1], 4 * GROUP);
         if (s + 1 < nsb) AMX_OPERANDS(L, sb + SB, ops[(s + 1) & 1][0], ops[(s + 1) & 1][1]);
-        if (scaled) amx_mins_of(L, sb, &mins);
+        if (scaled) AMX_MINS(L, sb, &mins);
         float d[GROUP], dmin[GROUP];
         AMX_SCALES(L, sb, d, dmin);
         for (int t = 0; t < T; t++) {
             const float da = tok[t].d[s];
             const int32_t *bs = tok[t].bsum + s * L->q / 16;
             int32_t isum[GROUP], imin[GROUP];
-            if (scaled) AMX_IMIN(&mins, bs, imin);
+            if (scaled) AMX_IMIN(&mins, tok[t].pairs + 4 * s, imin);
             for (int r = 0; r < GROUP; r++) {
                 isum[r] = scaled ? 8 * c[0][t][r] + c[1][t][r] : c[0][t][r];
                 if (!scaled) imin[r] = bs[0] + bs[1];

@@ -85,22 +85,32 @@ typedef struct {
     int32_t pair[4][GROUP] __attribute__((aligned(64)));
 } amx_mins_t;
 
-static void amx_mins_of(const layout_t *L, const uint8_t *sb, amx_mins_t *mins) {
+static void amx_mins_portable(const layout_t *L, const uint8_t *sb, amx_mins_t *mins) {
     const int8_t *m = (const int8_t *)sb + header_bytes(L) + nscales(L) * GROUP; /* m[u][r] at m + u GROUP + r */
     for (int j = 0; j < 4; j++)
         for (int r = 0; r < GROUP; r++)
             mins->pair[j][r] = (int32_t)(uint16_t)m[2 * j * GROUP + r] | (int32_t)((uint32_t)(uint16_t)m[(2 * j + 1) * GROUP + r] << 16);
 }
 
-/* imin[r] = sum_u m[u][r] bsum_u, bsum_u the token's sum over sub-block u (bs: its sums over 16). */
-static void amx_imin_portable(const amx_mins_t *mins, const int32_t *bs, int32_t *imin) {
+/* A token's sub-block sums of one super-block (bs: its sums over 16) as the 4 pairs vpdpwssd multiplies with a
+ * super-block's min pairs: pairs[j] = sum of sub-block 2j | sum of sub-block 2j + 1 << 16 (|sum| < 2^12: int16).
+ * They depend on the token only, so vs_matmul makes them once a call, not once a group. */
+static void amx_sum_pairs(const int32_t *bs, int32_t *pairs) {
+    for (int j = 0; j < 4; j++)
+        pairs[j] = (int32_t)((uint32_t)(uint16_t)(bs[4 * j] + bs[4 * j + 1]) |
+                             (uint32_t)(uint16_t)(bs[4 * j + 2] + bs[4 * j + 3]) << 16);
+}
+
+/* imin[r] = sum_u m[u][r] (the token's sum over sub-block u), from the pairs. */
+static void amx_imin_portable(const amx_mins_t *mins, const int32_t *pairs, int32_t *imin) {
     for (int r = 0; r < GROUP; r++) {
         int32_t sum = 0;
         for (int j = 0; j < 4; j++) {
             const int32_t p = mins->pair[j][r];
-            sum += (int32_t)(int16_t)(p & 0xFFFF) * (bs[4 * j] + bs[4 * j + 1]);
-            sum += (int32_t)(int16_t)(p >> 16) * (bs[4 * j + 2] + bs[4 * j + 3]);
+            sum += (int32_t)(int16_t)(p & 0xFFFF) * (int32_t)(int16_t)(pairs[j] & 0xFFFF);
+            sum += (int32_t)(int16_t)(p >> 16) * (int32_t)(int16_t)(pairs[j] >> 16);
         }
         imin[r] = sum;
     }
 }
+

@@ -432,6 +432,7 @@ typedef struct {
     const float *d;      /* its scales (k / q) */
     const int32_t *bsum; /* its sums over 16 (k / 16) */
     float *out;          /* its 16 outputs of this group */
+    const int32_t *pairs; /* the AMX path's sub-block sum pairs, 4 a super-block (amx_sum_pairs), or NULL */
 } token_t;
 
 /* One group, any number of tokens: exactly the arithmetic of the SIMD path (integers exact; the float
@@ -744,7 +745,8 @@ static VS_AVX2 void group_avx2(int type, const uint8_t *grp, int64_t nsb, const 
 #define AMX_STORE(t, p, s) emu_store(t, p, s)
 #define AMX_DPBSUD(c, a, b) emu_dpbsud(c, a, b)
 #define AMX_OPERANDS(L, sb, hi, lo) amx_operands_portable(L, sb, hi, lo)
-#define AMX_IMIN(mins, bs, imin) amx_imin_portable(mins, bs, imin)
+#define AMX_IMIN(mins, pairs, imin) amx_imin_portable(mins, pairs, imin)
+#define AMX_MINS(L, sb, mins) amx_mins_portable(L, sb, mins)
 #define AMX_SCALES(L, sb, d, dmin) amx_scales_portable(L, sb, d, dmin)
 #include "amx_group.h"
 #undef AMX_NAME
@@ -757,6 +759,7 @@ static VS_AVX2 void group_avx2(int type, const uint8_t *grp, int64_t nsb, const 
 #undef AMX_OPERANDS
 #undef AMX_SCALES
 #undef AMX_IMIN
+#undef AMX_MINS
 
 #ifdef VS_X86
 /* The real copy: the AMX instructions, the operands built with AVX-512 (amx_operands_portable's bytes). */
@@ -783,13 +786,17 @@ VS_INLINE VS_AMX void amx_operands_avx512(const layout_t *L, const uint8_t *sb, 
         }
     }
 }
-VS_INLINE VS_AMX void amx_imin_avx512(const amx_mins_t *mins, const int32_t *bs, int32_t *imin) {
+VS_INLINE VS_AMX void amx_imin_avx512(const amx_mins_t *mins, const int32_t *pairs, int32_t *imin) {
     __m512i sum = _mm512_setzero_si512();
-    for (int j = 0; j < 4; j++) {
-        const int32_t pair = (int32_t)(uint16_t)(bs[4 * j] + bs[4 * j + 1]) | (int32_t)((uint32_t)(uint16_t)(bs[4 * j + 2] + bs[4 * j + 3]) << 16);
-        sum = _mm512_dpwssd_epi32(sum, _mm512_load_si512(mins->pair[j]), _mm512_set1_epi32(pair));
-    }
+    for (int j = 0; j < 4; j++) sum = _mm512_dpwssd_epi32(sum, _mm512_load_si512(mins->pair[j]), _mm512_set1_epi32(pairs[j]));
     _mm512_storeu_si512(imin, sum);
+}
+VS_INLINE VS_AMX void amx_mins_avx512(const layout_t *L, const uint8_t *sb, amx_mins_t *mins) {
+    const uint8_t *m = sb + header_bytes(L) + nscales(L) * GROUP;
+    for (int j = 0; j < 4; j++) {
+        const __m512i lo = load_i8x16(m + 2 * j * GROUP), hi = load_i8x16(m + (2 * j + 1) * GROUP);
+        _mm512_store_si512(mins->pair[j], _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(hi, 16)));
+    }
 }
 VS_INLINE VS_AMX void amx_scales_avx512(const layout_t *L, const uint8_t *sb, float *d, float *dmin) {
     __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
@@ -805,7 +812,8 @@ VS_INLINE VS_AMX void amx_scales_avx512(const layout_t *L, const uint8_t *sb, fl
 #define AMX_STORE(t, p, s) _tile_stored(t, p, s)
 #define AMX_DPBSUD(c, a, b) _tile_dpbsud(c, a, b)
 #define AMX_OPERANDS(L, sb, hi, lo) amx_operands_avx512(L, sb, hi, lo)
-#define AMX_IMIN(mins, bs, imin) amx_imin_avx512(mins, bs, imin)
+#define AMX_IMIN(mins, pairs, imin) amx_imin_avx512(mins, pairs, imin)
+#define AMX_MINS(L, sb, mins) amx_mins_avx512(L, sb, mins)
 #define AMX_SCALES(L, sb, d, dmin) amx_scales_avx512(L, sb, d, dmin)
 #include "amx_group.h"
 #endif
@@ -824,10 +832,16 @@ int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64
     const int path = vs_get_path();
     const int amx = path == PATH_AMX || path == PATH_AMX_EMULATED;
     const int tile = amx ? AMX_TOKENS : TILE;
+    int32_t *pairs = NULL; /* the tile kernel's sub-block sum pairs of each token and super-block */
+    if (amx && L.scsub == 32 && n > 0) {
+        if (!(pairs = malloc(sizeof(int32_t) * 4 * (size_t)(n * nsb)))) return VS_ENOMEM;
+        for (int64_t i = 0; i < n * nsb; i++) amx_sum_pairs(bsum + i * (L.q / 16), pairs + 4 * i);
+    }
 #pragma omp parallel num_threads(vs_threads)
     {
         token_t tok[AMX_TOKENS];
         float spill[AMX_TOKENS][GROUP];
+        int configured = -1; /* this thread's tile shape (another library may have changed it between calls) */
         /* dynamic: a thread the OS parks for a while leaves its groups to the others (a group's result
          * does not depend on which thread computes it) */
 #pragma omp for schedule(dynamic, 8)
@@ -839,11 +853,11 @@ int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64
                 for (int t = 0; t < T; t++) {
                     int64_t i = t0 + t;
                     tok[t] = (token_t){q + i * cols, d + i * (cols / L.q), bsum + i * (cols / 16),
-                                       full ? out + i * rows + g * GROUP : spill[t]};
+                                       full ? out + i * rows + g * GROUP : spill[t], pairs ? pairs + 4 * i * nsb : NULL};
                 }
-                if (path == PATH_AMX_EMULATED && type != T_Q6_K) group_amx_emulated(&L, grp, nsb, tok, T, cols);
+                if (path == PATH_AMX_EMULATED && type != T_Q6_K) group_amx_emulated(&L, grp, nsb, tok, T, cols, &configured);
 #ifdef VS_X86
-                else if (path == PATH_AMX && T >= AMX_MIN_TOKENS && type != T_Q6_K) group_amx(&L, grp, nsb, tok, T, cols);
+                else if (path == PATH_AMX && T >= AMX_MIN_TOKENS && type != T_Q6_K) group_amx(&L, grp, nsb, tok, T, cols, &configured);
                 else if (path == PATH_AMX) /* a short tail: tiles of 4 on the AVX-512 kernel */
                     for (int t = 0; t < T; t += TILE) group_avx512(type, grp, nsb, tok + t, T - t < TILE ? T - t : TILE);
                 else if (path == PATH_AVX512) group_avx512(type, grp, nsb, tok, T);
@@ -857,6 +871,7 @@ int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64
             }
         }
     }
+    free(pairs);
     (void)path;
     return 0;
 }
