@@ -50,7 +50,7 @@ def main() -> None:
     for width, seconds in sorted(profile.target_pass.items()):
         print(f"{width:3d} tokens: {seconds * 1000:8.1f} ms   v = {seconds / profile.target_pass[1]:.2f}")
     result = {"model": args.model, "backend": args.backend, "weights": model.weights, "threads": args.threads,
-              "kernel_path": native.path() if args.backend != "torch" else None,
+              "kernel_path": native.path() if args.backend == "native" else None,
               "pass_seconds": profile.target_pass}
     print(json.dumps(result))
     if args.json:
@@ -74,6 +74,8 @@ def plot(results: list[dict], path: Path) -> None:
         widths = sorted(passes)
         widest = max(widest, widths[-1])
         label = f"{Path(str(r['model'])).name} on {r['backend']}" + (f" ({r['weights']})" if r["backend"] == "torch" else "")
+        if r.get("kernel_path"):
+            label += f" ({r['kernel_path']})"
         ax.plot(widths, [passes[w] / passes[1] for w in widths], marker="o",
                 label=f"{label}: {passes[1] * 1000:.0f} ms for 1 token")
     ax.plot([1, widest], [1, widest], color="grey", linestyle="--", label="v = k (no gain even if all accepted)")
