@@ -67,6 +67,30 @@ def test_a_tokens_logits_are_the_same_bits_in_a_pass_of_any_width(mixed):
         assert torch.equal(mixed.forward(state, [tokens[:k]], [k])[0], one_by_one[:k]), k
 
 
+def test_every_kernel_path_gives_a_pass_the_same_bits(mixed):
+    """The whole model (matmul weights of every type) on each kernel path this CPU runs, the AMX kernel on
+    emulated tiles included: a 20-token pass (AMX tiles from 5 tokens) gives the portable path's logits bit for
+    bit, and a token's logits are the same in a pass of 20 as alone."""
+    best = native.path()
+    paths = [p for p in ("avx2", "avx512-vnni", "amx-emulated", "amx") if native.set_path(p) == p]
+    prompt, tokens = [5, 6, 7, 8, 9, 10], list(range(20, 40))
+
+    def wide_pass():
+        state = mixed.new_state(1)
+        mixed.forward(state, [prompt], [1])
+        return mixed.forward(state, [tokens], [len(tokens)])[0]
+
+    try:
+        native.set_path("portable")
+        expected = wide_pass()
+        assert torch.equal(logits_one_by_one(mixed, prompt, tokens), expected)
+        for path in paths:
+            native.set_path(path)
+            assert torch.equal(wide_pass(), expected), path
+    finally:
+        native.set_path(best)
+
+
 def test_a_ragged_batch_gives_each_row_its_logits_alone(mixed):
     prompts, nexts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]], [[20, 21], [22], [23, 24, 25]]
     state = mixed.new_state(3)
