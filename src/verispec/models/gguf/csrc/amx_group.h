@@ -11,7 +11,8 @@
  *   AMX_DPBSUD(c, a, b)  c += a (signed bytes) x b (unsigned bytes, four to a dword): the tdpbsud instruction
  *   AMX_OPERANDS(L, sb, hi, lo)  a super-block's B operands (amx_tiles.h, amx_operands_portable)
  *   AMX_MINS(L, sb, mins)  a super-block's min factors in pairs (amx_tiles.h, amx_mins_portable)
- *   AMX_IMIN(mins, pairs, imin)  a token's min sums (amx_tiles.h, amx_imin_portable)
+ *   AMX_IMIN(mins, n, pairs, imin)  a token's min sums (amx_tiles.h, amx_imin_portable)
+ *   AMX_SCALE_ADD4(isum, sc, dots, t)  isum += sum_i sc_i dots[i][t] over 4 units (amx_scale_add4_portable)
  *   AMX_SCALES(L, sb, d, dmin)        its rows' d and dmin as floats (the values the VNNI path converts)
  *
  * Roles: A = the tokens' int8 activations (a row per token, read in place from the call's activation matrix,
@@ -27,7 +28,8 @@
  * the very integers of the VNNI path (integer sums are exact), so the same float epilogue (d da and dmin da
  * products, two fmaf in the same order) gives the same bits. Types without scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0:
  * one sub-block a super-block) take isum = A x q and imin = bsum. Q6_K's scales are signed 8-bit: they do not
- * fit this split, and its groups stay on the VNNI kernel (kernels.c).
+ * fit this split (five tile sums measured slower than VNNI), so its kernel (group_units, below) takes a tile
+ * product per unit of 16 weights and scales each token's dots, as the VNNI kernel does, without its dot work.
  */
 
 /* configured: the shape this thread's tiles were last configured for in this call (-1: none), so that the costly
@@ -78,13 +80,87 @@ static AMX_ATTR void AMX_NAME(group)(const layout_t *L, const uint8_t *grp, int6
             const float da = tok[t].d[s];
             const int32_t *bs = tok[t].bsum + s * L->q / 16;
             int32_t isum[GROUP], imin[GROUP];
-            if (scaled) AMX_IMIN(&mins, tok[t].pairs + 4 * s, imin);
+            if (scaled) AMX_IMIN(&mins, 4, tok[t].pairs + AMX_PAIRS * s, imin);
             for (int r = 0; r < GROUP; r++) {
                 isum[r] = scaled ? 8 * c[0][t][r] + c[1][t][r] : c[0][t][r];
                 if (!scaled) imin[r] = bs[0] + bs[1];
             }
             for (int r = 0; r < GROUP; r++) {
                 acc[t][r] = fmaf(d[r] * da, (float)isum[r], acc[t][r]);
+                acc[t][r] = fmaf(-(dmin[r] * da), (float)imin[r], acc[t][r]);
+            }
+        }
+    }
+    for (int t = 0; t < T; t++) memcpy(tok[t].out, acc[t], sizeof acc[t]);
+}
+
+/* Q6_K: a tile product per unit of 16 weights (K = 16: A the unit's 16 activations of each token, B its 4 slots),
+ * four units in flight (C tiles 2, 3, 4, 6), each batch's dots read one batch after their store; then
+ * isum = sum_u sc_u dot_u per token, and imin = sum_u sc_u bsum_u in 8 vpdpwssd: the VNNI kernel's integers. */
+static AMX_ATTR void AMX_NAME(group_units)(const layout_t *L, const uint8_t *grp, int64_t nsb, const token_t *tok,
+                                           int T, int64_t stride, int *configured) {
+    const int64_t SB = sb_bytes(L);
+    const int hdr = header_bytes(L), units = L->q / 16;
+    if (*configured != T * 256 + 16) {
+        amx_config_t cfg;
+        amx_configure(&cfg, T, 16);
+        AMX_CONFIG(&cfg);
+        *configured = T * 256 + 16;
+    }
+    uint8_t slots[2][256 * GROUP] __attribute__((aligned(64))); /* super-blocks s and s + 1, unpacked */
+    int32_t dots[2][4][AMX_TOKENS][GROUP] __attribute__((aligned(64))); /* two batches of 4 units */
+    int32_t isum[AMX_TOKENS][GROUP];
+    amx_mins_t mins;
+    float acc[AMX_TOKENS][GROUP];
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < GROUP; r++) acc[t][r] = 0.0f;
+    if (nsb > 0) AMX_OPERANDS(L, grp, slots[0], NULL);
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *sb = grp + s * SB, *sl = slots[s & 1];
+        const int8_t *a = tok[0].q + s * L->q; /* token t's activations at a + t stride */
+        for (int t = 0; t < T; t++)
+            for (int r = 0; r < GROUP; r++) isum[t][r] = 0;
+        for (int b = 0; b <= units / 4; b++) {
+            if (b < units / 4) { /* the products of units 4b .. 4b + 3 */
+                const int j = 4 * b;
+                int32_t(*out)[AMX_TOKENS][GROUP] = dots[b & 1];
+                AMX_ZERO(2);
+                AMX_LOAD(0, a + 16 * j, stride);
+                AMX_LOAD(1, sl + 256 * j, 64);
+                AMX_DPBSUD(2, 0, 1);
+                AMX_ZERO(3);
+                AMX_LOAD(0, a + 16 * (j + 1), stride);
+                AMX_LOAD(5, sl + 256 * (j + 1), 64);
+                AMX_DPBSUD(3, 0, 5);
+                AMX_ZERO(4);
+                AMX_LOAD(0, a + 16 * (j + 2), stride);
+                AMX_LOAD(1, sl + 256 * (j + 2), 64);
+                AMX_DPBSUD(4, 0, 1);
+                AMX_ZERO(6);
+                AMX_LOAD(0, a + 16 * (j + 3), stride);
+                AMX_LOAD(5, sl + 256 * (j + 3), 64);
+                AMX_DPBSUD(6, 0, 5);
+                AMX_STORE(2, out[0], 4 * GROUP);
+                AMX_STORE(3, out[1], 4 * GROUP);
+                AMX_STORE(4, out[2], 4 * GROUP);
+                AMX_STORE(6, out[3], 4 * GROUP);
+            }
+            if (b == 0 && s + 1 < nsb) AMX_OPERANDS(L, sb + SB, slots[(s + 1) & 1], NULL);
+            if (b == units / 4) AMX_MINS(L, sb, &mins); /* work between the last batch's store and its reading */
+            if (b > 0) { /* the batch before: its dots were stored one batch ago */
+                const int j = 4 * (b - 1);
+                int32_t(*in)[AMX_TOKENS][GROUP] = dots[(b - 1) & 1];
+                for (int t = 0; t < T; t++) AMX_SCALE_ADD4(isum[t], (const int8_t *)sb + hdr + j * GROUP, in, t);
+            }
+        }
+        float d[GROUP], dmin[GROUP];
+        AMX_SCALES(L, sb, d, dmin);
+        for (int t = 0; t < T; t++) {
+            const float da = tok[t].d[s];
+            int32_t imin[GROUP];
+            AMX_IMIN(&mins, 8, tok[t].pairs + AMX_PAIRS * s, imin);
+            for (int r = 0; r < GROUP; r++) {
+                acc[t][r] = fmaf(d[r] * da, (float)isum[t][r], acc[t][r]);
                 acc[t][r] = fmaf(-(dmin[r] * da), (float)imin[r], acc[t][r]);
             }
         }

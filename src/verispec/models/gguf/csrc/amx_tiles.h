@@ -13,13 +13,13 @@ typedef struct {
     uint8_t rows[16];
 } amx_config_t;
 
-/* Tile 0: A (T tokens, K bytes of activations); 1, 5: B (K / 4 rows of 64 bytes: the hi and lo operands);
- * 2, 3: C (T rows of 16 int32). K: a product's depth, 64 (two sub-blocks), or 32 for types without scales. */
+/* Tile 0: A (T tokens, K bytes of activations); 1, 5: B (K / 4 rows of 64 bytes); 2, 3, 4, 6, 7: C (T rows of 16
+ * int32). K: a product's depth, 64 (two sub-blocks), 32 for types without scales, 16 for Q6_K's units. */
 static void amx_configure(amx_config_t *c, int T, int K) {
     memset(c, 0, sizeof *c);
     c->palette = 1;
     c->rows[0] = (uint8_t)T, c->colsb[0] = (uint16_t)K;
-    for (int i = 1; i < 6; i++) {
+    for (int i = 1; i < 8; i++) {
         int b = i == 1 || i == 5;
         c->rows[i] = (uint8_t)(b ? K / 4 : T), c->colsb[i] = 64;
     }
@@ -56,7 +56,8 @@ static void emu_dpbsud(int c, int a, int b) {
 }
 
 /* A super-block's B operands, in slots (sub-block u at 512 u, slot i at 64 i, row r's 4 bytes at 4 r): with
- * scales, hi = (sc >> 3) q and lo = (sc & 7) q; without, hi = q. Portable; the AVX-512 copy is in kernels.c. */
+ * scales, hi = (sc >> 3) q and lo = (sc & 7) q; without (or lo NULL: Q6_K's units), hi = q. Portable; the AVX-512
+ * copy is in kernels.c. */
 static void amx_operands_portable(const layout_t *L, const uint8_t *sb, uint8_t *hi, uint8_t *lo) {
     const int64_t poff = planes_offset(L);
     const int pb = plane_bytes(L->bits), hdr = header_bytes(L);
@@ -65,7 +66,7 @@ static void amx_operands_portable(const layout_t *L, const uint8_t *sb, uint8_t 
             const int sc = L->scsub ? ((const int8_t *)sb)[hdr + u * GROUP + r] : 0;
             for (int k = 0; k < 32; k++) {
                 const int i = 512 * u + 64 * (k / 4) + 4 * r + k % 4, q = unpack_value(sb + poff + u * pb, L->bits, r, k);
-                if (L->scsub) {
+                if (L->scsub && lo) {
                     hi[i] = (uint8_t)((sc >> 3) * q), lo[i] = (uint8_t)((sc & 7) * q);
                 } else {
                     hi[i] = (uint8_t)q;
@@ -79,33 +80,38 @@ static void amx_scales_portable(const layout_t *L, const uint8_t *sb, float *d, 
     for (int r = 0; r < GROUP; r++) d[r] = sb_d(sb, r), dmin[r] = sb_dmin(L, sb, r);
 }
 
-/* A super-block's m (8 sub-blocks of Q4_K / Q5_K) as int16 pairs per row: pair[j][r] = m[2j][r] | m[2j + 1][r] << 16,
- * the operand of vpdpwssd. */
+/* A super-block's min factors as int16 pairs per row, pair[j][r] = f[2j][r] | f[2j + 1][r] << 16 (the operand of
+ * vpdpwssd; |f| < 128): f = m of the 8 sub-blocks of Q4_K / Q5_K (4 pairs), or the 16 scales of Q6_K (8 pairs). */
 typedef struct {
-    int32_t pair[4][GROUP] __attribute__((aligned(64)));
+    int32_t pair[8][GROUP] __attribute__((aligned(64)));
 } amx_mins_t;
 
+static int amx_npairs(const layout_t *L) { return nscales(L) / 2; }
+
 static void amx_mins_portable(const layout_t *L, const uint8_t *sb, amx_mins_t *mins) {
-    const int8_t *m = (const int8_t *)sb + header_bytes(L) + nscales(L) * GROUP; /* m[u][r] at m + u GROUP + r */
-    for (int j = 0; j < 4; j++)
+    const int8_t *f = (const int8_t *)sb + header_bytes(L) + (L->has_m ? nscales(L) * GROUP : 0); /* f[u][r] */
+    for (int j = 0; j < amx_npairs(L); j++)
         for (int r = 0; r < GROUP; r++)
-            mins->pair[j][r] = (int32_t)(uint16_t)m[2 * j * GROUP + r] | (int32_t)((uint32_t)(uint16_t)m[(2 * j + 1) * GROUP + r] << 16);
+            mins->pair[j][r] = (int32_t)((uint32_t)(uint16_t)f[2 * j * GROUP + r] | (uint32_t)(uint16_t)f[(2 * j + 1) * GROUP + r] << 16);
 }
 
-/* A token's sub-block sums of one super-block (bs: its sums over 16) as the 4 pairs vpdpwssd multiplies with a
- * super-block's min pairs: pairs[j] = sum of sub-block 2j | sum of sub-block 2j + 1 << 16 (|sum| < 2^12: int16).
- * They depend on the token only, so vs_matmul makes them once a call, not once a group. */
-static void amx_sum_pairs(const int32_t *bs, int32_t *pairs) {
-    for (int j = 0; j < 4; j++)
-        pairs[j] = (int32_t)((uint32_t)(uint16_t)(bs[4 * j] + bs[4 * j + 1]) |
-                             (uint32_t)(uint16_t)(bs[4 * j + 2] + bs[4 * j + 3]) << 16);
+/* A token's unit sums of one super-block (bs: its sums over 16) as the pairs vpdpwssd multiplies with the
+ * super-block's min pairs: pairs[j] = sum of unit 2j | sum of unit 2j + 1 << 16 (units of 32, or 16 for Q6_K;
+ * |sum| < 2^12: int16). They depend on the token only, so vs_matmul makes them once a call, not once a group. */
+enum { AMX_PAIRS = 8 }; /* pairs kept per super-block and token (4 used for Q4_K / Q5_K) */
+static void amx_sum_pairs(const layout_t *L, const int32_t *bs, int32_t *pairs) {
+    for (int j = 0; j < amx_npairs(L); j++) {
+        const int32_t u0 = L->scsub == 16 ? bs[2 * j] : bs[4 * j] + bs[4 * j + 1];
+        const int32_t u1 = L->scsub == 16 ? bs[2 * j + 1] : bs[4 * j + 2] + bs[4 * j + 3];
+        pairs[j] = (int32_t)((uint32_t)(uint16_t)u0 | (uint32_t)(uint16_t)u1 << 16);
+    }
 }
 
-/* imin[r] = sum_u m[u][r] (the token's sum over sub-block u), from the pairs. */
-static void amx_imin_portable(const amx_mins_t *mins, const int32_t *pairs, int32_t *imin) {
+/* imin[r] = sum_u f[u][r] (the token's sum over unit u), from the n pairs. */
+static void amx_imin_portable(const amx_mins_t *mins, int n, const int32_t *pairs, int32_t *imin) {
     for (int r = 0; r < GROUP; r++) {
         int32_t sum = 0;
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < n; j++) {
             const int32_t p = mins->pair[j][r];
             sum += (int32_t)(int16_t)(p & 0xFFFF) * (int32_t)(int16_t)(pairs[j] & 0xFFFF);
             sum += (int32_t)(int16_t)(p >> 16) * (int32_t)(int16_t)(pairs[j] >> 16);
@@ -114,3 +120,9 @@ static void amx_imin_portable(const amx_mins_t *mins, const int32_t *pairs, int3
     }
 }
 
+/* isum[r] += sum_i sc[i][r] dots[i][t][r] over 4 units (sc: their int8 scales, GROUP apart): the per-unit epilogue
+ * of Q6_K's tile kernel, for token t. */
+static void amx_scale_add4_portable(int32_t *isum, const int8_t *sc, int32_t (*dots)[AMX_TOKENS][GROUP], int t) {
+    for (int i = 0; i < 4; i++)
+        for (int r = 0; r < GROUP; r++) isum[r] += (int32_t)sc[i * GROUP + r] * dots[i][t][r];
+}

@@ -745,7 +745,8 @@ static VS_AVX2 void group_avx2(int type, const uint8_t *grp, int64_t nsb, const 
 #define AMX_STORE(t, p, s) emu_store(t, p, s)
 #define AMX_DPBSUD(c, a, b) emu_dpbsud(c, a, b)
 #define AMX_OPERANDS(L, sb, hi, lo) amx_operands_portable(L, sb, hi, lo)
-#define AMX_IMIN(mins, pairs, imin) amx_imin_portable(mins, pairs, imin)
+#define AMX_IMIN(mins, n, pairs, imin) amx_imin_portable(mins, n, pairs, imin)
+#define AMX_SCALE_ADD4(isum, sc, dots, t) amx_scale_add4_portable(isum, sc, dots, t)
 #define AMX_MINS(L, sb, mins) amx_mins_portable(L, sb, mins)
 #define AMX_SCALES(L, sb, d, dmin) amx_scales_portable(L, sb, d, dmin)
 #include "amx_group.h"
@@ -759,6 +760,7 @@ static VS_AVX2 void group_avx2(int type, const uint8_t *grp, int64_t nsb, const 
 #undef AMX_OPERANDS
 #undef AMX_SCALES
 #undef AMX_IMIN
+#undef AMX_SCALE_ADD4
 #undef AMX_MINS
 
 #ifdef VS_X86
@@ -773,7 +775,7 @@ VS_INLINE VS_AMX void amx_operands_avx512(const layout_t *L, const uint8_t *sb, 
     for (int u = 0; u < L->q / 32; u++) {
         __m512i v[8];
         unpack8(sb + poff + u * pb, L->bits, v);
-        if (!L->scsub) {
+        if (!L->scsub || !lo) {
             for (int i = 0; i < 8; i++) _mm512_store_si512(hi + 512 * u + 64 * i, v[i]);
             continue;
         }
@@ -786,14 +788,20 @@ VS_INLINE VS_AMX void amx_operands_avx512(const layout_t *L, const uint8_t *sb, 
         }
     }
 }
-VS_INLINE VS_AMX void amx_imin_avx512(const amx_mins_t *mins, const int32_t *pairs, int32_t *imin) {
+VS_INLINE VS_AMX void amx_imin_avx512(const amx_mins_t *mins, int n, const int32_t *pairs, int32_t *imin) {
     __m512i sum = _mm512_setzero_si512();
-    for (int j = 0; j < 4; j++) sum = _mm512_dpwssd_epi32(sum, _mm512_load_si512(mins->pair[j]), _mm512_set1_epi32(pairs[j]));
+    for (int j = 0; j < n; j++) sum = _mm512_dpwssd_epi32(sum, _mm512_load_si512(mins->pair[j]), _mm512_set1_epi32(pairs[j]));
     _mm512_storeu_si512(imin, sum);
 }
+VS_INLINE VS_AMX void amx_scale_add4_avx512(int32_t *isum, const int8_t *sc, int32_t (*dots)[AMX_TOKENS][GROUP], int t) {
+    __m512i acc = _mm512_loadu_si512(isum);
+    for (int i = 0; i < 4; i++)
+        acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(load_i8x16((const uint8_t *)sc + i * GROUP), _mm512_load_si512(dots[i][t])));
+    _mm512_storeu_si512(isum, acc);
+}
 VS_INLINE VS_AMX void amx_mins_avx512(const layout_t *L, const uint8_t *sb, amx_mins_t *mins) {
-    const uint8_t *m = sb + header_bytes(L) + nscales(L) * GROUP;
-    for (int j = 0; j < 4; j++) {
+    const uint8_t *m = sb + header_bytes(L) + (L->has_m ? nscales(L) * GROUP : 0);
+    for (int j = 0; j < amx_npairs(L); j++) {
         const __m512i lo = load_i8x16(m + 2 * j * GROUP), hi = load_i8x16(m + (2 * j + 1) * GROUP);
         _mm512_store_si512(mins->pair[j], _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(hi, 16)));
     }
@@ -812,16 +820,19 @@ VS_INLINE VS_AMX void amx_scales_avx512(const layout_t *L, const uint8_t *sb, fl
 #define AMX_STORE(t, p, s) _tile_stored(t, p, s)
 #define AMX_DPBSUD(c, a, b) _tile_dpbsud(c, a, b)
 #define AMX_OPERANDS(L, sb, hi, lo) amx_operands_avx512(L, sb, hi, lo)
-#define AMX_IMIN(mins, pairs, imin) amx_imin_avx512(mins, pairs, imin)
+#define AMX_IMIN(mins, n, pairs, imin) amx_imin_avx512(mins, n, pairs, imin)
+#define AMX_SCALE_ADD4(isum, sc, dots, t) amx_scale_add4_avx512(isum, sc, dots, t)
 #define AMX_MINS(L, sb, mins) amx_mins_avx512(L, sb, mins)
 #define AMX_SCALES(L, sb, d, dmin) amx_scales_avx512(L, sb, d, dmin)
 #include "amx_group.h"
 #endif
 
-/* Fewer tokens than this go to the AVX-512 kernel on the AMX path (the same bits; a tile product pays only
- * past a few tokens), and so do Q6_K's groups (amx_group.h). The emulated path takes every tile of the other types
- * through the tile kernel, so the tests reach every shape, and Q6_K through the portable one. */
-enum { AMX_MIN_TOKENS = 5 }; /* a Xeon with AMX, a 1536 x 8960 Q4_K matmul on 1 thread: 4 tokens 0.57 ms against VNNI 0.47, 5: 0.61 / 0.66, 16: 0.90 / 1.59 */
+/* Fewer tokens than these go to the AVX-512 kernel on the AMX path (the same bits; a tile product pays only past
+ * a few tokens): measured on a Xeon with AMX, 1536 x 8960 matmuls on 1 thread. Q4_K: 4 tokens 0.57 ms against
+ * VNNI's 0.47, 5: 0.61 / 0.66, 16: 0.77 / 1.59. Q6_K (a tile product per unit, amx_group.h): 8 tokens 1.42 / 1.23,
+ * 10: 1.52 / 1.69, 16: 1.87 / 2.41. The emulated path takes every tile through the tile kernels, so the tests
+ * reach every shape. */
+enum { AMX_MIN_TOKENS = 5, AMX_MIN_UNIT_TOKENS = 10 };
 
 /* out (n, rows) = x (n, cols) W^T with x given quantized (vs_quantize_rows with block = the type's Q). */
 int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64_t n, const int8_t *q, const float *d,
@@ -833,9 +844,9 @@ int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64
     const int amx = path == PATH_AMX || path == PATH_AMX_EMULATED;
     const int tile = amx ? AMX_TOKENS : TILE;
     int32_t *pairs = NULL; /* the tile kernel's sub-block sum pairs of each token and super-block */
-    if (amx && L.scsub == 32 && n > 0) {
-        if (!(pairs = malloc(sizeof(int32_t) * 4 * (size_t)(n * nsb)))) return VS_ENOMEM;
-        for (int64_t i = 0; i < n * nsb; i++) amx_sum_pairs(bsum + i * (L.q / 16), pairs + 4 * i);
+    if (amx && L.scsub && n > 0) {
+        if (!(pairs = malloc(sizeof(int32_t) * AMX_PAIRS * (size_t)(n * nsb)))) return VS_ENOMEM;
+        for (int64_t i = 0; i < n * nsb; i++) amx_sum_pairs(&L, bsum + i * (L.q / 16), pairs + AMX_PAIRS * i);
     }
 #pragma omp parallel num_threads(vs_threads)
     {
@@ -853,11 +864,15 @@ int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64
                 for (int t = 0; t < T; t++) {
                     int64_t i = t0 + t;
                     tok[t] = (token_t){q + i * cols, d + i * (cols / L.q), bsum + i * (cols / 16),
-                                       full ? out + i * rows + g * GROUP : spill[t], pairs ? pairs + 4 * i * nsb : NULL};
+                                       full ? out + i * rows + g * GROUP : spill[t], pairs ? pairs + AMX_PAIRS * i * nsb : NULL};
                 }
-                if (path == PATH_AMX_EMULATED && type != T_Q6_K) group_amx_emulated(&L, grp, nsb, tok, T, cols, &configured);
+                if (path == PATH_AMX_EMULATED && type == T_Q6_K) group_units_amx_emulated(&L, grp, nsb, tok, T, cols, &configured);
+                else if (path == PATH_AMX_EMULATED) group_amx_emulated(&L, grp, nsb, tok, T, cols, &configured);
 #ifdef VS_X86
-                else if (path == PATH_AMX && T >= AMX_MIN_TOKENS && type != T_Q6_K) group_amx(&L, grp, nsb, tok, T, cols, &configured);
+                else if (path == PATH_AMX && T >= AMX_MIN_UNIT_TOKENS && type == T_Q6_K) group_units_amx(&L, grp, nsb, tok, T, cols, &configured);
+                else if (path == PATH_AMX && type == T_Q6_K) /* too few tokens for Q6_K's tile kernel */
+                    for (int t = 0; t < T; t += TILE) group_avx512(type, grp, nsb, tok + t, T - t < TILE ? T - t : TILE);
+                else if (path == PATH_AMX && T >= AMX_MIN_TOKENS) group_amx(&L, grp, nsb, tok, T, cols, &configured);
                 else if (path == PATH_AMX) /* a short tail: tiles of 4 on the AVX-512 kernel */
                     for (int t = 0; t < T; t += TILE) group_avx512(type, grp, nsb, tok + t, T - t < TILE ? T - t : TILE);
                 else if (path == PATH_AVX512) group_avx512(type, grp, nsb, tok, T);
