@@ -332,7 +332,7 @@ def _notice_kernel_path() -> None:
     path = native.path()
     amx = native.amx_status()
     if path == "amx":
-        notice("[dim]native runner: AMX tile kernels for passes of 5+ tokens (AVX-512 VNNI for fewer, and for Q6_K)[/dim]")
+        notice("[dim]native runner: AMX tile kernels for passes over several tokens (AVX-512 VNNI for fewer)[/dim]")
     elif amx in ("refused", "no AVX-512"):
         notice(f"[yellow]this CPU has AMX tiles but they cannot be used ({amx}): the native runner uses its "
                f"{path} kernels (same results)[/yellow]")
