@@ -61,7 +61,7 @@ def test_simd_and_portable_paths_give_the_same_bits(qtype):
 def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
     """The AMX kernel (emulated tiles on every machine, the real ones where the CPU has them) against the portable
     path and the other SIMD paths, bit for bit, for every width from 1 to 35 tokens (tiles of 16: full, partial and
-    several; the real path sends fewer than 5 tokens, and Q6_K, to the VNNI kernel) and rows that end mid-group."""
+    several; the real path sends fewer than 5 tokens (10 for Q6_K) to the VNNI kernel) and rows that end mid-group."""
     raw, weight = make(qtype, 40, 512, seed=6)
     x = np.random.default_rng(7).standard_normal((35, 512)).astype(np.float32) * 3
     native.set_path("portable")
