@@ -32,18 +32,23 @@
  * product per unit of 16 weights and scales each token's dots, as the VNNI kernel does, without its dot work.
  */
 
-/* configured: the shape this thread's tiles were last configured for in this call (-1: none), so that the costly
- * ldtilecfg runs once per call and thread and shape, not once per group (it was an eighth of the kernel's time). */
-static AMX_ATTR void AMX_NAME(group)(const layout_t *L, const uint8_t *grp, int64_t nsb, const token_t *tok, int T,
-                                     int64_t stride, int *configured) {
-    const int64_t SB = sb_bytes(L);
-    const int scaled = L->scsub == 32, K = scaled ? 64 : 32, chunks = L->q / K; /* K: a tile product's depth */
+/* Tiles shaped for T tokens and products K deep. configured: the shape this thread's tiles were last configured for
+ * in this call (-1: none), so that the costly ldtilecfg runs once per call and thread and shape, not once per group
+ * (it was an eighth of the kernel's time). */
+static inline AMX_ATTR void AMX_NAME(configure)(int T, int K, int *configured) {
     if (*configured != T * 256 + K) {
         amx_config_t cfg;
         amx_configure(&cfg, T, K);
         AMX_CONFIG(&cfg);
         *configured = T * 256 + K;
     }
+}
+
+static AMX_ATTR void AMX_NAME(group)(const layout_t *L, const uint8_t *grp, int64_t nsb, const token_t *tok, int T,
+                                     int64_t stride, int *configured) {
+    const int64_t SB = sb_bytes(L);
+    const int scaled = L->scsub == 32, K = scaled ? 64 : 32, chunks = L->q / K; /* K: a tile product's depth */
+    AMX_NAME(configure)(T, K, configured);
     /* Two of each buffer, pipelined: super-block s + 1's operands are built (vector stores) while s's products
      * run, and s's sums are read after that, so no tile load waits for the stores just before it, and no vector
      * load for a tile store (neither is forwarded) */
@@ -101,12 +106,7 @@ static AMX_ATTR void AMX_NAME(group_units)(const layout_t *L, const uint8_t *grp
                                            int T, int64_t stride, int *configured) {
     const int64_t SB = sb_bytes(L);
     const int hdr = header_bytes(L), units = L->q / 16;
-    if (*configured != T * 256 + 16) {
-        amx_config_t cfg;
-        amx_configure(&cfg, T, 16);
-        AMX_CONFIG(&cfg);
-        *configured = T * 256 + 16;
-    }
+    AMX_NAME(configure)(T, 16, configured);
     uint8_t slots[2][256 * GROUP] __attribute__((aligned(64))); /* super-blocks s and s + 1, unpacked */
     int32_t dots[2][4][AMX_TOKENS][GROUP] __attribute__((aligned(64))); /* two batches of 4 units */
     int32_t isum[AMX_TOKENS][GROUP];

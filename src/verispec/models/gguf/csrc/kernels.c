@@ -432,7 +432,7 @@ typedef struct {
     const float *d;      /* its scales (k / q) */
     const int32_t *bsum; /* its sums over 16 (k / 16) */
     float *out;          /* its 16 outputs of this group */
-    const int32_t *pairs; /* the AMX path's sub-block sum pairs, 4 a super-block (amx_sum_pairs), or NULL */
+    const int32_t *pairs; /* the AMX path's unit sum pairs, AMX_PAIRS a super-block (amx_sum_pairs), or NULL */
 } token_t;
 
 /* One group, any number of tokens: exactly the arithmetic of the SIMD path (integers exact; the float
@@ -520,6 +520,13 @@ VS_INLINE VS_AVX512 __m512i load_i8x16(const uint8_t *p) {
     return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
 }
 
+/* A super-block's 16 rows' d and dmin (dmin = d * dmin_kind, or stored). */
+VS_INLINE VS_AVX512 void sb_scales_avx512(const layout_t *L, const uint8_t *sb, __m512 *d, __m512 *dmin) {
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+    *dmin = L->dmin_kind ? _mm512_mul_ps(*d, _mm512_set1_ps((float)L->dmin_kind))
+                         : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
+}
+
 /* One group, a tile of T <= 4 tokens; each token's operations do not depend on T. */
 VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const uint8_t *grp, int64_t nsb, const token_t *tok) {
     layout_t L;
@@ -530,9 +537,8 @@ VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const ui
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *sb = grp + s * SB;
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
-        __m512 dmin = L.dmin_kind ? _mm512_mul_ps(d, _mm512_set1_ps((float)L.dmin_kind))
-                                  : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
+        __m512 d, dmin;
+        sb_scales_avx512(&L, sb, &d, &dmin);
         __m512i isum[TILE], imin[TILE];
         for (int t = 0; t < T; t++) { isum[t] = _mm512_setzero_si512(); imin[t] = _mm512_setzero_si512(); }
         for (int u = 0; u < L.q / 32; u++) {
@@ -807,10 +813,10 @@ VS_INLINE VS_AMX void amx_mins_avx512(const layout_t *L, const uint8_t *sb, amx_
     }
 }
 VS_INLINE VS_AMX void amx_scales_avx512(const layout_t *L, const uint8_t *sb, float *d, float *dmin) {
-    __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+    __m512 dv, dminv;
+    sb_scales_avx512(L, sb, &dv, &dminv);
     _mm512_storeu_ps(d, dv);
-    _mm512_storeu_ps(dmin, L->dmin_kind ? _mm512_mul_ps(dv, _mm512_set1_ps((float)L->dmin_kind))
-                                        : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32))));
+    _mm512_storeu_ps(dmin, dminv);
 }
 #define AMX_NAME(x) x##_amx
 #define AMX_ATTR VS_AMX
@@ -842,7 +848,7 @@ int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64
     const int64_t nsb = cols / L.q, SB = sb_bytes(&L), ngroups = (rows + GROUP - 1) / GROUP;
     const int path = vs_get_path();
     const int amx = path == PATH_AMX || path == PATH_AMX_EMULATED;
-    const int tile = amx ? AMX_TOKENS : TILE;
+    const int tile = amx ? AMX_TOKENS : TILE, amx_min = type == T_Q6_K ? AMX_MIN_UNIT_TOKENS : AMX_MIN_TOKENS;
     int32_t *pairs = NULL; /* the tile kernel's sub-block sum pairs of each token and super-block */
     if (amx && L.scsub && n > 0) {
         if (!(pairs = malloc(sizeof(int32_t) * AMX_PAIRS * (size_t)(n * nsb)))) return VS_ENOMEM;
@@ -869,11 +875,9 @@ int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64
                 if (path == PATH_AMX_EMULATED && type == T_Q6_K) group_units_amx_emulated(&L, grp, nsb, tok, T, cols, &configured);
                 else if (path == PATH_AMX_EMULATED) group_amx_emulated(&L, grp, nsb, tok, T, cols, &configured);
 #ifdef VS_X86
-                else if (path == PATH_AMX && T >= AMX_MIN_UNIT_TOKENS && type == T_Q6_K) group_units_amx(&L, grp, nsb, tok, T, cols, &configured);
-                else if (path == PATH_AMX && type == T_Q6_K) /* too few tokens for Q6_K's tile kernel */
-                    for (int t = 0; t < T; t += TILE) group_avx512(type, grp, nsb, tok + t, T - t < TILE ? T - t : TILE);
-                else if (path == PATH_AMX && T >= AMX_MIN_TOKENS) group_amx(&L, grp, nsb, tok, T, cols, &configured);
-                else if (path == PATH_AMX) /* a short tail: tiles of 4 on the AVX-512 kernel */
+                else if (path == PATH_AMX && T >= amx_min && type == T_Q6_K) group_units_amx(&L, grp, nsb, tok, T, cols, &configured);
+                else if (path == PATH_AMX && T >= amx_min) group_amx(&L, grp, nsb, tok, T, cols, &configured);
+                else if (path == PATH_AMX) /* too few tokens for a tile kernel: tiles of 4 on the AVX-512 one */
                     for (int t = 0; t < T; t += TILE) group_avx512(type, grp, nsb, tok + t, T - t < TILE ? T - t : TILE);
                 else if (path == PATH_AVX512) group_avx512(type, grp, nsb, tok, T);
                 else if (path == PATH_AVX2) group_avx2(type, grp, nsb, tok, T);
