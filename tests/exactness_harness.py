@@ -99,12 +99,6 @@ def llamacpp_runner(model):
     return LlamaCppRunner(gguf_of(model, vocab=True), context_window=64, threads=1)
 
 
-def llamacpp_installed() -> bool:
-    from verispec.models.llamacpp import llamacpp_available
-
-    return llamacpp_available()
-
-
 BACKENDS = {"torch": torch_runner, "native": native_runner, "llama.cpp": llamacpp_runner}
 SEQUENTIAL = {"llama.cpp"}  # backends that decode one sequence at a time: a cell's sequences run one by one
 

@@ -1,7 +1,8 @@
 """Sampled exactness with power, everywhere: the grid of `tests/exactness_harness.py` (every drafter family on the
 torch and native backends and every family llama.cpp can run on it, chains and trees with sampled and top-token
-children, every sampling setting on each backend), and the proof that it has power: each standard wrong verification rule (`tests/verifier_mutants.py`)
-fails the grid of every family on every backend. `benchmarks/exactness_mutants.py` prints the same as a table.
+children, every sampling setting on each backend), and the proof that it has power: each standard wrong
+verification rule (`tests/verifier_mutants.py`) fails the grid of every family on every backend.
+`benchmarks/exactness_mutants.py` prints the same as a table.
 
 Each cell samples 3,000 sequences (6,000 where drafting starts a step late), checks that drafts were accepted and
 rejected and that bonus tokens came, and compares the first tokens' joint distribution, and each position's
@@ -11,11 +12,12 @@ import pytest
 
 import exactness_harness as grid
 from verifier_mutants import MUTANTS
+from verispec.models.llamacpp import llamacpp_available
 
 CELLS = grid.grid()
 GROUPS = grid.groups()
 # the llama.cpp backend is an optional extra that scripts/test.sh installs (scripts/install-llamacpp.sh)
-needs_llamacpp = pytest.mark.skipif(not grid.llamacpp_installed(), reason="llama-cpp-python is not installed")
+needs_llamacpp = pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed")
 
 
 def marked(backend: str) -> list:
