@@ -76,25 +76,24 @@ def replica_actors() -> dict:
     return {a["name"]: ray.get_actor(a["name"], namespace=a["namespace"]) for a in names}
 
 
-def healthy(actor) -> bool:
-    """Whether a replica passes Ray's health check (one that is still loading fails it)."""
-    try:
-        ray.get(actor.check_health.remote(), timeout=30)
-        return True
-    except ray.exceptions.RayError:
-        return False
+def running_replicas() -> dict:
+    """Serve's count of the deployment's replicas by state (RUNNING: constructed, model loaded). Ray's own health
+    check cannot say it: while a new replica's constructor runs, it answers healthy without calling ours (Ray 2.60)."""
+    app = serve.status().applications.get(ray_serve.DEPLOYMENT)
+    deployment = app.deployments.get(ray_serve.DEPLOYMENT) if app else None
+    return dict(deployment.replica_states) if deployment else {}
 
 
 def wait_for_replicas(count: int, timeout_s: float = 120.0) -> None:
-    """Until `count` replicas are up and each passes its health check (a new replica is listed before it has loaded
-    its model); the timeout is a bound only."""
+    """Until `count` replicas are listed and Serve counts `count` of them running (a new replica is listed before it
+    has loaded its model); the timeout is a bound only."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        actors = replica_actors()
-        if len(actors) == count and all(healthy(a) for a in actors.values()):
+        if len(replica_actors()) == count and running_replicas() == {"RUNNING": count}:
             return
         time.sleep(0.5)
-    raise AssertionError(f"{count} healthy replicas were wanted, found {len(replica_actors())} replicas")
+    raise AssertionError(f"{count} running replicas were wanted, found {len(replica_actors())} replicas, "
+                         f"states {running_replicas()}")
 
 
 @dataclass
