@@ -7,6 +7,13 @@ for a model on a backend (the same measurement `--auto-k` makes before decoding)
     .venv/bin/python benchmarks/pass_costs.py --model qwen2.5-coder-1.5b-instruct --weights packed \
         --json artifacts/pass_costs/torch.json --overlay artifacts/pass_costs/llamacpp.json --plot artifacts/pass_costs/v.png
 
+--profile (native backend) also says where each width's pass goes: the matmuls by weight type, the activations'
+quantization, attention, the layers' row ops (norms, rope, SiLU, residuals, cache writes), the output head and the
+rest (Python), each in ms per pass, from the kernels' own timers (`native.profile`):
+
+    .venv/bin/python benchmarks/pass_costs.py --backend native --threads 2 --max-tokens 32 --profile \
+        --widths 1,2,4,8,16,32 --plot-profile artifacts/pass_costs/profile.png
+
 --plot draws v(k) against k for this run and any earlier runs' --json files (--overlay), with the line
 v = k: a pass over k tokens yields at most k tokens (all drafts accepted), so speculation can pay only
 where a route's curve lies well below it.
@@ -38,6 +45,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--overlay", type=Path, nargs="*", default=[], help="earlier runs' --json files to plot beside")
     parser.add_argument("--plot", type=Path, help="PNG of v(k) for this run and the overlays")
+    parser.add_argument("--profile", action="store_true", help="native backend: where each width's pass goes")
+    parser.add_argument("--widths", default="1,2,4,8,16,32", help="--profile: the widths profiled")
+    parser.add_argument("--plot-profile", type=Path, help="--profile: a stacked bar chart of it")
     args = parser.parse_args()
     set_threads(args.threads)
     from verispec.models.gguf import native
@@ -45,6 +55,21 @@ def main() -> None:
     if args.kernel_path and native.set_path(args.kernel_path) != args.kernel_path:
         parser.error(f"this CPU cannot run the {args.kernel_path} kernel path")
     model = load_model(args.model, weights=args.weights, backend=args.backend)
+    if args.profile:
+        if args.backend != "native":
+            parser.error("--profile reads the native kernels' timers: use --backend native")
+        widths = [int(w) for w in args.widths.split(",")]
+        rows = profile_passes(model.make_runner(), widths, args.context, args.repeats)
+        result = {"model": args.model, "kernel_path": native.path(), "threads": args.threads, "context": args.context,
+                  "ms_per_pass": rows}
+        print(json.dumps(result))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=2))
+        if args.plot_profile:
+            plot_profile(result, args.plot_profile)
+            print(f"written: {args.plot_profile}")
+        return
     profile = measure_costs(model.make_runner(), None, k_max=args.max_tokens - 1, context=args.context,
                             repeats=args.repeats)
     for width, seconds in sorted(profile.target_pass.items()):
@@ -59,6 +84,72 @@ def main() -> None:
     if args.plot:
         plot([result] + [json.loads(path.read_text()) for path in args.overlay], args.plot)
         print(f"written: {args.plot}")
+
+
+def profile_passes(runner, widths: list[int], context: int, repeats: int) -> dict[int, dict[str, float]]:
+    """Per width: ms per pass in each part (the median pass's total; parts summed over the repeats / repeats)."""
+    import time
+
+    from verispec.models.gguf import native
+
+    vocab = runner.vocab_size
+    state = runner.new_state(1)
+    runner.forward(state, [[(i * 7919) % vocab for i in range(context)]], [1])
+    rows = {}
+    for width in widths:
+        tokens = [[(11 + i) % vocab for i in range(width)]]
+        runner.forward(state, tokens, [width])  # warm-up
+        runner.rollback(state, [width])
+        totals = []
+        with native.profile() as parts:
+            for _ in range(repeats):
+                start = time.perf_counter()
+                runner.forward(state, tokens, [width])
+                totals.append(time.perf_counter() - start)
+                runner.rollback(state, [width])
+        ms = {name: 1000 * seconds / repeats for name, seconds in parts.items()}
+        layers = ms.pop("layers", 0.0)
+        row = {name: ms[name] for name in sorted(ms) if name.startswith("matmul ")}
+        row["quantize activations"] = ms.get("quantize activations", 0.0)
+        row["attention"] = ms.get("attention", 0.0)
+        inside = sum(row.values()) + ms.get("float matmuls", 0.0)  # all of them run inside layers
+        row["layer row ops"] = max(layers - inside, 0.0)
+        row["output head"] = ms.get("matmuls outside layers", 0.0)
+        row["rest (Python)"] = max(1000 * sum(totals) / repeats - layers - ms.get("matmuls outside layers", 0.0), 0.0)
+        row["total"] = 1000 * sorted(totals)[len(totals) // 2]
+        rows[width] = {k: round(v, 3) for k, v in row.items()}
+        parts_text = ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "total")
+        print(f"{width:3d} tokens: {row['total']:7.1f} ms = {parts_text}")
+    return rows
+
+
+def plot_profile(result: dict, path: Path) -> None:
+    """Stacked bars: ms per pass in each part, one bar per width."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {int(w): r for w, r in result["ms_per_pass"].items()}
+    widths = sorted(rows)
+    parts = [p for p in rows[widths[0]] if p != "total"]
+    for w in widths:
+        parts += [p for p in rows[w] if p != "total" and p not in parts]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(widths)
+    labels = [str(w) for w in widths]
+    for part in parts:
+        values = [rows[w].get(part, 0.0) for w in widths]
+        ax.bar(labels, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xlabel("tokens in one target pass")
+    ax.set_ylabel("ms per pass")
+    ax.set_title(f"where a pass goes ({result['kernel_path']}, {result['threads']} threads)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot(results: list[dict], path: Path) -> None:

@@ -365,3 +365,35 @@ def test_a_prompt_longer_than_one_pass_is_read_in_passes_with_the_same_bits(mixe
     state = mixed.new_state(2)
     split = mixed.forward(state, [prompt, prompt[:9]], [len(prompt), 9])  # 49 tokens: 7 passes of at most 7
     assert torch.equal(split[0], whole) and torch.equal(split[1, :9], whole[:9])
+
+
+def test_the_kernel_profile_names_each_part_of_a_pass_and_changes_no_bits(mixed):
+    """`native.profile` (benchmarks/pass_costs.py --profile): a pass's time appears under the matmuls of every weight
+    type the model has, the activations' quantization, attention, the layers and the output head; the logits are the
+    profiled pass's bits; once the block ends nothing more is recorded."""
+    prompt, tokens = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14]
+    state = mixed.new_state(1)
+    mixed.forward(state, [prompt], [1])
+    plain = mixed.forward(state, [tokens], [4])
+    mixed.rollback(state, [4])
+    with native.profile() as parts:
+        profiled = mixed.forward(state, [tokens], [4])
+    assert torch.equal(profiled, plain)
+    expected = {"quantize activations", "attention", "layers", "matmuls outside layers"}
+    assert expected <= set(parts), parts
+    assert sum(1 for name in parts if name.startswith("matmul ")) >= 2, parts  # the mixed model's several types
+    assert all(seconds > 0 for seconds in parts.values())
+    assert parts["layers"] >= parts["attention"] + parts["quantize activations"]
+    mixed.rollback(state, [4])
+
+    def slots():
+        out = np.zeros(64, np.float64)
+        native.lib().vs_profile_stop(native.ptr(out), out.size)  # reads the timers (already stopped)
+        return out
+
+    before = slots()
+    mixed.forward(state, [tokens], [4])  # outside any profile block
+    assert np.array_equal(slots(), before)
+    with native.profile() as empty:
+        pass
+    assert empty == {}  # a new block starts from zero

@@ -8,6 +8,8 @@ compute the same bits. `set_path` forces one, for tests.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
 import numpy as np
@@ -35,6 +37,8 @@ _SIGNATURES = {
     "vs_silu_mul": ([_P, _P, _I64, _P], None),
     "vs_attention": ([_P, _I64, _I, _I, _I, _F, _P, _P, _I64, _P, _P, _P, _P], _I),
     "vs_layer_forward": ([_P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _I], _I),
+    "vs_profile_start": ([], None),
+    "vs_profile_stop": ([_P, _I], _I),
 }
 
 
@@ -117,3 +121,29 @@ def amx_status() -> str:
 
 def set_threads(n: int) -> None:
     lib().vs_set_threads(int(n))
+
+
+# csrc's profile slots: its named ones, then one per GGUF tensor type from PROFILE_TYPES
+PROFILE_NAMES = {0: "quantize activations", 1: "attention", 2: "layers", 3: "float matmuls",
+                 4: "matmuls outside layers"}
+PROFILE_TYPES = 8
+TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+
+@contextmanager
+def profile() -> Iterator[dict[str, float]]:
+    """Time the kernels while the block runs: the dict filled at its end maps "quantize activations", "attention",
+    "layers" (whole fused layers, their matmuls and attention included), "float matmuls", "matmul Q4_K" (one per
+    weight type, inside layers) and "matmuls outside layers" (the output head) to wall seconds. For benchmarks: calls from several Python threads at once would mix."""
+    seconds: dict[str, float] = {}
+    lib().vs_profile_start()
+    try:
+        yield seconds
+    finally:
+        out = np.zeros(64, np.float64)
+        slots = lib().vs_profile_stop(ptr(out), out.size)
+        for slot in range(min(slots, out.size)):
+            name = PROFILE_NAMES.get(slot) if slot < PROFILE_TYPES else \
+                f"matmul {TYPE_NAMES.get(slot - PROFILE_TYPES, f'type {slot - PROFILE_TYPES}')}"
+            if name is not None and out[slot] > 0:
+                seconds[name] = float(out[slot])

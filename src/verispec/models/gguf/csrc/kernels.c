@@ -36,6 +36,7 @@
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
+#include <time.h>
 #endif
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -202,6 +203,43 @@ int vs_set_path(int path) {
 }
 
 void vs_set_threads(int n) { vs_threads = n > 0 ? n : 1; }
+
+/* ------------------------------------------------------------------ profile */
+
+/* Where a pass's time goes (benchmarks/pass_costs.py --profile): wall seconds, summed between vs_profile_start and
+ * vs_profile_stop, of the quantized matmuls inside layers by weight type (slot PROFILE_TYPES + type), the float
+ * matmuls, the matmuls outside any layer (the output head), the activations' quantization, attention, and whole
+ * layers (vs_layer_forward: the rest of a layer is its row ops).
+ * Only calls made outside any parallel region are timed (all of them, from the runner); off, a branch per call. */
+enum { PROFILE_QUANTIZE = 0, PROFILE_ATTENTION = 1, PROFILE_LAYER = 2, PROFILE_FLOAT = 3, PROFILE_OUTSIDE = 4,
+       PROFILE_TYPES = 8,
+       PROFILE_SLOTS = PROFILE_TYPES + 32 };
+static int vs_profiling = 0, vs_in_layer = 0;
+static double vs_profile_s[PROFILE_SLOTS];
+
+static double profile_now(void) {
+    if (!vs_profiling || omp_in_parallel()) return -1.0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void profile_add(int slot, double t0) {
+    if (t0 < 0 || slot < 0 || slot >= PROFILE_SLOTS) return;
+    vs_profile_s[slot] += profile_now() - t0;
+}
+
+void vs_profile_start(void) {
+    memset(vs_profile_s, 0, sizeof(vs_profile_s));
+    vs_profiling = 1;
+}
+
+/* Stop; copy up to n slots' seconds to out; returns the number of slots. */
+int vs_profile_stop(double *out, int n) {
+    vs_profiling = 0;
+    for (int i = 0; i < n && i < PROFILE_SLOTS; i++) out[i] = vs_profile_s[i];
+    return PROFILE_SLOTS;
+}
 
 /* ------------------------------------------------------------------ repacking */
 
@@ -413,6 +451,8 @@ static inline float quantize_block(const float *xb, int block, int8_t *qb) {
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 int vs_quantize_rows(const float *x, int64_t n, int64_t k, int block, int8_t *q, float *d, int32_t *bsum) {
     if (block <= 0 || block % 16 || n < 0 || k < 0 || k % block) return VS_EINVAL;
+    /* rows are independent: several tokens split over the threads (each row's bits are its own) */
+#pragma omp parallel for schedule(static) num_threads(vs_threads) if (n > 1)
     for (int64_t i = 0; i < n; i++) {
         for (int64_t b0 = 0; b0 < k; b0 += block)
             d[i * (k / block) + b0 / block] = quantize_block(x + i * k + b0, block, q + i * k + b0);
@@ -841,8 +881,8 @@ VS_INLINE VS_AMX void amx_scales_avx512(const layout_t *L, const uint8_t *sb, fl
 enum { AMX_MIN_TOKENS = 5, AMX_MIN_UNIT_TOKENS = 10 };
 
 /* out (n, rows) = x (n, cols) W^T with x given quantized (vs_quantize_rows with block = the type's Q). */
-int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64_t n, const int8_t *q, const float *d,
-              const int32_t *bsum, float *out) {
+static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64_t n, const int8_t *q,
+                            const float *d, const int32_t *bsum, float *out) {
     layout_t L;
     if (get_layout(type, &L) || rows < 0 || cols < 0 || cols % L.q) return VS_EINVAL;
     const int64_t nsb = cols / L.q, SB = sb_bytes(&L), ngroups = (rows + GROUP - 1) / GROUP;
@@ -895,6 +935,14 @@ int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64
     return 0;
 }
 
+int vs_matmul(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64_t n, const int8_t *q, const float *d,
+              const int32_t *bsum, float *out) {
+    double t0 = profile_now();
+    int status = matmul_quantized(type, packed, rows, cols, n, q, d, bsum, out);
+    profile_add(vs_in_layer ? PROFILE_TYPES + type : PROFILE_OUTSIDE, t0);
+    return status;
+}
+
 /* ------------------------------------------------------------------ float helpers (one fixed order) */
 
 /* sum_i a[i] b[i] in 16 lanes (lane l takes i = l mod 16), then a fixed halving tree. */
@@ -917,7 +965,7 @@ static void to_float_row(int type, const uint8_t *src, int64_t cols, float *dst)
 }
 
 /* out (n, rows) = x (n, cols) W^T for float weights (F32 / F16 / BF16, GGUF's row-major layout). */
-int vs_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t n, const float *x, float *out) {
+static int matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t n, const float *x, float *out) {
     if (type != T_F32 && type != T_F16 && type != T_BF16) return VS_EINVAL;
     if (rows < 0 || cols <= 0 || n < 0) return VS_EINVAL;
     const int64_t row_bytes = cols * (type == T_F32 ? 4 : 2);
@@ -940,6 +988,13 @@ int vs_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, int6
     return failed ? VS_ENOMEM : VS_OK;
 }
 
+int vs_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t n, const float *x, float *out) {
+    double t0 = profile_now();
+    int status = matmul_float(type, w, rows, cols, n, x, out);
+    profile_add(vs_in_layer ? PROFILE_FLOAT : PROFILE_OUTSIDE, t0);
+    return status;
+}
+
 int vs_float_rows(int type, const uint8_t *w, int64_t rows, int64_t cols, const int64_t *ids, int64_t n, float *out) {
     if ((type != T_F32 && type != T_F16 && type != T_BF16) || cols < 0) return VS_EINVAL;
     const int64_t row_bytes = cols * (type == T_F32 ? 4 : 2);
@@ -954,6 +1009,7 @@ int vs_float_rows(int type, const uint8_t *w, int64_t rows, int64_t cols, const 
 
 /* out = x / sqrt(mean(x^2) + eps) * w, row by row. */
 void vs_rmsnorm(const float *x, int64_t n, int64_t e, const float *w, float eps, float *out) {
+#pragma omp parallel for schedule(static) num_threads(vs_threads) if (n > 1)
     for (int64_t i = 0; i < n; i++) {
         const float *xi = x + i * e;
         float mean = dot16(xi, xi, e) / (float)e;
@@ -977,6 +1033,7 @@ void vs_rope_table(const int64_t *pos, int64_t n, int dim, double theta, float *
  * GGUFs, whose Q and K rows llama.cpp's converter permuted) or (j, j + dim/2) ("neox", Qwen2). */
 void vs_rope(float *x, int64_t n, int heads, int dim, const float *table, int neox) {
     const int half = dim / 2;
+#pragma omp parallel for schedule(static) num_threads(vs_threads) if (n > 1)
     for (int64_t i = 0; i < n; i++) {
         const float *cs = table + i * half * 2;
         for (int h = 0; h < heads; h++) {
@@ -1000,6 +1057,9 @@ static void axpy(float *o, float s, const float *v, int64_t n) {
 /* out = silu(g) * u, elementwise. */
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 void vs_silu_mul(const float *g, const float *u, int64_t n, float *out) {
+    /* elementwise, so split over the threads when a pass has more than a token's worth (an element's bits are the
+       same in any chunk: -ffp-contract=off) */
+#pragma omp parallel for schedule(static) num_threads(vs_threads) if (n >= 16384)
     for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + vs_exp(-g[i])) * u[i];
 }
 
@@ -1163,7 +1223,9 @@ static int act_matmul(const vs_weight_t *w, act_t *a, float *out) {
             a->q[j] = NULL; a->d[j] = NULL; a->bsum[j] = NULL;
             return VS_ENOMEM;
         }
+        double t0 = profile_now();
         int status = vs_quantize_rows(a->x, a->n, a->k, L.q, a->q[j], a->d[j], a->bsum[j]);
+        profile_add(PROFILE_QUANTIZE, t0);
         if (status) return status;
     }
     return vs_matmul((int)w->qtype, w->data, w->rows, w->cols, a->n, a->q[j], a->d[j], a->bsum[j], out);
@@ -1183,10 +1245,10 @@ static void add_rows(float *y, const float *b, int64_t n, int64_t width) { /* y[
 
 /* x (n, hidden) in place; query i writes its key and value to column columns[i] of its row's cache
  * (layer addresses kbase0[i] + layer * layer_bytes[i]) and attends as vs_attention says. */
-int vs_layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int64_t n, const float *rope_table,
-                     const int64_t *kbase0, const int64_t *vbase0, const int64_t *layer_bytes, int64_t layer,
-                     int64_t stride, const int32_t *columns, const int32_t *prefix, const int32_t *extra_off,
-                     const int32_t *extra, int32_t skip) {
+static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int64_t n, const float *rope_table,
+                         const int64_t *kbase0, const int64_t *vbase0, const int64_t *layer_bytes, int64_t layer,
+                         int64_t stride, const int32_t *columns, const int32_t *prefix, const int32_t *extra_off,
+                         const int32_t *extra, int32_t skip) {
     /* skip: bit 1 skips the attention sublayer (no keys or values written), bit 2 the MLP sublayer: the
        residual stream passes through unchanged (self-speculation's draft, verispec.drafters.self_draft). */
     if (!D || D->hidden <= 0 || D->heads <= 0 || D->kv_heads <= 0 || D->heads % D->kv_heads || D->head_dim <= 0 ||
@@ -1224,9 +1286,11 @@ int vs_layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int64_t 
         memcpy((float *)(intptr_t)kb[i] + columns[i] * stride, k + i * KD, sizeof(float) * (size_t)KD);
         memcpy((float *)(intptr_t)vb[i] + columns[i] * stride, v + i * KD, sizeof(float) * (size_t)KD);
     }
-    if ((status = vs_attention(q, n, (int)D->heads, (int)D->kv_heads, (int)D->head_dim, (float)D->scale, kb, vb, stride,
-                               prefix, extra_off, extra, attn)))
-        goto done;
+    double t_attention = profile_now();
+    status = vs_attention(q, n, (int)D->heads, (int)D->kv_heads, (int)D->head_dim, (float)D->scale, kb, vb, stride, prefix,
+                          extra_off, extra, attn);
+    profile_add(PROFILE_ATTENTION, t_attention);
+    if (status) goto done;
     a2 = (act_t){attn, n, QD, {0}, {0}, {0}};
     if ((status = act_matmul(&L->out, &a2, o))) goto done;
     act_free(&a2);
@@ -1247,5 +1311,18 @@ mlp:
 done:
     act_free(&a); act_free(&a2); act_free(&a3); act_free(&a4);
     free(xn); free(q); free(k); free(v); free(attn); free(o); free(g); free(u); free(h); free(kb); free(vb);
+    return status;
+}
+
+int vs_layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int64_t n, const float *rope_table,
+                     const int64_t *kbase0, const int64_t *vbase0, const int64_t *layer_bytes, int64_t layer,
+                     int64_t stride, const int32_t *columns, const int32_t *prefix, const int32_t *extra_off,
+                     const int32_t *extra, int32_t skip) {
+    double t0 = profile_now();
+    vs_in_layer = 1;
+    int status = layer_forward(D, L, x, n, rope_table, kbase0, vbase0, layer_bytes, layer, stride, columns, prefix,
+                               extra_off, extra, skip);
+    vs_in_layer = 0;
+    profile_add(PROFILE_LAYER, t0);
     return status;
 }
