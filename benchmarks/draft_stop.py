@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
+from verispec.core.stopping import CONFIDENCE_BINS
 from verispec.datasets import HELDOUT, load_prompts
-from verispec.drafters.stopping import CONFIDENCE_BINS
 from verispec.models.loading import load_distilled_draft, load_model
 from verispec.models.registry import DEFAULT_TARGET
 

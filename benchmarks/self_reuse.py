@@ -14,9 +14,8 @@ import statistics
 import time
 
 from verispec.api import SpeculativeDecoder
-from verispec.bench.runner import DEFAULT_PROMPTS
 from verispec.config import SamplingConfig, SpecConfig
-from verispec.datasets import load_prompts
+from verispec.datasets import DEFAULT_PROMPTS, load_prompts
 from verispec.drafters.self_draft import SelfDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.models.skip import SkipSet

@@ -299,7 +299,7 @@ def test_a_distilled_draft_export_killed_mid_way_keeps_the_old_draft(tmp_path, m
 
 
 def test_the_distill_vocabulary_is_written_atomically_and_a_damaged_one_is_chosen_again(tmp_path, monkeypatch):
-    from verispec.distill import cli
+    from verispec.cli import distill as cli
 
     vocab_file = tmp_path / "vocab.pt"
     chosen = torch.tensor([0, 3, 5])

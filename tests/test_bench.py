@@ -12,7 +12,8 @@ from drafting import drafts_accepted
 from tiny_hf import char_tokenizer, distilled_copy_of, save_tiny_model_dir, tiny_dir_with_head_from_embedding
 from verispec.bench.report import BASELINES
 from verispec.bench.results import report_from_json
-from verispec.bench.runner import HEAD_SYSTEMS, LLAMACPP_SYSTEMS, SYSTEMS, BenchConfig, by_turns, run_bench
+from verispec.bench.catalog import HEAD_SYSTEMS, LLAMACPP_SYSTEMS, SYSTEMS
+from verispec.bench.runner import BenchConfig, by_turns, run_bench
 from verispec.api import SpeculativeDecoder
 from verispec.cli import main
 from verispec.models.distilled import VocabMap, save_distilled, vocab_fingerprint

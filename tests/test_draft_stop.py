@@ -1,4 +1,4 @@
-"""Dynamic draft length (verispec.drafters.stopping): thresholds from costs, the online calibration,
+"""Dynamic draft length (verispec.core.stopping): thresholds from costs, the online calibration,
 chains that stop early staying exact (chi-square, greedy equality) and the draft's cache staying
 consistent with what it was fed."""
 
@@ -13,7 +13,7 @@ from test_exactness import THRESHOLD, V, check_distribution, sample_tokens
 from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import MAX_MATCH, PromptLookupDrafter, lookup_match
-from verispec.drafters.stopping import COPY_PRIOR, AcceptanceCalibration, DraftStop, chain_length
+from verispec.core.stopping import COPY_PRIOR, AcceptanceCalibration, DraftStop, chain_length
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.models.runner import ModelRunner

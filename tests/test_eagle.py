@@ -45,7 +45,7 @@ def random_head(model, draft_vocab=48, aux=AUX, seed=0, scale=0.2):
 def trained_head(runner, steps=150, seed=0):
     """A head trained on the runner's own answers (so it agrees with the target often)."""
     from verispec.heads.common import split
-    from verispec.heads.eagle3_cli import EmbeddingTable
+    from verispec.heads.eagle3_run import EmbeddingTable
     from verispec.heads.eagle3_train import EagleTrainConfig, collect, draft_vocabulary, new_head, train
     from verispec.models.heads import final_norm, lm_head_rows
 
@@ -294,7 +294,9 @@ def test_sampled_eagle_speculation_follows_the_targets_distribution(small, sampl
 
 
 def test_eagle_on_a_runner_without_features_or_another_targets_head_is_one_line(pair, tmp_path):
-    from verispec.models.heads import head_drafter
+    from verispec.drafters.registry import build_drafter
+
+    head_drafter = lambda spec, runner: build_drafter(spec, None, runner)  # noqa: E731
 
     model, native = pair
 
@@ -367,7 +369,7 @@ def test_train_heads_eagle3_end_to_end_with_resume(tmp_path, capsys, monkeypatch
     """The CLI on a tiny HF target: a run stopped after its first checkpoint leaves its answers and checkpoint in
     OUT.partial and no OUT; --resume goes on from there without collecting again and writes a head folder with
     its manifest, loadable as --draft eagle:DIR."""
-    import verispec.heads.eagle3_cli as eagle_cli
+    import verispec.heads.eagle3_run as eagle_run
     from tiny_hf import save_tiny_model_dir
     from verispec.cli import main
 
@@ -378,7 +380,7 @@ def test_train_heads_eagle3_end_to_end_with_resume(tmp_path, capsys, monkeypatch
     command = ["train-heads", "--kind", "eagle3", "--target", str(folder), "--data", str(prompts), "--out", str(out),
                "--tokens", "12", "--draft-vocab", "64", "--intermediate", "32", "--heads", "4", "--kv-heads", "2",
                "--batch-size", "2", "--val-fraction", "0.25", "--steps", "200"]
-    real_train, real_collect = eagle_cli.train, eagle_cli.collect
+    real_train, real_collect = eagle_run.train, eagle_run.collect
 
     def stopped(*args, checkpoint=None, **kwargs):
         def stop(head, optimizer, step):
@@ -387,15 +389,15 @@ def test_train_heads_eagle3_end_to_end_with_resume(tmp_path, capsys, monkeypatch
 
         return real_train(*args, checkpoint=stop, **kwargs)
 
-    monkeypatch.setattr(eagle_cli, "train", stopped)
+    monkeypatch.setattr(eagle_run, "train", stopped)
     assert main(command) != 0 and "interrupted" in capsys.readouterr().err
     partial = tmp_path / "head.partial"
     assert not out.exists() and (partial / "answers.pt").is_file() and (partial / "checkpoint.pt").is_file()
-    monkeypatch.setattr(eagle_cli, "train", real_train)
-    monkeypatch.setattr(eagle_cli, "collect", lambda *a, **k: pytest.fail("--resume collected the answers again"))
+    monkeypatch.setattr(eagle_run, "train", real_train)
+    monkeypatch.setattr(eagle_run, "collect", lambda *a, **k: pytest.fail("--resume collected the answers again"))
     assert main([*command, "--resume"]) == 0
     assert "resuming at step 100 of 200" in capsys.readouterr().err
-    monkeypatch.setattr(eagle_cli, "collect", real_collect)
+    monkeypatch.setattr(eagle_run, "collect", real_collect)
     manifest = json.loads((out / "manifest.json").read_text())
     assert set(manifest["sha256"]) == {"config.json", "model.safetensors", "training.json"}
     assert not partial.exists()

@@ -17,7 +17,7 @@ from conftest import tiny_model
 from verispec import rejection
 from verispec.chisquare import chi_square_test
 from verispec.config import SamplingConfig, SpecConfig
-from verispec.drafters.base import Draft, Drafter
+from verispec.core.drafter import Draft, Drafter
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.engine import SpeculativeEngine

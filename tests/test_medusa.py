@@ -285,7 +285,7 @@ def test_train_heads_refuses_bad_requests_in_one_line(tmp_path, capsys):
 
 def test_train_heads_medusa_checkpoints_and_resumes(tmp_path, capsys, monkeypatch):
     """A Medusa run stopped after its first checkpoint goes on with --resume without collecting again."""
-    import verispec.heads.medusa_cli as medusa_cli
+    import verispec.heads.medusa_run as medusa_run
     from tiny_hf import save_tiny_model_dir
     from verispec.cli import main
 
@@ -295,7 +295,7 @@ def test_train_heads_medusa_checkpoints_and_resumes(tmp_path, capsys, monkeypatc
     out = tmp_path / "heads"
     command = ["train-heads", "--target", str(folder), "--data", str(prompts), "--out", str(out), "--tokens", "8",
                "--heads", "2", "--rows", "64", "--steps", "200", "--batch-size", "16", "--val-fraction", "0.25"]
-    real = medusa_cli.train_heads
+    real = medusa_run.train_heads
 
     def stopped(*args, checkpoint=None, **kwargs):
         def stop(heads, optimizer, step):
@@ -304,12 +304,12 @@ def test_train_heads_medusa_checkpoints_and_resumes(tmp_path, capsys, monkeypatc
 
         return real(*args, checkpoint=stop, **kwargs)
 
-    monkeypatch.setattr(medusa_cli, "train_heads", stopped)
+    monkeypatch.setattr(medusa_run, "train_heads", stopped)
     assert main(command) != 0
     partial = tmp_path / "heads.partial"
     assert not out.exists() and (partial / "answers.pt").is_file() and (partial / "checkpoint.pt").is_file()
-    monkeypatch.setattr(medusa_cli, "train_heads", real)
-    monkeypatch.setattr(medusa_cli, "target_answers", lambda *a, **k: pytest.fail("--resume collected again"))
+    monkeypatch.setattr(medusa_run, "train_heads", real)
+    monkeypatch.setattr(medusa_run, "target_answers", lambda *a, **k: pytest.fail("--resume collected again"))
     capsys.readouterr()
     assert main([*command, "--resume"]) == 0
     assert "resuming at step 100 of 200" in capsys.readouterr().err

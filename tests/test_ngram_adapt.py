@@ -20,7 +20,7 @@ from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
 from verispec.adapt import AdaptationBuffer, AdaptExample, OnlineAdapter
 from verispec.cli import main
 from verispec.config import AdaptConfig, NGramConfig, PromptLookupConfig, ServeConfig, TreeConfig
-from verispec.drafters.base import Draft
+from verispec.core.drafter import Draft
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram_corpus import CorpusNGramDrafter
 from verispec.engine import DecodeBatch, SpeculativeEngine

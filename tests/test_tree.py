@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 from drafting import drafts_accepted
 from verispec.config import SamplingConfig, SpecConfig, TreeConfig
-from verispec.drafters.base import Drafter
+from verispec.core.drafter import Drafter
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter, build_trie, lookup, lookup_all
 from verispec.drafters.tree_growth import TreeGrowth

@@ -7,7 +7,8 @@ keeps the output distribution exactly the target's.
 
 from verispec.api import GenerationResult, SpeculativeDecoder, generate
 from verispec.config import PromptLookupConfig, SamplingConfig, SpecConfig, TreeConfig
-from verispec.engine import SpeculativeEngine, StepEvent
+from verispec.core.sequence import StepEvent
+from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.stats import GenerationStats
 

@@ -17,13 +17,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from verispec.adapt import OnlineAdapter
+from verispec.chat import chat_ids, has_chat_template, user_turn
 from verispec.config import AdaptConfig, NGramConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, SpecConfig
-from verispec.drafters.base import Drafter
-from verispec.drafters.draft_model import DraftModelDrafter
-from verispec.drafters.ngram_corpus import CorpusNGramDrafter, is_corpus_spec
-from verispec.drafters.prompt_lookup import PromptLookupDrafter
-from verispec.models.distilled import VocabMap
-from verispec.engine import SpeculativeEngine, StepEvent
+from verispec.core.drafter import Drafter
+from verispec.core.sequence import Sequence, StepEvent
+from verispec.drafters.registry import NGRAM, Built, DrafterOptions, build_drafter, model_drafter
+from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.models.loading import (
     DEFAULT_BACKEND,
@@ -31,20 +30,11 @@ from verispec.models.loading import (
     DEFAULT_DTYPE,
     DEFAULT_TARGET_WEIGHTS,
     LoadedModel,
-    check_same_tokenizer,
-    distilled_path,
-    load_distilled_draft,
     load_model,
 )
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
-from verispec.models.heads import head_drafter, is_head_spec
-from verispec.models.skip import is_self_spec, resolve_skip
-from verispec.sequence import Sequence
 from verispec.stats import GenerationStats
 from verispec.tuning import AdaptiveK, measure_costs
-
-NO_DRAFT = ("none", "off")
-NGRAM = "ngram"
 
 
 @dataclass
@@ -88,6 +78,7 @@ class SpeculativeDecoder:
         self_spec: on-the-fly choice of the self drafter's skip set (SWIFT-style).
         prompt_lookup: n-gram sizes for the "ngram" drafter.
         ngram: settings of the corpus n-gram drafter.
+        options: every drafter setting at once (`drafters.registry.DrafterOptions`; replaces the three above).
     """
 
     def __init__(
@@ -97,43 +88,24 @@ class SpeculativeDecoder:
         prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
         ngram: NGramConfig = NGramConfig(),
         self_spec: SelfSpecConfig = SelfSpecConfig(),
+        options: DrafterOptions | None = None,
     ) -> None:
         if target.weights == "int8":
             raise VerispecError("the target cannot use int8 weights: that would change the distribution being sampled")
         self.target = target
         self.runner = target.make_runner()
-        self.draft_weights: str | None = None
-        self.skip_source: str | None = None  # the self drafter's skip set: a file, "given" or "default"
-        context_window = self.runner.context_window
         if isinstance(draft, LoadedModel):
-            check_same_tokenizer(target, draft)
-            if draft.vocab is not None and draft.vocab.to_draft.numel() != self.runner.vocab_size:
-                draft.vocab = VocabMap.from_target_ids(draft.vocab.to_target, self.runner.vocab_size)
-            draft_runner = draft.make_runner()
-            context_window = min(context_window, draft_runner.context_window)
-            self.drafter: Drafter | None = DraftModelDrafter(draft_runner, self.runner.vocab_size, draft.lookup,
-                                                                 draft.context)
-            self.draft_name = draft.name
-            self.draft_weights = draft.weights
+            built = model_drafter(draft, target, self.runner)
         elif isinstance(draft, Drafter):
-            self.drafter, self.draft_name = draft, draft.name
-        elif draft == NGRAM:
-            self.drafter, self.draft_name = PromptLookupDrafter(prompt_lookup), NGRAM
-        elif is_corpus_spec(draft):
-            self.drafter = CorpusNGramDrafter.from_spec(draft, target.tokenizer, self.runner.vocab_size, ngram)
-            self.draft_name = draft
-        elif is_self_spec(draft):
-            from verispec.drafters.self_draft import SelfDrafter
-
-            skip, self.skip_source = resolve_skip(draft, self.runner, target.name)
-            lookup = _lookup_first(self_spec.lookup)
-            self.drafter, self.draft_name = SelfDrafter(self.runner, skip, self_spec, lookup), f"self:{skip.spec}"
-        elif is_head_spec(draft):
-            self.drafter, self.draft_name = head_drafter(draft, self.runner), draft
-        elif draft in NO_DRAFT:
-            self.drafter, self.draft_name = None, "none"
+            built = Built(draft, draft.name)
         else:
-            raise VerispecError(f"unknown drafter '{draft}'")
+            options = options or DrafterOptions(prompt_lookup, ngram, self_spec)
+            built = build_drafter(draft, target, self.runner, options)
+        self.drafter: Drafter | None = built.drafter
+        self.draft_name = built.name
+        self.draft_weights: str | None = built.draft_weights
+        self.skip_source: str | None = built.skip_source  # the self drafter's skip set: a file, "given" or "default"
+        context_window = min(self.runner.context_window, built.context_window or self.runner.context_window)
         self.engine = SpeculativeEngine(
             self.runner, self.drafter, target.eos_token_ids(), decode=self.decode, context_window=context_window
         )
@@ -178,26 +150,10 @@ class SpeculativeDecoder:
         the CPU (`models.static_runner`).
         """
         loaded_target = load_model(target, dtype, target_weights, backend, device, compile)
-        if is_head_spec(draft):
-            decoder = cls(loaded_target, draft, prompt_lookup, ngram, self_spec)
-            if draft_lookup is not None:
-                if not hasattr(decoder.drafter, "lookup"):
-                    raise VerispecError("--draft-lookup: Medusa heads draft every position from one hidden state; "
-                                        "lookup first works with --draft eagle")
-                decoder.drafter.lookup = _lookup_first(draft_lookup)
-            return decoder
-        if is_self_spec(draft) and draft_lookup:
-            self_spec = replace(self_spec, lookup=draft_lookup)
-        if draft in NO_DRAFT or draft == NGRAM or is_corpus_spec(draft) or is_self_spec(draft):
-            return cls(loaded_target, draft, prompt_lookup, ngram, self_spec)
-        if distilled_path(draft) is not None:
-            loaded_draft = load_distilled_draft(draft, loaded_target, draft_weights)
-        else:
-            loaded_draft = load_model(draft, draft_dtype or dtype, draft_weights, backend, device, compile)
-        if draft_lookup is not None:
-            loaded_draft.lookup = _lookup_first(draft_lookup)
-        loaded_draft.context = draft_context  # checked by DraftModelDrafter
-        return cls(loaded_target, loaded_draft, prompt_lookup, ngram)
+        options = DrafterOptions(prompt_lookup=prompt_lookup, ngram=ngram, self_spec=self_spec, draft_lookup=draft_lookup,
+                                 draft_context=draft_context, draft_dtype=draft_dtype or dtype, draft_weights=draft_weights,
+                                 backend=backend, device=device, compile=compile)
+        return cls(loaded_target, draft, options=options)
 
     # --- online adaptation -------------------------------------------------------------------------
     def enable_adaptation(self, config: AdaptConfig = AdaptConfig()) -> OnlineAdapter:
@@ -213,7 +169,7 @@ class SpeculativeDecoder:
     # --- text <-> tokens ---------------------------------------------------------------------------
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.target.tokenizer, "chat_template", None))
+        return has_chat_template(self.target.tokenizer)
 
     def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
         """Tokenize a prompt; `chat` (default: whether the target has a chat template) wraps it as one user message."""
@@ -224,8 +180,7 @@ class SpeculativeDecoder:
         if use_chat:
             if not self.has_chat_template:
                 raise VerispecError(f"--chat was asked for, but target '{self.target.name}' has no chat template")
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-            return list(tok(text, add_special_tokens=False)["input_ids"])
+            return chat_ids(tok, user_turn(prompt))
         return list(tok(prompt)["input_ids"])
 
     def decode(self, token_ids: list[int]) -> str:
@@ -316,13 +271,6 @@ class SpeculativeDecoder:
 
 _DECODERS: dict[tuple, SpeculativeDecoder] = {}
 
-
-def _lookup_first(n: int) -> PromptLookupConfig | None:
-    """A drafter's "lookup first" n-gram sizes for --draft-lookup N: n-grams of N and more (at least up to 4);
-    0 turns it off."""
-    if n < 0:
-        raise VerispecError(f"draft lookup needs an n-gram size >= 1 (0 turns it off), got {n}")
-    return PromptLookupConfig(max_ngram=max(4, n), min_ngram=n) if n else None
 
 
 def generate(

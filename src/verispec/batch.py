@@ -29,14 +29,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from verispec.drafters.base import EMPTY_DRAFT
-from verispec.drafters.stopping import DraftStop
+from verispec.core.drafter import EMPTY_DRAFT
+from verispec.core.sequence import Sequence, StepEvent
+from verispec.core.stopping import DraftStop
 from verispec.errors import VerispecError
-from verispec.sequence import Sequence
 from verispec.tree import EMPTY_TREE_DRAFT
 
 if TYPE_CHECKING:
-    from verispec.engine import SpeculativeEngine, StepEvent
+    from verispec.engine import SpeculativeEngine
     from verispec.tuning import AdaptiveK
 
 log = logging.getLogger("verispec.batch")
@@ -266,8 +266,6 @@ class DecodeBatch:
 
     def _fail_all(self, stage: str, err: Exception) -> list[tuple[StepEvent, Sequence]]:
         """End every sequence of the batch with this error and start afresh."""
-        from verispec.engine import StepEvent
-
         log.error("the target failed in %s (%s: %s); the %d sequences of the batch are ended", stage,
                   type(err).__name__, err, len(self.sequences))
         self.faults.append((f"target.{stage}", err))
@@ -281,8 +279,6 @@ class DecodeBatch:
     # --- bookkeeping ---------------------------------------------------------------------------------
     def _finish_step(self, events: list, draft_seconds: float, target_seconds: float) -> list[tuple[StepEvent, Sequence]]:
         """Account the step's time to every sequence, drop the finished and failed ones, add failure events."""
-        from verispec.engine import StepEvent
-
         active = self.sequences
         now = time.perf_counter()
         for s in active:

@@ -159,7 +159,7 @@ class SpecConfig:
         tree: draft a tree of candidates per step instead of one chain (None: a chain). Default None.
         draft_stop: a draft model's or prompt lookup's chain stops early where the estimated probability that all of its
             drafts so far are accepted (from the draft's calibrated confidence, see
-            `verispec.drafters.stopping`) falls below this; that token is not proposed. 0 drafts all K
+            `verispec.core.stopping`) falls below this; that token is not proposed. 0 drafts all K
             tokens. An auto-tuner with `stop_drafts` sets the thresholds from measured costs instead. Default 0.
     """
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from verispec.errors import VerispecError
 
+DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")  # Spec-Bench, beside the repository
 # Spec-Bench's six categories; its first 80 questions are MT-Bench's eight categories.
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 

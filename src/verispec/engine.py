@@ -11,7 +11,7 @@ One step, for every running sequence at once:
 Sequences advance by their own number of tokens; finished ones leave the batch.
 
 Tree steps (a sequence's spec has a `TreeConfig`): the drafter proposes a tree of candidates, the
-target reads the pending tokens and the whole tree in one pass (`ModelRunner.forward_tree`),
+target reads the pending tokens and the whole tree in one pass (`TreeRunner.forward_tree`),
 `rejection.verify_tree` (or `verify_tree_greedy`) walks it to an accepted path plus a recovered or
 bonus token, and `commit_tree` keeps only that path in the caches. In a step where any sequence
 drafts a tree, the other drafting sequences draft the tree of shape (1, ..., 1), their chain.
@@ -24,42 +24,20 @@ continuous batching), a fault stays with the sequence it belongs to, and long pr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
 from verispec.batch import DecodeBatch
 from verispec.config import SamplingConfig, SpecConfig
+from verispec.core.drafter import Draft, Drafter
+from verispec.core.protocols import Runner, TreeRunner
+from verispec.core.sequence import Sequence, StepEvent
 from verispec.detokenize import IncrementalText
-from verispec.drafters.base import Draft, Drafter
 from verispec.errors import VerispecError
-from verispec.models.runner import ModelRunner
 from verispec.rejection import TreeVerdict, Verdict, verify, verify_greedy, verify_tree, verify_tree_greedy
 from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks, tree_seen_masks
-from verispec.sequence import Sequence
 from verispec.tree import TreeDraft
 from verispec.tuning import AdaptiveK
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    """What one step committed for one sequence.
-
-    sequence: index in the caller's batch.
-    accepted: draft tokens the target accepted (all committed unless the sequence ended inside them);
-        for a tree, the tokens of the accepted path.
-    token: the recovered token (bonus=False) or the bonus token (bonus=True).
-    committed: tokens appended to the output this step, after any EOS / stop / length cut.
-    finish_reason: None while the sequence runs on; "eos", "stop" or "length" at its end; "error" when a fault
-        ended it (`Sequence.error`; committed and token are then empty and -1).
-    """
-
-    sequence: int
-    accepted: tuple[int, ...]
-    token: int
-    bonus: bool
-    committed: tuple[int, ...]
-    finish_reason: str | None
 
 
 class SpeculativeEngine:
@@ -75,7 +53,7 @@ class SpeculativeEngine:
 
     def __init__(
         self,
-        target: ModelRunner,
+        target: Runner,
         drafter: Drafter | None,
         eos_token_ids: set[int],
         decode: Callable[[list[int]], str] | None = None,
@@ -143,7 +121,7 @@ class SpeculativeEngine:
         if self.drafter is None:
             raise VerispecError("tree speculation needs a drafter that builds trees (a draft model or 'ngram'); "
                                 "this decoder decodes plainly")
-        if not hasattr(self.target, "forward_tree"):
+        if not isinstance(self.target, TreeRunner):
             raise VerispecError("tree speculation needs a target backend with tree passes (`forward_tree`)")
         if not self.drafter.supports_trees:
             raise VerispecError(f"the '{self.drafter.name}' drafter cannot draft trees here "

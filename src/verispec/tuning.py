@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from verispec.drafters.stopping import DraftStop
-from verispec.models.runner import ModelRunner
+from verispec.core.protocols import Runner
+from verispec.core.stopping import DraftStop
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def _timed(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure_costs(target: ModelRunner, draft: ModelRunner | None, k_max: int = 8, context: int = 64,
+def measure_costs(target: Runner, draft: Runner | None, k_max: int = 8, context: int = 64,
                   repeats: int = 3) -> CostProfile:
     """Time target passes over 1..k_max+1 new tokens and one draft token, after a warm-up each."""
     vocab = min(target.vocab_size, draft.vocab_size) if draft is not None else target.vocab_size

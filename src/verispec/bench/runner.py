@@ -3,42 +3,41 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from verispec.api import SpeculativeDecoder
+from verispec.bench.catalog import (
+    BY_NAME,
+    CORPUS,
+    DISTILLED,
+    DISTILLED_SYSTEMS,
+    DRAFT,
+    EAGLE,
+    HF,
+    LLAMACPP,
+    LLAMACPP_SYSTEMS,
+    NGRAM,
+    NONE,
+    SELF,
+    SYSTEMS,
+    SystemSpec,
+)
 from verispec.bench.report import Record
 from verispec.bench.results import runs_json, write_json, write_report
 from verispec.bench.systems import HFSystem, LlamaCppGenerate, System, VerispecSystem
-from verispec.config import AdaptConfig, PromptLookupConfig, SamplingConfig, TreeConfig
+from verispec.config import AdaptConfig, SamplingConfig, TreeConfig
 from verispec.console import stderr_console
-from verispec.datasets import load_prompts
-from verispec.drafters.ngram_corpus import DEFAULT_TABLE, is_corpus_spec
+from verispec.datasets import DEFAULT_PROMPTS, load_prompts
+from verispec.drafters import registry
+from verispec.drafters.ngram_corpus import DEFAULT_TABLE
+from verispec.drafters.registry import DrafterOptions
 from verispec.errors import VerispecError
 from verispec.models.loading import DEFAULT_DRAFT_WEIGHTS, WEIGHT_FORMATS, LoadedModel
 
-LLAMACPP_SYSTEMS = ("llamacpp-generate", "llamacpp-prompt-lookup", "llamacpp-draft-model", "verispec-llamacpp-plain", "verispec-llamacpp-draft", "verispec-llamacpp-ngram",
-                    "verispec-llamacpp-auto", "verispec-llamacpp-ngram-auto")  # need llama-cpp-python and GGUF files
-LLAMACPP_SYSTEMS += ("verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto", "verispec-llamacpp-distilled-tree",
-                     "verispec-llamacpp-distilled-tree-auto", "verispec-llamacpp-ngram-tree")
-DISTILLED_SYSTEMS = ("verispec-distilled", "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto",
-                     "verispec-llamacpp-distilled", "verispec-llamacpp-distilled-auto", "verispec-llamacpp-distilled-tree",
-                     "verispec-llamacpp-distilled-tree-auto")  # need a distilled draft (--distilled)
-# self-speculation (--draft self): the skip set of BenchConfig.self_draft; -lookup copies from the context first;
-# -adapt re-chooses the skip set while decoding
-SELF_SYSTEMS = ("verispec-self", "verispec-self-auto", "verispec-self-lookup-auto", "verispec-self-adapt-auto")
-# draft heads (BenchConfig.medusa / .eagle); -argmax drafts the head's argmax as one-hot drafts (vLLM's way);
-# -lookup copies from the context first (n-grams of 2 and more)
-HEAD_SYSTEMS = ("verispec-medusa", "verispec-medusa-auto", "verispec-medusa-tree", "verispec-eagle", "verispec-eagle-auto",
-                "verispec-eagle-tree", "verispec-eagle-tree-auto", "verispec-eagle-argmax", "verispec-eagle-lookup",
-                "verispec-eagle-lookup-auto")
-SYSTEMS = ("verispec-plain", "hf-generate", "hf-assisted", "hf-prompt-lookup", "verispec-draft", "verispec-ngram", "verispec-ngram-auto",
-           "verispec-ngram-corpus", "verispec-ngram-corpus-tree", "verispec-auto", "verispec-draft-tree", "verispec-draft-tree-auto", "verispec-ngram-tree", "verispec-distilled",
-           "verispec-distilled-auto", "verispec-distilled-tree", "verispec-distilled-tree-auto", *SELF_SYSTEMS, *HEAD_SYSTEMS, *LLAMACPP_SYSTEMS)
 SPLITS = ("all", "heldout", "train")  # Spec-Bench question ids: odd are held out from distillation (see verispec.distill)
-DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")
 
 
 @dataclass(frozen=True)
@@ -143,113 +142,113 @@ def _peer_ks(config: BenchConfig, name: str) -> list[tuple[str, int]]:
 
 def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
                   hf_target: LoadedModel | None, hf_draft: LoadedModel | None, context_window: int = 4096) -> list[System]:
+    """The systems of `config.systems` (all by default) that these models can run, in that order (catalog.py
+    describes each)."""
     wanted = config.systems or SYSTEMS
-    eos = target.eos_token_ids()
-    k = config.num_draft_tokens
-    systems: list[System] = []
-    plain = SpeculativeDecoder(target, "none")
     llama_target, llama_draft = _llamacpp_models(target, draft, wanted)
     distilled = _distilled(config, target, wanted)
     for model in (draft, llama_draft, distilled):
         if model is not None:
             model.context = config.draft_context
-    drafted = SpeculativeDecoder(target, draft) if draft is not None else None
+    models = _Models(target, draft, hf_target, hf_draft, llama_target, llama_draft, distilled, context_window)
+    systems: list[System] = []
     for name in wanted:
-        if name in DISTILLED_SYSTEMS:
-            if distilled is None or ("llamacpp" in name and llama_target is None):
-                continue
-            decoder = SpeculativeDecoder(llama_target if "llamacpp" in name else target, distilled)
-            tree = config.tree if "-tree" in name else None
-            if tree is not None and name.endswith("auto") and tree.budget is None:
-                continue  # a tree sized from measured costs is a dynamic one (a budget)
-            tuner = _tuner(decoder, tree.budget if tree is not None else k) if name.endswith("auto") else None
-            systems.append(VerispecSystem(name, decoder, k, tuner, tree=tree))
-            continue
-        if name in LLAMACPP_SYSTEMS:
-            if llama_target is None:
-                continue
-            if name == "llamacpp-generate":
-                systems.append(LlamaCppGenerate(name, llama_target.source, eos, context_window))
-            elif name == "llamacpp-prompt-lookup":
-                systems += [LlamaCppGenerate(peer, llama_target.source, eos, context_window, prompt_lookup_num_tokens=peer_k)
-                            for peer, peer_k in _peer_ks(config, name)]
-            elif name == "llamacpp-draft-model":
-                if llama_draft is not None:  # llama-cpp-python's speculative loop with the draft GGUF
-                    systems += [LlamaCppGenerate(peer, llama_target.source, eos, context_window,
-                                                 draft_gguf=llama_draft.source, num_draft_tokens=peer_k)
-                                for peer, peer_k in _peer_ks(config, name)]
-            elif name == "verispec-llamacpp-plain":  # verispec's own loop on llama.cpp's kernels, no drafter
-                systems.append(VerispecSystem(name, SpeculativeDecoder(llama_target, "none"), k))
-            elif name.startswith("verispec-llamacpp-ngram"):
-                decoder = SpeculativeDecoder(llama_target, "ngram")
-                systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None,
-                                              tree=config.tree if name.endswith("tree") else None))
-            elif llama_draft is not None:
-                decoder = SpeculativeDecoder(llama_target, llama_draft)
-                systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
-        elif name in HEAD_SYSTEMS:
-            decoder = _head_decoder(config.eagle if "-eagle" in name else config.medusa, target)
-            if decoder is None:
-                continue
-            if name.endswith("-argmax"):
-                decoder.drafter.argmax = True
-            if "-eagle" in name:  # lookup first only where named (a shipped head's manifest may turn it on)
-                decoder.drafter.lookup = PromptLookupConfig(max_ngram=4, min_ngram=2) if "-lookup" in name else None
-            tree = config.tree if "-tree" in name else None
-            tuner = _tuner(decoder, tree.budget if tree is not None else k) if name.endswith("auto") else None
-            systems.append(VerispecSystem(name, decoder, k, tuner, tree=tree))
-        elif name in SELF_SYSTEMS:
-            if "-adapt" in name and target.backend != "native":
-                continue  # the on-the-fly choice runs on the native runner's shared caches
-            systems.append(_self_system(name, config, target, k))
-        elif name == "verispec-plain":
-            systems.append(VerispecSystem(name, plain, k))
-        elif name.startswith("hf-") and (hf_target is None or (name == "hf-assisted" and hf_draft is None)):
-            continue  # Hugging Face systems need the models loaded on torch
-        elif name == "hf-generate":
-            systems.append(HFSystem(name, hf_target.model, eos))
-        elif name == "hf-prompt-lookup":
-            systems += [HFSystem(peer, hf_target.model, eos, prompt_lookup_num_tokens=peer_k)
-                        for peer, peer_k in _peer_ks(config, name)]
-        elif name in ("verispec-ngram", "verispec-ngram-auto"):
-            decoder = SpeculativeDecoder(target, "ngram")
-            systems.append(VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None))
-        elif name == "verispec-ngram-tree":
-            systems.append(VerispecSystem(name, SpeculativeDecoder(target, "ngram"), k, tree=config.tree))
-        elif name in ("verispec-ngram-corpus", "verispec-ngram-corpus-tree"):
-            corpus = _corpus_decoder(config, target)
-            if corpus is not None:
-                systems.append(VerispecSystem(name, corpus, k, tree=config.tree if name.endswith("tree") else None))
-        elif draft is None:
-            continue  # the remaining systems need a draft model
-        elif name == "hf-assisted":
-            systems.append(HFSystem(name, hf_target.model, eos, assistant_model=hf_draft.model))
-        elif name == "verispec-draft":
-            systems.append(VerispecSystem(name, drafted, k))
-        elif name == "verispec-draft-tree":
-            systems.append(VerispecSystem(name, drafted, k, tree=config.tree))
-        elif name == "verispec-draft-tree-auto" and config.tree.budget is not None:
-            assert drafted is not None  # a dynamic tree sized every step from measured pass costs
-            systems.append(VerispecSystem(name, drafted, k, _tuner(drafted, config.tree.budget), tree=config.tree))
-        elif name == "verispec-auto":
-            assert drafted is not None
-            systems.append(VerispecSystem(name, drafted, k, _tuner(drafted, k)))
+        systems += _build(BY_NAME[name], config, models)
     if config.adapt:
         adapters = {}  # one adapter per decoder (verispec-draft and verispec-auto share one)
         for system in systems:
             decoder = getattr(system, "decoder", None)
-            if decoder is not None and getattr(decoder.drafter, "adaptive", False) and id(decoder) not in adapters:
+            if decoder is not None and decoder.drafter is not None and decoder.drafter.adaptive \
+                    and id(decoder) not in adapters:
                 adapters[id(decoder)] = decoder.enable_adaptation(AdaptConfig(background=False))
     return systems
 
 
-def _self_system(name: str, config: BenchConfig, target: LoadedModel, k: int) -> System:
-    """A verispec-self* system: the target drafts for itself (lookup first, on-the-fly choice as named)."""
-    from verispec.config import SelfSpecConfig
+@dataclass
+class _Models:
+    """What the systems run on, and the decoders they share (verispec-draft, -draft-tree and -auto: one)."""
 
-    spec = SelfSpecConfig(adapt="-adapt" in name, lookup=2 if "-lookup" in name else 0)
-    decoder = SpeculativeDecoder(target, config.self_draft, self_spec=spec)
-    return VerispecSystem(name, decoder, k, _tuner(decoder, k) if name.endswith("auto") else None)
+    target: LoadedModel
+    draft: LoadedModel | None
+    hf_target: LoadedModel | None
+    hf_draft: LoadedModel | None
+    llama_target: LoadedModel | None
+    llama_draft: LoadedModel | None
+    distilled: LoadedModel | None
+    context_window: int
+    shared: dict = field(default_factory=dict)
+
+    def decoder(self, key: str, make) -> SpeculativeDecoder:
+        if key not in self.shared:
+            self.shared[key] = make()
+        return self.shared[key]
+
+
+def _build(spec: SystemSpec, config: BenchConfig, m: _Models) -> list[System]:
+    """One catalog entry's systems (several for a peer run at several K; none where its models are missing)."""
+    k = config.num_draft_tokens
+    eos = m.target.eos_token_ids()
+    if spec.needs_llamacpp and m.llama_target is None:
+        return []
+    if spec.family == HF:
+        if m.hf_target is None or (spec.drafter == DRAFT and (m.hf_draft is None or m.draft is None)):
+            return []  # Hugging Face systems need the models loaded on torch
+        if spec.drafter == NGRAM:
+            return [HFSystem(peer, m.hf_target.model, eos, prompt_lookup_num_tokens=peer_k)
+                    for peer, peer_k in _peer_ks(config, spec.name)]
+        if spec.drafter == DRAFT:
+            return [HFSystem(spec.name, m.hf_target.model, eos, assistant_model=m.hf_draft.model)]
+        return [HFSystem(spec.name, m.hf_target.model, eos)]
+    if spec.family == LLAMACPP:
+        source = m.llama_target.source
+        if spec.drafter == NGRAM:
+            return [LlamaCppGenerate(peer, source, eos, m.context_window, prompt_lookup_num_tokens=peer_k)
+                    for peer, peer_k in _peer_ks(config, spec.name)]
+        if spec.drafter == DRAFT:
+            if m.llama_draft is None:
+                return []  # llama-cpp-python's speculative loop with the draft GGUF
+            return [LlamaCppGenerate(peer, source, eos, m.context_window, draft_gguf=m.llama_draft.source,
+                                     num_draft_tokens=peer_k) for peer, peer_k in _peer_ks(config, spec.name)]
+        return [LlamaCppGenerate(spec.name, source, eos, m.context_window)]
+    decoder = _verispec_decoder(spec, config, m)
+    if decoder is None:
+        return []
+    tree = config.tree if spec.tree else None
+    if tree is not None and spec.auto and tree.budget is None:
+        return []  # a tree sized from measured costs is a dynamic one (a budget)
+    tuner = _tuner(decoder, tree.budget if tree is not None else k) if spec.auto else None
+    return [VerispecSystem(spec.name, decoder, k, tuner, tree=tree)]
+
+
+def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> SpeculativeDecoder | None:
+    """The decoder a verispec system runs (None: its drafter or models are missing here)."""
+    target = m.llama_target if spec.llamacpp else m.target
+    if spec.drafter == NONE:
+        return m.decoder(f"plain-{spec.llamacpp}", lambda: SpeculativeDecoder(target, "none"))
+    if spec.drafter == NGRAM:
+        return SpeculativeDecoder(target, "ngram")
+    if spec.drafter == CORPUS:
+        return _corpus_decoder(config, target)
+    if spec.drafter == DISTILLED:
+        return SpeculativeDecoder(target, m.distilled) if m.distilled is not None else None
+    if spec.drafter == DRAFT:
+        draft = m.llama_draft if spec.llamacpp else m.draft
+        if draft is None:
+            return None  # the remaining systems need a draft model
+        if spec.llamacpp:
+            return SpeculativeDecoder(target, draft)
+        return m.decoder("draft", lambda: SpeculativeDecoder(target, draft))
+    if spec.drafter == SELF:
+        if spec.adapt and target.backend != "native":
+            return None  # the on-the-fly choice runs on the native runner's shared caches
+        from verispec.config import SelfSpecConfig
+
+        self_spec = SelfSpecConfig(adapt=spec.adapt, lookup=2 if spec.lookup else 0)
+        return SpeculativeDecoder(target, config.self_draft, self_spec=self_spec)
+    # EAGLE: lookup first only where named (a shipped head's manifest may turn it on), n-grams of 2 and more
+    options = DrafterOptions(draft_lookup=2 if spec.lookup else 0, head_argmax=spec.argmax) \
+        if spec.drafter == EAGLE else DrafterOptions()
+    return _head_decoder(config.eagle if spec.drafter == EAGLE else config.medusa, target, options)
 
 
 def _distilled(config: BenchConfig, target: LoadedModel, wanted) -> LoadedModel | None:
@@ -265,7 +264,7 @@ def _corpus_decoder(config: BenchConfig, target: LoadedModel) -> SpeculativeDeco
     """The corpus n-gram system's decoder: the configured table, else the shipped one if it fits the target."""
     if config.ngram_table is not None:
         table = config.ngram_table
-        return SpeculativeDecoder(target, table if is_corpus_spec(table) else f"ngram-corpus:{table}")
+        return SpeculativeDecoder(target, table if registry.parse_draft(table).kind == registry.CORPUS else f"ngram-corpus:{table}")
     if not DEFAULT_TABLE.is_file():
         return None
     try:
@@ -275,12 +274,12 @@ def _corpus_decoder(config: BenchConfig, target: LoadedModel) -> SpeculativeDeco
         return None
 
 
-def _head_decoder(spec: str | None, target: LoadedModel) -> SpeculativeDecoder | None:
+def _head_decoder(spec: str | None, target: LoadedModel, options: DrafterOptions) -> SpeculativeDecoder | None:
     """The decoder of a head system, or None to skip it: no head given, or a shipped one made for another target."""
     if spec is None:
         return None
     try:
-        return SpeculativeDecoder(target, spec)
+        return SpeculativeDecoder(target, spec, options=options)
     except VerispecError as err:
         if ":" in spec:
             raise

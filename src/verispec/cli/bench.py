@@ -14,7 +14,8 @@ from verispec.errors import VerispecError
 def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="measure verispec side by side with Hugging Face (and llama.cpp) on a prompt set")
     add_model_options(b)
-    from verispec.bench.runner import SYSTEMS, BenchConfig
+    from verispec.bench.catalog import SYSTEMS
+    from verispec.bench.runner import BenchConfig
 
     b.add_argument("--prompts", help=f"Spec-Bench-format JSONL (default: {default_of(BenchConfig, 'prompts')})")
     b.add_argument("--categories", help="comma-separated Spec-Bench categories, or MT-Bench ones (coding, extraction, ...) to report them apart from mt_bench (default: all)")
@@ -43,9 +44,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from verispec.api import NGRAM, NO_DRAFT, set_threads
-    from verispec.bench.runner import SYSTEMS, BenchConfig, run_bench
-    from verispec.drafters.ngram_corpus import is_corpus_spec
+    from verispec.api import set_threads
+    from verispec.bench.catalog import BY_NAME, HF, SYSTEMS
+    from verispec.bench.runner import BenchConfig, run_bench
+    from verispec.drafters.registry import CORPUS, EAGLE, SELF, parse_draft
     from verispec.models.loading import load_model
 
     if args.report is not None:
@@ -69,22 +71,18 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, tree=tree)
     SamplingConfig(temperature=config.temperature)  # validates it before minutes of loading
     set_threads(args.threads)
-    if is_corpus_spec(args.draft) and config.ngram_table is None:
-        config = dataclasses.replace(config, ngram_table=args.draft)
-    from verispec.models.eagle3 import is_eagle_spec
-    from verispec.models.heads import is_head_spec
-    from verispec.models.skip import is_self_spec
-
-    if is_self_spec(args.draft):
-        config = dataclasses.replace(config, self_draft=args.draft)
-    if is_head_spec(args.draft):
-        config = dataclasses.replace(config, **{"eagle" if is_eagle_spec(args.draft) else "medusa": args.draft})
-    has_draft = (args.draft not in NO_DRAFT and args.draft != NGRAM and not is_corpus_spec(args.draft)
-                 and not is_self_spec(args.draft) and not is_head_spec(args.draft))
+    draft = parse_draft(args.draft)  # the bench's own systems name the other kinds; --draft sets them up
+    if draft.kind == CORPUS and config.ngram_table is None:
+        config = dataclasses.replace(config, ngram_table=draft.text)
+    if draft.kind == SELF:
+        config = dataclasses.replace(config, self_draft=draft.text)
+    if draft.is_head:
+        config = dataclasses.replace(config, **{"eagle" if draft.kind == EAGLE else "medusa": draft.text})
+    has_draft = draft.loads_model
     draft_dtype = args.draft_dtype or args.dtype
     # Hugging Face systems run the models as loaded, on torch (loaded only when one of them runs);
     # verispec's run on --backend (auto: GGUF files on verispec's own quantized CPU runner).
-    wants_hf = any(name.startswith("hf-") for name in (config.systems or SYSTEMS))
+    wants_hf = any(BY_NAME[name].family == HF for name in (config.systems or SYSTEMS))
     device, compiled = args.device, args.compile
     hf_device = device if device != "auto" or args.backend in ("auto", "torch") else "cpu"
     models = {"hf_target": load_model(args.target, args.dtype, backend="torch", device=hf_device) if wants_hf else None,

@@ -8,8 +8,16 @@ import json
 from contextlib import nullcontext
 from pathlib import Path
 
-from verispec.cli.options import (SAMPLING_OPTIONS, SPEC_OPTIONS, add_decoding_options, build_config, default_of,
-                                  load_decoder, read_prompt, tree_config)
+from verispec.cli.options import (
+    SAMPLING_OPTIONS,
+    SPEC_OPTIONS,
+    add_decoding_options,
+    build_config,
+    default_of,
+    load_decoder,
+    read_prompt,
+    tree_config,
+)
 from verispec.config import AdaptConfig, SamplingConfig, SpecConfig
 from verispec.errors import VerispecError
 
@@ -42,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     tree = tree_config(args)
     spec = dataclasses.replace(build_config(SpecConfig, args, SPEC_OPTIONS), tree=tree)
     if tree is not None:
-        from verispec.api import NO_DRAFT
+        from verispec.drafters.registry import NO_DRAFT
 
         if args.draft in NO_DRAFT:
             raise VerispecError("tree speculation needs a drafter that builds trees (a draft model or ngram), not --draft none")

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from verispec.atomic import atomic_path, atomic_write_json
+from verispec.chat import chat_ids, user_turn
 from verispec.datasets import HELDOUT, SPLIT_RULE, TRAIN, load_prompts, split_of  # noqa: F401 (re-exported)
 
 
@@ -147,9 +148,7 @@ def synthetic_prompts(files: list[Path], count: int, seed: int = 0) -> list[str]
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return chat_ids(tokenizer, user_turn(prompt))
 
 
 def write_json(path: Path, obj) -> None:

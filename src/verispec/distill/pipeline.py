@@ -19,6 +19,7 @@ import torch
 
 from verispec.atomic import atomic_write_json
 from verispec.console import notice, stderr_console
+from verispec.datasets import DEFAULT_PROMPTS
 from verispec.distill.data import (
     HELDOUT,
     SPLIT_RULE,
@@ -40,7 +41,7 @@ class LabelConfig:
     (at most `per_category` per category), plus `synthetic` instructions built from package files;
     answers of at most `max_new_tokens` at `temperature` (0: greedy); top-`k` labels per position."""
 
-    prompts: str = "../shared/datasets/spec_bench/question.jsonl"
+    prompts: str = str(DEFAULT_PROMPTS)
     split: str = TRAIN
     per_category: int | None = None
     synthetic: int = 0

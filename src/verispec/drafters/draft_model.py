@@ -6,7 +6,7 @@ bonus token), then drafts one token per forward pass. After verification, the dr
 target rejected are rolled back out of its cache.
 
 Trees (`propose_tree`): the same catch-up pass gives the root's children; then one pass per depth
-evaluates the nodes chosen for expansion with the tree's ancestor mask (`ModelRunner.forward_tree`),
+evaluates the nodes chosen for expansion with the tree's ancestor mask (`TreeRunner.forward_tree`),
 and their children are drawn (`verispec.drafters.tree_growth`). After verification the accepted
 path's entries are compacted into the draft's cache and the other nodes dropped (`commit_tree`).
 Lookup first (`lookup`, off unless configured): at each draft position where the context (with the
@@ -17,7 +17,7 @@ token was drawn from, so verification stays exact. In a tree, a node whose path 
 n-gram gets the copied token as its first child (one-hot q; with sampled children, its only child).
 A tiny draft gains most: on its validation set the copied tokens agree with the target far more
 often than its own guesses (see verispec.distill).
-Dynamic draft length (a sequence's `draft_stop`, see `verispec.drafters.stopping`): a chain stops where
+Dynamic draft length (a sequence's `draft_stop`, see `verispec.core.stopping`): a chain stops where
 the calibrated chance that all its drafts are accepted no longer pays for the next token; `fed` counts
 the drafts that went into the draft's cache (all kept ones where a chain ends by dropping its next draft).
 Online adaptation (`adapt`, see `verispec.adapt` and `draft_adapt.py`) trains a copy of the draft in
@@ -32,14 +32,14 @@ import threading
 import torch
 
 from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
-from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.protocols import Runner, RunnerState, TreeRunner
+from verispec.core.sequence import Sequence
+from verispec.core.stopping import AcceptanceCalibration
 from verispec.drafters.prompt_lookup import lookup, lookup_match
-from verispec.drafters.stopping import AcceptanceCalibration
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
-from verispec.models.runner import KVState, ModelRunner
 from verispec.sampling import greedy_tokens, logits_to_probs, sample, seen_masks
-from verispec.sequence import Sequence
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
 
@@ -62,7 +62,7 @@ class DraftModelDrafter(Drafter):
     stops_chains = True
     chunked_prefill = True
 
-    def __init__(self, runner: ModelRunner, target_vocab_size: int, lookup: PromptLookupConfig | None = None,
+    def __init__(self, runner: Runner, target_vocab_size: int, lookup: PromptLookupConfig | None = None,
                  context: int | None = None) -> None:
         if context is not None and context < 1:
             raise VerispecError(f"a draft's context must be at least 1 token, got {context}")
@@ -70,11 +70,11 @@ class DraftModelDrafter(Drafter):
         self.target_vocab_size = target_vocab_size
         self.lookup = lookup
         self.context = context
-        self.state: KVState | None = None
+        self.state: RunnerState | None = None
         self.cached: list[int] = []  # per row: how many of the sequence's tokens the draft cache holds
         self.fed: list[int] = []  # per row, after propose: draft tokens fed to the draft model
         self.stop_keys: list[list[tuple]] = []  # per row, after propose: calibration keys of its drafts
-        self.calibration = AcceptanceCalibration()  # where chains stop (seq.draft_stop, see drafters.stopping)
+        self.calibration = AcceptanceCalibration()  # where chains stop (seq.draft_stop, see core.stopping)
         self.tree_slots: list[list[int]] = []  # per row, after propose_tree: each node's cache slot (-1: not fed)
         self.adapt_config = AdaptConfig()
         self.trainer = None  # a DraftTrainer, made at the first update
@@ -83,7 +83,7 @@ class DraftModelDrafter(Drafter):
 
     @property
     def supports_trees(self) -> bool:
-        return hasattr(self.runner, "forward_tree")
+        return isinstance(self.runner, TreeRunner)
 
     def cache_bytes(self, tokens: int) -> int:
         return self.runner.cache_bytes(tokens)

@@ -35,13 +35,15 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
-from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, draw_token, penalty_seen
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.protocols import FeatureRunner
+from verispec.core.sequence import Sequence
+from verispec.drafters.drawing import draw_token, penalty_seen
 from verispec.drafters.head_adapt import AdaptiveHead, HeadAdaptation, HeadTrainer, eagle_loss
 from verispec.drafters.prompt_lookup import lookup
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.models.eagle3 import Eagle3Head
-from verispec.sequence import Sequence
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
 
@@ -80,7 +82,7 @@ class EagleDrafter(AdaptiveHead, Drafter):
 
     def __init__(self, target, head: Eagle3Head, argmax: bool = False, native: bool | None = None,
                  lookup: PromptLookupConfig | None = None) -> None:
-        if not hasattr(target, "aux_layers") or not hasattr(target, "token_embeddings"):
+        if not isinstance(target, FeatureRunner):
             raise VerispecError(f"EAGLE heads read the target's hidden states; the '{type(target).__name__}' "
                                 "runner does not give them (use --backend native or torch)")
         from verispec.models.skip import num_layers

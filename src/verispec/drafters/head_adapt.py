@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.adapt import ExampleBuffer
 from verispec.config import AdaptConfig
+from verispec.core.adaptation import ExampleBuffer
 from verispec.drafters.draft_adapt import optimizer_steps
 from verispec.models.eagle3 import Eagle3Head
 from verispec.models.eagle3_ttt import Sample, training_batch, unrolled

@@ -24,12 +24,14 @@ import time
 import torch
 
 from verispec.config import AdaptConfig, TreeConfig
-from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, draw_token, penalty_seen
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.protocols import FeatureRunner
+from verispec.core.sequence import Sequence
+from verispec.drafters.drawing import draw_token, penalty_seen
 from verispec.drafters.head_adapt import AdaptiveHead, HeadAdaptation, HeadTrainer, medusa_loss
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.models.medusa import MedusaHeads
-from verispec.sequence import Sequence
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
 
@@ -45,7 +47,7 @@ class MedusaDrafter(AdaptiveHead, Drafter):
     head_attribute = "heads"
 
     def __init__(self, target, heads: MedusaHeads) -> None:
-        if not hasattr(target, "keep_features"):
+        if not isinstance(target, FeatureRunner):
             raise VerispecError(f"Medusa heads read the target's hidden states; the '{type(target).__name__}' "
                                 "runner does not give them (use --backend native or torch)")
         self.target, self.heads = target, heads

@@ -28,22 +28,17 @@ from pathlib import Path
 import torch
 
 from verispec.config import NGramConfig, TreeConfig
-from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.sequence import Sequence
 from verispec.errors import VerispecError
 from verispec.ngram.table import NGramCounts, NGramTable
 from verispec.sampling import sample
-from verispec.sequence import Sequence
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft, breadth_first, tree_from_parents
 
 SPEC_PREFIX = "ngram-corpus"
 TABLE_SUFFIX = ".ngram"
 DEFAULT_TABLE = Path(__file__).resolve().parent.parent / "ngram" / "data" / "default.ngram"
 DEFAULT_TABLE_SHA256 = "6115bc26278c57dcf32b605b805d529479946eb39329d7143e4d678b655ef466"  # see data/SOURCE.txt
-
-
-def is_corpus_spec(spec: object) -> bool:
-    """Whether a --draft spec names the corpus n-gram drafter: ngram-corpus, ngram-corpus:PATH or PATH.ngram."""
-    return isinstance(spec, str) and (spec == SPEC_PREFIX or spec.startswith(SPEC_PREFIX + ":") or spec.endswith(TABLE_SUFFIX))
 
 
 def table_path(spec: str) -> Path:
@@ -164,7 +159,7 @@ class CorpusNGramDrafter(Drafter):
 
     @classmethod
     def from_spec(cls, spec: str, tokenizer, vocab_size: int, config: NGramConfig = NGramConfig()) -> CorpusNGramDrafter:
-        """Load the table a spec names (see `is_corpus_spec`), checking it was built with `tokenizer`."""
+        """Load the table a spec names (`ngram-corpus[:TABLE]` or `X.ngram`), checking it was built with `tokenizer`."""
         return cls(NGramTable.load(table_path(spec), tokenizer), vocab_size, config)
 
     # --- batch rows ------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ Trees: the continuations of several earlier matches (longest n-gram first, most 
 are merged into a trie, so candidates that share a start share nodes. A static shape caps each
 node's children per depth; a budget caps the trie's nodes (its depth is K).
 
-Chains stop early under a sequence's `draft_stop` (see verispec.drafters.stopping): the chance that a
+Chains stop early under a sequence's `draft_stop` (see verispec.core.stopping): the chance that a
 copied token is accepted is calibrated online by the length of the match it follows: how many tokens
 before the copy agree with the context's end, counted past the n-gram that found it (up to MAX_MATCH).
 """
@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from verispec.config import PromptLookupConfig, TreeConfig
-from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter
-from verispec.drafters.stopping import AcceptanceCalibration, chain_length
-from verispec.sequence import Sequence
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.sequence import Sequence
+from verispec.core.stopping import AcceptanceCalibration, chain_length
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft, breadth_first, tree_from_parents
 
 MAX_MATCHES = 64  # continuations read per trie; more only cost time
@@ -118,7 +118,7 @@ class PromptLookupDrafter(Drafter):
 
     def __init__(self, config: PromptLookupConfig = PromptLookupConfig()) -> None:
         self.config = config
-        self.calibration = AcceptanceCalibration()  # where chains stop (seq.draft_stop, see drafters.stopping)
+        self.calibration = AcceptanceCalibration()  # where chains stop (seq.draft_stop, see core.stopping)
         self.stop_keys: list[list[tuple]] = []  # per row, after propose: calibration keys of its drafts
 
     def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:

@@ -39,13 +39,13 @@ from __future__ import annotations
 import torch
 
 from verispec.config import PromptLookupConfig, SelfSpecConfig, TreeConfig
-from verispec.drafters.base import EMPTY_DRAFT, Draft
+from verispec.core.drafter import EMPTY_DRAFT, Draft
+from verispec.core.sequence import Sequence
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.self_adapt import SkipChooser, SublayerCosts
 from verispec.errors import VerispecError
 from verispec.models.skip import SkipSet, check_skippable
 from verispec.models.skipping import SkipRunner, skipping_module
-from verispec.sequence import Sequence
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
 

@@ -38,11 +38,6 @@ CONFIG = "config.json"
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
-def is_eagle_spec(draft: object) -> bool:
-    """`eagle` (the shipped head) or `eagle:DIR`."""
-    return isinstance(draft, str) and (draft == EAGLE or draft.startswith(EAGLE + ":"))
-
-
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """The layers whose entering hidden states EAGLE-3 fuses when a checkpoint names none: 2, L/2, L-3."""
     clamp = lambda i: min(max(i, 0), num_layers - 1)  # noqa: E731 - tiny models in the tests

@@ -1,4 +1,4 @@
-"""Draft heads (Medusa, EAGLE-3) as drafters: `--draft medusa[:DIR]`, `--draft eagle[:DIR]`.
+"""Draft heads' files (Medusa, EAGLE-3): the shipped heads, their manifests, and what heads read of a target.
 
 A bare `medusa` / `eagle` names the head shipped inside the package for the default target (assets/), each
 with a `manifest.json`: the sha256 of every file (checked on load, like the distilled draft's) and the
@@ -18,18 +18,14 @@ import torch
 
 from verispec.atomic import atomic_write_json
 from verispec.errors import VerispecError
-from verispec.models.eagle3 import EAGLE, is_eagle_spec
-from verispec.models.medusa import MEDUSA, is_medusa_spec
-from verispec.models.skip import fingerprint, num_layers, same_model
+from verispec.models.eagle3 import EAGLE
+from verispec.models.medusa import MEDUSA
+from verispec.models.skip import fingerprint, same_model
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED = {MEDUSA: ASSETS / "medusa-qwen2.5-coder-1.5b", EAGLE: ASSETS / "eagle3-qwen2.5-coder-1.5b"}
 MANIFEST = "manifest.json"
 TRAINERS = {MEDUSA: "--kind medusa", EAGLE: "--kind eagle3"}
-
-
-def is_head_spec(draft: object) -> bool:
-    return is_medusa_spec(draft) or is_eagle_spec(draft)
 
 
 def write_manifest(folder: Path, runner, extra: dict | None = None) -> None:
@@ -68,28 +64,6 @@ def hidden_size(runner) -> int:
         raise VerispecError(f"the '{type(runner).__name__}' runner gives no hidden states for draft heads "
                             "(use --backend native or torch)")
     return int(model.config.hidden_size)
-
-
-def head_drafter(draft: str, runner):
-    """The drafter of a head spec on this target's runner."""
-    kind = MEDUSA if is_medusa_spec(draft) else EAGLE
-    if not hasattr(runner, "keep_features" if kind == MEDUSA else "aux_layers"):
-        raise VerispecError(f"{kind} heads read the target's hidden states; the '{type(runner).__name__}' "
-                            "runner does not give them (use --backend native or torch)")
-    folder = shipped_head(kind, runner) if draft == kind else Path(draft[len(kind) + 1 :])
-    if kind == MEDUSA:
-        from verispec.drafters.medusa import MedusaDrafter
-        from verispec.models.medusa import load_medusa
-
-        return MedusaDrafter(runner, load_medusa(folder, hidden_size(runner), runner.vocab_size))
-    from verispec.config import PromptLookupConfig
-    from verispec.drafters.eagle import EagleDrafter
-    from verispec.models.eagle3 import load_eagle3
-
-    head = load_eagle3(folder, hidden_size(runner), runner.vocab_size, num_layers(runner))
-    manifest = json.loads((folder / MANIFEST).read_text()) if (folder / MANIFEST).is_file() else {}
-    lookup = manifest.get("draft_lookup")  # lookup first, as measured best for a shipped head
-    return EagleDrafter(runner, head, lookup=PromptLookupConfig(**lookup) if lookup else None)
 
 
 def lm_head_rows(runner, ids: torch.Tensor) -> torch.Tensor:

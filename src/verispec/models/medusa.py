@@ -28,11 +28,6 @@ CONFIG = "config.json"
 WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
 
-def is_medusa_spec(draft: object) -> bool:
-    """`medusa` (a shipped head) or `medusa:DIR`."""
-    return isinstance(draft, str) and (draft == MEDUSA or draft.startswith(MEDUSA + ":"))
-
-
 class ResBlock(torch.nn.Module):
     def __init__(self, hidden: int) -> None:
         super().__init__()

@@ -261,10 +261,6 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 SELF = "self"
 
 
-def is_self_spec(draft: object) -> bool:
-    return isinstance(draft, str) and (draft == SELF or draft.startswith(SELF + ":"))
-
-
 def tuned_folders() -> list[Path]:
     """Where `--draft self` looks for a skip set searched for its target: the cache (`verispec self-tune`'s
     default output), then the sets shipped with the package."""

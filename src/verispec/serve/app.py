@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.api import SpeculativeDecoder
 from verispec.config import ServeConfig
-from verispec.sequence import Sequence
+from verispec.core.sequence import Sequence
 from verispec.serve import protocol as wire
 from verispec.serve.gate import Gate
 from verispec.serve.metrics import Metrics

@@ -10,10 +10,12 @@ a 4xx naming the field, never a traceback.
 
 from __future__ import annotations
 
-from verispec.api import NO_DRAFT, SpeculativeDecoder
+from verispec.api import SpeculativeDecoder
+from verispec.chat import chat_text, chat_text_ids
 from verispec.config import SamplingConfig, ServeConfig, SpecConfig
+from verispec.core.sequence import Sequence
+from verispec.drafters.registry import NO_DRAFT
 from verispec.errors import VerispecError
-from verispec.sequence import Sequence
 from verispec.serve import protocol as wire
 from verispec.serve.protocol import APIError, ChatRequest, CompletionRequest, GenerationRequest
 
@@ -53,11 +55,11 @@ class RequestBuilder:
         tok = self.decoder.target.tokenizer
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = chat_text(tok, messages)
         except Exception as err:  # the template's own checks (e.g. role order) fail with its own errors
             raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
         try:
-            return list(tok(text, add_special_tokens=False)["input_ids"])
+            return chat_text_ids(tok, text)
         except Exception as err:
             raise APIError(400, f"the messages cannot be tokenized: {type(err).__name__}", param="messages") from None
 

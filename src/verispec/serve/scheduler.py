@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from verispec.batch import DecodeBatch
+from verispec.core.sequence import Sequence
 from verispec.engine import SpeculativeEngine
-from verispec.sequence import Sequence
 from verispec.stats import GenerationStats
 
 log = logging.getLogger("verispec.serve")

@@ -29,8 +29,9 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from verispec.analyze import AnalyzeConfig, measured_from_bench, speedup_table
-from verispec.api import NGRAM, SpeculativeDecoder
+from verispec.api import SpeculativeDecoder
 from verispec.config import MAX_TEMPERATURE, TREE_CHILDREN, SamplingConfig, ServeConfig, SpecConfig, TreeConfig
+from verispec.drafters.registry import NGRAM
 from verispec.errors import VerispecError
 from verispec.render import StreamPrinter
 from verispec.trace import Tracer, tracing

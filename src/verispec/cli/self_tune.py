@@ -18,7 +18,7 @@ def _default(cls, name):
 
 
 def add_parser(sub) -> None:
-    from verispec.bench.runner import DEFAULT_PROMPTS
+    from verispec.datasets import DEFAULT_PROMPTS
     from verispec.models.registry import DEFAULT_TARGET
     from verispec.selfspec.search import SelfTuneConfig
 

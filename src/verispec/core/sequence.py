@@ -1,4 +1,4 @@
-"""The per-sequence state the engine and drafters share."""
+"""The per-sequence state the engine and drafters share, and what one step did for a sequence (`StepEvent`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from verispec.config import SamplingConfig, SpecConfig
 from verispec.stats import GenerationStats
 
 if TYPE_CHECKING:
+    from verispec.core.stopping import DraftStop
     from verispec.detokenize import IncrementalText
-    from verispec.drafters.stopping import DraftStop
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Sequence:
     drafting: False decodes this sequence plainly (no drafts, one token per target pass) in any batch.
     target_cached: how many of `tokens` the target's KV cache holds.
     draft_stop: where this step's draft chain stops early (set by the engine each step from
-        spec.draft_stop or an auto-tuner's costs; None: the drafter drafts its budget). See drafters.stopping.
+        spec.draft_stop or an auto-tuner's costs; None: the drafter drafts its budget). See core.stopping.
     finish_reason: None while running, then "eos", "stop" or "length" ("cancelled" when removed early, "error"
         when a fault in this sequence's own work ended it: see `error`).
     error: the exception that ended the sequence (finish_reason "error"), else None.
@@ -59,3 +59,24 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one step committed for one sequence.
+
+    sequence: index in the caller's batch.
+    accepted: draft tokens the target accepted (all committed unless the sequence ended inside them);
+        for a tree, the tokens of the accepted path.
+    token: the recovered token (bonus=False) or the bonus token (bonus=True).
+    committed: tokens appended to the output this step, after any EOS / stop / length cut.
+    finish_reason: None while the sequence runs on; "eos", "stop" or "length" at its end; "error" when a fault
+        ended it (`Sequence.error`; committed and token are then empty and -1).
+    """
+
+    sequence: int
+    accepted: tuple[int, ...]
+    token: int
+    bonus: bool
+    committed: tuple[int, ...]
+    finish_reason: str | None

@@ -1,4 +1,4 @@
-"""The drafter interface: every drafting method proposes through it, one verifier checks them all.
+"""The drafter contract: every drafting method proposes through it, one verifier checks them all.
 
 A drafter proposes, for each sequence of a batch, up to n draft tokens together with the
 distributions q they were sampled from. A deterministic drafter returns q = None, which the
@@ -6,7 +6,8 @@ verifier treats as one-hot (Leviathan et al. hold for any q, one-hot included).
 
 Drafters that can also propose a tree of candidates (`supports_trees`) implement `propose_tree`
 and `commit_tree`; the chain methods stay as they are. The verification math lives in
-`verispec.rejection` for both.
+`verispec.rejection` for both. The engine knows drafters only through this class; the drafters
+themselves live in `verispec.drafters`.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from verispec.config import TreeConfig
+from verispec.core.sequence import Sequence
 from verispec.errors import VerispecError
-from verispec.sampling import greedy_tokens, logits_to_probs, sample, seen_masks
-from verispec.sequence import Sequence
 from verispec.tree import TreeDraft
 
 if TYPE_CHECKING:
-    from verispec.adapt import AdaptExample
+    from verispec.core.adaptation import AdaptExample
 
 
 @dataclass(frozen=True)
@@ -46,30 +46,12 @@ class Draft:
 EMPTY_DRAFT = Draft(torch.zeros(0, dtype=torch.long))
 
 
-def penalty_seen(seq: Sequence, drafted: list[int], vocab: int) -> torch.Tensor | None:
-    """(1, V) tokens the repetition penalty applies to after the context and these drafts; None without one."""
-    if seq.sampling.repetition_penalty == 1.0:
-        return None
-    context = torch.tensor(seq.tokens + drafted, dtype=torch.long)
-    return seen_masks(context, context[:0], vocab)
-
-
-def draw_token(logits: torch.Tensor, seq: Sequence, drafted: list[int]) -> tuple[int, torch.Tensor | None]:
-    """A chain's next draft token from a head's (1, V) logits after `drafted`, processed like the target's
-    (temperature, top-k, top-p, repetition penalty): the argmax when greedy (q None), else a sample and its q (V,)."""
-    seen = penalty_seen(seq, drafted, logits.shape[-1])
-    if seq.sampling.greedy:
-        return int(greedy_tokens(logits, seq.sampling, seen)[0]), None
-    q = logits_to_probs(logits, seq.sampling, seen)[0]  # (V,)
-    return sample(q, seq.rng), q
-
-
 class Drafter(ABC):
     """Base class for drafters. Sequences are passed in batch order on every call."""
 
     name: str = "drafter"
     adaptive: bool = False  # True for drafters that implement `adapt` (online adaptation, verispec.adapt)
-    stops_chains: bool = False  # True for drafters whose chains honour a sequence's `draft_stop` (drafters.stopping)
+    stops_chains: bool = False  # True for drafters whose chains honour a sequence's `draft_stop` (core.stopping)
     # True for drafters that follow a prompt the target reads over several steps (chunked prefill, verispec.batch):
     # those that read only the sequence's tokens. Heads and self-speculation read the target's pass itself.
     chunked_prefill: bool = False

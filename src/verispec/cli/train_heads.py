@@ -38,7 +38,7 @@ def _options() -> dict[str, dict[str, object]]:
 
 
 def add_parser(sub) -> None:
-    from verispec.bench.runner import DEFAULT_PROMPTS
+    from verispec.datasets import DEFAULT_PROMPTS
     from verispec.models.registry import DEFAULT_TARGET
 
     t = sub.add_parser("train-heads", help="train draft heads (Medusa, EAGLE-3) on the target's own answers")
@@ -99,9 +99,9 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise VerispecError(f"the prompts in {args.data} tokenise to nothing")
     if args.kind == "eagle3":
-        from verispec.heads.eagle3_cli import train_eagle3
+        from verispec.heads.eagle3_run import train_eagle3
 
         return train_eagle3(decoder, prompts, config, partial, args.device)
-    from verispec.heads.medusa_cli import train_medusa
+    from verispec.heads.medusa_run import train_medusa
 
     return train_medusa(decoder, prompts, config, partial, args.device)

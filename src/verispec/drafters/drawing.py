@@ -1,0 +1,26 @@
+"""Drawing a draft token the way the target's would be drawn: shared by the drafters that sample from logits."""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.core.sequence import Sequence
+from verispec.sampling import greedy_tokens, logits_to_probs, sample, seen_masks
+
+
+def penalty_seen(seq: Sequence, drafted: list[int], vocab: int) -> torch.Tensor | None:
+    """(1, V) tokens the repetition penalty applies to after the context and these drafts; None without one."""
+    if seq.sampling.repetition_penalty == 1.0:
+        return None
+    context = torch.tensor(seq.tokens + drafted, dtype=torch.long)
+    return seen_masks(context, context[:0], vocab)
+
+
+def draw_token(logits: torch.Tensor, seq: Sequence, drafted: list[int]) -> tuple[int, torch.Tensor | None]:
+    """A chain's next draft token from a head's (1, V) logits after `drafted`, processed like the target's
+    (temperature, top-k, top-p, repetition penalty): the argmax when greedy (q None), else a sample and its q (V,)."""
+    seen = penalty_seen(seq, drafted, logits.shape[-1])
+    if seq.sampling.greedy:
+        return int(greedy_tokens(logits, seq.sampling, seen)[0]), None
+    q = logits_to_probs(logits, seq.sampling, seen)[0]  # (V,)
+    return sample(q, seq.rng), q

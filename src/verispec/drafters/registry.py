@@ -1,0 +1,280 @@
+"""Every drafter kind in one table: a `--draft` spec is parsed once (`parse_draft`) into a `DraftSpec`, and its kind's
+entry in `KINDS` builds the drafter. The API, the CLI, the server, the bench and the live view all go through here.
+
+    none | off                   plain decoding (no drafter)
+    ngram                        prompt lookup (`prompt_lookup.py`)
+    ngram-corpus[:TABLE], X.ngram  corpus n-grams (`ngram_corpus.py`)
+    self, self:SKIP, self:FILE   the target with sublayers skipped (`self_draft.py`)
+    medusa[:DIR]                 Medusa heads on the target's hidden states (`medusa.py`)
+    eagle[:DIR]                  an EAGLE-3 head on the target's fused features (`eagle.py`)
+    anything else                a draft model: a named default, a Hugging Face directory, a .gguf file or a
+                                 distilled draft (`draft_model.py`)
+
+Adding a drafter: its module under `drafters/` and one `DrafterKind` in `KINDS`, or, outside verispec,
+`register_drafter(DrafterKind(...))` (docs/custom-drafter.md has a working example). Kinds are tried in order; the
+first whose `matches` accepts the text wins, and the model kind comes last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from verispec.config import NGramConfig, PromptLookupConfig, SelfSpecConfig
+from verispec.core.drafter import Drafter
+from verispec.errors import VerispecError
+
+NONE, NGRAM, CORPUS, SELF, MEDUSA, EAGLE, MODEL = "none", "ngram", "ngram-corpus", "self", "medusa", "eagle", "model"
+NO_DRAFT = ("none", "off")
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """A parsed `--draft`: its kind (a key of KINDS), the text as given and its argument (what follows "kind:", or
+    a model's name or path; None when absent)."""
+
+    kind: str
+    text: str
+    arg: str | None = None
+
+    @property
+    def drafts(self) -> bool:
+        """Whether this spec drafts at all (not plain decoding)."""
+        return self.kind != NONE
+
+    @property
+    def loads_model(self) -> bool:
+        """Whether this spec loads a draft model of its own (the others draft from the context or the target)."""
+        return self.kind == MODEL
+
+    @property
+    def is_head(self) -> bool:
+        return self.kind in (MEDUSA, EAGLE)
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """What the drafter kinds read besides their spec; one source of defaults (`config.py` holds each part's).
+
+    prompt_lookup: n-gram sizes of the `ngram` drafter.
+    ngram: settings of the corpus n-gram drafter.
+    self_spec: settings of self-speculation.
+    draft_lookup: N > 0 makes a draft model, an EAGLE head or the self drafter copy from the context first where
+        its last n-gram (n >= N) occurred before; 0 turns that off; None keeps the drafter's own setting.
+    draft_context: a draft model reads only the last N tokens of each prompt (None: all).
+    head_argmax: an EAGLE head drafts its argmax as one-hot drafts (vLLM's way) instead of sampling from its q.
+    draft_dtype, draft_weights, backend, device, compile: how a draft model is loaded (`models.loading`).
+    """
+
+    prompt_lookup: PromptLookupConfig = PromptLookupConfig()
+    ngram: NGramConfig = NGramConfig()
+    self_spec: SelfSpecConfig = SelfSpecConfig()
+    draft_lookup: int | None = None
+    draft_context: int | None = None
+    head_argmax: bool = False
+    draft_dtype: str | None = None
+    draft_weights: str | None = None
+    backend: str | None = None
+    device: str = "cpu"
+    compile: bool = False
+
+
+@dataclass
+class Built:
+    """A kind's product: the drafter (None: plain decoding), the name it is reported by, and notes for the CLI
+    (`skip_source`: where the self drafter's skip set came from; `draft_weights`: a draft model's weights)."""
+
+    drafter: Drafter | None
+    name: str
+    skip_source: str | None = None
+    draft_weights: str | None = None
+    context_window: int | None = None  # a draft model's own limit, where it is below the target's
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One row of the table: `matches(text)` claims a spec, `build(spec, target, runner, options)` makes its
+    drafter (a `Built`, or the Drafter alone) for a loaded target (`models.loading.LoadedModel`) and its runner."""
+
+    name: str
+    summary: str
+    matches: Callable[[str], bool]
+    build: Callable[[DraftSpec, object, object, DrafterOptions], Built | Drafter]
+    arg_prefix: bool = True  # "kind:ARG" carries an argument
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+
+
+def lookup_first(n: int) -> PromptLookupConfig | None:
+    """A drafter's "lookup first" n-gram sizes for --draft-lookup N: n-grams of N and more (at least up to 4);
+    0 turns it off."""
+    if n < 0:
+        raise VerispecError(f"draft lookup needs an n-gram size >= 1 (0 turns it off), got {n}")
+    return PromptLookupConfig(max_ngram=max(4, n), min_ngram=n) if n else None
+
+
+# --- the kinds' builders ---------------------------------------------------------------------------
+def _none(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+    return Built(None, NONE)
+
+
+def _ngram(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+    from verispec.drafters.prompt_lookup import PromptLookupDrafter
+
+    return Built(PromptLookupDrafter(options.prompt_lookup), NGRAM)
+
+
+def _corpus(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+    from verispec.drafters.ngram_corpus import CorpusNGramDrafter
+
+    return Built(CorpusNGramDrafter.from_spec(spec.text, target.tokenizer, runner.vocab_size, options.ngram), spec.text)
+
+
+def _self(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+    from verispec.drafters.self_draft import SelfDrafter
+    from verispec.models.skip import resolve_skip
+
+    self_spec = options.self_spec
+    if options.draft_lookup:
+        self_spec = replace(self_spec, lookup=options.draft_lookup)
+    skip, source = resolve_skip(spec.text, runner, target.name)
+    drafter = SelfDrafter(runner, skip, self_spec, lookup_first(self_spec.lookup))
+    return Built(drafter, f"self:{skip.spec}", skip_source=source)
+
+
+def _head(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+    from verispec.drafters.heads import head_drafter
+
+    drafter = head_drafter(spec.kind, spec.arg, runner)
+    if options.head_argmax:
+        if spec.kind == MEDUSA:
+            raise VerispecError("argmax drafting is an EAGLE head's option; Medusa heads draft as they were trained")
+        drafter.argmax = True
+    if options.draft_lookup is not None:
+        if spec.kind == MEDUSA:
+            raise VerispecError("--draft-lookup: Medusa heads draft every position from one hidden state; "
+                                "lookup first works with --draft eagle")
+        drafter.lookup = lookup_first(options.draft_lookup)
+    return Built(drafter, spec.text)
+
+
+def _model(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+    from verispec.models.loading import (
+        DEFAULT_BACKEND,
+        DEFAULT_DRAFT_WEIGHTS,
+        DEFAULT_DTYPE,
+        distilled_path,
+        load_distilled_draft,
+        load_model,
+    )
+
+    weights = options.draft_weights or DEFAULT_DRAFT_WEIGHTS
+    if distilled_path(spec.text) is not None:
+        loaded = load_distilled_draft(spec.text, target, weights)
+    else:
+        loaded = load_model(spec.text, options.draft_dtype or DEFAULT_DTYPE, weights,
+                            options.backend or DEFAULT_BACKEND, options.device, options.compile)
+    if options.draft_lookup is not None:
+        loaded.lookup = lookup_first(options.draft_lookup)
+    loaded.context = options.draft_context  # checked by DraftModelDrafter
+    return model_drafter(loaded, target, runner)
+
+
+def model_drafter(loaded, target, runner) -> Built:
+    """A loaded draft model's drafter for this target (same tokenizer; a reduced vocabulary mapped to the target's)."""
+    from verispec.drafters.draft_model import DraftModelDrafter
+    from verispec.models.distilled import VocabMap
+    from verispec.models.loading import check_same_tokenizer
+
+    check_same_tokenizer(target, loaded)
+    if loaded.vocab is not None and loaded.vocab.to_draft.numel() != runner.vocab_size:
+        loaded.vocab = VocabMap.from_target_ids(loaded.vocab.to_target, runner.vocab_size)
+    draft_runner = loaded.make_runner()
+    drafter = DraftModelDrafter(draft_runner, runner.vocab_size, loaded.lookup, loaded.context)
+    return Built(drafter, loaded.name, draft_weights=loaded.weights, context_window=draft_runner.context_window)
+
+
+def _prefixed(name: str) -> Callable[[str], bool]:
+    return lambda text: text == name or text.startswith(name + ":")
+
+
+def _is_corpus(text: str) -> bool:
+    from verispec.drafters.ngram_corpus import TABLE_SUFFIX
+
+    return _prefixed(CORPUS)(text) or text.endswith(TABLE_SUFFIX)
+
+
+KINDS: tuple[DrafterKind, ...] = (
+    DrafterKind(NONE, "plain decoding", lambda text: text in NO_DRAFT, _none, arg_prefix=False, aliases=("off",)),
+    DrafterKind(NGRAM, "prompt lookup: copies from the context", lambda text: text == NGRAM, _ngram, arg_prefix=False),
+    DrafterKind(CORPUS, "corpus n-grams (`verispec ngram build`)", _is_corpus, _corpus),
+    DrafterKind(SELF, "self-speculation: the target with sublayers skipped", _prefixed(SELF), _self),
+    DrafterKind(MEDUSA, "Medusa heads on the target's hidden states", _prefixed(MEDUSA), _head),
+    DrafterKind(EAGLE, "an EAGLE-3 head on the target's fused features", _prefixed(EAGLE), _head),
+    DrafterKind(MODEL, "a draft model: named default, HF directory, .gguf or distilled draft", lambda text: True,
+                _model, arg_prefix=False),
+)
+_kinds: list[DrafterKind] = list(KINDS)  # KINDS and those registered since, the model kind last
+
+
+def register_drafter(kind: DrafterKind) -> None:
+    """Add a drafter kind (before the model kind, which takes every text no other kind claims). One clear line for a
+    name already taken."""
+    if any(k.name == kind.name or kind.name in k.aliases for k in _kinds):
+        raise VerispecError(f"a drafter kind named '{kind.name}' is already registered")
+    _kinds.insert(len(_kinds) - 1, kind)
+
+
+PLUGINS = "verispec.drafters"  # entry-point group: a package names its DrafterKind there to add a --draft kind
+_plugins_loaded = False
+
+
+def _load_plugins() -> None:
+    """Register the kinds installed packages declare under the `verispec.drafters` entry-point group (once)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group=PLUGINS):
+        try:
+            kind = point.load()
+        except Exception as err:  # a broken plugin is named, not a traceback from inside it
+            raise VerispecError(f"the drafter plugin '{point.name}' ({point.value}) failed to load: {err}") from None
+        if not isinstance(kind, DrafterKind):
+            raise VerispecError(f"the drafter plugin '{point.name}' ({point.value}) is not a DrafterKind")
+        if all(k.name != kind.name for k in _kinds):
+            register_drafter(kind)
+
+
+def kinds() -> tuple[DrafterKind, ...]:
+    """Every drafter kind, in the order specs are matched (installed plugins included)."""
+    _load_plugins()
+    return tuple(_kinds)
+
+
+def parse_draft(text: str) -> DraftSpec:
+    """`--draft` text -> its spec (one clear line for an empty one)."""
+    if not isinstance(text, str) or not text.strip():
+        raise VerispecError("--draft is empty: name a drafter (ngram, self, eagle, medusa, a model) or 'none'")
+    text = text.strip()
+    for kind in kinds():
+        if kind.matches(text):
+            arg = text[len(kind.name) + 1 :] if kind.arg_prefix and text.startswith(kind.name + ":") else None
+            if kind.name == MODEL or (kind.name == CORPUS and not text.startswith(CORPUS)):
+                arg = text
+            return DraftSpec(kind.name, text, arg or None)
+    raise AssertionError("the model kind matches every text")  # pragma: no cover
+
+
+def build_drafter(spec: DraftSpec | str, target, runner, options: DrafterOptions = DrafterOptions()) -> Built:
+    """The drafter of `spec` for a loaded target and its runner."""
+    spec = parse_draft(spec) if isinstance(spec, str) else spec
+    built = next(kind for kind in kinds() if kind.name == spec.kind).build(spec, target, runner, options)
+    return built if isinstance(built, Built) else Built(built, spec.text)  # a plugin may return the drafter alone
+
+
+def head_folder(spec: DraftSpec) -> Path | None:
+    """A head spec's folder (None: the head shipped for the target)."""
+    return Path(spec.arg) if spec.is_head and spec.arg else None
