@@ -29,7 +29,7 @@ from verispec.config import ServeConfig
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.models.runner import ModelRunner
-from verispec.serve import app as app_module
+from verispec.serve import answers as answers_module
 from verispec.serve.scheduler import Ticket
 from verispec.serve.server import BackgroundServer
 
@@ -275,7 +275,7 @@ def test_a_fault_in_one_rows_sampling_fails_that_request_alone(fresh, solo, monk
 
 
 def test_a_fault_in_posting_fails_that_request_alone_by_its_deadline(decoder, solo, monkeypatch):
-    monkeypatch.setattr(app_module, "DEADLINE_GRACE_S", 0.2)
+    monkeypatch.setattr(answers_module, "DEADLINE_GRACE_S", 0.2)
     post = Ticket.post
 
     def faulty(self, update):
@@ -295,7 +295,7 @@ def test_a_fault_in_posting_fails_that_request_alone_by_its_deadline(decoder, so
 def test_a_step_stalled_past_the_request_timeout_is_answered_at_the_deadline(decoder, monkeypatch):
     """The step stalls until released (e.g. a huge pass; the request timeout is 1 s): the 408 must reach the client
     while the step is still stalled, i.e. from the request's own deadline, not after the step."""
-    monkeypatch.setattr(app_module, "DEADLINE_GRACE_S", 0.2)
+    monkeypatch.setattr(answers_module, "DEADLINE_GRACE_S", 0.2)
     step = DecodeBatch.step
     release, stepped = threading.Event(), threading.Event()
 

@@ -1,0 +1,165 @@
+"""Answering a submitted request: the whole JSON answer, or its server-sent events as tokens are committed.
+
+A request never waits without a bound: past its deadline (the request timeout and a grace period) it is answered
+408 whatever the decoding thread is doing, and at once with 503 if that thread has died. A client that goes away
+frees its row before the next step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from verispec.api import SpeculativeDecoder
+from verispec.config import ServeConfig
+from verispec.core.sequence import Sequence
+from verispec.serve import protocol as wire
+from verispec.serve.metrics import Metrics
+from verispec.serve.protocol import APIError, GenerationRequest
+from verispec.serve.scheduler import QueueFull, Scheduler, ShuttingDown, Ticket, TooLarge, Unavailable, Update
+from verispec.serve.streaming import TextStream, TimedStreamingResponse
+
+POLL_S = 0.5  # how often a waiting request checks its client, its deadline and the decoding thread
+DEADLINE_GRACE_S = 5.0  # past the request timeout, the scheduler has this long to answer before the request does
+
+
+def refusal(err: Exception, config: ServeConfig) -> APIError:
+    """The answer to a request the scheduler would not take (`Scheduler.submit`'s exceptions)."""
+    if isinstance(err, QueueFull):
+        return APIError(429, f"the server is busy ({config.max_queue} requests waiting); retry later",
+                        "rate_limit_error", code="queue_full")
+    if isinstance(err, ShuttingDown):
+        return APIError(503, "the server is shutting down", "server_shutting_down")
+    if isinstance(err, Unavailable):
+        return APIError(503, "the server is not decoding (its decoding thread stopped); see its log",
+                        "server_unavailable")
+    if isinstance(err, TooLarge):
+        return APIError(400, f"this request's prompt and max_tokens need {err.needed / 2**20:.0f} MiB of key/value "
+                        f"cache, more than this server's budget of {err.budget / 2**20:.0f} MiB; ask for fewer tokens",
+                        param="max_tokens", code="context_length_exceeded")
+    raise err
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class Answers:
+    """Submits sequences to the scheduler and answers their requests (one per app)."""
+
+    def __init__(self, decoder: SpeculativeDecoder, scheduler: Scheduler, metrics: Metrics, config: ServeConfig,
+                 model_name: str) -> None:
+        self.decoder, self.scheduler, self.metrics = decoder, scheduler, metrics
+        self.config, self.model_name = config, model_name
+
+    def submit(self, seq: Sequence, streaming: bool) -> Ticket:
+        try:
+            return self.scheduler.submit(seq, self.config.request_timeout, streaming)
+        except (QueueFull, ShuttingDown, Unavailable, TooLarge) as err:
+            raise refusal(err, self.config) from None
+
+    async def respond(self, request: Request, body: GenerationRequest, seq: Sequence, chat: bool) -> Response:
+        """Submit `seq` (built from `body`) and answer: JSON when it is done, or a stream of events."""
+        arrival, prompt_len = time.monotonic(), seq.prompt_len
+        ticket = self.submit(seq, body.stream)
+        rid = wire.new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return TimedStreamingResponse(self.stream(ticket, body, rid, chat, arrival, prompt_len, include_usage),
+                                          send_timeout=self.config.send_timeout, media_type="text/event-stream",
+                                          headers={"Cache-Control": "no-cache"})
+        generated: list[int] = []
+        try:
+            update = await self.final_update(request, ticket, arrival, generated)
+        finally:
+            ticket.cancel()
+        if update is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        text = self.decoder.decode(generated)[: update.text_end]
+        use = wire.usage(prompt_len, update.stats, self._drafter(ticket))
+        self.metrics.finished(prompt_len, update.stats)
+        make = wire.chat_body if chat else wire.completion_body
+        return JSONResponse(make(rid, self.model_name, text, update.finish_reason, use))
+
+    def _drafter(self, ticket: Ticket) -> str:
+        return self.decoder.draft_name if ticket.sequence.drafting else "none"
+
+    async def next_update(self, ticket: Ticket) -> Update | None:
+        """The ticket's next update, or None after POLL_S; raises the answer a request gets when the decoding
+        thread has died or the request's deadline (and its grace) has passed without the thread answering."""
+        update = await ticket.next(POLL_S)
+        if update is not None:
+            return update
+        if not self.scheduler.alive:
+            raise APIError(503, "the server stopped decoding; see its log", "server_unavailable")
+        if time.monotonic() > ticket.deadline + DEADLINE_GRACE_S:
+            ticket.cancel()
+            raise APIError(408, "the request ran past the server's request timeout", "timeout")
+        return None
+
+    async def final_update(self, request: Request, ticket: Ticket, arrival: float,
+                           generated: list[int]) -> Update | None:
+        """The request's last update (its mailbox wakes the loop only then), with the tokens gathered on the way."""
+        while True:
+            update = await self.next_update(ticket)
+            if update is None:
+                if await request.is_disconnected():
+                    return None
+                continue
+            if update.error is not None:
+                raise APIError(update.error.status, update.error.message, update.error.type)
+            generated.extend(update.tokens)
+            if update.done:
+                if ticket.first_token_at is not None:
+                    self.metrics.first_token.observe(ticket.first_token_at - arrival)
+                self.metrics.latency.observe(time.monotonic() - arrival)
+                return update
+
+    async def stream(self, ticket: Ticket, body: GenerationRequest, rid: str, chat: bool, arrival: float,
+                     prompt_len: int, include_usage: bool) -> AsyncIterator[str]:
+        """The answer as server-sent events: text deltas (stop strings held back until decided), then the finish
+        reason, usage if asked for, and [DONE]; an error mid-stream is one error event."""
+
+        def chunk(text: str | None, finish: str | None, use: dict | None = None) -> str:
+            if chat:
+                delta = None if text is None else ({"content": text} if text or not finish else {})
+                return sse(wire.chat_chunk(rid, self.model_name, delta, finish, use))
+            return sse(wire.completion_chunk(rid, self.model_name, text, finish, use))
+
+        text = TextStream(self.decoder.decode, body.stop_strings())
+        first = True
+        try:
+            if chat:
+                yield sse(wire.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}, None))
+            while True:
+                try:
+                    update = await self.next_update(ticket)
+                except APIError as err:
+                    yield sse(err.body())
+                    break
+                if update is None:
+                    continue
+                if update.error is not None:
+                    yield sse(APIError(update.error.status, update.error.message, update.error.type).body())
+                    break
+                if first:
+                    self.metrics.first_token.observe(time.monotonic() - arrival)
+                    first = False
+                piece = text.delta(update.tokens, update.done, update.text_end)
+                if not update.done:
+                    if piece:
+                        yield chunk(piece, None)
+                    continue
+                self.metrics.latency.observe(time.monotonic() - arrival)
+                self.metrics.finished(prompt_len, update.stats)
+                yield chunk(piece, update.finish_reason)
+                if include_usage:
+                    yield chunk(None, None, wire.usage(prompt_len, update.stats, self._drafter(ticket)))
+                break
+            yield "data: [DONE]\n\n"
+        finally:
+            ticket.cancel()  # a disconnected client's row is freed before the next step
