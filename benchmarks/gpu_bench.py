@@ -138,7 +138,7 @@ def measure(size: str, args, device: torch.device, result: dict, save) -> dict:
     from verispec.config import SamplingConfig
     from verispec.drafters.draft_model import DraftModelDrafter
     from verispec.engine import SpeculativeEngine
-    from verispec.models.static_runner import StaticRunner
+    from verispec.models.runners.static import StaticRunner
 
     clock = time.perf_counter()
 

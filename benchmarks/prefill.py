@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path:12s}", "  ".join(f"{n}: {v:7.1f} tok/s" for n, v in rows[f'verispec native ({path})'].items()),
               flush=True)
     native.set_path(best)
-    from verispec.models.llamacpp import LlamaCppRunner, llamacpp_available
+    from verispec.models.runners.llamacpp import LlamaCppRunner, llamacpp_available
 
     if llamacpp_available():
         llama = LlamaCppRunner(model.source, context_window=max(lengths) + 16, threads=args.threads)

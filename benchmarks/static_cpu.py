@@ -46,8 +46,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from verispec.models.loading import load_model
-    from verispec.models.runner import ModelRunner
-    from verispec.models.static_runner import StaticRunner
+    from verispec.models.runners.hf import ModelRunner
+    from verispec.models.runners.static import StaticRunner
 
     model = load_model(args.model, "float32", "dense", "torch").model
     prompt = list(range(1000, 1040))

@@ -59,7 +59,7 @@ def target_model() -> torch.nn.Module:
 
 # --- backends --------------------------------------------------------------------------------------------
 def torch_runner(model):
-    from verispec.models.runner import ModelRunner
+    from verispec.models.runners.hf import ModelRunner
 
     return ModelRunner(model)
 
@@ -94,7 +94,7 @@ def llamacpp_runner(model):
     """llama.cpp's evaluation of a float32 GGUF of `model` (one thread: the model is tiny). With float32 weights a
     pass's width changes its logits by float rounding only, far below what a chi-square test of this size sees;
     the quantized kernels of real models are where width changes them by more (docs/exactness.md)."""
-    from verispec.models.llamacpp import LlamaCppRunner
+    from verispec.models.runners.llamacpp import LlamaCppRunner
 
     return LlamaCppRunner(gguf_of(model, vocab=True), context_window=64, threads=1)
 
@@ -141,7 +141,7 @@ def self_speculation(target, backend):
 
 def medusa(target, backend):
     from verispec.drafters.medusa import MedusaDrafter
-    from verispec.models.medusa import MedusaHeads
+    from verispec.models.heads.medusa import MedusaHeads
 
     torch.manual_seed(0)
     lm_head = target_model().get_output_embeddings().weight.detach()
@@ -155,7 +155,7 @@ def medusa(target, backend):
 
 def eagle(target, backend):
     from verispec.drafters.eagle import EagleDrafter
-    from verispec.models.eagle3 import Eagle3Config, Eagle3Head
+    from verispec.models.heads.eagle3 import Eagle3Config, Eagle3Head
 
     model = target_model()
     E = model.config.hidden_size
@@ -174,7 +174,7 @@ def distilled(target, backend):
     """The distilled draft's kind: a small model over a reduced vocabulary (q is 0 outside it), mapped to target ids."""
     from verispec.drafters.draft_model import DraftModelDrafter
     from verispec.models.distilled import TinyDraftConfig, VocabMap
-    from verispec.models.mapped import MappedVocabRunner
+    from verispec.models.runners.mapped import MappedVocabRunner
 
     torch.manual_seed(2)
     shape = TinyDraftConfig(draft_vocab_size=5, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,

@@ -212,7 +212,7 @@ def test_head_training_keeps_its_answers_and_checkpoint_when_saving_the_head_fai
     from conftest import tiny_model
 
     from verispec.heads.common import Partial
-    from verispec.models.medusa import MedusaHeads
+    from verispec.models.heads.medusa import MedusaHeads
 
     out = tmp_path / "heads"
     answers = [{"ids": torch.arange(5)}, {"ids": torch.arange(3)}]
@@ -241,7 +241,7 @@ def test_head_training_keeps_its_answers_and_checkpoint_when_saving_the_head_fai
 def test_a_checkpoint_write_killed_mid_way_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     from verispec.heads import common
     from verispec.heads.common import Partial
-    from verispec.models.medusa import MedusaHeads
+    from verispec.models.heads.medusa import MedusaHeads
 
     heads = MedusaHeads(1, 1, 16, 32)
     optimizer = torch.optim.SGD(heads.parameters(), lr=0.1)
@@ -348,7 +348,7 @@ def _trace(path):
 def _manifest(path):
     from types import SimpleNamespace
 
-    from verispec.models import heads
+    from verispec.models.heads import shipped as heads
 
     gguf = SimpleNamespace(config=SimpleNamespace(layers=1, hidden=8, vocab=8),
                            embed=SimpleNamespace(take_rows=lambda ids: np.zeros((len(ids), 8), np.float32)))
@@ -357,7 +357,7 @@ def _manifest(path):
 
 def _checkpoint(path):  # path: OUT.partial/checkpoint.pt
     from verispec.heads.common import Partial
-    from verispec.models.medusa import MedusaHeads
+    from verispec.models.heads.medusa import MedusaHeads
 
     heads = MedusaHeads(1, 1, 8, 16)
     out = path.parent.with_name(path.parent.name.removesuffix(".partial"))

@@ -12,9 +12,9 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.engine import DecodeBatch, SpeculativeEngine
 from verispec.models.loading import LoadedModel
-from verispec.models.quantized import quantize_linear_layers
-from verispec.models.rowwise import RowwiseRunner
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.quantized import quantize_linear_layers
+from verispec.models.runners.rowwise import RowwiseRunner
+from verispec.models.runners.hf import ModelRunner
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [3], [20, 21, 22, 20, 21]]
 SEEDS = [11, 12, 13, 14]

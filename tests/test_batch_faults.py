@@ -14,7 +14,7 @@ from verispec.config import SamplingConfig, SpecConfig
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.hf import ModelRunner
 
 GREEDY = SamplingConfig(temperature=0)
 SPEC = SpecConfig(num_draft_tokens=3, max_new_tokens=16, stop_at_eos=False)

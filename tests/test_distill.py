@@ -27,8 +27,8 @@ from verispec.distill.train import TrainConfig, choose_lookup, distill_loss, eva
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
-from verispec.models.mapped import MappedVocabRunner
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.mapped import MappedVocabRunner
+from verispec.models.runners.hf import ModelRunner
 
 SHAPE = TinyDraftConfig(draft_vocab_size=5, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                         num_kv_heads=1, max_positions=128)

@@ -16,7 +16,7 @@ from verispec.drafters.prompt_lookup import MAX_MATCH, PromptLookupDrafter, look
 from verispec.core.stopping import COPY_PRIOR, AcceptanceCalibration, DraftStop, chain_length
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.hf import ModelRunner
 from verispec.tuning import AdaptiveK, CostProfile
 
 GREEDY = SamplingConfig(temperature=0)

@@ -18,10 +18,10 @@ from verispec.config import SamplingConfig, SpecConfig, TreeConfig
 from verispec.drafters.eagle import EagleDrafter
 from verispec.engine import DecodeBatch, SpeculativeEngine
 from verispec.errors import VerispecError
-from verispec.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3
+from verispec.models.heads.eagle3 import Eagle3Config, Eagle3Head, load_eagle3
 from verispec.models.gguf.model import load_gguf
 from verispec.models.gguf.runner import NativeRunner
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.hf import ModelRunner
 
 GREEDY = SamplingConfig(temperature=0)
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [3]]
@@ -47,7 +47,7 @@ def trained_head(runner, steps=150, seed=0):
     from verispec.heads.common import split
     from verispec.heads.eagle3_run import EmbeddingTable
     from verispec.heads.eagle3_train import EagleTrainConfig, collect, draft_vocabulary, new_head, train
-    from verispec.models.heads import final_norm, lm_head_rows
+    from verispec.models.heads.shipped import final_norm, lm_head_rows
 
     config = EagleTrainConfig(draft_vocab=48, intermediate=64, heads=4, kv_heads=2, tokens=24, top_k=8, steps=steps,
                               batch_size=4, lr=3e-3, seed=seed)

@@ -12,7 +12,7 @@ from verispec.drafters.prompt_lookup import PromptLookupDrafter, lookup
 from verispec.config import PromptLookupConfig
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.hf import ModelRunner
 
 GREEDY = SamplingConfig(temperature=0)
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [3]]

@@ -21,7 +21,7 @@ from verispec.core.drafter import Draft, Drafter
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.engine import SpeculativeEngine
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.hf import ModelRunner
 from verispec.sampling import logits_to_probs, seen_masks
 
 V = 8

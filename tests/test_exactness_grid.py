@@ -12,7 +12,7 @@ import pytest
 
 import exactness_harness as grid
 from verifier_mutants import MUTANTS
-from verispec.models.llamacpp import llamacpp_available
+from verispec.models.runners.llamacpp import llamacpp_available
 
 CELLS = grid.grid()
 GROUPS = grid.groups()

@@ -13,8 +13,8 @@ from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder, VerispecErr
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.models import LoadedModel, ModelRunner
-from verispec.models.packed import pack_linear_layers, packing_supported
-from verispec.models.quantized import int8_supported, quantize_linear_layers
+from verispec.models.runners.packed import pack_linear_layers, packing_supported
+from verispec.models.runners.quantized import int8_supported, quantize_linear_layers
 
 needs_packing = pytest.mark.skipif(not packing_supported(torch.float32), reason="oneDNN weight packing unavailable")
 needs_int8 = pytest.mark.skipif(not int8_supported(), reason="int8 weight-only kernel unavailable")

@@ -16,7 +16,7 @@ from test_exactness import PROMPT, THRESHOLD, check_distribution
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.engine import SpeculativeEngine
-from verispec.models.static_runner import StaticRunner
+from verispec.models.runners.static import StaticRunner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA = torch.device("cuda")

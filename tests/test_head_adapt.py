@@ -17,8 +17,8 @@ from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.head_adapt import MIN_WINDOW, FeatureLog
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.engine import DecodeBatch, SpeculativeEngine
-from verispec.models.medusa import MedusaHeads
-from verispec.models.runner import ModelRunner
+from verispec.models.heads.medusa import MedusaHeads
+from verispec.models.runners.hf import ModelRunner
 
 GREEDY = SamplingConfig(temperature=0)
 

@@ -155,12 +155,12 @@ def test_no_modules_import_each_other():
 
 def test_the_check_sees_an_upward_import_a_lazy_one_and_a_cycle():
     """The checker itself: an engine import inside a model's function, a typing-only one, and a runtime cycle."""
-    known = {"verispec.models.runner", "verispec.engine", "verispec.drafters.a", "verispec.drafters.b"}
+    known = {"verispec.models.runners.hf", "verispec.engine", "verispec.drafters.a", "verispec.drafters.b"}
     lazy = "def f():\n    from verispec.engine import SpeculativeEngine\n"
     typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from verispec.engine import SpeculativeEngine\n"
     for source in (lazy, typed):
-        graph = {"verispec.models.runner": imports_of("verispec.models.runner", source, False, known)}
-        assert violations(graph) == ["verispec.models.runner (models) imports verispec.engine (engine), a layer above it"]
+        graph = {"verispec.models.runners.hf": imports_of("verispec.models.runners.hf", source, False, known)}
+        assert violations(graph) == ["verispec.models.runners.hf (models) imports verispec.engine (engine), a layer above it"]
     a = imports_of("verispec.drafters.a", "from verispec.drafters import b\n", False, known)
     b = imports_of("verispec.drafters.b", "import verispec.drafters.a\n", False, known)
     assert cycles({"verispec.drafters.a": a, "verispec.drafters.b": b}) == [["verispec.drafters.a", "verispec.drafters.b"]]

@@ -25,7 +25,7 @@ def tiny(tmp_path_factory):
     """(target, draft) llama.cpp runners of float32 tiny models with sharp outputs (no near ties), in a context of
     128 tokens (under the 256 cells llama.cpp rounds a context up to: that aborted the process before)."""
     from tiny_gguf import T, gguf_from_hf
-    from verispec.models.llamacpp import LlamaCppRunner
+    from verispec.models.runners.llamacpp import LlamaCppRunner
 
     target = tiny_model("llama", vocab=64, seed=0, layers=2, sharpness=30.0)
     folder = tmp_path_factory.mktemp("tiny")
@@ -149,7 +149,7 @@ def test_llamacpp_runs_on_the_threads_asked_for_single_and_batched(smol):
     """llama-cpp-python gives batched passes (prompts, verification) every core unless told otherwise:
     with --threads 1 beside other work, that oversubscribed the machine."""
     from verispec.bench.systems import LlamaCppGenerate
-    from verispec.models.llamacpp import LlamaCppRunner
+    from verispec.models.runners.llamacpp import LlamaCppRunner
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -163,7 +163,7 @@ def test_llamacpp_runs_on_the_threads_asked_for_single_and_batched(smol):
 
 
 def _fresh(smol, prompt, flash_attention=False):
-    from verispec.models.llamacpp import LlamaCppRunner
+    from verispec.models.runners.llamacpp import LlamaCppRunner
 
     runner = LlamaCppRunner(smol.source, context_window=512, flash_attention=flash_attention)
     state = runner.new_state(1)

@@ -18,8 +18,8 @@ from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.models.gguf.model import load_gguf
 from verispec.models.gguf.runner import NativeRunner
-from verispec.models.medusa import MedusaHeads, load_medusa
-from verispec.models.runner import ModelRunner
+from verispec.models.heads.medusa import MedusaHeads, load_medusa
+from verispec.models.runners.hf import ModelRunner
 
 GREEDY = SamplingConfig(temperature=0)
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [3]]
@@ -153,7 +153,7 @@ def second_tokens_follow_the_target(runner, drafter, sampling, prompt=(1, 2, 3),
 
 
 def test_medusa_without_a_head_folder_or_on_a_runner_without_hidden_states_is_one_line(pair):
-    from verispec.models.heads import hidden_size as _hidden_size
+    from verispec.models.heads.shipped import hidden_size as _hidden_size
 
     class LlamaCppRunner:
         vocab_size = 64

@@ -253,7 +253,7 @@ def test_a_reduced_vocabulary_draft_on_the_kernels_stays_greedy_equal_and_adapts
     from verispec.adapt import OnlineAdapter
     from verispec.config import AdaptConfig
     from verispec.models.gguf.convert import model_from_torch
-    from verispec.models.mapped import MappedVocabRunner
+    from verispec.models.runners.mapped import MappedVocabRunner
 
     target, _ = sharp
     _, model, vocab = mapped_draft(list(range(0, 64, 2)) + list(range(1, 40, 2)), 64, seed=5)

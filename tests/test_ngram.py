@@ -19,7 +19,7 @@ from verispec.drafters.ngram_corpus import CorpusNGramDrafter, NGramModel
 from verispec.drafters.registry import parse_draft
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.hf import ModelRunner
 from verispec.ngram.build import NGramBuildConfig, NGramCounter, build_table
 from verispec.ngram.table import NGramCounts, NGramTable, context_hash, context_hashes
 

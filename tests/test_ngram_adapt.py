@@ -25,8 +25,8 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram_corpus import CorpusNGramDrafter
 from verispec.engine import DecodeBatch, SpeculativeEngine
 from verispec.errors import VerispecError
-from verispec.models.quantized import Int8Linear, quantize_linear_layers
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.quantized import Int8Linear, quantize_linear_layers
+from verispec.models.runners.hf import ModelRunner
 from verispec.rejection import Verdict
 
 SYNC = AdaptConfig(background=False, min_examples=1)

@@ -3,7 +3,7 @@
 import torch
 
 from conftest import tiny_model
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.hf import ModelRunner
 
 
 def full_logits(model, ids):

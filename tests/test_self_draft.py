@@ -19,9 +19,9 @@ from verispec.engine import DecodeBatch, SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.models.gguf.model import load_gguf
 from verispec.models.gguf.runner import NativeRunner
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.hf import ModelRunner
 from verispec.models.skip import SkipFile, SkipSet, default_skip, fingerprint, resolve_skip
-from verispec.models.skipping import skipping_module
+from verispec.models.runners.skipping import skipping_module
 from verispec.selfspec.search import SelfTuneConfig, SkipSearch
 from verispec.tuning import AdaptiveK, measure_costs
 
@@ -135,7 +135,7 @@ def test_verification_that_starts_at_the_drafts_first_skipped_layer_gives_the_sa
 
 
 def SkipState_view(runner, state, skip):
-    from verispec.models.skipping import SkipRunner
+    from verispec.models.runners.skipping import SkipRunner
 
     return SkipRunner(runner, skip).view(state, [skip])
 

@@ -28,7 +28,7 @@ from verispec.batch import DecodeBatch
 from verispec.config import ServeConfig
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.engine import SpeculativeEngine
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.hf import ModelRunner
 from verispec.serve import answers as answers_module
 from verispec.serve.scheduler import Ticket
 from verispec.serve.server import BackgroundServer

@@ -1,4 +1,4 @@
-"""The static-cache runner (`models/static_runner.py`, the GPU decode path, run here on the CPU): its logits equal
+"""The static-cache runner (`models/runners/static.py`, the GPU decode path, run here on the CPU): its logits equal
 `ModelRunner`'s through ragged passes, rollbacks, rows leaving and joining, trees and compaction; rollback only
 moves the cache's length; decoding with it gives plain decoding's tokens; and the compiled passes equal the eager
 ones (logits to float tolerance, greedy tokens exactly)."""
@@ -12,8 +12,8 @@ from verispec.config import SamplingConfig, SpecConfig, TreeConfig
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
-from verispec.models.runner import ModelRunner
-from verispec.models.static_runner import StaticRunner
+from verispec.models.runners.hf import ModelRunner
+from verispec.models.runners.static import StaticRunner
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 GREEDY = SamplingConfig(temperature=0)

@@ -14,7 +14,7 @@ from verispec.config import SamplingConfig, SpecConfig, TreeConfig
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.engine import SpeculativeEngine
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.hf import ModelRunner
 from verispec.rejection import residual_distribution, verify, verify_tree, walk_tree
 from verispec.trace import Tracer, tracing, tree_verification_record, verification_record
 from verispec.tree import TreeDraft, static_parents, tree_from_parents

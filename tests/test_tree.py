@@ -13,7 +13,7 @@ from verispec.drafters.prompt_lookup import PromptLookupDrafter, build_trie, loo
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.engine import DecodeBatch, SpeculativeEngine
 from verispec.errors import VerispecError
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.hf import ModelRunner
 from verispec.tree import breadth_first, static_parents, static_size, tree_from_parents
 from verispec.tuning import AdaptiveK, CostProfile
 

@@ -22,7 +22,7 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.drafters.tree_growth import TreeGrowth, draw_children
 from verispec.engine import SpeculativeEngine
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.hf import ModelRunner
 from verispec.rejection import verify, verify_tree
 from verispec.tree import static_parents, tree_from_parents
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from verispec.models.packed import pack_linear_layers
-from verispec.models.runner import ModelRunner
+from verispec.models.runners.packed import pack_linear_layers
+from verispec.models.runners.hf import ModelRunner
 from verispec.tree import static_parents, tree_from_parents
 
 
@@ -54,7 +54,7 @@ def test_tree_pass_through_packed_linears():
 
 def test_tree_pass_through_int8_draft_linears():
     """The int8 draft path only replaces linears: a tree pass equals that model's own chain passes."""
-    from verispec.models.quantized import int8_supported, quantize_linear_layers
+    from verispec.models.runners.quantized import int8_supported, quantize_linear_layers
 
     if not int8_supported():
         pytest.skip("int8 linears are not available here")

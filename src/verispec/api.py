@@ -147,7 +147,7 @@ class SpeculativeDecoder:
         prompt's draft pass then costs N tokens); None reads all.
         `device` "auto" (default: CUDA when torch sees a GPU), "cpu", "cuda" or "cuda:N" (`models.device`): off
         the CPU the torch route runs the models on a static cache with compiled passes, as `compile=True` does on
-        the CPU (`models.static_runner`).
+        the CPU (`models.runners.static`).
         """
         loaded_target = load_model(target, dtype, target_weights, backend, device, compile)
         options = DrafterOptions(prompt_lookup=prompt_lookup, ngram=ngram, self_spec=self_spec, draft_lookup=draft_lookup,

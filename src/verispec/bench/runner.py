@@ -294,7 +294,7 @@ def _tuner(decoder: SpeculativeDecoder, k: int):
 
 def _llamacpp_models(target: LoadedModel, draft: LoadedModel | None, wanted) -> tuple:
     """llama.cpp versions of the GGUF target and draft, when llama-cpp-python is installed."""
-    from verispec.models.llamacpp import llamacpp_available
+    from verispec.models.runners.llamacpp import llamacpp_available
     from verispec.models.loading import load_model
 
     if not set(wanted) & set(LLAMACPP_SYSTEMS) or not llamacpp_available() or not target.source.endswith(".gguf"):

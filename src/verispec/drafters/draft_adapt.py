@@ -20,8 +20,8 @@ import torch
 
 from verispec.config import AdaptConfig
 from verispec.errors import VerispecError
-from verispec.models.packed import PackedLinear
-from verispec.models.quantized import Int8Linear, dequantize_linear_layers, quantize_linear_layers
+from verispec.models.runners.packed import PackedLinear
+from verispec.models.runners.quantized import Int8Linear, dequantize_linear_layers, quantize_linear_layers
 
 
 def check_trainable(model: torch.nn.Module | None) -> None:

@@ -43,7 +43,7 @@ from verispec.drafters.head_adapt import AdaptiveHead, HeadAdaptation, HeadTrain
 from verispec.drafters.prompt_lookup import lookup
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
-from verispec.models.eagle3 import Eagle3Head
+from verispec.models.heads.eagle3 import Eagle3Head
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
 
@@ -72,7 +72,7 @@ class EagleDrafter(AdaptiveHead, Drafter):
 
     Args:
         target: the target's runner (it keeps the head's layers' hidden states once this drafter starts).
-        head: the head (`models.eagle3.load_eagle3`), its aux layers fitted to the target.
+        head: the head (`models.heads.eagle3.load_eagle3`), its aux layers fitted to the target.
         argmax: draft the head's argmax as one-hot drafts (vLLM's way) instead of sampling from q.
         native: run the head's linears on the native kernels in Q8_0 (a copy of the head; None: when the target
             runs on them). Only the head's speed and acceptance change: q is still what the drafts come from.

@@ -14,7 +14,7 @@ drains `AdaptationBuffer` for other drafters. So `learn_from`, `top_k`, `include
 `max_context` do not apply: heads learn from every committed position, and an example is a window.
 
 Updates (`HeadTrainer`): a float32 master copy of the head and AdamW, EAGLE-3 with the training-time test
-(`models.eagle3_ttt`), Medusa with each head's soft cross-entropy at its distance (`MedusaHeads.soft_loss`);
+(`models.heads.eagle3_ttt`), Medusa with each head's soft cross-entropy at its distance (`MedusaHeads.soft_loss`);
 the target's LM head rows of a tied Medusa head and the token embeddings stay frozen. The serving copy (in
 the serving dtype, on the native kernels when the drafter uses them) is swapped in at the start of the next
 `propose`, so a step never drafts with weights that change under it: the exactness argument is the draft
@@ -32,9 +32,9 @@ import torch
 from verispec.config import AdaptConfig
 from verispec.core.adaptation import ExampleBuffer
 from verispec.drafters.draft_adapt import optimizer_steps
-from verispec.models.eagle3 import Eagle3Head
-from verispec.models.eagle3_ttt import Sample, training_batch, unrolled
-from verispec.models.medusa import MedusaHeads
+from verispec.models.heads.eagle3 import Eagle3Head
+from verispec.models.heads.eagle3_ttt import Sample, training_batch, unrolled
+from verispec.models.heads.medusa import MedusaHeads
 
 MIN_WINDOW = 8  # positions: a shorter leftover of a finished sequence is not worth a window
 

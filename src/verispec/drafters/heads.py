@@ -1,4 +1,4 @@
-"""Draft heads (Medusa, EAGLE-3) as drafters: `--draft medusa[:DIR]`, `--draft eagle[:DIR]` (see `models.heads` for
+"""Draft heads (Medusa, EAGLE-3) as drafters: `--draft medusa[:DIR]`, `--draft eagle[:DIR]` (see `models.heads.shipped` for
 the shipped heads and their manifests)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 from verispec.config import PromptLookupConfig
 from verispec.core.protocols import FeatureRunner
 from verispec.errors import VerispecError
-from verispec.models.eagle3 import EAGLE, load_eagle3
-from verispec.models.heads import MANIFEST, hidden_size, shipped_head
-from verispec.models.medusa import MEDUSA, load_medusa
+from verispec.models.heads.eagle3 import EAGLE, load_eagle3
+from verispec.models.heads.shipped import MANIFEST, hidden_size, shipped_head
+from verispec.models.heads.medusa import MEDUSA, load_medusa
 from verispec.models.skip import num_layers
 
 

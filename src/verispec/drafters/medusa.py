@@ -31,7 +31,7 @@ from verispec.drafters.drawing import draw_token, penalty_seen
 from verispec.drafters.head_adapt import AdaptiveHead, HeadAdaptation, HeadTrainer, medusa_loss
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
-from verispec.models.medusa import MedusaHeads
+from verispec.models.heads.medusa import MedusaHeads
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
 
@@ -40,7 +40,7 @@ class MedusaDrafter(AdaptiveHead, Drafter):
 
     Args:
         target: the target's runner (it keeps its passes' final hidden states once this drafter starts).
-        heads: the heads, fitted to the target's hidden size and vocabulary (`models.medusa.load_medusa`).
+        heads: the heads, fitted to the target's hidden size and vocabulary (`models.heads.medusa.load_medusa`).
     """
 
     name = "medusa"
@@ -74,7 +74,7 @@ class MedusaDrafter(AdaptiveHead, Drafter):
     # --- online adaptation -----------------------------------------------------------------------
     def check_adaptable(self, config: AdaptConfig | None = None) -> None:
         """Start logging the target's final states for online adaptation (`drafters.head_adapt`)."""
-        from verispec.models.heads import lm_head_rows
+        from verispec.models.heads.shipped import lm_head_rows
 
         config = config or AdaptConfig()
 

@@ -45,7 +45,7 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.self_adapt import SkipChooser, SublayerCosts
 from verispec.errors import VerispecError
 from verispec.models.skip import SkipSet, check_skippable
-from verispec.models.skipping import SkipRunner, skipping_module
+from verispec.models.runners.skipping import SkipRunner, skipping_module
 from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
 
@@ -71,7 +71,7 @@ class SelfDrafter(DraftModelDrafter):
             if config.adapt:
                 raise VerispecError("choosing the skip set while decoding (--self-adapt) needs the native runner "
                                     "(--backend native): the torch draft keeps its own cache for one fixed set")
-            from verispec.models.runner import ModelRunner
+            from verispec.models.runners.hf import ModelRunner
 
             if getattr(target, "device", torch.device("cpu")).type != "cpu":
                 raise VerispecError("self-speculation runs on the CPU runners; this target is on "

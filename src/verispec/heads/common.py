@@ -69,7 +69,7 @@ class Partial:
         """save(folder) the head into a fresh folder, write training.json and the manifest (sha256, the target's
         fingerprint) there, and rename that folder to OUT: it appears only complete. Only then is OUT.partial
         (the answers, the checkpoint) removed; if anything before raises, it is kept for --resume."""
-        from verispec.models.heads import write_manifest
+        from verispec.models.heads.shipped import write_manifest
 
         with atomic_dir(self.out) as folder:
             save(folder)

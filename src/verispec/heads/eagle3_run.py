@@ -12,8 +12,8 @@ from verispec.errors import VerispecError
 from verispec.heads.common import Partial, split
 from verispec.heads.eagle3_train import (EagleTrainConfig, aux_layers_for, collect, draft_vocabulary, new_head, train,
                                          validate)
-from verispec.models.eagle3_ttt import Sample
-from verispec.models.heads import final_norm, lm_head_rows
+from verispec.models.heads.eagle3_ttt import Sample
+from verispec.models.heads.shipped import final_norm, lm_head_rows
 
 
 class EmbeddingTable:

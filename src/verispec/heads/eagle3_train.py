@@ -7,7 +7,7 @@
    written from them. The head's LM head starts as the target's own rows for those ids and `norm` as the
    target's final norm, `fc` as the identity on the highest fused layer: before training the head is the
    target's logit lens at layer L - 3.
-3. Training-time test (`models.eagle3_ttt`): the layer unrolled `ttt` steps on its own outputs, soft
+3. Training-time test (`models.heads.eagle3_ttt`): the layer unrolled `ttt` steps on its own outputs, soft
    cross-entropy over the draft vocabulary weighted 0.8^j; answer positions only.
 4. Validation: the same unrolled pass on held-back answers; per step the rate at which the head's argmax is the
    target's greedy token (drafts before it right), and tau = 1 + a_0 + a_0 a_1 + ..., the tokens per target
@@ -26,8 +26,8 @@ import torch
 
 from verispec.console import progress
 from verispec.errors import VerispecError
-from verispec.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
-from verispec.models.eagle3_ttt import Sample, tau, training_batch, unrolled
+from verispec.models.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
+from verispec.models.heads.eagle3_ttt import Sample, tau, training_batch, unrolled
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def draft_vocabulary(samples: list[Sample], size: int, vocab: int) -> torch.Tens
 def new_head(runner, config: EagleTrainConfig, aux_layers: tuple[int, ...], target_ids: torch.Tensor,
              lm_head_rows: torch.Tensor, final_norm: torch.Tensor) -> Eagle3Head:
     """A head for this target, started as its logit lens at the highest fused layer (see the module doc)."""
-    from verispec.models.heads import hidden_size
+    from verispec.models.heads.shipped import hidden_size
 
     hidden = hidden_size(runner)
     c = getattr(runner, "config", None)

@@ -10,7 +10,7 @@ import torch
 from verispec.console import notice
 from verispec.heads.common import Partial
 from verispec.heads.medusa_train import Answers, MedusaTrainConfig, split, target_answers, train_heads
-from verispec.models.heads import lm_head_rows
+from verispec.models.heads.shipped import lm_head_rows
 
 
 def train_medusa(decoder, prompts: list[list[int]], config: MedusaTrainConfig, partial: Partial,

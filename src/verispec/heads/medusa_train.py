@@ -21,7 +21,7 @@ import torch
 from verispec.console import progress
 from verispec.errors import VerispecError
 from verispec.heads import common
-from verispec.models.medusa import MedusaHeads
+from verispec.models.heads.medusa import MedusaHeads
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from verispec.models.loading import LoadedModel, check_same_tokenizer, load_model
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, NAMED_MODELS
-from verispec.models.runner import KVState, ModelRunner
+from verispec.models.runners.hf import KVState, ModelRunner
 
 __all__ = [
     "DEFAULT_DRAFT",

@@ -1,7 +1,7 @@
 """Where a model runs: `--device auto|cpu|cuda[:N]` and the dtype it defaults to there.
 
 auto is CUDA when torch sees a GPU, else the CPU. On CUDA models run on the torch route with a static cache and
-compiled passes (`models.static_runner`), in bfloat16 unless a dtype is named; on the CPU in float32 (greedy output
+compiled passes (`models.runners.static`), in bfloat16 unless a dtype is named; on the CPU in float32 (greedy output
 then equals token-by-token decoding). The native and llama.cpp runners are CPU runners.
 """
 

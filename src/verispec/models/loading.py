@@ -20,8 +20,8 @@ import torch
 from verispec.atomic import atomic_dir
 from verispec.console import notice
 from verispec.errors import VerispecError
-from verispec.models.packed import pack_linear_layers
-from verispec.models.quantized import quantize_linear_layers
+from verispec.models.runners.packed import pack_linear_layers
+from verispec.models.runners.quantized import quantize_linear_layers
 from verispec.models.registry import NAMED_MODELS, assemble, cache_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,7 +58,7 @@ class LoadedModel:
     context: int | None = None  # a draft reads only this many of a prompt's last tokens (see DraftModelDrafter)
     gguf: object | None = None  # the GGUFModel of backend "native"
     device: str = "cpu"  # where the torch route runs it (models.device)
-    compiled: bool = False  # run on the static cache with compiled passes (models.static_runner)
+    compiled: bool = False  # run on the static cache with compiled passes (models.runners.static)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -66,23 +66,23 @@ class LoadedModel:
 
     def make_runner(self):
         """The runner that decodes with this model: a ModelRunner, or a LlamaCppRunner for backend "llama.cpp".
-        int8 models run row by row (`verispec.models.rowwise`: a row's results then never depend on its batch)."""
+        int8 models run row by row (`verispec.models.runners.rowwise`: a row's results then never depend on its batch)."""
         if self.backend == "llama.cpp":
-            from verispec.models.llamacpp import LlamaCppRunner
+            from verispec.models.runners.llamacpp import LlamaCppRunner
 
             return LlamaCppRunner(Path(self.source))
         if self.backend == "native":
             from verispec.models.gguf.runner import NativeRunner
-            from verispec.models.mapped import MappedVocabRunner
+            from verispec.models.runners.mapped import MappedVocabRunner
 
             runner = NativeRunner(self.gguf, source=self.model)
             return MappedVocabRunner(runner, self.vocab) if self.vocab is not None else runner
-        from verispec.models.mapped import MappedVocabRunner
-        from verispec.models.rowwise import RowwiseRunner
-        from verispec.models.runner import ModelRunner
+        from verispec.models.runners.mapped import MappedVocabRunner
+        from verispec.models.runners.rowwise import RowwiseRunner
+        from verispec.models.runners.hf import ModelRunner
 
         if self.compiled:  # load_model sets it for every model off the CPU
-            from verispec.models.static_runner import StaticRunner
+            from verispec.models.runners.static import StaticRunner
 
             runner = StaticRunner(self.model)
             return MappedVocabRunner(runner, self.vocab) if self.vocab is not None else runner
@@ -221,7 +221,7 @@ def load_model(spec: str, dtype: str = DEFAULT_DTYPE, weights: str = "dense", ba
             back to "dense", and `LoadedModel.weights` says which one was used. Compiled and CUDA models
             run dense.
         device: auto, cpu, cuda or cuda:N (`models.device`); off the CPU the torch route runs the model.
-        compiled: on the torch route, run on a static cache with compiled passes (`models.static_runner`;
+        compiled: on the torch route, run on a static cache with compiled passes (`models.runners.static`;
             always so on CUDA).
     """
     from verispec.models.device import default_dtype, resolve_device
@@ -302,7 +302,7 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
 def _load_for_llamacpp(spec: str) -> LoadedModel:
     """A GGUF for llama.cpp: only the tokenizer is loaded here (from the converted copy when there is one)."""
 
-    from verispec.models.llamacpp import llamacpp_available
+    from verispec.models.runners.llamacpp import llamacpp_available
 
     kind, path = resolve(spec)
     if kind != "gguf":

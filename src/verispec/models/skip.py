@@ -13,7 +13,7 @@ gives the draft an LM head over the first 32768 token ids only (its logits are -
 there): on a small model with a large vocabulary the head is a large share of a pass (a fifth of the
 1.5B Qwen's bytes), and byte-level BPE numbers its pieces by merge order, so low ids are the common ones.
 
-The runners that run a skip set are in `verispec.models.skipping`.
+The runners that run a skip set are in `verispec.models.runners.skipping`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from verispec.errors import VerispecError
 from verispec.models.gguf import ops
 from verispec.models.gguf.model import GGUFModel
 from verispec.models.gguf.native import DimsStruct, LayerStruct, WeightStruct, check, lib, ptr, set_threads
-from verispec.models.runner import training_logits
+from verispec.models.runners.hf import training_logits
 
 # Tokens in one pass (all rows together): a longer prompt is read in chunks of this many. Measured on the default
 # target, 2 threads, a 1,500-token prompt read alone: 11.3 / 11.2 / 11.2 s in passes of 128 / 256 / 512 tokens,

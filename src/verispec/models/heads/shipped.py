@@ -18,11 +18,11 @@ import torch
 
 from verispec.atomic import atomic_write_json
 from verispec.errors import VerispecError
-from verispec.models.eagle3 import EAGLE
-from verispec.models.medusa import MEDUSA
+from verispec.models.heads.eagle3 import EAGLE
+from verispec.models.heads.medusa import MEDUSA
 from verispec.models.skip import fingerprint, same_model
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 SHIPPED = {MEDUSA: ASSETS / "medusa-qwen2.5-coder-1.5b", EAGLE: ASSETS / "eagle3-qwen2.5-coder-1.5b"}
 MANIFEST = "manifest.json"
 TRAINERS = {MEDUSA: "--kind medusa", EAGLE: "--kind eagle3"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from verispec.models.distilled import VocabMap
-from verispec.models.runner import ModelRunner, training_logits
+from verispec.models.runners.hf import ModelRunner, training_logits
 
 
 class MappedVocabRunner:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.models.packed import replace_linear_layers
+from verispec.models.runners.packed import replace_linear_layers
 
 
 class Int8Linear(torch.nn.Module):

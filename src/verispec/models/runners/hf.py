@@ -341,7 +341,7 @@ class ModelRunner:
         """The target's own LM head on (n, E) hidden states (after the final norm): (n, V) float32 logits,
         over token ids below `rows` only (-inf above) when given. For draft heads tied to the target's."""
         head = self.model.get_output_embeddings()
-        weight = head.weight  # (V, E); a meta tensor for a packed head (models.packed), which runs whole
+        weight = head.weight  # (V, E); a meta tensor for a packed head (models.runners.packed), which runs whole
         rows = self.vocab_size if rows is None else min(rows, self.vocab_size)
         out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"))  # (n, V)
         if weight.device.type == "meta":

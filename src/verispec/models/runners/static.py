@@ -29,7 +29,7 @@ import torch
 from transformers import StaticCache
 
 from verispec.errors import VerispecError
-from verispec.models.runner import KVState, ModelRunner
+from verispec.models.runners.hf import KVState, ModelRunner
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # the widths a pass is padded to
 COMPILED_WIDTH = 32  # passes up to this width run compiled (decode, verification, trees); wider ones (prompts) eagerly

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.models.runner import KVState, ModelRunner
+from verispec.models.runners.hf import KVState, ModelRunner
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.models.eagle3 import Eagle3Head
+from verispec.models.heads.eagle3 import Eagle3Head
 
 
 @dataclass
