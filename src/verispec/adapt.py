@@ -83,16 +83,14 @@ class OnlineAdapter:
 
     def __init__(self, engine, config: AdaptConfig = AdaptConfig()) -> None:
         drafter = engine.drafter
-        if drafter is None or not getattr(drafter, "adaptive", False):
+        if drafter is None or not drafter.adaptive:
             name = "none" if drafter is None else drafter.name
             raise VerispecError(f"--adapt needs a drafter that can adapt (ngram-corpus, a draft model, Medusa or EAGLE "
                                 f"heads); '{name}' cannot")
-        check = getattr(drafter, "check_adaptable", None)
-        if check is not None:
-            check(config)
+        drafter.check_adaptable(config)
         self.engine, self.drafter, self.config = engine, drafter, config
-        own = getattr(drafter, "adaptation_buffer", None)  # heads log their own windows (drafters.head_adapt)
-        self.buffer = own() if own is not None else AdaptationBuffer(config)
+        own = drafter.adaptation_buffer()  # heads log their own windows (drafters.head_adapt)
+        self.buffer = own if own is not None else AdaptationBuffer(config)
         if isinstance(self.buffer, AdaptationBuffer):
             engine.observers.append(self.buffer)
         self.updates = 0

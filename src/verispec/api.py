@@ -211,7 +211,7 @@ class SpeculativeDecoder:
 
     def auto_tuner(self, k_max: int = 8) -> AdaptiveK:
         """Measure this machine's target and draft pass costs (a few seconds) and return an AdaptiveK."""
-        draft_runner = getattr(self.drafter, "runner", None)
+        draft_runner = self.drafter.runner if self.drafter is not None else None
         profile = measure_costs(self.runner, draft_runner, k_max=k_max)
         head_cost = self.drafter.token_cost() if self.drafter is not None and draft_runner is None else None
         return AdaptiveK(replace(profile, draft_token=head_cost) if head_cost else profile)

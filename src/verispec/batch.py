@@ -145,7 +145,7 @@ class DecodeBatch:
         active, engine = self.sequences, self.engine
         prefilling = self._prefilling()
         # At most K drafts, and never more than the tokens left after this step's own token.
-        k = None if self.tuner is None else self.tuner.k(getattr(self.drafter, "stops_chains", False))
+        k = None if self.tuner is None else self.tuner.k(self.drafter is not None and self.drafter.stops_chains)
         budgets = [min(s.spec.num_draft_tokens if k is None else k, s.max_new_tokens - s.num_generated - 1)
                    if s.drafting and not pre and self.drafter is not None else 0 for s, pre in zip(active, prefilling)]
         tuned_stop = None if self.tuner is None else self.tuner.draft_stop()  # thresholds from measured costs

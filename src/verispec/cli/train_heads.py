@@ -93,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     decoder = SpeculativeDecoder.load(args.target, "none", target_weights="dense")
     runner = decoder.runner
-    if not hasattr(runner, "head_logits") or not hasattr(runner, "keep_features"):
+    from verispec.core.protocols import FeatureRunner
+
+    if not isinstance(runner, FeatureRunner):
         raise VerispecError("train-heads needs the target on the native or torch runner")
     prompts = [ids for ids in (decoder.encode(text) for text in texts) if ids]
     if not prompts:

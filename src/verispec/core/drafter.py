@@ -58,6 +58,9 @@ class Drafter(ABC):
     # Set by the batch: a row given no drafts reads at most this many of its pending tokens per call (None: all),
     # so a drafter with a cache of its own reads a long prompt in chunks alongside the target.
     prefill_chunk: int | None = None
+    # The drafter's own model runner where it has one (a draft model, self-speculation's skip set): `--auto-k` times
+    # its passes (`tuning.measure_costs`). None: no runner of its own (lookups, heads: see `token_cost`).
+    runner = None
 
     @property
     def supports_trees(self) -> bool:
@@ -102,6 +105,15 @@ class Drafter(ABC):
 
     def commit_tree(self, sequences: list[Sequence], drafts: list[TreeDraft], paths: list[tuple[int, ...]]) -> None:
         """Like `commit`, after a tree step: paths[b] are the accepted nodes of drafts[b], from the root down."""
+    def check_adaptable(self, config=None) -> None:
+        """Raise a VerispecError, before any adaptation starts, where this drafter cannot adapt online with `config`
+        (an AdaptConfig) here. Called only for `adaptive` drafters."""
+
+    def adaptation_buffer(self):
+        """The buffer online adaptation drains for this drafter (a `core.adaptation.ExampleBuffer` of its own, as
+        heads keep windows of the target's features), or None for the engine's buffer of AdaptExamples."""
+        return None
+
     def adapt(self, examples: list[AdaptExample]) -> None:
         """Learn from target distributions that verification computed (see `verispec.adapt`).
 
