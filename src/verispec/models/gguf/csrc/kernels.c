@@ -34,9 +34,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
-#include <time.h>
 #endif
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -218,7 +218,10 @@ static int vs_profiling = 0, vs_in_layer = 0;
 static double vs_profile_s[PROFILE_SLOTS];
 
 static double profile_now(void) {
-    if (!vs_profiling || omp_in_parallel()) return -1.0;
+    if (!vs_profiling) return -1.0;
+#ifdef _OPENMP
+    if (omp_in_parallel()) return -1.0;
+#endif
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
