@@ -99,7 +99,7 @@ class SpeculativeDecoder:
         elif isinstance(draft, Drafter):
             built = Built(draft, draft.name)
         else:
-            options = options or DrafterOptions(prompt_lookup, ngram, self_spec)
+            options = options or DrafterOptions(prompt_lookup=prompt_lookup, ngram=ngram, self_spec=self_spec)
             built = build_drafter(draft, target, self.runner, options)
         self.drafter: Drafter | None = built.drafter
         self.draft_name = built.name
@@ -270,7 +270,6 @@ class SpeculativeDecoder:
 
 
 _DECODERS: dict[tuple, SpeculativeDecoder] = {}
-
 
 
 def generate(

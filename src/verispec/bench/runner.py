@@ -166,7 +166,8 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
 
 @dataclass
 class _Models:
-    """What the systems run on, and the decoders they share (verispec-draft, -draft-tree and -auto: one)."""
+    """What the systems run on, and the draft model's decoder, which verispec-draft, -draft-tree, -draft-tree-auto
+    and -auto share (one runner, one adapter)."""
 
     target: LoadedModel
     draft: LoadedModel | None
@@ -224,7 +225,7 @@ def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> Spec
     """The decoder a verispec system runs (None: its drafter or models are missing here)."""
     target = m.llama_target if spec.llamacpp else m.target
     if spec.drafter == NONE:
-        return m.decoder(f"plain-{spec.llamacpp}", lambda: SpeculativeDecoder(target, "none"))
+        return SpeculativeDecoder(target, "none")
     if spec.drafter == NGRAM:
         return SpeculativeDecoder(target, "ngram")
     if spec.drafter == CORPUS:

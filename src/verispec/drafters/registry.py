@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from verispec.config import NGramConfig, PromptLookupConfig, SelfSpecConfig
 from verispec.core.drafter import Drafter
@@ -37,11 +36,6 @@ class DraftSpec:
     kind: str
     text: str
     arg: str | None = None
-
-    @property
-    def drafts(self) -> bool:
-        """Whether this spec drafts at all (not plain decoding)."""
-        return self.kind != NONE
 
     @property
     def loads_model(self) -> bool:
@@ -273,8 +267,3 @@ def build_drafter(spec: DraftSpec | str, target, runner, options: DrafterOptions
     spec = parse_draft(spec) if isinstance(spec, str) else spec
     built = next(kind for kind in kinds() if kind.name == spec.kind).build(spec, target, runner, options)
     return built if isinstance(built, Built) else Built(built, spec.text)  # a plugin may return the drafter alone
-
-
-def head_folder(spec: DraftSpec) -> Path | None:
-    """A head spec's folder (None: the head shipped for the target)."""
-    return Path(spec.arg) if spec.is_head and spec.arg else None
