@@ -28,6 +28,18 @@ def tiny_model(arch: str = "llama", vocab: int = 64, seed: int = 0, layers: int 
     return model.eval()
 
 
+def forward_tree(runner, state, chains, nodes, parents):
+    """One runner pass over committed tokens chains[b] then draft nodes nodes[b] (parent slots parents[b]): the
+    logits after the last committed token (where a row has one) and after each node, row by row."""
+    tokens = [list(c) + list(n) for c, n in zip(chains, nodes)]
+    return runner.forward(state, tokens, [(1 if c else 0) + len(n) for c, n in zip(chains, nodes)], parents)
+
+
+def chain(n: int) -> list[int]:
+    """The parents of n draft nodes that form a chain."""
+    return list(range(-1, n - 1))
+
+
 def noisy_copy(model, noise: float, seed: int = 1):
     """A draft that agrees with the target often but not always."""
     torch.manual_seed(seed)

@@ -30,8 +30,8 @@ def test_rows_added_to_a_running_state_equal_single_rows():
     runner = ModelRunner(model)
     state = runner.new_state(1)
     runner.forward(state, [[5, 6, 7, 8]], [1])
-    runner.forward(state, [[9, 10, 11]], [3])
-    runner.rollback(state, [2])  # row 0 holds 5 6 7 8 9
+    runner.forward(state, [[9, 10, 11]], [3], [[-1, 0, 1]])  # three drafts
+    runner.commit(state, [[0]])  # row 0 holds 5 6 7 8 9
     state.extend(2)
     out = runner.forward(state, [[12], [30, 31, 32], [40]], [1, 3, 1])
     torch.testing.assert_close(out[0, :1], full_logits(model, [5, 6, 7, 8, 9, 12])[-1:], atol=1e-5, rtol=1e-5)
@@ -141,7 +141,7 @@ def test_cache_stays_bounded_while_sequences_come_and_go(greedy_pair):
 
 def test_row_by_row_runner_gives_each_row_bit_for_bit_what_it_gives_alone():
     """RowwiseRunner (what int8 drafts run on): a row's logits never depend on the rows beside it, through
-    forward, rollback, tree passes and commits. (The batched ModelRunner fails this by ~4e-8 here: padding
+    chain and tree passes and commits. (The batched ModelRunner fails this by ~4e-8 here: padding
     a short row to a long one changes attention's float sums; an int8 draft's bfloat16 activations magnify
     such bits into a different q, and seeded requests then drew other tokens when batched.)"""
     runner = RowwiseRunner(ModelRunner(tiny_model("llama", vocab=64, seed=0)))
@@ -151,11 +151,12 @@ def test_row_by_row_runner_gives_each_row_bit_for_bit_what_it_gives_alone():
     def run(indices):
         state = runner.new_state(len(indices))
         outs = [runner.forward(state, [rows[i] for i in indices], [1] * len(indices))]
-        outs.append(runner.forward(state, [[5, 6, 7] for _ in indices], [3] * len(indices)))
-        runner.rollback(state, [2] * len(indices))
-        outs.append(runner.forward_tree(state, [[] for _ in indices], [[8, 9, 10] for _ in indices],
-                                        [[-1, -1, 0] for _ in indices]))
-        runner.commit_tree(state, [[0, 2] for _ in indices])
+        outs.append(runner.forward(state, [[5, 6, 7] for _ in indices], [3] * len(indices),
+                                   [[-1, 0, 1] for _ in indices]))  # a chain of drafts
+        runner.commit(state, [[0] for _ in indices])
+        outs.append(runner.forward(state, [[8, 9, 10] for _ in indices], [3] * len(indices),
+                                   [[-1, -1, 0] for _ in indices]))  # a tree
+        runner.commit(state, [[0, 2] for _ in indices])
         outs.append(runner.forward(state, [[11] for _ in indices], [1] * len(indices)))
         return outs
 

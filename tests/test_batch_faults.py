@@ -115,12 +115,12 @@ def test_a_target_fault_ends_the_batch_and_the_next_batch_is_exact(engine, monke
     forward = ModelRunner.forward
     calls = {"n": 0}
 
-    def faulty(self, state, tokens, num_logits):
+    def faulty(self, state, tokens, num_logits, parents=None):
         if self is engine.target:
             calls["n"] += 1
             if calls["n"] == 3:
                 raise MemoryError("injected: the target's pass ran out of memory")
-        return forward(self, state, tokens, num_logits)
+        return forward(self, state, tokens, num_logits, parents)
 
     monkeypatch.setattr(ModelRunner, "forward", faulty)
     batch = DecodeBatch(engine)
@@ -142,9 +142,9 @@ def test_a_long_prompt_is_read_in_chunks_beside_a_short_one(engine):
     for name, runner in (("target", engine.target), ("draft", engine.drafter.runner)):
         forward = runner.forward
 
-        def spy(state, tokens, num_logits, name=name, forward=forward):
+        def spy(state, tokens, num_logits, parents=None, name=name, forward=forward):
             widths[name].append([len(t) for t in tokens])
-            return forward(state, tokens, num_logits)
+            return forward(state, tokens, num_logits, parents)
 
         runner.forward = spy
     batch = DecodeBatch(engine, prefill_chunk=8)

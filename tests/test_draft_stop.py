@@ -63,8 +63,8 @@ class CheckedDrafter(DraftModelDrafter):
         super().__init__(runner, vocab, **kwargs)
         self.steps = self.stopped = 0
 
-    def propose(self, sequences, max_tokens):
-        drafts = super().propose(sequences, max_tokens)
+    def propose(self, sequences, max_tokens, trees=None):
+        drafts = super().propose(sequences, max_tokens, trees)
         reference = DraftModelDrafter(self.runner, self.target_vocab_size, lookup=self.lookup)
         plain = [copy.copy(s) for s in sequences]
         for s in plain:
@@ -75,11 +75,12 @@ class CheckedDrafter(DraftModelDrafter):
             assert d.tokens.tolist() == f.tokens[: len(d)].tolist()
             self.steps += 1
             self.stopped += int(len(d) < n)
-        assert self.state.lengths.tolist() == self.cached
+        # the cache holds the committed tokens, then the drafts fed back to it (uncommitted nodes until `commit`)
+        assert [n + fed for n, fed in zip(self.state.lengths.tolist(), self.fed)] == self.cached
         return drafts
 
-    def commit(self, sequences, drafts, num_accepted):
-        super().commit(sequences, drafts, num_accepted)
+    def commit(self, sequences, drafts, paths):
+        super().commit(sequences, drafts, paths)
         assert self.state.lengths.tolist() == self.cached
         assert all(c < len(s.tokens) for c, s in zip(self.cached, sequences))  # behind by what it reads next
 
@@ -155,8 +156,8 @@ def test_a_stop_rule_that_peeks_at_the_target_is_caught(chi_target, sampling_pai
     engine = SpeculativeEngine(target_runner, drafter, set())
     propose = drafter.propose
 
-    def peeking(sequences, max_tokens):
-        drafts = propose(sequences, max_tokens)
+    def peeking(sequences, max_tokens, trees=None):
+        drafts = propose(sequences, max_tokens, trees)
         out = []
         for seq, d in zip(sequences, drafts):
             if len(d):

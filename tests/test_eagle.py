@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import forward_tree, tiny_model
 from drafting import drafts_accepted
 from test_medusa import cli_greedy_equals_plain, second_tokens_follow_the_target, small  # noqa: F401 - a fixture
 from tiny_gguf import T, gguf_from_hf
@@ -186,7 +186,7 @@ def test_both_runners_keep_every_read_tokens_layer_states(pair, backend):
     torch.testing.assert_close(runner.aux_features[0], expected[5:], rtol=1e-4, atol=1e-4)
     state = runner.new_state(1)
     runner.forward(state, [ids[:6]], [1])
-    runner.forward_tree(state, [[]], [[ids[6], ids[7], 0]], [[-1, 0, -1]])  # nodes read in the order given
+    forward_tree(runner, state, [[]], [[ids[6], ids[7], 0]], [[-1, 0, -1]])  # nodes read in the order given
     torch.testing.assert_close(runner.aux_features[0][:2], expected[6:8], rtol=1e-4, atol=1e-4)
 
 

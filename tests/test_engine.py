@@ -80,7 +80,8 @@ def test_a_draft_that_reads_only_the_prompt_tail_stays_greedy_equal_and_reads_le
     drafter.start(seqs)
     assert drafter.cached == [len(p) - 3 for p in PROMPTS[:2]] + [0]  # the prompt of one token is read whole
     drafter.propose(seqs, [2, 2, 2])
-    assert drafter.state.lengths.tolist() == [3 + 1, 3 + 1, 1 + 1]  # the tail, then the first draft token
+    held = [n + fed for n, fed in zip(drafter.state.lengths.tolist(), drafter.fed)]  # committed, then draft nodes
+    assert held == [3 + 1, 3 + 1, 1 + 1]  # the tail, then the first draft token
     with pytest.raises(VerispecError, match="at least 1 token"):
         DraftModelDrafter(ModelRunner(draft), 64, context=0)
 

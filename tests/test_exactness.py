@@ -45,9 +45,9 @@ class DisjointDrafter(Drafter):
     def __init__(self, target, sampling):
         self.target, self.sampling = target, sampling
 
-    def propose(self, sequences, max_tokens):
+    def propose(self, sequences, depths, trees=None):
         drafts = []
-        for seq, n in zip(sequences, max_tokens):
+        for seq, n in zip(sequences, depths):
             tokens, qs = [], []
             for _ in range(n):
                 p = exact_next(self.target, seq.tokens + tokens, self.sampling)

@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import noisy_copy, tiny_model
+from conftest import chain, forward_tree, noisy_copy, tiny_model
 from drafting import drafts_accepted
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder, TreeConfig
 from verispec.models import load_model, registry
@@ -69,15 +69,15 @@ def smol(tmp_path_factory):
         return load_model("smollm2-135m-instruct", backend="llama.cpp")
 
 
-def test_rollback_round_trip(smol):
+def test_dropped_drafts_round_trip(smol):
     runner = smol.make_runner()
     state = runner.new_state(1)
     prompt = smol.tokenizer("The capital of France is")["input_ids"]
     runner.forward(state, [prompt], [1])
-    reference = runner.forward(state, [[11, 12]], [2])
-    runner.rollback(state, [2])
-    runner.forward(state, [[40, 41, 42]], [3])
-    runner.rollback(state, [3])
+    reference = runner.forward(state, [[11, 12]], [2], [chain(2)])  # drafts, dropped again
+    runner.commit(state, [[]])
+    runner.forward(state, [[40, 41, 42]], [3], [chain(3)])
+    runner.commit(state, [[]])
     again = runner.forward(state, [[11, 12]], [2])
     torch.testing.assert_close(again, reference, atol=1e-3, rtol=1e-3)
 
@@ -175,12 +175,12 @@ def cell_order_drift(smol, ids):
     """How far a token's logits move when a rejected tree node left a freed cell that the token then
     takes, ahead of the accepted entries in memory (attention sums the cells in their order in memory)."""
     runner, state = _fresh(smol, ids[:-3])
-    runner.forward_tree(state, [[ids[-3]]], [[99, ids[-2]]], [[-1, -1]])
-    runner.commit_tree(state, [[1]])
+    forward_tree(runner, state, [[ids[-3]]], [[99, ids[-2]]], [[-1, -1]])
+    runner.commit(state, [[1]])
     holed = runner.forward(state, [[ids[-1]]], [1])[0, 0]
     runner, state = _fresh(smol, ids[:-3])
-    runner.forward(state, [[ids[-3], ids[-2], 11]], [1])
-    runner.rollback(state, [1])
+    runner.forward(state, [[ids[-3], ids[-2], 11]], [1], [[-1]])  # the same width: a draft after them, dropped
+    runner.commit(state, [[]])
     return float((holed - runner.forward(state, [[ids[-1]]], [1])[0, 0]).abs().max())
 
 
@@ -199,7 +199,7 @@ def test_tree_pass_gives_each_node_the_logits_of_its_path(smol):
 
     for flash in (True, False):
         runner, state = _fresh(smol, prompt, flash)
-        tree = runner.forward_tree(state, [chain], [nodes], [parents])[0]  # (1 + 6, V)
+        tree = forward_tree(runner, state, [chain], [nodes], [parents])[0]  # (1 + 6, V)
         for j in [-1, *range(len(nodes))]:
             row = chain + path(j)
             runner, state = _fresh(smol, prompt, flash)
@@ -212,7 +212,7 @@ def test_tree_pass_gives_each_node_the_logits_of_its_path(smol):
 
 
 def test_tree_commit_keeps_the_accepted_path_and_drops_the_rest(smol):
-    """After commit_tree the cache holds prefix + accepted path, as if the path had been read as a chain.
+    """After commit the cache holds prefix + accepted path, as if the path had been read as a chain.
     Nodes added in a second tree pass (as a draft model grows its tree depth by depth) attend to their
     earlier ancestors: equal to a same-width chain pass. The next token after the commit lands in a freed
     cell between the path's entries, and flash attention sums the cells in their order in memory with f16
@@ -220,18 +220,18 @@ def test_tree_commit_keeps_the_accepted_path_and_drops_the_rest(smol):
     a wrong token differs by whole units, which the check against a wrong path shows."""
     prompt = smol.tokenizer("The three primary colours are")["input_ids"]
     runner, state = _fresh(smol, prompt, flash_attention=True)
-    runner.forward_tree(state, [[29]], [[1350, 3474, 2135]], [[-1, -1, 0]])
-    later = runner.forward_tree(state, [[]], [[28, 300]], [[2, 1]])[0]  # children of slots 2 and 1
-    runner.commit_tree(state, [[0, 2, 3]])
+    forward_tree(runner, state, [[29]], [[1350, 3474, 2135]], [[-1, -1, 0]])
+    later = forward_tree(runner, state, [[]], [[28, 300]], [[2, 1]])[0]  # children of slots 2 and 1
+    runner.commit(state, [[0, 2, 3]])
     assert int(state.lengths[0]) == len(prompt) + 1 + 3
     after = runner.forward(state, [[30]], [1])[0, 0]
 
     def chain_reference(path_tail):
         ref_runner, ref = _fresh(smol, prompt, flash_attention=True)
-        ref_runner.forward(ref, [[29, 1350, 2135, 11]], [1])  # the first pass's width: 4
-        ref_runner.rollback(ref, [1])
-        logits = ref_runner.forward(ref, [[path_tail, 11]], [2])[0, 0]  # the second pass's width: 2
-        ref_runner.rollback(ref, [1])
+        ref_runner.forward(ref, [[29, 1350, 2135, 11]], [1], [[-1]])  # the first pass's width: 4
+        ref_runner.commit(ref, [[]])
+        logits = ref_runner.forward(ref, [[path_tail, 11]], [2], [[-1]])[0, 0]  # the second pass's width: 2
+        ref_runner.commit(ref, [[]])
         return logits, ref_runner.forward(ref, [[30]], [1])[0, 0]
 
     expected_later, expected_after = chain_reference(28)
@@ -241,12 +241,12 @@ def test_tree_commit_keeps_the_accepted_path_and_drops_the_rest(smol):
     assert near < 1.0 and wrong > 2.0, (near, wrong)
     assert int(after.argmax()) == int(expected_after.argmax())
 
-    runner.forward_tree(state, [[31]], [[5, 6]], [[-1, 0]])
-    runner.commit_tree(state, [[]])  # nothing accepted: only the chain token stays
+    forward_tree(runner, state, [[31]], [[5, 6]], [[-1, 0]])
+    runner.commit(state, [[]])  # nothing accepted: only the chain token stays
     assert int(state.lengths[0]) == len(prompt) + 1 + 3 + 1 + 1  # ..., 30, then 31
-    runner.forward_tree(state, [[32]], [[5, 6]], [[-1, -1]])
+    forward_tree(runner, state, [[32]], [[5, 6]], [[-1, -1]])
     with pytest.raises(ValueError, match="not a path"):
-        runner.commit_tree(state, [[0, 1]])
+        runner.commit(state, [[0, 1]])
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft"])

@@ -1,5 +1,5 @@
 """verispec's quantized CPU runner (backend "native") on tiny GGUF files: it equals transformers' forward,
-its logits are the same bits whatever the pass (width, ragged batch, tree, threads), rollback and trees
+its logits are the same bits whatever the pass (width, ragged batch, tree, threads), dropped drafts and trees
 round-trip, and greedy speculative decoding equals plain decoding for every drafter."""
 
 import importlib.util
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import noisy_copy, tiny_model
+from conftest import chain, forward_tree, noisy_copy, tiny_model
 from drafting import drafts_accepted
 from tiny_gguf import ALL_TYPES, T, gguf_from_hf, write_tiny_gguf
 from verispec.chisquare import chi_square_test
@@ -103,17 +103,22 @@ def test_a_ragged_batch_gives_each_row_its_logits_alone(mixed):
         assert torch.equal(first[b, : len(prompts[b])], a1) and torch.equal(second[b, : len(nexts[b])], a2)
 
 
-def test_rollback_then_the_same_tokens_again_gives_the_same_bits(mixed):
+def test_dropped_drafts_then_the_same_tokens_again_give_the_same_bits(mixed):
     state = mixed.new_state(1)
     mixed.forward(state, [[3, 4, 5, 6]], [1])
-    reference = mixed.forward(state, [[7, 8]], [2])
-    mixed.rollback(state, [2])
-    mixed.forward(state, [[40, 41, 42]], [3])
-    mixed.rollback(state, [3])
-    assert torch.equal(mixed.forward(state, [[7, 8]], [2]), reference)
+    reference = mixed.forward(state, [[7, 8]], [2], [chain(2)])  # as draft nodes
+    mixed.commit(state, [[]])
+    mixed.forward(state, [[40, 41, 42]], [3], [chain(3)])
+    mixed.commit(state, [[0]])  # 40 kept
+    mixed.forward(state, [[7]], [1], [chain(1)])
+    mixed.commit(state, [[]])
+    assert state.lengths.tolist() == [5]
+    state = mixed.new_state(1)
+    mixed.forward(state, [[3, 4, 5, 6]], [1])
+    assert torch.equal(mixed.forward(state, [[7, 8]], [2]), reference)  # committed: the nodes' bits
     assert state.lengths.tolist() == [6]
     with pytest.raises(ValueError):
-        mixed.rollback(state, [7])
+        mixed.commit(state, [[0]])  # no draft nodes held
 
 
 def test_each_tree_node_gets_its_paths_chain_logits_and_commit_keeps_the_path(mixed):
@@ -122,17 +127,17 @@ def test_each_tree_node_gets_its_paths_chain_logits_and_commit_keeps_the_path(mi
     nodes, parents = [30, 31, 32, 33, 34], [-1, -1, 0, 0, 2]
     state = mixed.new_state(1)
     mixed.forward(state, [prompt[:-1]], [1])
-    logits = mixed.forward_tree(state, [[prompt[-1]]], [nodes], [parents])[0]  # (1 + 5, V)
+    logits = forward_tree(mixed, state, [[prompt[-1]]], [nodes], [parents])[0]  # (1 + 5, V)
     paths = {0: [30], 1: [31], 2: [30, 32], 3: [30, 33], 4: [30, 32, 34]}
     for slot, path in paths.items():
         chain = logits_one_by_one(mixed, prompt[:-1], [prompt[-1]] + path)
         assert torch.equal(logits[1 + slot], chain[-1]), slot
-    mixed.commit_tree(state, [[0, 2, 4]])
+    mixed.commit(state, [[0, 2, 4]])
     assert state.lengths.tolist() == [len(prompt) + 3]
     after = mixed.forward(state, [[50]], [1])[0, 0]
     assert torch.equal(after, logits_one_by_one(mixed, prompt[:-1], [prompt[-1], 30, 32, 34, 50])[-1])
     with pytest.raises(ValueError):
-        mixed.commit_tree(state, [[1]])  # nothing held any more
+        mixed.commit(state, [[1]])  # nothing held any more
 
 
 def test_threads_do_not_change_the_logits(mixed):
@@ -336,7 +341,7 @@ def test_one_c_call_per_layer_gives_the_per_op_paths_bits(tmp_path, arch):
         runner = NativeRunner(model, fused=fused)
         state = runner.new_state(2)
         first = runner.forward(state, [[1, 2, 3, 4], [5, 6]], [4, 2])
-        tree = runner.forward_tree(state, [[7], []], [[8, 9, 10], [11, 12]], [[-1, 0, -1], [-1, 0]])
+        tree = forward_tree(runner, state, [[7], []], [[8, 9, 10], [11, 12]], [[-1, 0, -1], [-1, 0]])
         outs.append(torch.cat([first.flatten(), tree.flatten()]))
     assert torch.equal(outs[0], outs[1])
 
@@ -374,17 +379,17 @@ def test_the_kernel_profile_names_each_part_of_a_pass_and_changes_no_bits(mixed)
     prompt, tokens = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14]
     state = mixed.new_state(1)
     mixed.forward(state, [prompt], [1])
-    plain = mixed.forward(state, [tokens], [4])
-    mixed.rollback(state, [4])
+    plain = mixed.forward(state, [tokens], [4], [chain(4)])
+    mixed.commit(state, [[]])
     with native.profile() as parts:
-        profiled = mixed.forward(state, [tokens], [4])
+        profiled = mixed.forward(state, [tokens], [4], [chain(4)])
     assert torch.equal(profiled, plain)
     expected = {"quantize activations", "attention", "layers", "matmuls outside layers"}
     assert expected <= set(parts), parts
     assert sum(1 for name in parts if name.startswith("matmul ")) >= 2, parts  # the mixed model's several types
     assert all(seconds > 0 for seconds in parts.values())
     assert parts["layers"] >= parts["attention"] + parts["quantize activations"]
-    mixed.rollback(state, [4])
+    mixed.commit(state, [[]])
 
     def slots():
         out = np.zeros(64, np.float64)

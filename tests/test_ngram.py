@@ -298,7 +298,7 @@ def test_corpus_ngram_tree_shape_and_order(target):
     engine = SpeculativeEngine(ModelRunner(target), drafter, set())
     seqs = engine.make_sequences([PROMPT], SamplingConfig(temperature=0), SpecConfig(), 0)
     drafter.start(seqs)
-    draft = drafter.propose_tree(seqs, [TreeConfig(shape=(3, 2))], [2])[0]
+    draft = drafter.propose(seqs, [2], [TreeConfig(shape=(3, 2))])[0]
     tree = draft.tree
     assert 0 < tree.size <= 3 + 3 * 2 and draft.q is None and draft.siblings == "deterministic"
     for children in tree.children:

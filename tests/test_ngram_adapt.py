@@ -42,15 +42,15 @@ def test_buffer_keeps_the_first_rejected_position_and_the_target_top_k():
     buffer = AdaptationBuffer(AdaptConfig(top_k=2, max_context=4))
     p = torch.tensor([[0.1, 0.9, 0.0, 0.0], [0.5, 0.0, 0.3, 0.2], [0.0, 0.0, 0.0, 1.0], [0.25] * 4])  # (n + 1, V)
     draft = Draft(torch.tensor([1, 3, 2]))
-    buffer(FakeSeq([7, 8, 9, 10, 11]), draft, p, Verdict(1, 0, bonus=False), None)  # x_2 = 3 rejected
-    buffer(FakeSeq([7]), draft, p, Verdict(3, 1, bonus=True), None)  # all accepted: nothing to learn
-    buffer(FakeSeq([5, 6]), Draft(torch.zeros(0, dtype=torch.long)), p, Verdict(0, 1, bonus=True), None)  # no draft
+    buffer(FakeSeq([7, 8, 9, 10, 11]), draft, p, Verdict((0,), 0, bonus=False), None)  # x_2 = 3 rejected
+    buffer(FakeSeq([7]), draft, p, Verdict((0, 1, 2), 1, bonus=True), None)  # all accepted: nothing to learn
+    buffer(FakeSeq([5, 6]), Draft(torch.zeros(0, dtype=torch.long)), p, Verdict((), 1, bonus=True), None)  # no draft
     examples = buffer.drain()
     assert len(buffer) == 0 and buffer.collected == 2
     assert examples[0] == AdaptExample((9, 10, 11, 1), (0, 2), (pytest.approx(0.5), pytest.approx(0.3)))
     assert examples[1].context == (5, 6) and examples[1].tokens == (1, 0)  # position 0 of an empty draft
     quiet = AdaptationBuffer(AdaptConfig(include_undrafted=False))
-    quiet(FakeSeq([5, 6]), Draft(torch.zeros(0, dtype=torch.long)), p, Verdict(0, 1, bonus=True), None)
+    quiet(FakeSeq([5, 6]), Draft(torch.zeros(0, dtype=torch.long)), p, Verdict((), 1, bonus=True), None)
     assert len(quiet) == 0
 
 
@@ -60,8 +60,8 @@ def test_buffer_learning_from_all_keeps_every_settled_position():
     buffer = AdaptationBuffer(AdaptConfig(top_k=1, max_context=4, learn_from="all"))
     p = torch.tensor([[0.1, 0.9, 0.0, 0.0], [0.5, 0.0, 0.3, 0.2], [0.0, 0.0, 0.0, 1.0], [0.25, 0.3, 0.2, 0.25]])  # (n + 1, V)
     draft = Draft(torch.tensor([1, 3, 2]))
-    buffer(FakeSeq([7, 8, 9, 10, 11]), draft, p, Verdict(1, 0, bonus=False), None)  # x_1 = 1 accepted, x_2 = 3 rejected
-    buffer(FakeSeq([7]), draft, p, Verdict(3, 1, bonus=True), None)  # all accepted: four positions, the bonus's too
+    buffer(FakeSeq([7, 8, 9, 10, 11]), draft, p, Verdict((0,), 0, bonus=False), None)  # x_1 = 1 accepted, x_2 = 3 rejected
+    buffer(FakeSeq([7]), draft, p, Verdict((0, 1, 2), 1, bonus=True), None)  # all accepted: four positions, the bonus's too
     contexts = [(ex.context, ex.tokens) for ex in buffer.drain()]
     assert contexts == [((8, 9, 10, 11), (1,)), ((9, 10, 11, 1), (0,)),
                         ((7,), (1,)), ((7, 1), (0,)), ((7, 1, 3), (3,)), ((7, 1, 3, 2), (1,))]

@@ -5,6 +5,7 @@ import torch
 
 from verispec.chisquare import chi_square_test
 from verispec.rejection import acceptance_probability, residual_distribution, verify, verify_greedy
+from verispec.tree import Draft
 
 
 def random_dist(V, gen, zeros=0):
@@ -54,7 +55,7 @@ def test_verify_decides_by_the_identitys_rule_on_every_draw(case):
             q = torch.zeros(20, dtype=torch.float64)
             q[trial % 20] = 1.0
         x = int(torch.multinomial(q, 1, generator=gen))
-        verdict, u = verify(p[None].repeat(2, 1), torch.tensor([x]), None if case == "one_hot" else q[None],
+        verdict, u = verify(p[None].repeat(2, 1), Draft(torch.tensor([x]), None if case == "one_hot" else q[None]),
                             torch.Generator().manual_seed(trial), return_uniforms=True)
         alpha = float(acceptance_probability(p, q)[x])
         if abs(float(u[0]) - alpha) > 1e-9:  # away from the boundary, where rounding may decide either way
@@ -80,10 +81,10 @@ def sample_verify(p, q, draft_from_q, n, seed, one_hot_token=None):
     for _ in range(n):
         if one_hot_token is None:
             x = torch.multinomial(q, 1, generator=rng)
-            verdict = verify(P.float(), x, q[None].float(), rng)
+            verdict = verify(P.float(), Draft(x, q[None].float()), rng)
         else:
             x = torch.tensor([one_hot_token])
-            verdict = verify(P.float(), x, None, rng)
+            verdict = verify(P.float(), Draft(x), rng)
         first = int(x[0]) if verdict.num_accepted else verdict.token
         counts[first] += 1
     return counts
@@ -120,12 +121,12 @@ def test_chi_square_detects_a_wrong_rule():
 
 def test_verify_greedy_accepts_matching_prefix_then_emits_argmax():
     argmax = torch.tensor([4, 7, 1, 9])
-    assert verify_greedy(argmax, torch.tensor([4, 7, 2])) == verify_greedy(argmax, torch.tensor([4, 7, 3]))
-    v = verify_greedy(argmax, torch.tensor([4, 7, 2]))
+    assert verify_greedy(argmax, Draft(torch.tensor([4, 7, 2]))) == verify_greedy(argmax, Draft(torch.tensor([4, 7, 3])))
+    v = verify_greedy(argmax, Draft(torch.tensor([4, 7, 2])))
     assert (v.num_accepted, v.token, v.bonus) == (2, 1, False)
-    v = verify_greedy(argmax, torch.tensor([4, 7, 1]))
+    v = verify_greedy(argmax, Draft(torch.tensor([4, 7, 1])))
     assert (v.num_accepted, v.token, v.bonus) == (3, 9, True)
-    v = verify_greedy(argmax[:1], torch.zeros(0, dtype=torch.long))
+    v = verify_greedy(argmax[:1], Draft(torch.zeros(0, dtype=torch.long)))
     assert (v.num_accepted, v.token, v.bonus) == (0, 4, True)
 
 
@@ -134,8 +135,8 @@ def test_verify_is_deterministic_for_a_seed():
     P = torch.stack([random_dist(20, gen) for _ in range(4)]).float()
     Q = torch.stack([random_dist(20, gen) for _ in range(3)]).float()
     x = torch.tensor([1, 2, 3])
-    a = [verify(P, x, Q, torch.Generator().manual_seed(s)) for s in range(20)]
-    b = [verify(P, x, Q, torch.Generator().manual_seed(s)) for s in range(20)]
+    a = [verify(P, Draft(x, Q), torch.Generator().manual_seed(s)) for s in range(20)]
+    b = [verify(P, Draft(x, Q), torch.Generator().manual_seed(s)) for s in range(20)]
     assert a == b
 
 

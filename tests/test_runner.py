@@ -1,9 +1,14 @@
-"""Layer 4: the ragged KV cache. Rollback round-trips, batch rows equal single rows."""
+"""Layer 4: the ragged KV cache. Draft round-trips (read as nodes, committed in part), batch rows equal single rows."""
 
 import torch
 
 from conftest import tiny_model
 from verispec.models.runners.hf import ModelRunner
+
+
+def chain(n):
+    """The parents of n draft nodes in a chain."""
+    return list(range(-1, n - 1))
 
 
 def full_logits(model, ids):
@@ -21,39 +26,39 @@ def test_incremental_logits_equal_a_full_pass():
     torch.testing.assert_close(torch.cat([a, b]), full_logits(model, ids), atol=1e-5, rtol=1e-5)
 
 
-def test_rollback_round_trip():
+def test_rejected_drafts_round_trip():
     model = tiny_model("qwen2")
     runner = ModelRunner(model)
     ids = [3, 9, 27, 17, 51]
     state = runner.new_state(1)
     runner.forward(state, [ids], [1])
     before = state.cache.get_seq_length()
-    runner.forward(state, [[40, 41, 42, 43]], [4])  # drafts that will be rejected
-    runner.rollback(state, [4])
+    runner.forward(state, [[40, 41, 42, 43]], [4], [chain(4)])  # drafts that will be rejected
+    runner.commit(state, [[]])
     assert state.cache.get_seq_length() == before and int(state.lengths[0]) == 5
     after = runner.forward(state, [[7, 8]], [2])[0]
     torch.testing.assert_close(after, full_logits(model, ids + [7, 8])[-2:], atol=1e-5, rtol=1e-5)
 
 
-def test_partial_rollback_keeps_accepted_prefix():
+def test_partial_commit_keeps_accepted_prefix():
     model = tiny_model("llama")
     runner = ModelRunner(model)
     state = runner.new_state(1)
     runner.forward(state, [[1, 2, 3]], [1])
-    runner.forward(state, [[4, 5, 6, 7]], [4])
-    runner.rollback(state, [2])  # keep 4, 5
+    runner.forward(state, [[4, 5, 6, 7]], [4], [chain(4)])
+    runner.commit(state, [[0, 1]])  # keep 4, 5
     out = runner.forward(state, [[8]], [1])[0]
     torch.testing.assert_close(out, full_logits(model, [1, 2, 3, 4, 5, 8])[-1:], atol=1e-5, rtol=1e-5)
 
 
-def test_ragged_batch_rows_equal_single_rows_through_rollbacks():
+def test_ragged_batch_rows_equal_single_rows_through_commits():
     model = tiny_model("qwen2")
     runner = ModelRunner(model)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
     state = runner.new_state(3)
     runner.forward(state, prompts, [1, 1, 1])
-    runner.forward(state, [[20, 21, 22], [23], [24, 25]], [3, 1, 2])
-    runner.rollback(state, [2, 0, 1])  # rows keep [20], [23], [24]
+    runner.forward(state, [[20, 21, 22], [23], [24, 25]], [3, 1, 2], [chain(3), chain(1), chain(2)])
+    runner.commit(state, [[0], [0], [0]])  # rows keep [20], [23], [24]
     out = runner.forward(state, [[30], [31, 32], []], [1, 2, 0])
     expected = [prompts[0] + [20, 30], prompts[1] + [23, 31, 32]]
     torch.testing.assert_close(out[0, :1], full_logits(model, expected[0])[-1:], atol=1e-5, rtol=1e-5)

@@ -318,12 +318,12 @@ def test_memory_error_in_the_targets_pass_fails_that_batch_and_the_server_goes_o
     engine = fresh.app.state.scheduler.engine
     calls = {"n": 0}
 
-    def faulty(self, state, tokens, num_logits):
+    def faulty(self, state, tokens, num_logits, parents=None):
         if self is engine.target:
             calls["n"] += 1
             if calls["n"] == 4:
                 raise MemoryError("injected into the target's pass")
-        return forward(self, state, tokens, num_logits)
+        return forward(self, state, tokens, num_logits, parents)
 
     monkeypatch.setattr(ModelRunner, "forward", faulty)
     rs = post_many(fresh.url, [SENTINEL] * 3)

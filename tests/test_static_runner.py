@@ -1,12 +1,12 @@
 """The static-cache runner (`models/runners/static.py`, the GPU decode path, run here on the CPU): its logits equal
-`ModelRunner`'s through ragged passes, rollbacks, rows leaving and joining, trees and compaction; rollback only
+`ModelRunner`'s through ragged passes, dropped drafts, rows leaving and joining, trees and compaction; dropping drafts only
 moves the cache's length; decoding with it gives plain decoding's tokens; and the compiled passes equal the eager
 ones (logits to float tolerance, greedy tokens exactly)."""
 
 import pytest
 import torch
 
-from conftest import noisy_copy, tiny_model
+from conftest import chain, forward_tree, noisy_copy, tiny_model
 from drafting import drafts_accepted
 from verispec.config import SamplingConfig, SpecConfig, TreeConfig
 from verispec.drafters.draft_model import DraftModelDrafter
@@ -28,37 +28,36 @@ def length(state) -> int:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_ragged_passes_and_rollbacks_give_the_dynamic_runners_logits(arch):
+def test_ragged_passes_and_dropped_drafts_give_the_dynamic_runners_logits(arch):
     model = tiny_model(arch, seed=1)
     dynamic, static = both(model)
     states = dynamic.new_state(3), static.new_state(3)
-    calls = [("forward", [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]], [1, 2, 1]),
-             ("forward", [[20, 21, 22], [23], [24, 25]], [3, 1, 2]),
-             ("rollback", [2, 0, 1]),
-             ("forward", [[30], [31, 32], []], [1, 2, 0]),
-             ("rollback", [1, 2, 0]),
-             ("forward", [[40, 41, 42, 43, 44], [45], [46]], [5, 1, 1])]
-    for call in calls:
-        if call[0] == "rollback":
-            dynamic.rollback(states[0], call[1])
-            static.rollback(states[1], call[1])
-            continue
-        a = dynamic.forward(states[0], call[1], call[2])
-        b = static.forward(states[1], call[1], call[2])
-        for row, n in enumerate(call[2]):
+    # (tokens, logits wanted, None: committed, or how many of each row's tokens to keep: they are read as drafts)
+    calls = [([[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]], [1, 2, 1], None),
+             ([[20, 21, 22], [23], [24, 25]], [3, 1, 2], [1, 1, 1]),
+             ([[30], [31, 32], []], [1, 2, 0], [0, 0, 0]),
+             ([[40, 41, 42, 43, 44], [45], [46]], [5, 1, 1], None)]
+    for tokens, wanted, keep in calls:
+        parents = None if keep is None else [chain(len(row)) for row in tokens]
+        a = dynamic.forward(states[0], tokens, wanted, parents)
+        b = static.forward(states[1], tokens, wanted, parents)
+        for row, n in enumerate(wanted):
             torch.testing.assert_close(b[row, :n], a[row, :n], **TOL)
+        if keep is not None:
+            dynamic.commit(states[0], [list(range(k)) for k in keep])
+            static.commit(states[1], [list(range(k)) for k in keep])
     assert torch.equal(states[0].lengths, states[1].lengths)
     assert length(states[1]) == states[1].valid.shape[1]  # the write position follows the live columns
 
 
-def test_rollback_moves_the_length_and_keeps_the_buffers():
+def test_dropping_drafts_moves_the_length_and_keeps_the_buffers():
     _, static = both(tiny_model("qwen2"))
     state = static.new_state(1)
     static.forward(state, [[3, 9, 27, 17, 51]], [1])  # 5 tokens at width 8: 3 holes after them
     keys = state.cache.layers[0].keys
     assert length(state) == 8 and keys.shape[2] == 256
-    static.forward(state, [[40, 41, 42]], [3])
-    static.rollback(state, [3])
+    static.forward(state, [[40, 41, 42]], [3], [chain(3)])
+    static.commit(state, [[]])
     assert length(state) == 5 and state.cache.layers[0].keys is keys  # nothing copied or freed
 
 
@@ -73,9 +72,9 @@ def test_rows_leaving_and_joining_and_compaction_keep_each_rows_logits():
     outs = []
     for runner, state in zip((dynamic, static), states):
         out = runner.forward(state, [[12, 13], [14, 15, 16]], [2, 3])
-        for _ in range(12):  # passes of width 4 with rollbacks: holes pile up until the capacity forces compaction
-            runner.forward(state, [[17, 18, 19], [20, 21, 22]], [3, 3])
-            runner.rollback(state, [3, 3])
+        for _ in range(12):  # passes of width 4 whose drafts are dropped: holes pile up until compaction is forced
+            runner.forward(state, [[17, 18, 19], [20, 21, 22]], [3, 3], [chain(3), chain(3)])
+            runner.commit(state, [[], []])
         outs.append((out, runner.forward(state, [[23], [24]], [1, 1])))
     torch.testing.assert_close(outs[1][0][0, :2], outs[0][0][0, :2], **TOL)
     torch.testing.assert_close(outs[1][0][1, :3], outs[0][0][1, :3], **TOL)
@@ -98,8 +97,8 @@ def test_tree_passes_give_the_dynamic_runners_logits():
     for runner in (dynamic, static):
         state = runner.new_state(2)
         runner.forward(state, [[1, 2, 3, 4], [5, 6]], [1, 1])
-        a = runner.forward_tree(state, [[7], [8]], [[9, 10, 11], [12, 13]], [[-1, -1, 0], [-1, 0]])
-        runner.commit_tree(state, [[0, 2], [0]])
+        a = forward_tree(runner, state, [[7], [8]], [[9, 10, 11], [12, 13]], [[-1, -1, 0], [-1, 0]])
+        runner.commit(state, [[0, 2], [0]])
         b = runner.forward(state, [[14], [15]], [1, 1])
         outs.append((a, b))
     torch.testing.assert_close(outs[1][0], outs[0][0], **TOL)
@@ -134,8 +133,8 @@ def test_compiled_passes_equal_the_eager_ones():
     for runner in (eager, compiled):
         state = runner.new_state(2)
         a = runner.forward(state, [[1, 2, 3, 4, 5], [6, 7]], [1, 2])
-        b = runner.forward(state, [[8, 9, 10], [11]], [3, 1])
-        runner.rollback(state, [2, 0])
+        b = runner.forward(state, [[8, 9, 10], [11]], [3, 1], [chain(3), chain(1)])
+        runner.commit(state, [[0], [0]])
         c = runner.forward(state, [[12], [13, 14, 15]], [1, 3])
         outs.append(torch.cat([a[:, :1], b[:, :1], c[:, :1]], 1))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
@@ -155,8 +154,8 @@ def test_one_graph_per_batch_size_and_width():
         state = runner.new_state(1)
         runner.forward(state, [[1, 2, 3]], [1])  # the prompt: width 4, compiled
         runner.forward(state, [[4, 5, 6]], [3])  # width 4 again, on a cache that now holds tokens
-        runner.forward(state, [[7]], [1])  # width 1
-        runner.rollback(state, [1])
+        runner.forward(state, [[7]], [1], [chain(1)])  # width 1, a draft dropped again
+        runner.commit(state, [[]])
 
     before = counters["unique_graphs"]
     one_request()

@@ -15,9 +15,9 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.models.runners.hf import ModelRunner
-from verispec.rejection import residual_distribution, verify, verify_tree, walk_tree
+from verispec.rejection import residual_distribution, verify, walk_tree
 from verispec.trace import Tracer, tracing, tree_verification_record, verification_record
-from verispec.tree import TreeDraft, static_parents, tree_from_parents
+from verispec.tree import Draft, static_parents, tree_from_parents
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 11]]
 # Runs are repeated with these seeds until the records have covered accepted and rejected drafts: whether a
@@ -83,8 +83,8 @@ def test_verify_returns_the_uniforms_it_used_without_changing_the_draws():
     q = torch.softmax(torch.randn(3, 10, generator=gen), -1)  # (n, V)
     x = torch.tensor([1, 4, 7])
     a, b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
-    verdict, u = verify(p, x, q, a, return_uniforms=True)
-    assert verdict == verify(p, x, q, b)
+    verdict, u = verify(p, Draft(x, q), a, return_uniforms=True)
+    assert verdict == verify(p, Draft(x, q), b)
     assert torch.equal(a.get_state(), b.get_state())
     assert torch.equal(u, torch.rand(3, generator=torch.Generator().manual_seed(9)))
 
@@ -94,7 +94,7 @@ def test_verification_record_lists_overlap_excess_and_residual():
     q = torch.tensor([[0.2, 0.6, 0.1, 0.1]])  # (n, V)
     from verispec.rejection import Verdict
 
-    rec = verification_record(p, torch.tensor([1]), q, Verdict(0, 0, False), torch.tensor([0.9]), top=4)
+    rec = verification_record(p, torch.tensor([1]), q, Verdict((), 0, False), torch.tensor([0.9]), top=4)
     d = rec["drafts"][0]
     assert (d["p"], d["q"], d["accept_probability"], d["uniform"], d["verdict"]) == (0.3, 0.6, 0.5, 0.9, "rejected")
     pos = rec["positions"][0]
@@ -147,7 +147,7 @@ TREES = {"shape": TreeConfig(shape=(2, 2, 1)), "budget": TreeConfig(budget=6, to
 
 
 class KeepingTracer(Tracer):
-    """A Tracer that also keeps what the engine handed it (p rows, the TreeDraft, the TreeVerdict)."""
+    """A Tracer that also keeps what the engine handed it (p rows, the Draft, the Verdict)."""
 
     def __init__(self):
         super().__init__()
@@ -224,7 +224,7 @@ def _check_tree_records(kind, temperature, tree, seed) -> set[str]:
                 assert n["uniform"] is None and (n["verdict"] == "accepted") == (n["p"] == 1.0)
             elif abs(n["uniform"] - ratio) > 1e-3:
                 assert (n["uniform"] < ratio) == (n["verdict"] == "accepted")
-        # the uniforms are the ones verify_tree used: walking the tree from them (untried nodes get
+        # the uniforms are the ones verify used: walking the tree from them (untried nodes get
         # u = 2, which would reject anything) reproduces the verdict
         if temperature > 0:
             u = torch.tensor([2.0 if n["uniform"] is None else n["uniform"] for n in nodes])  # (N,)
@@ -233,7 +233,7 @@ def _check_tree_records(kind, temperature, tree, seed) -> set[str]:
     return verdicts
 
 
-def test_verify_tree_returns_the_uniforms_it_used_without_changing_the_draws():
+def test_verify_on_a_tree_returns_the_uniforms_it_used_without_changing_the_draws():
     gen = torch.Generator().manual_seed(0)
     parents = static_parents((3, 2))
     tree = tree_from_parents(parents)
@@ -243,11 +243,12 @@ def test_verify_tree_returns_the_uniforms_it_used_without_changing_the_draws():
     for siblings in ("iid", "without_replacement"):
         for seed in range(20):
             a, b = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-            verdict, u = verify_tree(p, tree, tokens, q, siblings, a, return_uniforms=True)
-            assert verdict == verify_tree(p, tree, tokens, q, siblings, b)
+            draft = Draft(tokens, q, tree=tree, siblings=siblings)
+            verdict, u = verify(p, draft, a, return_uniforms=True)
+            assert verdict == verify(p, draft, b)
             assert torch.equal(a.get_state(), b.get_state())
             assert torch.equal(u, torch.rand(len(parents), generator=torch.Generator().manual_seed(seed)))
-            rec = tree_verification_record(p, TreeDraft(tokens, tree, q, siblings), verdict, u)
+            rec = tree_verification_record(p, draft, verdict, u)
             assert rec["tree"]["path"] == list(verdict.path)
             assert [n["uniform"] for n in rec["tree"]["nodes"] if n["uniform"] is not None] == \
                 [float(u[n["node"]]) for n in rec["tree"]["nodes"] if n["verdict"] != "not tried"]
@@ -257,8 +258,8 @@ def test_tree_record_of_a_recovery_lists_the_residual_it_was_drawn_from():
     # root children 0 (token 1) and 1 (token 2), deterministic; p puts no mass on either -> both rejected
     tree = tree_from_parents((-1, -1))
     p = torch.tensor([[0.5, 0.0, 0.0, 0.5], [0.25] * 4, [0.25] * 4])  # (N + 1, V)
-    draft = TreeDraft(torch.tensor([1, 2]), tree)
-    verdict = verify_tree(p, tree, draft.tokens, None, "deterministic", torch.Generator().manual_seed(0))
+    draft = Draft(torch.tensor([1, 2]), tree=tree)
+    verdict = verify(p, draft, torch.Generator().manual_seed(0))
     assert verdict.path == () and not verdict.bonus and verdict.token in (0, 3)
     rec = tree_verification_record(p, draft, verdict, torch.tensor([0.1, 0.2]))
     nodes = rec["tree"]["nodes"]

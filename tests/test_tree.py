@@ -278,7 +278,7 @@ def test_draft_cache_holds_the_committed_tokens_after_tree_steps(pair):
 class ChainOnly(Drafter):
     name = "chain-only"
 
-    def propose(self, sequences, max_tokens):
+    def propose(self, sequences, depths, trees=None):
         raise AssertionError("not reached")
 
 
@@ -326,7 +326,8 @@ def test_a_huge_top_k_is_capped_at_the_budget_and_bounds_the_draft_work(pair):
     draft_runner = ModelRunner(draft)
     widths = []
     forward = draft_runner.forward
-    draft_runner.forward = lambda state, tokens, n: widths.append(max(map(len, tokens))) or forward(state, tokens, n)
+    draft_runner.forward = lambda state, tokens, n, parents=None: (widths.append(max(map(len, tokens)))
+                                                                   or forward(state, tokens, n, parents))
     engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(draft_runner, 64), set())
     for sampling in (GREEDY, SamplingConfig(temperature=1.0)):
         widths.clear()

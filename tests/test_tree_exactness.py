@@ -1,6 +1,6 @@
 """Tree speculation keeps the target's distribution: seeded chi-square tests.
 
-Layer 1, toy distributions: `verify_tree` on trees whose children are drawn i.i.d., without
+Layer 1, toy distributions: `verify` on trees whose children are drawn i.i.d., without
 replacement, or chosen deterministically, for several shapes; the first two emitted tokens must
 follow p(t1) p(t2 | t1). Verifying children drawn without replacement with SpecInfer's fixed-q rule
 must fail the same test (negative control).
@@ -23,8 +23,9 @@ from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.drafters.tree_growth import TreeGrowth, draw_children
 from verispec.engine import SpeculativeEngine
 from verispec.models.runners.hf import ModelRunner
-from verispec.rejection import verify, verify_tree
-from verispec.tree import static_parents, tree_from_parents
+from verispec.rejection import Verdict, verify, walk_tree
+from verispec.sampling import sample as draw
+from verispec.tree import Draft, static_parents, tree_from_parents
 
 # --- layer 1: toy distributions -------------------------------------------------------------------
 TOY_V = 5
@@ -78,7 +79,7 @@ def toy_tree_step(shape, mode, rng, verify_as=None):
     tree = tree_from_parents(tuple(tree_parents))
     p = torch.stack([p_toy(())] + [p_toy(path) for path in paths])  # (N + 1, V)
     q = None if mode == "deterministic" else torch.stack(q_rows)  # (N, V)
-    verdict = verify_tree(p, tree, torch.tensor(tokens), q, verify_as or mode, rng)
+    verdict = verify(p, Draft(torch.tensor(tokens), q, tree=tree, siblings=verify_as or mode), rng)
     return [tokens[i] for i in verdict.path] + [verdict.token]
 
 
@@ -108,6 +109,7 @@ def test_toy_check_catches_specinfer_rule_on_children_drawn_without_replacement(
 
 
 def test_single_chain_tree_draws_exactly_what_verify_draws():
+    """`verify` takes a vectorized path for chains: it draws what the tree walk draws and reaches its verdict."""
     g = torch.Generator().manual_seed(0)
     for trial in range(300):
         n, vocab = trial % 5, 6
@@ -115,10 +117,12 @@ def test_single_chain_tree_draws_exactly_what_verify_draws():
         q = None if trial % 3 == 0 else torch.softmax(2 * torch.randn(n, vocab, generator=g), dim=-1)
         tokens = torch.randint(vocab, (n,), generator=g)
         a, b = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
-        chain = verify(p, tokens, q, a)
-        tree = verify_tree(p, tree_from_parents(tuple(range(-1, n - 1))), tokens, q,
-                           "deterministic" if q is None else "iid", b)
-        assert (tree.num_accepted, tree.token, tree.bonus) == (chain.num_accepted, chain.token, chain.bonus)
+        chain = verify(p, Draft(tokens, q), a)
+        u = torch.rand(n, generator=b)  # the walk's uniforms, drawn as `verify` draws them for a tree
+        path, final, leaf = walk_tree(p, tree_from_parents(tuple(range(-1, n - 1))), tokens, q,
+                                      "deterministic" if q is None else "iid", u)
+        tree = Verdict(path, draw(final, b), bonus=leaf)
+        assert (tree.path, tree.token, tree.bonus) == (chain.path, chain.token, chain.bonus)
         assert torch.equal(a.get_state(), b.get_state())
 
 

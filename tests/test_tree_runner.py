@@ -4,7 +4,7 @@ compaction leaves the cache a plain decoding of the accepted path would have."""
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import forward_tree, tiny_model
 from verispec.models.runners.packed import pack_linear_layers
 from verispec.models.runners.hf import ModelRunner
 from verispec.tree import static_parents, tree_from_parents
@@ -34,7 +34,7 @@ def test_one_tree_pass_equals_a_chain_pass_per_path(arch, attention):
     runner.forward(state, [prompt[:3]], [1])
     parents = list(static_parents((3, 2, 1)))
     tokens = [(7 * i + 5) % 64 for i in range(len(parents))]
-    logits = runner.forward_tree(state, [prompt[3:]], [tokens], [parents])[0]
+    logits = forward_tree(runner, state, [prompt[3:]], [tokens], [parents])[0]
     check_tree_logits(model, prompt, tokens, parents, logits[: len(tokens) + 1])
     assert state.lengths.tolist() == [5]  # tree entries are not committed
 
@@ -48,7 +48,7 @@ def test_tree_pass_through_packed_linears():
     state = runner.new_state(1)
     parents = [-1, -1, 0, 0, 1, 2]
     tokens = [4, 8, 15, 16, 23, 42]
-    logits = runner.forward_tree(state, [[1, 2, 3]], [tokens], [parents])[0]
+    logits = forward_tree(runner, state, [[1, 2, 3]], [tokens], [parents])[0]
     check_tree_logits(reference, [1, 2, 3], tokens, parents, logits[:7])
 
 
@@ -64,7 +64,7 @@ def test_tree_pass_through_int8_draft_linears():
     state = runner.new_state(1)
     parents = [-1, -1, 0, 1, 1]
     tokens = [4, 8, 15, 16, 23]
-    logits = runner.forward_tree(state, [[1, 2, 3]], [tokens], [parents])[0]
+    logits = forward_tree(runner, state, [[1, 2, 3]], [tokens], [parents])[0]
     check_tree_logits(model, [1, 2, 3], tokens, parents, logits[:6])
 
 
@@ -76,8 +76,8 @@ def test_tree_grown_over_several_passes_and_ragged_rows():
     state = runner.new_state(2)
     runner.forward(state, prompts, [1, 1])
     # pass 1: level 1 (row 0: two nodes, row 1: one node); pass 2: children of some of them
-    first = runner.forward_tree(state, [[], []], [[20, 21], [22]], [[-1, -1], [-1]])
-    second = runner.forward_tree(state, [[], []], [[30, 31, 32], [33]], [[0, 1, 1], [0]])
+    first = forward_tree(runner, state, [[], []], [[20, 21], [22]], [[-1, -1], [-1]])
+    second = forward_tree(runner, state, [[], []], [[30, 31, 32], [33]], [[0, 1, 1], [0]])
     expect = {  # (row, logits row) -> path after the prompt
         (0, first, 0): [20], (0, first, 1): [21], (1, first, 0): [22],
         (0, second, 0): [20, 30], (0, second, 1): [21, 31], (0, second, 2): [21, 32], (1, second, 0): [22, 33],
@@ -94,9 +94,9 @@ def test_compaction_leaves_the_cache_of_the_accepted_path():
     runner.forward(state, [p[:-1] for p in prompts], [1, 1, 1])
     parents = [[-1, -1, 0, 1, 1, 4], [-1, 0], []]
     tokens = [[20, 21, 22, 23, 24, 25], [26, 27], []]
-    runner.forward_tree(state, [[p[-1]] for p in prompts], tokens, parents)
+    forward_tree(runner, state, [[p[-1]] for p in prompts], tokens, parents)
     accepted = [[1, 4, 5], [0], []]  # row 0 keeps 21 -> 24 -> 25, row 1 keeps 26, row 2 had no tree
-    runner.commit_tree(state, accepted)
+    runner.commit(state, accepted)
     paths = [[tokens[b][i] for i in accepted[b]] for b in range(3)]
     assert state.lengths.tolist() == [len(p) + len(a) for p, a in zip(prompts, paths)]
     assert not state.speculative
@@ -120,7 +120,7 @@ def test_single_chain_tree_gives_the_chain_pass_bit_for_bit():
     runner = ModelRunner(model)
     a, b = runner.new_state(1), runner.new_state(1)
     chain = runner.forward(a, [[1, 2, 3, 4, 5, 6]], [4])[0]
-    tree = runner.forward_tree(b, [[1, 2, 3]], [[4, 5, 6]], [[-1, 0, 1]])[0]
+    tree = forward_tree(runner, b, [[1, 2, 3]], [[4, 5, 6]], [[-1, 0, 1]])[0]
     assert torch.equal(chain, tree)
 
 
@@ -128,12 +128,12 @@ def test_bad_tree_calls_are_refused():
     runner = ModelRunner(tiny_model("llama"))
     state = runner.new_state(1)
     with pytest.raises(ValueError, match="parent"):
-        runner.forward_tree(state, [[1, 2]], [[3, 4]], [[-1, 5]])
+        forward_tree(runner, state, [[1, 2]], [[3, 4]], [[-1, 5]])
     assert not state.speculative and state.valid.shape[1] == 0  # a refused call leaves the state as it was
-    runner.forward_tree(state, [[1, 2]], [[3, 4]], [[-1, -1]])
-    with pytest.raises(ValueError, match="commit_tree"):
+    forward_tree(runner, state, [[1, 2]], [[3, 4]], [[-1, -1]])
+    with pytest.raises(ValueError, match="commit first"):
         runner.forward(state, [[5]], [1])
     with pytest.raises(ValueError, match="not a path"):
-        runner.commit_tree(state, [[0, 1]])
-    runner.commit_tree(state, [[1]])
+        runner.commit(state, [[0, 1]])
+    runner.commit(state, [[1]])
     assert state.lengths.tolist() == [3]

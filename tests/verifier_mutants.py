@@ -1,7 +1,7 @@
 """The standard wrong verification rules, as drop-in replacements of the engine's verifiers.
 
-Each mutant is `verispec.rejection.verify` / `verify_tree` with one rule changed, installed where the engine
-looks them up (`verispec.engine.verify`, `verispec.engine.verify_tree`) by `installed(name)`. An exactness test
+Each mutant is `verispec.rejection.verify` (its chain rule and its tree walk) with one rule changed, installed
+where the engine looks it up (`verispec.engine.verify`) by `installed(name)`. An exactness test
 that passes under a mutant has no power against that mistake: `tests/test_exactness_grid.py` requires every
 mutant to fail the grid of every drafter family on every backend, and `benchmarks/exactness_mutants.py` prints
 the table.
@@ -23,7 +23,7 @@ import torch
 
 from verispec import engine as engine_module
 from verispec import rejection
-from verispec.rejection import TreeVerdict, Verdict, residual_distribution
+from verispec.rejection import Verdict, residual_distribution
 from verispec.sampling import sample
 
 
@@ -54,11 +54,11 @@ def _chain(mutant: str):
                 final = p[n - 1]
             else:
                 final = p[n]
-            verdict = Verdict(n, sample(final, rng), bonus=True)
+            verdict = Verdict(tuple(range(n)), sample(final, rng), bonus=True)
         else:
             i = num_accepted
             q_i = q[i] if q is not None else _one_hot(draft_tokens[i], p[i])
-            verdict = Verdict(i, sample(_residual(mutant, p[i], q_i), rng), bonus=False)
+            verdict = Verdict(tuple(range(i)), sample(_residual(mutant, p[i], q_i), rng), bonus=False)
         return (verdict, u) if return_uniforms else verdict
 
     return verify
@@ -110,7 +110,7 @@ def _tree(mutant: str):
                     p_cur = q[path[-1]]
                 elif leaf and mutant == "bonus from q" and path:
                     p_cur = _one_hot(int(tokens[path[-1]]), p_cur)
-                verdict = TreeVerdict(tuple(path), sample(p_cur, rng), bonus=leaf)
+                verdict = Verdict(tuple(path), sample(p_cur, rng), bonus=leaf)
                 return (verdict, u) if return_uniforms else verdict
             path.append(accepted)
             node = accepted
@@ -126,16 +126,24 @@ TREE_ONLY = {"tree inverted"}
 
 @contextlib.contextmanager
 def installed(mutant: str):
-    """The engine verifies with this mutant inside the block (its chain and tree verifiers both changed, except
-    for the chain-only and tree-only mutants)."""
+    """The engine verifies with this mutant inside the block: `verify` on a chain draft runs the chain rule with
+    the mutant's change, on a tree draft the walk with it (a chain-only mutant leaves trees alone, a tree-only
+    one chains)."""
     if mutant not in MUTANTS:
         raise ValueError(f"unknown mutant {mutant!r}")
-    saved = engine_module.verify, engine_module.verify_tree
-    if mutant not in TREE_ONLY:
-        engine_module.verify = _chain(mutant)
-    if mutant not in CHAIN_ONLY:
-        engine_module.verify_tree = _tree(mutant)
+    original = engine_module.verify
+    chain = _chain(mutant) if mutant not in TREE_ONLY else None
+    tree = _tree(mutant) if mutant not in CHAIN_ONLY else None
+
+    def verify(p, draft, rng, return_uniforms=False):
+        if draft.is_chain and chain is not None:
+            return chain(p, draft.tokens, draft.q, rng, return_uniforms)
+        if not draft.is_chain and tree is not None:
+            return tree(p, draft.tree, draft.tokens, draft.q, draft.siblings, rng, return_uniforms)
+        return original(p, draft, rng, return_uniforms)
+
+    engine_module.verify = verify
     try:
         yield
     finally:
-        engine_module.verify, engine_module.verify_tree = saved
+        engine_module.verify = original

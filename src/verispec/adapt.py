@@ -29,7 +29,7 @@ import torch
 from verispec.config import AdaptConfig
 from verispec.core.adaptation import AdaptExample, ExampleBuffer
 from verispec.errors import VerispecError
-from verispec.rejection import TreeVerdict, Verdict
+from verispec.rejection import Verdict
 
 log = logging.getLogger("verispec.adapt")
 
@@ -41,18 +41,14 @@ class AdaptationBuffer(ExampleBuffer):
         super().__init__(config.buffer_size)
         self.config = config
 
-    def __call__(self, seq, draft, p: torch.Tensor, verdict: Verdict | TreeVerdict, uniforms) -> None:
-        """p: (n + 1, V) the target's distributions at the step's positions (chains: after each draft
-        token; trees: at the root and after each node, rows made on demand)."""
+    def __call__(self, seq, draft, p: torch.Tensor, verdict: Verdict, uniforms) -> None:
+        """p: (N + 1, V) the target's distributions at the step's positions: at the root and after each node
+        (a chain's: after each draft token; a tree's rows made on demand)."""
         if not self.enabled:
             return
-        if isinstance(verdict, TreeVerdict):
-            rows = [0] + [node + 1 for node in verdict.path]  # the root, then after each accepted node
-            accepted = list(draft.path_tokens(verdict.path))
-            all_accepted = verdict.bonus  # the path reached a leaf (else every child of its last node was rejected)
-        else:
-            rows, accepted = list(range(verdict.num_accepted + 1)), draft.tokens[: verdict.num_accepted].tolist()
-            all_accepted = verdict.num_accepted == len(draft)
+        rows = [0] + [node + 1 for node in verdict.path]  # the root, then after each accepted node
+        accepted = list(draft.path_tokens(verdict.path))
+        all_accepted = verdict.bonus  # the path reached a leaf (else every child of its last node was rejected)
         if not len(draft) and not self.config.include_undrafted:
             return
         if self.config.learn_from == "mistakes":

@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from verispec.config import TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT
 from verispec.core.sequence import Sequence, StepEvent
 from verispec.core.stopping import DraftStop
 from verispec.errors import VerispecError
-from verispec.tree import EMPTY_TREE_DRAFT
 
 if TYPE_CHECKING:
     from verispec.engine import SpeculativeEngine
@@ -123,9 +123,7 @@ class DecodeBatch:
         if not self.sequences:
             return []
         try:
-            if self.drafter is not None and any(s.drafting and s.spec.tree is not None for s in self.sequences):
-                return self._tree_step()
-            return self._chain_step()
+            return self._step()
         except _TargetFault as fault:
             return self._fail_all(fault.stage, fault.error)
 
@@ -141,101 +139,77 @@ class DecodeBatch:
         end = seq.target_cached + self.prefill_chunk if prefilling else len(seq.tokens)
         return seq.tokens[seq.target_cached : end]
 
-    def _chain_step(self) -> list[tuple[StepEvent, Sequence]]:
-        active, engine = self.sequences, self.engine
-        prefilling = self._prefilling()
-        # At most K drafts, and never more than the tokens left after this step's own token.
-        k = None if self.tuner is None else self.tuner.k(self.drafter is not None and self.drafter.stops_chains)
-        budgets = [min(s.spec.num_draft_tokens if k is None else k, s.max_new_tokens - s.num_generated - 1)
-                   if s.drafting and not pre and self.drafter is not None else 0 for s, pre in zip(active, prefilling)]
-        tuned_stop = None if self.tuner is None else self.tuner.draft_stop()  # thresholds from measured costs
-        for s in active:
-            s.draft_stop = tuned_stop or (DraftStop.fixed(s.spec.draft_stop) if s.spec.draft_stop > 0 else None)
-        t0 = time.perf_counter()
-        drafts = [EMPTY_DRAFT] * len(active)
-        if self.drafter is not None and any(budgets):
-            try:
-                drafts = self.drafter.propose(active, budgets)
-            except Exception as err:
-                self._drafter_fault("propose", err)
-                drafts = [EMPTY_DRAFT] * len(active)
-        t1 = time.perf_counter()
-        inputs = [self._pending(s, pre) + d.tokens.tolist() for s, d, pre in zip(active, drafts, prefilling)]
-        wanted = [0 if pre else len(d) + 1 for d, pre in zip(drafts, prefilling)]
-        logits = self._target("forward", lambda: engine.target.forward(self.state, inputs, wanted))  # (B, M, V)
-        t2 = time.perf_counter()
-        verdicts = [None if pre else self._row(s, "verify", lambda b=b, s=s, d=d: engine._verify(s, d, logits[b, : len(d) + 1]))
-                    for b, (s, d, pre) in enumerate(zip(active, drafts, prefilling))]
-        accepted = [v.num_accepted if v is not None else 0 for v in verdicts]
-        self._target("rollback", lambda: engine.target.rollback(self.state, [len(d) - a for d, a in zip(drafts, accepted)]))
-        events = []
-        for s, d, v, pre, inp in zip(active, drafts, verdicts, prefilling, inputs):
-            if pre:
-                s.target_cached += len(inp)
-                continue
-            if v is None:  # the row failed: its drafts are out of the cache, and it leaves below
-                continue
-            s.target_cached = len(s.tokens) + v.num_accepted
-            s.stats.record(len(d), v.num_accepted, v.bonus)
-            if self.tuner is not None and len(d):
-                self.tuner.observe(len(d), v.num_accepted)
-            event = self._row(s, "commit", lambda s=s, d=d, v=v: engine._commit(s, tuple(d.tokens[: v.num_accepted].tolist()), v))
-            if event is not None:
-                events.append((event, s))
-        if self.drafter is not None:
-            try:
-                self.drafter.commit(active, drafts, accepted)
-            except Exception as err:
-                self._drafter_fault("commit", err)
-        return self._finish_step(events, t1 - t0, t2 - t1)
+    def _shapes(self, prefilling: list[bool]) -> tuple[list[TreeConfig] | None, list[int]]:
+        """What each row drafts this step: (trees, depths) for the drafter's `propose`.
 
-    def _tree_step(self) -> list[tuple[StepEvent, Sequence]]:
-        """`step` when some sequence drafts a tree; the others draft their chain as a tree of shape (1, ..., 1)."""
-        active, engine = self.sequences, self.engine
-        prefilling = self._prefilling()
+        Chains (trees None) unless some row drafts a tree; then every drafting row drafts one, a chain row the
+        tree of shape (1, ..., 1). A depth is at most K (the tuner's, or the row's own) and never more than the
+        tokens left after this step's own token; 0 for rows that draft nothing."""
+        active = self.sequences
+        left = [s.max_new_tokens - s.num_generated - 1 for s in active]
+        drafter = self.drafter
+        if drafter is None or not any(s.drafting and s.spec.tree is not None for s in active):
+            k = None if self.tuner is None else self.tuner.k(drafter is not None and drafter.stops_chains)
+            tuned_stop = None if self.tuner is None else self.tuner.draft_stop()  # thresholds from measured costs
+            for s in active:
+                s.draft_stop = tuned_stop or (DraftStop.fixed(s.spec.draft_stop) if s.spec.draft_stop > 0 else None)
+            return None, [min(s.spec.num_draft_tokens if k is None else k, n)
+                          if s.drafting and not pre and drafter is not None else 0
+                          for s, n, pre in zip(active, left, prefilling)]
         trees = [s.spec.tree_or_chain for s in active]
-        # The tree's depth, never more than the tokens left after this step's own token.
-        depths = [min(t.depth(s.spec.num_draft_tokens), s.max_new_tokens - s.num_generated - 1)
-                  if s.drafting and not pre else 0 for s, t, pre in zip(active, trees, prefilling)]
+        depths = [min(t.depth(s.spec.num_draft_tokens), n) if s.drafting and not pre else 0
+                  for s, t, n, pre in zip(active, trees, left, prefilling)]
         if self.tuner is not None:  # dynamic trees keep only the nodes that pay for their share of the pass
             profile = self.tuner.profile
             costs = profile.pass_costs()  # measured widths bound the tree: wider passes were never timed
             trees = [replace(t, budget=min(t.budget, len(costs) - 1), pass_costs=costs, draft_cost=d * profile.c)
                      if t.budget is not None else t for t, d in zip(trees, depths)]
+        return trees, depths
+
+    def _step(self) -> list[tuple[StepEvent, Sequence]]:
+        active, engine = self.sequences, self.engine
+        prefilling = self._prefilling()
+        trees, depths = self._shapes(prefilling)
         t0 = time.perf_counter()
-        drafts = [EMPTY_TREE_DRAFT] * len(active)
-        if any(depths):
+        drafts = [EMPTY_DRAFT] * len(active)
+        if self.drafter is not None and any(depths):
             try:
-                drafts = self.drafter.propose_tree(active, trees, depths)
-            except Exception as err:
-                self._drafter_fault("propose_tree", err)
-                return self._chain_step()  # the drafter is off now: this step decodes plainly
+                drafts = self.drafter.propose(active, depths, trees)
+            except Exception as err:  # the drafter is off now: this step decodes plainly
+                self._drafter_fault("propose", err)
+                drafts = [EMPTY_DRAFT] * len(active)
         t1 = time.perf_counter()
-        chains = [self._pending(s, pre) for s, pre in zip(active, prefilling)]
-        logits = self._target("forward_tree", lambda: engine.target.forward_tree(
-            self.state, chains, [d.tokens.tolist() for d in drafts], [d.tree.parents.tolist() for d in drafts]))
+        # One pass: each row's pending tokens, then its draft's nodes; logits after the last pending token and
+        # after each node (none for a row still reading its prompt).
+        pending = [self._pending(s, pre) for s, pre in zip(active, prefilling)]
+        inputs = [p + d.tokens.tolist() for p, d in zip(pending, drafts)]
+        wanted = [0 if pre else len(d) + 1 for d, pre in zip(drafts, prefilling)]
+        parents = [d.tree.parents.tolist() for d in drafts]
+        logits = self._target("forward", lambda: engine.target.forward(self.state, inputs, wanted, parents))  # (B, M, V)
         t2 = time.perf_counter()
-        verdicts = [None if pre else self._row(s, "verify", lambda b=b, s=s, d=d: engine._verify_tree(s, d, logits[b, : len(d) + 1]))
+        verdicts = [None if pre else self._row(s, "verify", lambda b=b, s=s, d=d: engine._verify(s, d, logits[b, : len(d) + 1]))
                     for b, (s, d, pre) in enumerate(zip(active, drafts, prefilling))]
-        paths = [tuple(v.path) if v is not None else () for v in verdicts]
-        self._target("commit_tree", lambda: engine.target.commit_tree(self.state, [list(p) for p in paths]))
+        paths = [v.path if v is not None else () for v in verdicts]
+        self._target("commit", lambda: engine.target.commit(self.state, [list(p) for p in paths]))
         events = []
-        for s, d, v, pre, chain in zip(active, drafts, verdicts, prefilling, chains):
+        for s, d, v, pre, read in zip(active, drafts, verdicts, prefilling, pending):
             if pre:
-                s.target_cached += len(chain)
+                s.target_cached += len(read)
                 continue
-            if v is None:
+            if v is None:  # the row failed: its drafts are out of the cache, and it leaves below
                 continue
             s.target_cached = len(s.tokens) + v.num_accepted
             s.stats.record(len(d), v.num_accepted, v.bonus, depth=d.tree.depth)
+            if self.tuner is not None and trees is None and len(d):
+                self.tuner.observe(len(d), v.num_accepted)
             event = self._row(s, "commit", lambda s=s, d=d, v=v: engine._commit(s, d.path_tokens(v.path), v))
             if event is not None:
                 events.append((event, s))
         if self.drafter is not None:
             try:
-                self.drafter.commit_tree(active, drafts, paths)
+                self.drafter.commit(active, drafts, paths)
             except Exception as err:
-                self._drafter_fault("commit_tree", err)
+                self._drafter_fault("commit", err)
         return self._finish_step(events, t1 - t0, t2 - t1)
 
     # --- faults --------------------------------------------------------------------------------------

@@ -1,19 +1,16 @@
 """The draft / verify / commit loop over a ragged batch of sequences.
 
 One step, for every running sequence at once:
-  1. the drafter proposes up to K draft tokens (and their q);
-  2. the target scores [tokens not yet in its cache] + drafts in one forward pass, giving n+1 p's;
-  3. `rejection.verify` (or `verify_greedy` at temperature 0) decides accepted tokens and the
-     recovered or bonus token, per sequence, with that sequence's own generator;
-  4. rejected drafts are rolled back out of the target's and the drafter's caches, tokens are
-     committed (stopping exactly at EOS, a stop string or max_new_tokens), and a StepEvent is
-     streamed per sequence.
-Sequences advance by their own number of tokens; finished ones leave the batch.
-
-Tree steps (a sequence's spec has a `TreeConfig`): the drafter proposes a tree of candidates, the
-target reads the pending tokens and the whole tree in one pass (`TreeRunner.forward_tree`),
-`rejection.verify_tree` (or `verify_tree_greedy`) walks it to an accepted path plus a recovered or
-bonus token, and `commit_tree` keeps only that path in the caches. In a step where any sequence
+  1. the drafter proposes a draft (`tree.Draft`: up to K tokens deep, their q): a chain, or a tree of
+     candidates where the sequence's spec has a `TreeConfig`; a chain is the tree of shape (1, ..., 1);
+  2. the target reads [tokens not yet in its cache] + the draft's nodes in one pass (`Runner.forward` with
+     the nodes' parents), giving p after the last pending token and after each node;
+  3. `rejection.verify` (or `verify_greedy` at temperature 0) walks the draft to an accepted path and the
+     recovered or bonus token, per sequence, with that sequence's own generator (a chain in one vectorized
+     step, with the same draws);
+  4. the target's and the drafter's `commit` keep the accepted path in their caches, tokens are committed
+     (stopping exactly at EOS, a stop string or max_new_tokens), and a StepEvent is streamed per sequence.
+Sequences advance by their own number of tokens; finished ones leave the batch. In a step where any sequence
 drafts a tree, the other drafting sequences draft the tree of shape (1, ..., 1), their chain.
 
 `DecodeBatch` (`verispec.batch`) is that step as an object: sequences join and leave between steps (the server's
@@ -30,13 +27,12 @@ import torch
 from verispec.batch import DecodeBatch
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.core.drafter import Draft, Drafter
-from verispec.core.protocols import Runner, TreeRunner
+from verispec.core.protocols import Runner
 from verispec.core.sequence import Sequence, StepEvent
 from verispec.detokenize import IncrementalText
 from verispec.errors import VerispecError
-from verispec.rejection import TreeVerdict, Verdict, verify, verify_greedy, verify_tree, verify_tree_greedy
+from verispec.rejection import Verdict, verify, verify_greedy
 from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks, tree_seen_masks
-from verispec.tree import TreeDraft
 from verispec.tuning import AdaptiveK
 
 
@@ -64,12 +60,11 @@ class SpeculativeEngine:
         self.eos_token_ids = set(eos_token_ids)
         self.decode = decode
         self.context_window = context_window or target.context_window
-        # Observers of every verification, called as observer(seq, draft, p, verdict, uniforms) with
-        # p: (n + 1, V) (one-hot at the argmax at temperature 0) and uniforms None at temperature 0.
-        # `tracer` is the slot of verispec.trace; `observers` holds the others (online adaptation).
-        # The tracer also sees tree steps, with a TreeDraft, a TreeVerdict, p whose rows p[i] are made
-        # on demand ((V,) each, N + 1 of them) and the N uniforms of `verify_tree`, and so do the
-        # `observers`. With none set the loop stays bare. Observers only read: they never draw from seq.rng.
+        # Observers of every verification, called as observer(seq, draft, p, verdict, uniforms) with the
+        # Draft, its Verdict, p (N + 1 rows of (V,): a (N + 1, V) tensor for a chain, rows made on demand for
+        # a tree; one-hot at the argmax at temperature 0) and the N uniforms `verify` drew (None at
+        # temperature 0). `tracer` is the slot of verispec.trace; `observers` holds the others (online
+        # adaptation). With none set the loop stays bare. Observers only read: they never draw from seq.rng.
         self.tracer: Callable | None = None
         self.observers: list[Callable] = []
         # Where the target's logits are (a GPU for the static runner on CUDA): sampling and verification run there,
@@ -121,8 +116,9 @@ class SpeculativeEngine:
         if self.drafter is None:
             raise VerispecError("tree speculation needs a drafter that builds trees (a draft model or 'ngram'); "
                                 "this decoder decodes plainly")
-        if not isinstance(self.target, TreeRunner):
-            raise VerispecError("tree speculation needs a target backend with tree passes (`forward_tree`)")
+        if not isinstance(self.target, Runner):
+            raise VerispecError("tree speculation needs a target backend with tree passes "
+                                "(`core.protocols.Runner`: forward with the nodes' parents, then commit)")
         if not self.drafter.supports_trees:
             raise VerispecError(f"the '{self.drafter.name}' drafter cannot draft trees here "
                                 "(a chain-only drafter)")
@@ -161,51 +157,33 @@ class SpeculativeEngine:
         return [done[i] for i in sorted(done)]
 
     def _verify(self, seq: Sequence, draft: Draft, logits: torch.Tensor) -> Verdict:
-        """logits: (n + 1, V) target logits at the draft positions and the bonus position."""
-        cfg = seq.sampling
-        seen = None
-        if cfg.repetition_penalty != 1.0:
-            seen = seen_masks(torch.tensor(seq.tokens, dtype=torch.long), draft.tokens, logits.shape[-1])  # (n+1, V)
-        watchers = self.observers if self.tracer is None else [self.tracer, *self.observers]
-        if cfg.greedy:
-            target_argmax = greedy_tokens(logits, cfg, seen)  # (n + 1,)
-            verdict = verify_greedy(target_argmax, draft.tokens)
-            if watchers:  # at temperature 0, p is one-hot at the target's argmax
-                p = torch.nn.functional.one_hot(target_argmax, logits.shape[-1]).float()  # (n + 1, V)
-                for watch in watchers:
-                    watch(seq, draft, p, verdict, None)
-            return verdict
-        p = logits_to_probs(logits, cfg, seen)  # (n + 1, V)
-        if not watchers:
-            return verify(p, draft.tokens, draft.q, seq.rng)
-        verdict, u = verify(p, draft.tokens, draft.q, seq.rng, return_uniforms=True)
-        for watch in watchers:
-            watch(seq, draft, p, verdict, u)
-        return verdict
-
-    def _verify_tree(self, seq: Sequence, draft: TreeDraft, logits: torch.Tensor) -> TreeVerdict:
         """logits: (N + 1, V) target logits at the root and after each node."""
         cfg = seq.sampling
         seen = None
         if cfg.repetition_penalty != 1.0:
             context = torch.tensor(seq.tokens, dtype=torch.long)
-            seen = tree_seen_masks(context, draft.tokens, draft.tree.parents, logits.shape[-1])  # (N + 1, V)
+            seen = (seen_masks(context, draft.tokens, logits.shape[-1]) if draft.is_chain else
+                    tree_seen_masks(context, draft.tokens, draft.tree.parents, logits.shape[-1]))  # (N + 1, V)
         watchers = self.observers if self.tracer is None else [self.tracer, *self.observers]
         if cfg.greedy:
             target_argmax = greedy_tokens(logits, cfg, seen)  # (N + 1,)
-            verdict = verify_tree_greedy(target_argmax, draft.tree, draft.tokens)
-            for watch in watchers:  # at temperature 0, p is one-hot at the target's argmax
-                watch(seq, draft, _OneHotRows(target_argmax, logits.shape[-1]), verdict, None)
+            verdict = verify_greedy(target_argmax, draft)
+            if watchers:  # at temperature 0, p is one-hot at the target's argmax
+                p = (torch.nn.functional.one_hot(target_argmax, logits.shape[-1]).float() if draft.is_chain else
+                     _OneHotRows(target_argmax, logits.shape[-1]))  # (N + 1, V); a tree's made row by row
+                for watch in watchers:
+                    watch(seq, draft, p, verdict, None)
             return verdict
-        p = _ProbabilityRows(logits, cfg, seen)  # (N + 1, V), rows made when the walk reaches them
+        # a chain's rows all at once; a tree's when the walk reaches them (it reads the root and its path only)
+        p = logits_to_probs(logits, cfg, seen) if draft.is_chain else _ProbabilityRows(logits, cfg, seen)  # (N+1, V)
         if not watchers:
-            return verify_tree(p, draft.tree, draft.tokens, draft.q, draft.siblings, seq.rng)
-        verdict, u = verify_tree(p, draft.tree, draft.tokens, draft.q, draft.siblings, seq.rng, return_uniforms=True)
+            return verify(p, draft, seq.rng)
+        verdict, u = verify(p, draft, seq.rng, return_uniforms=True)
         for watch in watchers:
             watch(seq, draft, p, verdict, u)
         return verdict
 
-    def _commit(self, seq: Sequence, accepted: tuple[int, ...], verdict: Verdict | TreeVerdict) -> StepEvent:
+    def _commit(self, seq: Sequence, accepted: tuple[int, ...], verdict: Verdict) -> StepEvent:
         """Append the accepted tokens and the recovered / bonus token, stopping at EOS, a stop string or the length."""
         spec = seq.spec
         scan = bool(spec.stop) and self.decode is not None

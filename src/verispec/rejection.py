@@ -20,7 +20,7 @@ rule with q(x_i) = 1, so acceptance is p_i(x_i) and the residual is p_i without 
 
 At temperature 0 the rule reduces to: accept while x_i equals argmax p_i, then emit argmax.
 
-Trees (`verify_tree`). A node's children are candidates for the token after it. Walk from the root;
+Trees (`verify` on a tree draft). A node's children are candidates for the token after it. Walk from the root;
 at each node try its children one after another, each against the current pair (p, q):
 
     accept child x with probability min(1, p(x) / q(x)), go down to x and start again with p at x;
@@ -48,7 +48,8 @@ on anything drawn after it. Drafters that prune trees respect (b); see `verispec
 A rejected x had p(x) <= q(x), so no residual gives it mass again.
 
 Randomness: one uniform per node is drawn up front (node i uses u[i] when it is tried) and one
-categorical draw at the end, so a tree that is a single chain draws exactly what `verify` draws.
+categorical draw at the end. A chain is the tree (1, ..., 1), and `verify` takes a vectorized path for it
+(every ratio at once, then a cumulative product) that makes the same draws and the same verdict as the walk.
 """
 
 from __future__ import annotations
@@ -58,21 +59,27 @@ from dataclasses import dataclass
 import torch
 
 from verispec.sampling import sample
-from verispec.tree import Tree
+from verispec.tree import Draft, Tree
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """The outcome of verifying one sequence's drafts in one step.
+    """The outcome of verifying one sequence's draft in one step.
 
-    num_accepted: how many leading drafts were accepted (0..n).
-    token: the recovered token (if a draft was rejected) or the bonus token (if none was).
-    bonus: True when all drafts were accepted and `token` came from p_{n+1}.
+    path: the accepted nodes from the root's child down (node indices, increasing); () if none. For a chain
+        these are its first `num_accepted` drafts, (0, 1, ..., num_accepted - 1).
+    token: the recovered token (the children of the path's last node were all rejected) or the bonus token
+        (the path ends at a leaf: for a chain, every draft was accepted).
+    bonus: True when the path ends at a leaf and `token` came from p there.
     """
 
-    num_accepted: int
+    path: tuple[int, ...]
     token: int
     bonus: bool
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
 
 
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -97,23 +104,49 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def verify(
+    p,
+    draft: Draft,
+    rng: torch.Generator,
+    return_uniforms: bool = False,
+) -> Verdict | tuple[Verdict, torch.Tensor]:
+    """Speculative sampling for one sequence's draft, a chain or a tree (rules: module docstring).
+
+    Args:
+        p: (N + 1, V) target probabilities: p[0] at the root, p[i + 1] after node i. For a tree, anything whose
+            p[i] gives that (V,) row will do (the engine makes only the rows the walk reaches); a chain's is a tensor.
+        draft: the N nodes' tokens, the tree (children tried in the order of `tree.children`), the q each token was
+            drawn from (None: deterministic, one-hot) and how siblings were drawn.
+        rng: this sequence's generator; N uniforms and one categorical draw are taken from it.
+        return_uniforms: also return the N uniforms (node i was accepted iff it was tried and
+            u[i] < p(x)/q(x); `walk_tree` with them gives the same path), for tracing; the draws and
+            the verdict are the same either way. Default False.
+    Returns:
+        The Verdict, or (Verdict, u) with u: (N,) when return_uniforms is True.
+    """
+    if draft.is_chain:
+        return _verify_chain(p, draft.tokens, draft.q, rng, return_uniforms)
+    tree, q = draft.tree, draft.q
+    u = torch.rand(tree.size, generator=rng, device=rng.device).cpu()  # (N,) read one by one on the host
+    if q is not None:
+        q = q.to(p[0].device)  # a draft made on the host, verified where p is (a GPU)
+    path, final, leaf = walk_tree(p, tree, draft.tokens, q, draft.siblings, u)
+    verdict = Verdict(path, sample(final, rng), bonus=leaf)
+    return (verdict, u) if return_uniforms else verdict
+
+
+def _verify_chain(
     p: torch.Tensor,
     draft_tokens: torch.Tensor,
     q: torch.Tensor | None,
     rng: torch.Generator,
-    return_uniforms: bool = False,
+    return_uniforms: bool,
 ) -> Verdict | tuple[Verdict, torch.Tensor]:
-    """Speculative sampling for one sequence.
+    """`verify` for a chain x_1..x_n, every ratio at once.
 
     Args:
         p: (n + 1, V) target probabilities at each draft position, plus the bonus position.
         draft_tokens: (n,) draft tokens x_1..x_n.
         q: (n, V) draft probabilities, or None for a deterministic (one-hot) drafter.
-        rng: this sequence's generator; n uniforms and one categorical draw are taken from it.
-        return_uniforms: also return the n uniforms u_i (x_i was accepted iff u_i < p_i/q_i), for
-            tracing; the draws and the verdict are the same either way. Default False.
-    Returns:
-        The Verdict, or (Verdict, u) with u: (n,) when return_uniforms is True.
     """
     n = draft_tokens.numel()
     draft_tokens = draft_tokens.to(p.device)  # a draft made on the host, verified where p is (a GPU)
@@ -124,8 +157,9 @@ def verify(
     u = torch.rand(n, generator=rng, device=rng.device).to(p.device)  # (n,)
     accepted = u * q_x < p_x  # (n,)  <=>  u < p/q, without dividing
     num_accepted = int(accepted.to(torch.int64).cumprod(dim=0).sum()) if n else 0
+    path = tuple(range(num_accepted))
     if num_accepted == n:
-        verdict = Verdict(n, sample(p[n], rng), bonus=True)
+        verdict = Verdict(path, sample(p[n], rng), bonus=True)
     else:
         i = num_accepted
         if q is None:
@@ -134,40 +168,34 @@ def verify(
         else:
             q_i = q[i]
         recovered = sample(residual_distribution(p[i], q_i), rng)
-        verdict = Verdict(num_accepted, recovered, bonus=False)
+        verdict = Verdict(path, recovered, bonus=False)
     return (verdict, u) if return_uniforms else verdict
 
 
-def verify_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
-    """Temperature 0: accept while x_i == argmax p_i, then emit argmax p at the stop position.
+def verify_greedy(target_argmax: torch.Tensor, draft: Draft) -> Verdict:
+    """Temperature 0: from the root, follow the child equal to the target's argmax; emit the argmax where none is.
+    For a chain: accept while x_i == argmax p_i, then emit argmax p at the stop position.
 
     Args:
-        target_argmax: (n + 1,) argmax of the target's logits at each position.
-        draft_tokens: (n,).
+        target_argmax: (N + 1,) argmax of the target at the root and after each node.
+        draft: N nodes (q is not read).
     """
-    n = draft_tokens.numel()
-    matches = (draft_tokens.to(target_argmax.device) == target_argmax[:n]).to(torch.int64)  # (n,)
-    num_accepted = int(matches.cumprod(dim=0).sum()) if n else 0
-    return Verdict(num_accepted, int(target_argmax[num_accepted]), bonus=num_accepted == n)
-
-
-@dataclass(frozen=True)
-class TreeVerdict:
-    """The outcome of verifying one sequence's draft tree in one step.
-
-    path: accepted nodes from the root's child down (node indices, increasing); () if none.
-    token: the recovered token (the last node of the path had its children all rejected) or the
-        bonus token (the path ends at a leaf).
-    bonus: True when the path ends at a leaf and `token` came from p at that leaf.
-    """
-
-    path: tuple[int, ...]
-    token: int
-    bonus: bool
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.path)
+    tokens = draft.tokens
+    if draft.is_chain:
+        n = tokens.numel()
+        matches = (tokens.to(target_argmax.device) == target_argmax[:n]).to(torch.int64)  # (n,)
+        num_accepted = int(matches.cumprod(dim=0).sum()) if n else 0
+        return Verdict(tuple(range(num_accepted)), int(target_argmax[num_accepted]), bonus=num_accepted == n)
+    tree = draft.tree
+    path: list[int] = []
+    node = -1
+    while True:
+        best = int(target_argmax[node + 1])
+        nxt = next((c for c in tree.children[node + 1] if int(tokens[c]) == best), None)
+        if nxt is None:
+            return Verdict(tuple(path), best, bonus=not tree.children[node + 1])
+        path.append(nxt)
+        node = nxt
 
 
 def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
@@ -209,9 +237,10 @@ def walk_tree(
     u: torch.Tensor,
     tries: list[TreeTry] | None = None,
 ) -> tuple[tuple[int, ...], torch.Tensor, bool]:
-    """The deterministic part of `verify_tree`: the walk from the root given the uniforms.
+    """The deterministic part of `verify` on a tree: the walk from the root given the uniforms.
 
-    Args: as `verify_tree`, with u: (N,) the uniforms (node i reads u[i] only if it is tried).
+    Args: as `verify` (its draft's tree, tokens, q and siblings), with u: (N,) the uniforms (node i reads u[i]
+        only if it is tried).
         tries: if a list, every tried child is appended to it as a TreeTry, in the order tried.
     Returns:
         (path, final, leaf): the accepted path, the (V,) distribution the last token is drawn from
@@ -245,54 +274,3 @@ def walk_tree(
             return tuple(path), p_cur, not tree.children[node + 1]
         path.append(accepted)
         node = accepted
-
-
-def verify_tree(
-    p: torch.Tensor,
-    tree: Tree,
-    tokens: torch.Tensor,
-    q: torch.Tensor | None,
-    siblings: str,
-    rng: torch.Generator,
-    return_uniforms: bool = False,
-) -> TreeVerdict | tuple[TreeVerdict, torch.Tensor]:
-    """Multi-candidate speculative sampling over a draft tree for one sequence (rules: module docstring).
-
-    Args:
-        p: (N + 1, V) target probabilities: p[0] at the root, p[i + 1] after node i (anything whose
-            p[i] gives that (V,) row: the engine computes only the rows the walk reaches).
-        tree: the structure; children are tried in the order of `tree.children`.
-        tokens: (N,) node tokens.
-        q: (N, V) the distribution each node's token was drawn from, or None (deterministic: one-hot).
-        siblings: "iid", "without_replacement" or "deterministic" (see `verispec.tree.TreeDraft`).
-        rng: this sequence's generator; N uniforms and one categorical draw are taken from it.
-        return_uniforms: also return the N uniforms (node i was accepted iff it was tried and
-            u[i] < p(x)/q(x); `walk_tree` with them gives the same path), for tracing; the draws and
-            the verdict are the same either way. Default False.
-    Returns:
-        The TreeVerdict, or (TreeVerdict, u) with u: (N,) when return_uniforms is True.
-    """
-    u = torch.rand(tree.size, generator=rng, device=rng.device).cpu()  # (N,) read one by one on the host
-    if q is not None:
-        q = q.to(p[0].device)  # a draft made on the host, verified where p is (a GPU)
-    path, final, leaf = walk_tree(p, tree, tokens, q, siblings, u)
-    verdict = TreeVerdict(path, sample(final, rng), bonus=leaf)
-    return (verdict, u) if return_uniforms else verdict
-
-
-def verify_tree_greedy(target_argmax: torch.Tensor, tree: Tree, tokens: torch.Tensor) -> TreeVerdict:
-    """Temperature 0: from the root, follow the child equal to the target's argmax; emit the argmax where none is.
-
-    Args:
-        target_argmax: (N + 1,) argmax of the target at the root and after each node.
-        tokens: (N,).
-    """
-    path: list[int] = []
-    node = -1
-    while True:
-        best = int(target_argmax[node + 1])
-        nxt = next((c for c in tree.children[node + 1] if int(tokens[c]) == best), None)
-        if nxt is None:
-            return TreeVerdict(tuple(path), best, bonus=not tree.children[node + 1])
-        path.append(nxt)
-        node = nxt

@@ -15,10 +15,10 @@ JSON-able record:
                 residual normalize(max(0, p - q)) a rejection samples from (None at the bonus position)
     committed   tokens the step appended to the output, counters, and the coloured text pieces
 
-A tree step (`rejection.verify_tree`) has the same fields plus `tree` (see `tree_verification_record`):
+A step of tree speculation (a spec with a tree) has the same fields plus `tree` (see `tree_verification_record`):
 every node (token, parent, depth), and per tried node p(x) and q(x) of the pair it was checked against
 (the target at its parent, or the residual left by the siblings rejected before it), min(1, p/q), the
-uniform u[node] that `verify_tree` drew, and its verdict: "accepted", "rejected" or "not tried". There
+uniform u[node] that `verify` drew, and its verdict: "accepted", "rejected" or "not tried". There
 `drafts` and `positions` read the accepted path as a chain: its nodes, then the position the last token
 was drawn at.
 """
@@ -34,8 +34,8 @@ import torch
 
 from verispec.atomic import atomic_write_json
 from verispec.errors import VerispecError
-from verispec.rejection import TreeTry, TreeVerdict, Verdict, acceptance_probability, residual_distribution, walk_tree
-from verispec.tree import TreeDraft
+from verispec.rejection import TreeTry, Verdict, acceptance_probability, residual_distribution, walk_tree
+from verispec.tree import Draft
 
 TRACE_FORMAT = "verispec-trace"
 TRACE_VERSION = 1
@@ -106,19 +106,19 @@ def _position(p_i: torch.Tensor, q_i: torch.Tensor | None, marked: list[int], to
             "candidates": candidates}
 
 
-def tree_verification_record(p, draft: TreeDraft, verdict: TreeVerdict, uniforms: torch.Tensor | None,
+def tree_verification_record(p, draft: Draft, verdict: Verdict, uniforms: torch.Tensor | None,
                              top: int = 8) -> dict:
     """One tree step's verification as a JSON-able dict: the chain fields plus `tree`.
 
-    The walk is re-run with `rejection.walk_tree` from the uniforms `verify_tree` drew (no draws), which
+    The walk is re-run with `rejection.walk_tree` from the uniforms `verify` drew (no draws), which
     gives each tried node's pair (p, q); it must reach the verdict's path (checked).
 
     Args:
         p: p[i] -> (V,) target probabilities at the root (i = 0) and after node i - 1 (N + 1 rows;
             one-hot at the argmax at temperature 0).
-        draft: the step's TreeDraft.
-        verdict: the step's TreeVerdict.
-        uniforms: (N,) the uniforms drawn by `verify_tree`, or None at temperature 0 (greedy: a child
+        draft: the step's Draft (a tree).
+        verdict: the step's Verdict.
+        uniforms: (N,) the uniforms drawn by `verify`, or None at temperature 0 (greedy: a child
             is accepted iff it is the argmax; walked here with one-hot p and q).
         top: candidates listed per position from each of p, q and the residual. Default 8.
     Returns:
@@ -180,11 +180,11 @@ class Tracer:
         self.token_text = token_text
         self._pending: dict[int, dict] = {}
 
-    def __call__(self, seq, draft, p, verdict: Verdict | TreeVerdict, uniforms: torch.Tensor | None) -> None:
-        if isinstance(draft, TreeDraft):
-            self._pending[seq.index] = tree_verification_record(p, draft, verdict, uniforms, self.top)
-        else:
+    def __call__(self, seq, draft: Draft, p, verdict: Verdict, uniforms: torch.Tensor | None) -> None:
+        if draft.is_chain and seq.spec.tree is None:  # tree speculation's records show the tree, a chain's too
             self._pending[seq.index] = verification_record(p, draft.tokens, draft.q, verdict, uniforms, self.top)
+        else:
+            self._pending[seq.index] = tree_verification_record(p, draft, verdict, uniforms, self.top)
 
     def step(self, event, seq, pieces: list[tuple[str, str]] | None = None) -> dict:
         """The full record of the step that produced `event` for `seq` (a StepEvent and its Sequence)."""

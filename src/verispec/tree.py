@@ -1,4 +1,8 @@
-"""Draft trees: many candidate continuations of one sequence, verified in one target pass.
+"""Drafts: trees of candidate continuations of one sequence, verified in one target pass.
+
+Every draft is a tree (`Draft`); a chain of n tokens is the tree of shape (1, ..., 1), made by default, so the
+engine, the verifier, the drafters and the runners speak one type and take one path. Where a chain can be
+handled faster (the verifier's vectorized walk, a runner's causal pass), that is decided inside them.
 
 A tree's root is the sequence's last committed token (it is not a node). Nodes 0..N-1 are candidate
 tokens; node i continues the text of its parent (`parents[i]`, -1 for the root). Nodes are numbered in
@@ -14,7 +18,7 @@ shape (`tree_from_parents` is cached).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -40,6 +44,11 @@ class Tree:
     @property
     def size(self) -> int:
         return int(self.parents.numel())
+
+    @cached_property
+    def is_chain(self) -> bool:
+        """Whether every node is the only child of the node before it: the tree of shape (1, ..., 1)."""
+        return tuple(self.parents.tolist()) == chain_parents(self.size)
 
     @property
     def depth(self) -> int:
@@ -130,36 +139,59 @@ def breadth_first(parents: list[int], order_keys: list) -> tuple[list[int], tupl
     return order, tuple(new_index[parents[i]] for i in order)
 
 
-@dataclass(frozen=True)
-class TreeDraft:
-    """One sequence's draft tree for one step.
+def chain_parents(n: int) -> tuple[int, ...]:
+    """The parents of a chain of n nodes, the tree of shape (1, ..., 1): (-1, 0, 1, ..., n - 2)."""
+    return tuple(range(-1, n - 1))
 
-    tokens: (N,) long candidate tokens, node i's token.
-    tree: the structure (parents, depths, ancestor mask, children in try order).
+
+@lru_cache(maxsize=64)
+def chain_tree(n: int) -> Tree:
+    """The Tree of a chain of n nodes."""
+    return tree_from_parents(chain_parents(n))
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One sequence's draft for one step: a tree of candidate tokens, a chain being its degenerate case.
+
+    tokens: (N,) long candidate tokens, node i's token (N may be 0).
     q: (N, V) float32: row i is the draft distribution node i's token was drawn from (its parent's
        distribution, so siblings share it), or None for deterministic candidates (one-hot q) and greedy.
+    tree: the structure (parents, depths, ancestor mask, children in try order); None (the default) makes
+       the chain x_1 -> ... -> x_N (`chain_tree`).
     siblings: how a node's children were drawn from q: "iid" (independently, with replacement),
-       "without_replacement" (one after another, each excluding the earlier ones), or "deterministic".
+       "without_replacement" (one after another, each excluding the earlier ones), or "deterministic";
+       None (the default) is "deterministic" when q is None and "iid" otherwise (a chain's nodes have one
+       child each, so "iid" and "without_replacement" are the same rule there).
     """
 
     tokens: torch.Tensor
-    tree: Tree
     q: torch.Tensor | None = None
-    siblings: str = "deterministic"
+    tree: Tree | None = None
+    siblings: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tree is None:
+            object.__setattr__(self, "tree", chain_tree(int(self.tokens.numel())))
+        if self.siblings is None:
+            object.__setattr__(self, "siblings", "deterministic" if self.q is None else "iid")
         if self.siblings not in SIBLINGS:
             raise ValueError(f"siblings must be one of {SIBLINGS}, got {self.siblings!r}")
         if self.tokens.numel() != self.tree.size:
-            raise ValueError("a tree draft needs one token per node")
+            raise ValueError("a draft needs one token per node")
         if (self.q is None) != (self.siblings == "deterministic") and self.tree.size:
             raise ValueError("q is None exactly when the candidates are deterministic")
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
 
+    @property
+    def is_chain(self) -> bool:
+        """Whether the nodes form one chain (then verification takes the chain's vectorized path)."""
+        return self.tree.is_chain
+
     def path_tokens(self, path: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(int(self.tokens[i]) for i in path)
 
 
-EMPTY_TREE_DRAFT = TreeDraft(torch.zeros(0, dtype=torch.long), tree_from_parents(()))
+EMPTY_DRAFT = Draft(torch.zeros(0, dtype=torch.long))

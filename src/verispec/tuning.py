@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from verispec.core.protocols import Runner
 from verispec.core.stopping import DraftStop
+from verispec.tree import chain_parents
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,9 @@ def measure_costs(target: Runner, draft: Runner | None, k_max: int = 8, context:
     for width in range(1, k_max + 2):
         tokens = [[(11 + i) % vocab for i in range(width)]]
 
-        def one_pass(tokens=tokens, width=width):
-            target.forward(state, tokens, [width])
-            target.rollback(state, [width])
+        def one_pass(tokens=tokens, width=width):  # a chain of `width` draft nodes, dropped again
+            target.forward(state, tokens, [width], [list(chain_parents(width))])
+            target.commit(state, [[]])
 
         one_pass()  # warm-up: the first pass of a new shape pays for kernel set-up
         passes[width] = _timed(one_pass, repeats)
@@ -97,9 +98,9 @@ def measure_costs(target: Runner, draft: Runner | None, k_max: int = 8, context:
         dstate = draft.new_state(1)
         draft.forward(dstate, prompt, [1])
 
-        def one_draft():
-            draft.forward(dstate, [[11 % vocab]], [1])
-            draft.rollback(dstate, [1])
+        def one_draft():  # a draft token fed back to the draft, a node of its chain
+            draft.forward(dstate, [[11 % vocab]], [1], [[-1]])
+            draft.commit(dstate, [[]])
 
         one_draft()
         draft_cost = _timed(one_draft, repeats)

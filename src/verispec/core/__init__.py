@@ -4,5 +4,5 @@ sequence.py   a sequence being decoded (`Sequence`) and what one step committed 
 drafter.py    the drafter contract (`Drafter`) and a chain draft (`Draft`)
 stopping.py   where a draft chain stops (`DraftStop`, the calibrated acceptance estimate)
 adaptation.py what a drafter learns from online (`AdaptExample`, `ExampleBuffer`)
-protocols.py  what a runner offers: chains (`Runner`), trees (`TreeRunner`), hidden states (`FeatureRunner`)
+protocols.py  what a runner offers: one pass and one commit over chains and trees (`Runner`), hidden states (`FeatureRunner`)
 """

@@ -1,49 +1,31 @@
 """The drafter contract: every drafting method proposes through it, one verifier checks them all.
 
-A drafter proposes, for each sequence of a batch, up to n draft tokens together with the
+A drafter proposes, for each sequence of a batch, a `Draft`: candidate tokens together with the
 distributions q they were sampled from. A deterministic drafter returns q = None, which the
 verifier treats as one-hot (Leviathan et al. hold for any q, one-hot included).
 
-Drafters that can also propose a tree of candidates (`supports_trees`) implement `propose_tree`
-and `commit_tree`; the chain methods stay as they are. The verification math lives in
-`verispec.rejection` for both. The engine knows drafters only through this class; the drafters
-themselves live in `verispec.drafters`.
+One `propose` and one `commit`: a draft is a tree (`verispec.tree.Draft`), a chain its degenerate case.
+A row asks for a chain (its `TreeConfig` is None) or a tree; drafters that can build trees say so
+(`supports_trees`), and after verification `commit` gets each row's accepted path (for a chain, its first
+`len(path)` drafts). The verification math lives in `verispec.rejection`. The engine knows drafters only
+through this class; the drafters themselves live in `verispec.drafters`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
 
 from verispec.config import TreeConfig
 from verispec.core.sequence import Sequence
 from verispec.errors import VerispecError
-from verispec.tree import TreeDraft
+from verispec.tree import EMPTY_DRAFT, Draft
 
 if TYPE_CHECKING:
     from verispec.core.adaptation import AdaptExample
 
-
-@dataclass(frozen=True)
-class Draft:
-    """One sequence's proposal for one step.
-
-    tokens: (n,) long draft tokens x_1..x_n (n may be 0).
-    q: (n, V) float32 draft probabilities over the target's vocabulary, or None when the drafter is
-       deterministic (q one-hot at each token) or the step is greedy.
-    """
-
-    tokens: torch.Tensor
-    q: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return int(self.tokens.numel())
-
-
-EMPTY_DRAFT = Draft(torch.zeros(0, dtype=torch.long))
+__all__ = ["EMPTY_DRAFT", "Draft", "Drafter"]
 
 
 class Drafter(ABC):
@@ -64,7 +46,7 @@ class Drafter(ABC):
 
     @property
     def supports_trees(self) -> bool:
-        """Whether `propose_tree` works here."""
+        """Whether `propose` builds trees here (a chain-only drafter is never asked for one)."""
         return False
 
     def start(self, sequences: list[Sequence]) -> None:
@@ -90,21 +72,19 @@ class Drafter(ABC):
         return None
 
     @abstractmethod
-    def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
-        """Propose at most max_tokens[b] draft tokens for each sequence b (0 means: none this step)."""
+    def propose(self, sequences: list[Sequence], depths: list[int],
+                trees: list[TreeConfig | None] | None = None) -> list[Draft]:
+        """Propose a draft for each sequence b, at most depths[b] tokens deep (0: none this step): a chain where
+        trees[b] is None (`trees` None: chains for every row), else a tree shaped by trees[b]."""
 
-    def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
-        """Called after verification, once each sequence's tokens hold the committed tokens."""
+    def commit(self, sequences: list[Sequence], drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
+        """Called after verification, once each sequence's tokens hold the committed tokens: paths[b] are the
+        accepted nodes of drafts[b] from the root down (for a chain, its first len(paths[b]) drafts)."""
 
     def keep(self, rows: list[int]) -> None:
         """Only these batch rows continue (the others finished); later calls see them in this order."""
 
-    def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
-        """Propose a draft tree for each sequence b, shaped by trees[b] and at most depths[b] deep (0: none)."""
-        raise VerispecError(f"the '{self.name}' drafter proposes chains only; it cannot draft trees")
 
-    def commit_tree(self, sequences: list[Sequence], drafts: list[TreeDraft], paths: list[tuple[int, ...]]) -> None:
-        """Like `commit`, after a tree step: paths[b] are the accepted nodes of drafts[b], from the root down."""
     def check_adaptable(self, config=None) -> None:
         """Raise a VerispecError, before any adaptation starts, where this drafter cannot adapt online with `config`
         (an AdaptConfig) here. Called only for `adaptive` drafters."""

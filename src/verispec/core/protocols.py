@@ -1,15 +1,16 @@
 """What the engine and the drafters ask of a runner: declared here, checked with `isinstance`, never probed.
 
-A runner holds one model and decodes a batch of rows on caches of its own (`new_state`). Three levels:
+A runner holds one model and decodes a batch of rows on caches of its own (`new_state`). One pass, one commit:
 
-- `Runner`: chains. `forward` reads each row's new tokens and returns logits for its last `num_logits[b]`
-  positions; `rollback` drops each row's last tokens from the cache (rejected drafts).
-- `TreeRunner`: also draft trees. `forward_tree` reads each row's tree (its nodes attend to the committed prefix
-  and their ancestors) and `commit_tree` keeps the accepted path's cache columns.
+- `Runner`: `forward` reads each row's new tokens and returns logits for its last `num_logits[b]` positions.
+  With `parents`, a row's last tokens are draft nodes (a tree; a chain is the tree (-1, 0, 1, ...)): each
+  attends to the committed prefix, its ancestors and itself, and stays in the cache, uncommitted, until
+  `commit` keeps the accepted path's nodes and drops the others. A runner may read a chain-shaped draft with
+  its plain causal pass (the same mask); callers do not see the difference.
 - `FeatureRunner`: also the hidden states draft heads read (Medusa: the last layer's, `keep_features`; EAGLE-3:
   those entering `aux_layers`) and the target's own embedding and head.
 
-Every runner verispec ships is a `TreeRunner`: the native GGUF runner (the default), the torch runners (dynamic
+Every runner verispec ships reads trees: the native GGUF runner (the default), the torch runners (dynamic
 and static cache, row by row, a reduced vocabulary), the skip-set runner of self-speculation and llama.cpp's.
 The native and torch runners are `FeatureRunner`s as well.
 """
@@ -48,30 +49,22 @@ class Runner(Protocol):
     def new_state(self, batch_size: int) -> RunnerState:
         """Empty caches for `batch_size` rows."""
 
-    def forward(self, state, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
-        """(B, max num_logits, V) float32: row b's logits at its last num_logits[b] new positions."""
+    def forward(self, state, tokens: list[list[int]], num_logits: list[int],
+                parents: list[list[int]] | None = None) -> torch.Tensor:
+        """(B, max num_logits, V) float32: row b reads tokens[b] and gets its logits at its last num_logits[b]
+        new positions. parents (None: every token is committed): the last len(parents[b]) tokens of row b are
+        draft nodes; parents[b][j] is node j's parent slot, slots numbering the row's uncommitted nodes in the
+        order they were read since the last `commit` (earlier passes first), -1 the last committed token.
+        Committed tokens cannot follow uncommitted nodes in a row."""
 
-    def rollback(self, state, num_dropped: list[int]) -> None:
-        """Drop each row's last num_dropped[b] tokens from its cache."""
-
-
-@runtime_checkable
-class TreeRunner(Runner, Protocol):
-    """A runner that also reads draft trees (`verispec.tree`) in one pass."""
-
-    def forward_tree(self, state, chains: list[list[int]], nodes: list[list[int]],
-                     parents: list[list[int]]) -> torch.Tensor:
-        """(B, max(len(chain) + len(nodes)), V): row b reads chains[b] (committed tokens not yet cached, the last
-        one the tree's root) then its nodes (parents[b][i]: node i's parent, -1 the root); logits of the root and
-        of every node."""
-
-    def commit_tree(self, state, paths: list[list[int]]) -> None:
-        """Keep only paths[b]'s nodes (root to leaf) of row b's last tree in its cache."""
+    def commit(self, state, paths: list[list[int]]) -> None:
+        """Keep paths[b] (slots from the root down, possibly none) of row b's uncommitted nodes as committed
+        tokens, and drop the others."""
 
 
 @runtime_checkable
-class FeatureRunner(TreeRunner, Protocol):
-    """A tree runner that also gives the target's hidden states to draft heads."""
+class FeatureRunner(Runner, Protocol):
+    """A runner that also gives the target's hidden states to draft heads."""
 
     keep_features: bool  # keep each pass's final hidden states (Medusa heads read them)
     aux_layers: tuple[int, ...]  # keep the hidden states entering these layers (EAGLE-3's fused features)

@@ -2,13 +2,14 @@
 
 The draft keeps its own ragged KV cache. Each step it first catches up on the tokens it has not
 seen (the last committed token, or two when every draft was accepted: the last draft and the
-bonus token), then drafts one token per forward pass. After verification, the draft tokens the
-target rejected are rolled back out of its cache.
+bonus token), then drafts one token per forward pass, each fed back to it as a draft node (the
+runner's `forward` with parents: a chain). After verification the runner's `commit` keeps the draft
+tokens the target accepted and drops the others from its cache.
 
-Trees (`propose_tree`): the same catch-up pass gives the root's children; then one pass per depth
-evaluates the nodes chosen for expansion with the tree's ancestor mask (`TreeRunner.forward_tree`),
+Trees (a row's TreeConfig): the same catch-up pass gives the root's children; then one pass per depth
+evaluates the nodes chosen for expansion with the tree's ancestor mask (`forward` with their parents),
 and their children are drawn (`verispec.drafters.tree_growth`). After verification the accepted
-path's entries are compacted into the draft's cache and the other nodes dropped (`commit_tree`).
+path's entries are compacted into the draft's cache and the other nodes dropped (`commit`).
 Lookup first (`lookup`, off unless configured): at each draft position where the context (with the
 tokens drafted so far) ends in an n-gram seen earlier in it, the draft proposes what followed that
 n-gram (prompt lookup) instead of its own choice, with q one-hot there; elsewhere its own token and q.
@@ -33,14 +34,13 @@ import torch
 
 from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
-from verispec.core.protocols import Runner, RunnerState, TreeRunner
+from verispec.core.protocols import Runner, RunnerState
 from verispec.core.sequence import Sequence
 from verispec.core.stopping import AcceptanceCalibration
 from verispec.drafters.prompt_lookup import lookup, lookup_match
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.sampling import greedy_tokens, logits_to_probs, sample, seen_masks
-from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
 
 class DraftModelDrafter(Drafter):
@@ -75,7 +75,8 @@ class DraftModelDrafter(Drafter):
         self.fed: list[int] = []  # per row, after propose: draft tokens fed to the draft model
         self.stop_keys: list[list[tuple]] = []  # per row, after propose: calibration keys of its drafts
         self.calibration = AcceptanceCalibration()  # where chains stop (seq.draft_stop, see core.stopping)
-        self.tree_slots: list[list[int]] = []  # per row, after propose_tree: each node's cache slot (-1: not fed)
+        self.tree_slots: list[list[int]] = []  # per row, after a tree's propose: each node's cache slot (-1: not fed)
+        self.drafted_trees = False  # whether the last propose drafted trees (then commit keeps their paths)
         self.adapt_config = AdaptConfig()
         self.trainer = None  # a DraftTrainer, made at the first update
         self._pending_model: torch.nn.Module | None = None
@@ -83,7 +84,7 @@ class DraftModelDrafter(Drafter):
 
     @property
     def supports_trees(self) -> bool:
-        return isinstance(self.runner, TreeRunner)
+        return True
 
     def cache_bytes(self, tokens: int) -> int:
         return self.runner.cache_bytes(tokens)
@@ -109,8 +110,22 @@ class DraftModelDrafter(Drafter):
         missing = self.target_vocab_size - q.shape[-1]
         return torch.nn.functional.pad(q, (0, missing)) if missing > 0 else q
 
-    def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
+    def propose(self, sequences: list[Sequence], depths: list[int],
+                trees: list[TreeConfig] | None = None) -> list[Draft]:
         assert self.state is not None, "start() must be called before propose()"
+        self.drafted_trees = trees is not None
+        if trees is not None:
+            return self._propose_tree(sequences, trees, depths)
+        return self._propose_chain(sequences, depths)
+
+    def commit(self, sequences: list[Sequence], drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
+        assert self.state is not None
+        if self.drafted_trees:
+            self._commit_tree(drafts, paths)
+        else:
+            self._commit_chain([len(path) for path in paths])
+
+    def _propose_chain(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
         self._swap_pending(sequences)
         B = len(sequences)
         drafted: list[list[int]] = [[] for _ in range(B)]
@@ -121,12 +136,14 @@ class DraftModelDrafter(Drafter):
         self.fed = [0] * B  # per row: draft tokens fed to the draft model (in its cache until `commit`)
         inputs = [self._catch_up(seq, b, max_tokens[b]) for b, seq in enumerate(sequences)]
         read = [len(row) for row in inputs]  # per row: pending tokens this call reads
+        parents = None  # the first pass reads committed tokens; later ones each row's last draft, a node
         for step in range(max(max_tokens, default=0)):
             if step > 0 and not any(inputs):
                 break  # every row's chain has ended
-            logits = self.runner.forward(self.state, inputs, [1 if row else 0 for row in inputs])[:, 0]  # (B, Vd)
-            logits = self._fit_vocab(logits)
+            logits = self.runner.forward(self.state, inputs, [1 if row else 0 for row in inputs], parents)[:, 0]
+            logits = self._fit_vocab(logits)  # (B, Vd)
             inputs = [[] for _ in range(B)]
+            parents = [[] for _ in range(B)]
             for b, seq in enumerate(sequences):
                 if step >= limits[b]:
                     continue
@@ -164,6 +181,7 @@ class DraftModelDrafter(Drafter):
                 drafted[b].append(token)
                 if step + 1 < limits[b]:
                     inputs[b] = [token]  # the last draft token is never fed: the target scores it
+                    parents[b] = [self.fed[b] - 1]  # node fed[b], the child of the one fed before it
                     self.fed[b] += 1  # (unless a chain stops by dropping its next draft: then every kept one is)
         if max(max_tokens, default=0) == 0:
             # Nothing to draft, but keep the cache caught up so the next step stays one token wide.
@@ -182,8 +200,7 @@ class DraftModelDrafter(Drafter):
         end = len(seq.tokens) if budget > 0 or self.prefill_chunk is None else self.cached[b] + self.prefill_chunk
         return seq.tokens[self.cached[b] : end]
 
-    def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
-        assert self.state is not None, "start() must be called before propose_tree()"
+    def _propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[Draft]:
         B = len(sequences)
         pending = [self._catch_up(seq, b, depths[b]) for b, seq in enumerate(sequences)]
         logits = self._fit_vocab(self.runner.forward(self.state, pending, [1 if row else 0 for row in pending])[:, 0])
@@ -205,16 +222,16 @@ class DraftModelDrafter(Drafter):
                 for n in nodes:
                     slots[b][n] = len(slots[b])
             tokens = [[growths[b].tokens[n] for n in nodes] for b, nodes in enumerate(expand)]
-            out = self._fit_vocab(self.runner.forward_tree(self.state, [[] for _ in range(B)], tokens, parents))
+            out = self._fit_vocab(self.runner.forward(self.state, tokens, [len(row) for row in tokens], parents))
             for b, nodes in enumerate(expand):
                 for j, n in enumerate(nodes):
                     growths[b].add_children(n, out[b, j], self._seen(sequences[b], growths[b], n, out.shape[-1]),
                                             self._copied(sequences[b], growths[b], n))
-        drafts: list[TreeDraft] = []
+        drafts: list[Draft] = []
         self.tree_slots = []
         for b, growth in enumerate(growths):
             if growth is None:
-                drafts.append(EMPTY_TREE_DRAFT)
+                drafts.append(EMPTY_DRAFT)
                 self.tree_slots.append([])
                 continue
             draft, nodes = growth.finish()
@@ -237,28 +254,26 @@ class DraftModelDrafter(Drafter):
         context = torch.tensor(seq.tokens + growth.path(node), dtype=torch.long)
         return seen_masks(context, context[:0], vocab)
 
-    def commit_tree(self, sequences: list[Sequence], drafts: list[TreeDraft], paths: list[tuple[int, ...]]) -> None:
-        assert self.state is not None
+    def _commit_tree(self, drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
         keep = []
         for b, (draft, path) in enumerate(zip(drafts, paths)):
             # The path's nodes that were fed to the draft are a prefix of it: only a node with children is fed.
             fed = [self.tree_slots[b][n] for n in path if self.tree_slots[b][n] >= 0] if len(draft) else []
             keep.append(fed)
             self.cached[b] += len(fed)
-        self.runner.commit_tree(self.state, keep)
+        self.runner.commit(self.state, keep)
         self.tree_slots = []
 
-    def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
-        assert self.state is not None
-        drop = []
-        for b, (seq, draft, accepted) in enumerate(zip(sequences, drafts, num_accepted)):
-            in_cache = self.fed[b] if b < len(self.fed) else 0  # drafts x_1..x_fed are in the draft's cache
+    def _commit_chain(self, num_accepted: list[int]) -> None:
+        keep = []
+        for b, accepted in enumerate(num_accepted):
+            in_cache = self.fed[b] if b < len(self.fed) else 0  # drafts x_1..x_fed are the draft's uncommitted nodes
             kept = min(accepted, in_cache)
-            drop.append(in_cache - kept)
+            keep.append(list(range(kept)))
             self.cached[b] -= in_cache - kept
             if b < len(self.stop_keys) and self.stop_keys[b]:
                 self.calibration.observe(self.stop_keys[b], accepted)
-        self.runner.rollback(self.state, drop)
+        self.runner.commit(self.state, keep)
         self.fed, self.stop_keys = [], []
 
     def _stop_key(self, seq: Sequence, logits: torch.Tensor, q: torch.Tensor | None, token: int, match: int) -> tuple:

@@ -44,7 +44,6 @@ from verispec.drafters.prompt_lookup import lookup
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.models.heads.eagle3 import Eagle3Head
-from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
 
 @dataclass
@@ -175,8 +174,14 @@ class EagleDrafter(AdaptiveHead, Drafter):
         return out[-1]
 
     @torch.inference_mode()
-    def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
+    def propose(self, sequences: list[Sequence], depths: list[int],
+                trees: list[TreeConfig] | None = None) -> list[Draft]:
         self._swap()
+        if trees is not None:
+            return self._propose_tree(sequences, trees, depths)
+        return self._propose_chain(sequences, depths)
+
+    def _propose_chain(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
         drafts = []
         for b, seq in enumerate(sequences):
             row = self.rows[b]
@@ -207,15 +212,13 @@ class EagleDrafter(AdaptiveHead, Drafter):
             drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(q_rows) if q_rows else None))
         return drafts
 
-    @torch.inference_mode()
-    def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
-        self._swap()
+    def _propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[Draft]:
         drafts = []
         for b, seq in enumerate(sequences):
             row = self.rows[b]
             h = self._catch_up(row, seq) if depths[b] else None
             if h is None:
-                drafts.append(EMPTY_TREE_DRAFT)
+                drafts.append(EMPTY_DRAFT)
                 continue
             growth = TreeGrowth(trees[b], depths[b], seq.sampling, seq.rng, self.vocab_size)
             growth.add_children(-1, self.head.logits(h[None])[0], penalty_seen(seq, [], self.vocab_size),
@@ -285,15 +288,13 @@ class EagleDrafter(AdaptiveHead, Drafter):
             if part.shape[0]:
                 row.pending.append(part)
 
-    def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
-        # the pass read each row's pending tokens, then its drafts: the first ones up to the accepted drafts stay
-        aux = self._aux()
-        self._keep_features(sequences, [a[: a.shape[0] - len(d) + n] for a, d, n in zip(aux, drafts, num_accepted)])
-
-    def commit_tree(self, sequences: list[Sequence], drafts: list[TreeDraft], paths: list[tuple[int, ...]]) -> None:
-        # a tree pass read each row's pending tokens, then its nodes: the pending ones and the accepted path stay
+    def commit(self, sequences: list[Sequence], drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
+        # the pass read each row's pending tokens, then its nodes: the pending ones and the accepted path stay
         kept = []
         for a, d, path in zip(self._aux(), drafts, paths):
-            chain = a.shape[0] - len(d)
-            kept.append(torch.cat([a[:chain], a[[chain + node for node in path]]]))
+            pending = a.shape[0] - len(d)
+            if d.is_chain:  # the path is the chain's first drafts, right after the pending tokens
+                kept.append(a[: pending + len(path)])
+            else:
+                kept.append(torch.cat([a[:pending], a[[pending + node for node in path]]]))
         self._keep_features(sequences, kept)

@@ -32,7 +32,6 @@ from verispec.drafters.head_adapt import AdaptiveHead, HeadAdaptation, HeadTrain
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.models.heads.medusa import MedusaHeads
-from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
 
 class MedusaDrafter(AdaptiveHead, Drafter):
@@ -111,9 +110,12 @@ class MedusaDrafter(AdaptiveHead, Drafter):
             out = self.heads(torch.stack([self.hidden[b] for b in rows]), count, lm_head)  # (R, count, V)
         return limits, {b: out[i, :, : self.vocab_size] for i, b in enumerate(rows)}
 
-    def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
+    def propose(self, sequences: list[Sequence], depths: list[int],
+                trees: list[TreeConfig] | None = None) -> list[Draft]:
         self._swap()
-        limits, logits = self._head_logits(max_tokens)
+        if trees is not None:
+            return self._propose_tree(sequences, trees, depths)
+        limits, logits = self._head_logits(depths)
         drafts = []
         for b, seq in enumerate(sequences):
             if not limits[b]:
@@ -128,10 +130,10 @@ class MedusaDrafter(AdaptiveHead, Drafter):
             drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(q_rows) if q_rows else None))
         return drafts
 
-    def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
-        # the verification pass's logits for row b: after each pending token's last, then after each draft;
-        # the recovered or bonus token came from position num_accepted
-        self._take(sequences, [list(range(min(n, len(d)) + 1)) for d, n in zip(drafts, num_accepted)])
+    def commit(self, sequences: list[Sequence], drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
+        # the verification pass's logits for row b: after its pending tokens' last (index 0), then after node n
+        # (index 1 + n); the recovered or bonus token came from the path's end
+        self._take(sequences, [[0, *(1 + node for node in path)] for path in paths])
 
     def _take(self, sequences: list[Sequence], kept: list[list[int]]) -> None:
         """kept[b]: the indices in row b's features of the positions the step committed (the last one drafts next)."""
@@ -142,13 +144,12 @@ class MedusaDrafter(AdaptiveHead, Drafter):
         if self.adaptation is not None:
             self.adaptation.log(sequences, [features[b, index] for b, index in enumerate(kept)])
 
-    def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
-        self._swap()
+    def _propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[Draft]:
         depths, logits = self._head_logits(depths)
         drafts = []
         for b, seq in enumerate(sequences):
             if not depths[b]:
-                drafts.append(EMPTY_TREE_DRAFT)
+                drafts.append(EMPTY_DRAFT)
                 continue
             growth = TreeGrowth(trees[b], depths[b], seq.sampling, seq.rng, self.vocab_size)
             growth.add_children(-1, logits[b][0], penalty_seen(seq, [], logits[b].shape[-1]))
@@ -157,7 +158,3 @@ class MedusaDrafter(AdaptiveHead, Drafter):
                     growth.add_children(node, logits[b][depth], penalty_seen(seq, growth.path(node), logits[b].shape[-1]))
             drafts.append(growth.finish()[0])
         return drafts
-
-    def commit_tree(self, sequences: list[Sequence], drafts: list[TreeDraft], paths: list[tuple[int, ...]]) -> None:
-        # a tree pass's logits for row b: after its pending token (index 0), then after node n (index 1 + n)
-        self._take(sequences, [[0, *(1 + node for node in path)] for path in paths])

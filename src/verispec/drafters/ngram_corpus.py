@@ -33,7 +33,7 @@ from verispec.core.sequence import Sequence
 from verispec.errors import VerispecError
 from verispec.ngram.table import NGramCounts, NGramTable
 from verispec.sampling import sample
-from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft, breadth_first, tree_from_parents
+from verispec.tree import breadth_first, tree_from_parents
 
 SPEC_PREFIX = "ngram-corpus"
 TABLE_SUFFIX = ".ngram"
@@ -187,13 +187,25 @@ class CorpusNGramDrafter(Drafter):
         order = sorted(range(len(ids)), key=lambda i: -probs[i])[:k]  # stable: ties keep the mixture's order
         return [(ids[i], probs[i]) for i in order]
 
-    def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
+    @property
+    def supports_trees(self) -> bool:
+        return True
+
+    def propose(self, sequences: list[Sequence], depths: list[int],
+                trees: list[TreeConfig] | None = None) -> list[Draft]:
+        """Chains drawn from the mixture's q; trees are tries of the most likely continuations (deterministic
+        candidates, one-hot q: exact under sampling too)."""
         self._apply_pending()
         drafts = []
-        for b, (seq, budget) in enumerate(zip(sequences, max_tokens)):
+        for b, (seq, depth) in enumerate(zip(sequences, depths)):
             counts = self.rows[b]
             counts.add_stream(seq.tokens)
-            drafts.append(self._chain(seq, counts, budget) if budget > 0 else EMPTY_DRAFT)
+            if depth <= 0:
+                drafts.append(EMPTY_DRAFT)
+            elif trees is not None:
+                drafts.append(self._tree(seq.tokens, counts, trees[b], depth))
+            else:
+                drafts.append(self._chain(seq, counts, depth))
         return drafts
 
     def _chain(self, seq: Sequence, counts: NGramCounts, budget: int) -> Draft:
@@ -226,20 +238,7 @@ class CorpusNGramDrafter(Drafter):
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(q_rows) if q_rows else None)  # q: (n, V)
 
     # --- trees ------------------------------------------------------------------------------------
-    @property
-    def supports_trees(self) -> bool:
-        return True
-
-    def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
-        """Tries of the most likely continuations: deterministic candidates (one-hot q), exact under sampling too."""
-        self._apply_pending()
-        drafts = []
-        for b, (seq, tree, depth) in enumerate(zip(sequences, trees, depths)):
-            self.rows[b].add_stream(seq.tokens)
-            drafts.append(self._tree(seq.tokens, self.rows[b], tree, depth) if depth > 0 else EMPTY_TREE_DRAFT)
-        return drafts
-
-    def _tree(self, tokens: list[int], counts: NGramCounts, tree: TreeConfig, depth: int) -> TreeDraft:
+    def _tree(self, tokens: list[int], counts: NGramCounts, tree: TreeConfig, depth: int) -> Draft:
         """Grow best first by path probability: a static shape gives node depth d its shape[d] best
         continuations; a budget gives each expanded node its top_k, until `budget` nodes. The tree is a
         function of the context alone (no draws), so verification treats its candidates as deterministic."""
@@ -263,9 +262,9 @@ class CorpusNGramDrafter(Drafter):
                     child_tail = (tail + [token])[max(0, len(tail) + 1 - width) :] if width else []
                     frontier.append((neg_score * prob, len(node_tokens) - 1, child_tail, d + 1))
         if not node_tokens:
-            return EMPTY_TREE_DRAFT
+            return EMPTY_DRAFT
         order, new_parents = breadth_first(parents, [-s for s in scores])  # siblings: most likely first
-        return TreeDraft(torch.tensor([node_tokens[i] for i in order], dtype=torch.long), tree_from_parents(new_parents))
+        return Draft(torch.tensor([node_tokens[i] for i in order], dtype=torch.long), tree=tree_from_parents(new_parents))
 
     # --- online adaptation -----------------------------------------------------------------------
     def adapt(self, examples: list) -> None:

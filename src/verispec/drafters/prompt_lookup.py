@@ -21,7 +21,7 @@ from verispec.config import PromptLookupConfig, TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.sequence import Sequence
 from verispec.core.stopping import AcceptanceCalibration, chain_length
-from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft, breadth_first, tree_from_parents
+from verispec.tree import breadth_first, tree_from_parents
 
 MAX_MATCHES = 64  # continuations read per trie; more only cost time
 MAX_MATCH = 32  # a match's length is counted up to this many tokens (see lookup_match)
@@ -121,9 +121,19 @@ class PromptLookupDrafter(Drafter):
         self.calibration = AcceptanceCalibration()  # where chains stop (seq.draft_stop, see core.stopping)
         self.stop_keys: list[list[tuple]] = []  # per row, after propose: calibration keys of its drafts
 
-    def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
+    @property
+    def supports_trees(self) -> bool:
+        return True
+
+    def propose(self, sequences: list[Sequence], depths: list[int],
+                trees: list[TreeConfig] | None = None) -> list[Draft]:
         drafts, self.stop_keys = [], []
-        for seq, n in zip(sequences, max_tokens):
+        for b, (seq, n) in enumerate(zip(sequences, depths)):
+            if trees is not None:  # a trie of every continuation found, shaped by the row's tree
+                tokens, parents = build_trie(lookup_all(seq.tokens, n, self.config), trees[b], n)
+                drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), tree=tree_from_parents(parents))
+                              if tokens else EMPTY_DRAFT)
+                continue
             found, match = lookup_match(seq.tokens, n, self.config)
             keys = []
             if found and seq.draft_stop is not None:
@@ -135,20 +145,8 @@ class PromptLookupDrafter(Drafter):
             drafts.append(Draft(torch.tensor(found, dtype=torch.long)) if found else EMPTY_DRAFT)
         return drafts
 
-    def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
-        for keys, accepted in zip(self.stop_keys, num_accepted):
+    def commit(self, sequences: list[Sequence], drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
+        for keys, path in zip(self.stop_keys, paths):
             if keys:
-                self.calibration.observe(keys, accepted)
+                self.calibration.observe(keys, len(path))
         self.stop_keys = []
-
-    @property
-    def supports_trees(self) -> bool:
-        return True
-
-    def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
-        drafts = []
-        for seq, tree, depth in zip(sequences, trees, depths):
-            tokens, parents = build_trie(lookup_all(seq.tokens, depth, self.config), tree, depth)
-            drafts.append(TreeDraft(torch.tensor(tokens, dtype=torch.long), tree_from_parents(parents))
-                          if tokens else EMPTY_TREE_DRAFT)
-        return drafts

@@ -20,8 +20,8 @@ target's caches, made afresh each step (`SkipRunner.view`): the same arrays, len
   layer from the draft's hidden state (LayerSkip's reuse; `NativeRunner` checks the match bit for bit:
   same cache, column, token, position and attention, see `_Resume`).
 - Nothing to roll back: a rejected draft leaves the target's length and committed columns as they were,
-  and the draft keeps nothing between steps but its skip sets. `commit` and `commit_tree` never touch the
-  caches (a tree commit would copy draft entries over columns the target has just committed).
+  and the draft keeps nothing between steps but its skip sets. `commit` never touches the caches (a tree
+  commit would copy draft entries over columns the target has just committed); the view is dropped.
 A row whose target has not read its prompt yet drafts nothing that step: drafting would first run the
 draft over the whole prompt, most of a target pass, for one step's drafts.
 
@@ -46,7 +46,6 @@ from verispec.drafters.self_adapt import SkipChooser, SublayerCosts
 from verispec.errors import VerispecError
 from verispec.models.skip import SkipSet, check_skippable
 from verispec.models.runners.skipping import SkipRunner, skipping_module
-from verispec.tree import EMPTY_TREE_DRAFT, TreeDraft
 
 
 class SelfDrafter(DraftModelDrafter):
@@ -130,41 +129,26 @@ class SelfDrafter(DraftModelDrafter):
         self.cached = [seq.target_cached if n else len(seq.tokens) for seq, n in zip(sequences, limits)]
         return limits
 
-    def propose(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
+    def propose(self, sequences: list[Sequence], depths: list[int],
+                trees: list[TreeConfig] | None = None) -> list[Draft]:
         if not self.shared:
-            return super().propose(sequences, max_tokens)
-        limits = self._view(sequences, max_tokens)
-        if not any(limits):
-            self.fed, self.stop_keys = [0] * len(sequences), []
-            return [EMPTY_DRAFT] * len(sequences)
-        return super().propose(sequences, limits)
-
-    def propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[TreeDraft]:
-        if not self.shared:
-            return super().propose_tree(sequences, trees, depths)
+            return super().propose(sequences, depths, trees)
         depths = self._view(sequences, depths)
         if not any(depths):
-            self.tree_slots = [[] for _ in sequences]
-            return [EMPTY_TREE_DRAFT] * len(sequences)
-        return super().propose_tree(sequences, trees, depths)
+            self.drafted_trees = trees is not None
+            self.fed, self.stop_keys, self.tree_slots = [0] * len(sequences), [], [[] for _ in sequences]
+            return [EMPTY_DRAFT] * len(sequences)
+        return super().propose(sequences, depths, trees)
 
-    def commit(self, sequences: list[Sequence], drafts: list[Draft], num_accepted: list[int]) -> None:
+    def commit(self, sequences: list[Sequence], drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
         if not self.shared:
-            return super().commit(sequences, drafts, num_accepted)
-        for b, (draft, accepted) in enumerate(zip(drafts, num_accepted)):
-            if b < len(self.stop_keys) and self.stop_keys[b]:
-                self.calibration.observe(self.stop_keys[b], accepted)
+            return super().commit(sequences, drafts, paths)
+        for b, (draft, path) in enumerate(zip(drafts, paths)):
+            if not self.drafted_trees and b < len(self.stop_keys) and self.stop_keys[b]:
+                self.calibration.observe(self.stop_keys[b], len(path))
             if self.choosers:
-                self.choosers[b].observe(len(draft), accepted)
-        self.fed, self.stop_keys, self.state = [], [], None
-
-    def commit_tree(self, sequences: list[Sequence], drafts: list[TreeDraft], paths: list[tuple[int, ...]]) -> None:
-        if not self.shared:
-            return super().commit_tree(sequences, drafts, paths)
-        if self.choosers:
-            for b, (draft, path) in enumerate(zip(drafts, paths)):
                 self.choosers[b].observe(draft.tree.depth if len(draft) else 0, len(path))
-        self.tree_slots, self.state = [], None
+        self.fed, self.stop_keys, self.tree_slots, self.state = [], [], [], None
 
     def adapt(self, examples: list) -> None:
         raise VerispecError("the self drafter has no weights of its own to train (--adapt); "

@@ -1,6 +1,6 @@
 """Growing one sequence's draft tree from a draft model's distributions, depth by depth.
 
-The draft model evaluates the tree one depth per pass (`DraftModelDrafter.propose_tree`); this module
+The draft model evaluates the tree one depth per pass (`DraftModelDrafter.propose`); this module
 decides, from each evaluated node's draft distribution, which children the node gets, and at the end
 which nodes the tree keeps.
 
@@ -35,7 +35,7 @@ import torch
 
 from verispec.config import SamplingConfig, TreeConfig
 from verispec.sampling import apply_repetition_penalty, logits_to_probs, sample
-from verispec.tree import TreeDraft, breadth_first, tree_from_parents
+from verispec.tree import Draft, breadth_first, tree_from_parents
 
 
 def draw_children(probs: torch.Tensor, k: int, mode: str, rng: torch.Generator) -> list[int]:
@@ -197,7 +197,7 @@ class TreeGrowth:
         need = min((self._cost(n + 1) - self._cost(n)) / self._cost(n) for n in range(least_kept, self.config.budget))
         return score > least_gain * need
 
-    def finish(self) -> tuple[TreeDraft, list[int]]:
+    def finish(self) -> tuple[Draft, list[int]]:
         """The draft tree (breadth first, siblings in draw order) and, per new node, its index here."""
         kept = self.select()
         index = {old: new for new, old in enumerate(kept)}
@@ -207,7 +207,7 @@ class TreeGrowth:
         tokens = torch.tensor([self.tokens[i] for i in nodes], dtype=torch.long)  # (N,)
         siblings = "deterministic" if self.mode == "top" else self.mode
         q = torch.stack([self.q_rows[i] for i in nodes]) if siblings != "deterministic" and nodes else None  # (N, V)
-        return TreeDraft(tokens, tree_from_parents(new_parents), q, siblings if nodes else "deterministic"), nodes
+        return Draft(tokens, q, tree=tree_from_parents(new_parents), siblings=siblings if nodes else "deterministic"), nodes
 
     def _pad(self, q: torch.Tensor) -> torch.Tensor:
         missing = self.vocab_size - q.shape[-1]

@@ -292,7 +292,9 @@ def default_skip(layers: int) -> SkipSet:
 
 def check_skippable(runner) -> str:
     """"native" or "torch": the runners that can skip sublayers; any other is one clear line."""
-    if hasattr(runner, "gguf") and hasattr(runner, "commit_tree"):
+    from verispec.models.gguf.runner import NativeRunner
+
+    if isinstance(runner, NativeRunner):
         return "native"
     if hasattr(getattr(runner, "model", None), "get_output_embeddings"):
         return "torch"

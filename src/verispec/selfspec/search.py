@@ -36,6 +36,7 @@ from verispec.drafters.self_adapt import SublayerCosts
 from verispec.drafters.self_draft import SelfDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
+from verispec.models.gguf.runner import NativeRunner
 from verispec.models.skip import SkipSet, num_layers
 from verispec.tuning import expected_tokens, measure_costs
 
@@ -90,7 +91,7 @@ class SkipSearch:
 
     def __init__(self, runner, prompts: list[list[int]], config: SelfTuneConfig = SelfTuneConfig(),
                  show_progress: bool = True) -> None:
-        if not (hasattr(runner, "gguf") and hasattr(runner, "commit_tree")):
+        if not isinstance(runner, NativeRunner):
             raise VerispecError("self-tune measures on verispec's native runner: give it a GGUF target "
                                 "(--backend native; the skip file then serves the same model on torch too)")
         if not prompts:

@@ -15,6 +15,7 @@ import torch
 from verispec.chisquare import chi_square_test
 from verispec.errors import VerispecError
 from verispec.rejection import verify
+from verispec.tree import Draft
 
 MAX_TOKENS = 32
 MAX_SAMPLES = 20000
@@ -40,7 +41,7 @@ def speculative_samples(p: torch.Tensor, q: torch.Tensor, samples: int, rng: tor
     accepted = 0
     for _ in range(samples):
         x = torch.multinomial(q, 1, generator=rng)  # (1,) the draft token, x ~ q
-        verdict = verify(rows_p, x, rows_q, rng)
+        verdict = verify(rows_p, Draft(x, rows_q), rng)
         accepted += verdict.num_accepted
         counts[int(x) if verdict.num_accepted else verdict.token] += 1
     return counts, accepted

@@ -1,16 +1,17 @@
-"""The quantized CPU runner: `ModelRunner`'s interface (new_state / forward / rollback / forward_tree /
-commit_tree) over a `GGUFModel`, every op a C kernel.
+"""The quantized CPU runner: the runner interface (`core.protocols.Runner`: new_state / forward / commit) over a
+`GGUFModel`, every op a C kernel.
 
 Caches. Each row (sequence) owns a static, position-indexed cache per layer, (capacity, Hkv D) float32
-for keys and for values, grown by doubling. Committed token c sits in column c, so rollback only moves
-the row's length (the rejected columns are overwritten by the next pass), and rows never pad each other.
+for keys and for values, grown by doubling. Committed token c sits in column c, and rows never pad each other.
 
 Trees. Between commits a row may hold speculative entries: slot s (numbered in the order added) sits in
 column base + s, base being the committed length, at position base + depth - 1. A node attends to columns
 0 .. base - 1, then its ancestors' columns and its own, in increasing order. A chain token at the same
 depth attends to the same keys and values in the same order, and the kernels compute each query alone
-in a fixed order, so a node's logits equal the chain's bit for bit. `commit_tree` copies the accepted
-path's entries to columns base, base + 1, ... and forgets the others.
+in a fixed order, so a node's logits equal the chain's bit for bit. `commit` copies the accepted
+path's entries to columns base, base + 1, ... and forgets the others. A chain's nodes already sit there (slot s
+in column base + s, its ancestors the columns before it): a node whose ancestors are contiguous is read as the
+causal query it is, and committing a chain's first drafts copies nothing, only the length moves.
 
 Batch invariance. Every op computes a token's row with the same arithmetic whatever else the pass holds
 (csrc/kernels.c says how): a token's logits are the same bits alone, in a wide verification pass, in a
@@ -30,6 +31,7 @@ from verispec.errors import VerispecError
 from verispec.models.gguf import ops
 from verispec.models.gguf.model import GGUFModel
 from verispec.models.gguf.native import DimsStruct, LayerStruct, WeightStruct, check, lib, ptr, set_threads
+from verispec.models.passes import last_logits, root_wanted, split_nodes, tree_pass_counts
 from verispec.models.runners.hf import training_logits
 
 # Tokens in one pass (all rows together): a longer prompt is read in chunks of this many. Measured on the default
@@ -83,7 +85,7 @@ class NativeState:
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows, in this order. rows: (B',) long."""
         if self.speculative:
-            raise ValueError("select needs the tree entries committed first (commit_tree)")
+            raise ValueError("select needs the draft nodes committed first (commit)")
         self.rows = [self.rows[i] for i in rows.tolist()]
 
     def extend(self, num_rows: int) -> None:
@@ -210,13 +212,24 @@ class NativeRunner:
     # ------------------------------------------------------------------ the interface
 
     def forward(self, state: NativeState, tokens: list[list[int]], num_logits: list[int],
-                skip: np.ndarray | None = None, head_rows: int | None = None) -> torch.Tensor:
+                parents: list[list[int]] | None = None, skip: np.ndarray | None = None,
+                head_rows: int | None = None) -> torch.Tensor:
         """Append each row's tokens; (B, M, V) logits at each row's last num_logits[b] positions,
-        M = max(1, max(num_logits)) (see `ModelRunner.forward`). skip: (layers,) int32 sublayers to skip
-        (`verispec.models.skip.SkipSet.bits`: the self-speculation draft), None runs the whole model.
-        head_rows: the draft's LM head keeps only token ids below this (-inf logits above); None keeps all."""
-        if state.speculative:
-            raise ValueError("forward needs the tree entries committed first (commit_tree)")
+        M = max(1, max(num_logits)); the last len(parents[b]) tokens are draft nodes, uncommitted until `commit`
+        (`core.protocols.Runner`). skip: (layers,) int32 sublayers to skip (`verispec.models.skip.SkipSet.bits`:
+        the self-speculation draft), None runs the whole model. head_rows: the draft's LM head keeps only token
+        ids below this (-inf logits above); None keeps all."""
+        if not state.speculative and (parents is None or not any(parents)):
+            return self._forward_committed(state, tokens, num_logits, skip, head_rows)
+        parents = parents if parents is not None else [[] for _ in tokens]
+        chains, nodes = split_nodes(tokens, parents)
+        root = root_wanted(chains, nodes, num_logits)
+        logits = self._forward_tree(state, chains, nodes, parents, root, skip, head_rows)
+        return last_logits(logits, tree_pass_counts(nodes, root), num_logits)
+
+    def _forward_committed(self, state: NativeState, tokens: list[list[int]], num_logits: list[int],
+                           skip: np.ndarray | None, head_rows: int | None) -> torch.Tensor:
+        """`forward` without draft nodes: every token is committed."""
         queries, wanted = [], []
         for b, row_tokens in enumerate(tokens):
             row = state.rows[b]
@@ -231,25 +244,15 @@ class NativeRunner:
             state.rows[b].length += len(row_tokens)
         return logits
 
-    def rollback(self, state: NativeState, num_dropped: list[int]) -> None:
-        """Forget each row's last num_dropped[b] committed tokens: only the length moves."""
-        if state.speculative:
-            raise ValueError("rollback needs the tree entries committed first (commit_tree)")
-        for row, drop in zip(state.rows, num_dropped):
-            if drop > row.length:
-                raise ValueError("cannot roll back more tokens than a row holds")
-        for row, drop in zip(state.rows, num_dropped):
-            row.length -= drop
-
-    def forward_tree(self, state: NativeState, chains: list[list[int]], nodes: list[list[int]],
-                     parents: list[list[int]], skip: np.ndarray | None = None,
-                     head_rows: int | None = None) -> torch.Tensor:
-        """Committed tokens chains[b], then tree nodes nodes[b] with parent slots parents[b] (see
-        `ModelRunner.forward_tree`); (B, M, V) logits after the last chain token (if any) and each node."""
+    def _forward_tree(self, state: NativeState, chains: list[list[int]], nodes: list[list[int]],
+                      parents: list[list[int]], root: list[bool], skip: np.ndarray | None,
+                      head_rows: int | None) -> torch.Tensor:
+        """Committed tokens chains[b], then draft nodes nodes[b] with parent slots parents[b]; (B, M, V) logits
+        after the last chain token (where root[b]) and each node."""
         for b, row in enumerate(state.rows):  # check everything before the state changes
             held = len(row.spec_parents)
             if chains[b] and held:
-                raise ValueError("committed tokens cannot follow tree entries: commit_tree first")
+                raise ValueError("committed tokens cannot follow draft nodes: commit first")
             if len(nodes[b]) != len(parents[b]):
                 raise ValueError(f"row {b}: {len(nodes[b])} tree nodes but {len(parents[b])} parents")
             for j, parent in enumerate(parents[b]):
@@ -261,7 +264,7 @@ class NativeRunner:
             for j, token in enumerate(chain):
                 column = row.length + j
                 queries.append(_Query(b, token, column, column, column + 1, []))
-                wanted.append(j == len(chain) - 1)
+                wanted.append(root[b] and j == len(chain) - 1)
             held = len(row.spec_parents)
             for j, (token, parent) in enumerate(zip(nodes[b], parents[b])):
                 slot = held + j
@@ -271,7 +274,11 @@ class NativeRunner:
                 while slot >= 0:
                     path.append(base + slot)
                     slot = row.spec_parents[slot]
-                queries.append(_Query(b, token, base + row.spec_depths[-1] - 1, base + held + j, base, path[::-1]))
+                depth = row.spec_depths[-1]
+                if path[0] == base + depth - 1:  # ancestors in columns base, base + 1, ...: a causal query
+                    queries.append(_Query(b, token, base + depth - 1, base + held + j, base + depth, []))
+                else:
+                    queries.append(_Query(b, token, base + depth - 1, base + held + j, base, path[::-1]))
                 wanted.append(True)
             counts.append(sum(1 for q, w in zip(queries, wanted) if q.row == b and w))
         logits = self._run(state, queries, wanted, len(chains), max(1, max(counts, default=0)), skip, head_rows)
@@ -279,11 +286,11 @@ class NativeRunner:
             row.length += len(chains[b])
         return logits
 
-    def commit_tree(self, state: NativeState, paths: list[list[int]]) -> None:
-        """Keep each row's accepted path of tree slots (root first) as committed tokens; drop the rest."""
+    def commit(self, state: NativeState, paths: list[list[int]]) -> None:
+        """Keep each row's accepted path of draft slots (root first) as committed tokens; drop the rest."""
         for b, (row, path) in enumerate(zip(state.rows, paths)):
             if not row.spec_parents and path:
-                raise ValueError(f"row {b} holds no tree entries")
+                raise ValueError(f"row {b} holds no draft nodes")
             for i, slot in enumerate(path):
                 expected = -1 if i == 0 else path[i - 1]
                 if not 0 <= slot < len(row.spec_parents) or row.spec_parents[slot] != expected:

@@ -3,17 +3,19 @@
 A `KVState` holds one batch's key/value cache. Each row (sequence) advances by its own
 number of tokens per call, so a batch is ragged: a call's input is right-padded to the widest
 row, and the padded columns become "holes" in the cache that the attention mask hides
-forever. Rollback marks a row's last entries invalid the same way, then crops the columns
+forever. Dropping a row's last entries marks them invalid the same way, then crops the columns
 no row still uses. With one row this is exactly a crop of the cache.
 
 Positions are explicit per row (RoPE sees each row's true token positions), and the cache
 index order stays chronological, so the causal mask over cache columns stays correct.
 
-Trees (`forward_tree`, `commit_tree`): a row may also hold *speculative* entries, draft-tree nodes
+Drafts (`forward` with `parents`, then `commit`): a row may also hold *speculative* entries, draft nodes
 that are not committed. A node sits at position (committed length + depth - 1) and attends to the
-committed entries, its ancestors and itself, through a 4D mask (B, 1, W, L + W) given to the model.
-After verification `commit_tree` moves the accepted path's entries into the columns right after the
-committed prefix and drops the other nodes, so the cache again holds committed tokens only.
+committed entries, its ancestors and itself, through a 4D mask (B, 1, W, L + W) given to the model; where
+every row's mask is the causal one (chains), the model gets its usual 2D mask and kernels.
+After verification `commit` moves the accepted path's entries into the columns right after the
+committed prefix and drops the other nodes, so the cache again holds committed tokens only (a chain's
+accepted drafts are already there: nothing moves).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from verispec.errors import VerispecError
+from verispec.models.passes import last_logits, root_wanted, split_nodes, tree_pass_counts
 
 
 @dataclass
@@ -49,12 +52,12 @@ class KVState:
 
     @property
     def speculative(self) -> bool:
-        """Whether some row holds uncommitted tree entries (then only forward_tree and commit_tree apply)."""
+        """Whether some row holds uncommitted draft nodes (then only `forward` with parents and `commit` apply)."""
         return any(self.spec_columns)
 
     def _no_speculative(self, what: str) -> None:
         if self.speculative:
-            raise ValueError(f"{what} needs the tree entries committed first (commit_tree)")
+            raise ValueError(f"{what} needs the draft nodes committed first (commit)")
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows (e.g. drop finished sequences), then drop the columns no row uses. rows: (B',) long."""
@@ -133,18 +136,30 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, state: KVState, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+    def forward(self, state: KVState, tokens: list[list[int]], num_logits: list[int],
+                parents: list[list[int]] | None = None) -> torch.Tensor:
         """Append each row's tokens to the cache and return logits at each row's last positions.
 
         Args:
             state: the batch's cache; updated in place.
             tokens: B lists of new token ids (a list may be empty: that row only waits).
             num_logits: for each row, how many of its last new positions need logits (<= len(tokens[b])).
+            parents: None, or per row the parent slots of its last len(parents[b]) tokens, which are draft nodes
+                (see `core.protocols.Runner` and `_forward_tree`).
         Returns:
             (B, M, V) float logits, M = max(num_logits); row b's logits for its last num_logits[b]
             positions are in [:, :num_logits[b]] in order, the rest is filler.
         """
-        state._no_speculative("forward")
+        if not state.speculative and (parents is None or not any(parents)):
+            return self._forward_committed(state, tokens, num_logits)
+        parents = parents if parents is not None else [[] for _ in tokens]
+        chains, nodes = split_nodes(tokens, parents)
+        root = root_wanted(chains, nodes, num_logits)
+        logits = self._forward_tree(state, chains, nodes, parents, root)
+        return last_logits(logits, tree_pass_counts(nodes, root), num_logits)
+
+    def _forward_committed(self, state: KVState, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+        """`forward` without draft nodes."""
         counts = torch.tensor([len(t) for t in tokens], dtype=torch.long)  # (B,)
         W = self._width(int(counts.max()))
         M = max(1, max(num_logits))
@@ -195,9 +210,8 @@ class ModelRunner:
             embed = self.model.get_input_embeddings()
             return embed(tokens.to(embed.weight.device)).float().cpu()
 
-    @torch.inference_mode()
-    def forward_tree(self, state: KVState, chains: list[list[int]], nodes: list[list[int]],
-                     parents: list[list[int]]) -> torch.Tensor:
+    def _forward_tree(self, state: KVState, chains: list[list[int]], nodes: list[list[int]],
+                      parents: list[list[int]], root: list[bool]) -> torch.Tensor:
         """Append committed tokens, then speculative tree nodes, per row, in one pass.
 
         Args:
@@ -207,7 +221,7 @@ class ModelRunner:
             nodes: B lists of tree-node tokens. Each attends to the committed prefix, its ancestors and
                 itself only, at position (committed length + depth - 1).
             parents: parents[b][j] is the parent of nodes[b][j] as a slot of row b: slots number the
-                row's tree entries in the order they were added since the last commit_tree (earlier
+                row's tree entries in the order they were added since the last commit (earlier
                 calls first, then this call's nodes); -1 is the last committed token. Parents come first.
         Returns:
             (B, M, V) float logits: row b has, in order, the logits after its last chain token (if
@@ -219,7 +233,7 @@ class ModelRunner:
         for b in range(B):  # check everything before the state changes
             held = len(state.spec_columns[b])
             if chains[b] and held:
-                raise ValueError("committed tokens cannot follow tree entries: commit_tree first")
+                raise ValueError("committed tokens cannot follow draft nodes: commit first")
             for j, parent in enumerate(parents[b]):
                 if not -1 <= parent < held + j:
                     raise ValueError(f"row {b}: node {j} has parent slot {parent}, which does not exist yet")
@@ -256,7 +270,7 @@ class ModelRunner:
                     row[spec_cols[slot]] = True
                     slot = spec_parents[slot]
                 position_ids[b, query] = state.lengths[b] + chain_counts[b] + depth[-1] - 1
-            keep_rows.append(([chain_counts[b] - 1] if chains[b] else []) + [chain_counts[b] + j for j in range(len(nodes[b]))])
+            keep_rows.append(([chain_counts[b] - 1] if root[b] else []) + [chain_counts[b] + j for j in range(len(nodes[b]))])
         pad = ~new_valid  # (B, W) padded queries attend to their own column only: no row is empty
         mask[pad] = False
         mask[:, :, L:] |= torch.eye(W, dtype=torch.bool)[None] & pad[:, :, None]
@@ -295,8 +309,8 @@ class ModelRunner:
         raise VerispecError(f"tree speculation needs 'sdpa' or 'eager' attention; this model uses '{implementation}'")
 
     @torch.inference_mode()
-    def commit_tree(self, state: KVState, paths: list[list[int]]) -> None:
-        """Keep each row's accepted path of tree entries as committed tokens and drop its other entries.
+    def commit(self, state: KVState, paths: list[list[int]]) -> None:
+        """Keep each row's accepted path of draft entries as committed tokens and drop its other entries.
 
         paths[b]: slots of row b from the root down (each slot's parent is the one before it; the
         first's is -1), possibly empty. Their keys and values move, in order, to the columns right
@@ -304,7 +318,7 @@ class ModelRunner:
         """
         if not state.spec_columns:
             if any(paths):
-                raise ValueError("no tree entries to commit")
+                raise ValueError("no draft nodes to commit")
             return
         B, L = state.batch_size, state.valid.shape[1]
         source = torch.arange(L).repeat(B, 1)  # (B, L) column each column takes its entry from
@@ -313,7 +327,7 @@ class ModelRunner:
             spec_cols, spec_parents = state.spec_columns[b], state.spec_parents[b]
             if not spec_cols:
                 if path:
-                    raise ValueError(f"row {b} holds no tree entries")
+                    raise ValueError(f"row {b} holds no draft nodes")
                 continue
             for i, slot in enumerate(path):
                 expected = -1 if i == 0 else path[i - 1]
@@ -325,7 +339,7 @@ class ModelRunner:
             state.valid[b, start:] = False
             state.valid[b, start : start + len(path)] = True
             low = min(low, start)
-        if low < L:
+        if low < L and bool((source[:, low:] != torch.arange(low, L)).any()):  # a chain's drafts stay where they are
             index = source[:, low:] - low  # (B, R) within the region
             for layer in state._layers():
                 H, D = layer.keys.shape[1], layer.keys.shape[3]
@@ -356,19 +370,6 @@ class ModelRunner:
         (`verispec.drafters.draft_adapt`). `model` is a trainable copy of this runner's model.
         See `training_logits` below."""
         return training_logits(model, input_ids, rows, cols)
-
-    def rollback(self, state: KVState, num_dropped: list[int]) -> None:
-        """Forget each row's last num_dropped[b] live tokens (e.g. rejected drafts)."""
-        state._no_speculative("rollback")
-        drop = torch.tensor(num_dropped, dtype=torch.long)  # (B,)
-        if int(drop.sum()) == 0:
-            return
-        if bool((drop > state.lengths).any()):
-            raise ValueError("cannot roll back more tokens than a row holds")
-        from_right = state.valid.flip(1).long().cumsum(1).flip(1)  # (B, L) live entries at or right of each column
-        state.valid = state.valid & (from_right > drop[:, None])
-        state.lengths = state.lengths - drop
-        self._crop_dead_columns(state)
 
     @staticmethod
     def _crop_dead_columns(state: KVState) -> None:

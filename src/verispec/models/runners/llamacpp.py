@@ -2,14 +2,18 @@
 
 llama.cpp evaluates the GGUF with its own quantized kernels (several times faster than dequantized
 float32 weights on a CPU); verispec keeps drafting and verification. The runner has the same
-interface as `ModelRunner` (new_state / forward / rollback), for one sequence at a time. A pass asks
+interface as every runner (`core.protocols.Runner`: new_state / forward / commit), for one sequence at a time. A pass asks
 llama.cpp for logits only at the positions verification reads (the last `num_logits` of the new
 tokens), through its batch API with a logits flag per token: the prompt's positions skip the output
 layer (151k x 1536 for the Qwen pair) and nothing is copied into llama-cpp-python's full score
-matrix (`logits_all`, n_ctx x vocab floats: 2.5 GB for the Qwen target at 4096 tokens). Rollback
-truncates the token counter and removes the rejected positions from llama.cpp's KV cache.
+matrix (`logits_all`, n_ctx x vocab floats: 2.5 GB for the Qwen target at 4096 tokens).
 
-Trees (`forward_tree` / `commit_tree`) use llama.cpp's sequence ids: a query token attends to the cached
+Chains: draft nodes that form a chain are read as llama.cpp reads any tokens, in sequence 0 at consecutive
+positions (its causal mask is the chain's), and `commit` truncates the token counter and removes the rejected
+positions from the KV cache. Should a tree pass follow such nodes (a draft growing a tree one depth at a time),
+they are first moved into the tree's layout below (sequence ids copied, nothing recomputed).
+
+Trees use llama.cpp's sequence ids: a query token attends to the cached
 entries that belong to its first sequence id, at positions up to its own. Tree node number `slot` has
 its own sequence, 1 + slot, which holds the committed prefix (copied from sequence 0, or from its
 parent's sequence) and, from the pass on, the node itself and its ancestors; a node's entry also
@@ -32,6 +36,7 @@ import numpy as np
 import torch
 
 from verispec.errors import VerispecError
+from verispec.models.passes import last_logits, root_wanted, split_nodes, tree_pass_counts
 
 
 def llamacpp_available() -> bool:
@@ -46,12 +51,14 @@ TREE_SEQUENCES = 256  # sequence ids in a llama.cpp context (its maximum): 0 com
 @dataclass
 class LlamaCppState:
     """One sequence's position in llama.cpp's context. lengths: (1,) long, committed tokens in the cache.
-    tree_depths[slot]: depth of tree entry `slot` (1: a child of the last committed token), and
-    tree_parents[slot] its parent slot (-1: the last committed token), for the entries since the last commit."""
+    tree_depths[slot]: depth of draft node `slot` (1: a child of the last committed token), and
+    tree_parents[slot] its parent slot (-1: the last committed token), for the nodes since the last commit.
+    in_sequence_0: the nodes form a chain read in sequence 0 (the chain layout), not one sequence per node."""
 
     lengths: torch.Tensor
     tree_depths: list[int] = field(default_factory=list)
     tree_parents: list[int] = field(default_factory=list)
+    in_sequence_0: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -128,14 +135,34 @@ class LlamaCppRunner:
         if state is not self.owner:
             raise VerispecError("a llama.cpp context holds one sequence: this state was replaced by a newer one")
 
-    def forward(self, state: LlamaCppState, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
-        """Append tokens[0] (at least one token); return (1, M, V) logits of its last M = num_logits[0]."""
+    def forward(self, state: LlamaCppState, tokens: list[list[int]], num_logits: list[int],
+                parents: list[list[int]] | None = None) -> torch.Tensor:
+        """Append tokens[0] (committed tokens, then draft nodes with parent slots parents[0]); return (1, M, V)
+        logits of its last M = num_logits[0] positions (`core.protocols.Runner`)."""
         self._check(state)
-        row, m = tokens[0], max(1, num_logits[0])
+        held = len(state.tree_depths)
+        if not held and (parents is None or not parents[0]):
+            return self._forward_committed(state, tokens[0], num_logits[0])
+        (chain,), (new,) = split_nodes(tokens, parents if parents is not None else [[]])
+        new_parents = parents[0] if parents is not None else []
+        if chain and held:
+            raise ValueError("committed tokens cannot follow draft nodes: commit first")
+        for j, parent in enumerate(new_parents):
+            if not -1 <= parent < held + j:
+                raise ValueError(f"node {j} has parent slot {parent}, which does not exist yet")
+        root = root_wanted([chain], [new], num_logits)
+        if (not held or state.in_sequence_0) and new_parents == list(range(held - 1, held - 1 + len(new))):
+            logits = self._forward_chain(state, chain, new, root[0])
+        else:
+            if state.in_sequence_0:
+                self._chain_to_tree(state)
+            logits = self._forward_tree(state, chain, new, new_parents, root[0])
+        return last_logits(logits, tree_pass_counts([new], root), num_logits)
+
+    def _forward_committed(self, state: LlamaCppState, row: list[int], num_logits: int) -> torch.Tensor:
+        m = max(1, num_logits)
         if not row or m > len(row):
             raise VerispecError(f"a llama.cpp pass needs at least num_logits={m} new tokens, got {len(row)}")
-        if state.tree_depths:
-            raise ValueError("committed tokens cannot follow tree entries: commit_tree first")
         n_past = self.llm.n_tokens
         self.llm._ctx.kv_cache_seq_rm(0, n_past, -1)
         logits = self._decode(row, list(range(n_past, n_past + len(row))), [[0]] * len(row),
@@ -143,6 +170,34 @@ class LlamaCppRunner:
         self.llm.n_tokens = n_past + len(row)
         state.lengths = torch.tensor([self.llm.n_tokens])
         return logits
+
+    def _forward_chain(self, state: LlamaCppState, chain: list[int], new: list[int], root: bool) -> torch.Tensor:
+        """Committed tokens, then draft nodes that continue the chain of those held, all in sequence 0: (1, M, V)
+        logits after the last committed token (if `root`) and each node."""
+        held = len(state.tree_depths)
+        n_past = self.llm.n_tokens
+        start = n_past + held  # the first new entry's position: after the committed tokens and the held nodes
+        self.llm._ctx.kv_cache_seq_rm(0, start, -1)
+        tokens = chain + new
+        wanted = [root and i == len(chain) - 1 for i in range(len(chain))] + [True] * len(new)
+        logits = self._decode(tokens, list(range(start, start + len(tokens))), [[0]] * len(tokens), wanted)
+        state.tree_depths += [held + j + 1 for j in range(len(new))]
+        state.tree_parents += [held + j - 1 for j in range(len(new))]
+        state.in_sequence_0 = bool(state.tree_depths)
+        self.llm.n_tokens = n_past + len(chain)
+        state.lengths = torch.tensor([self.llm.n_tokens])
+        return logits
+
+    def _chain_to_tree(self, state: LlamaCppState) -> None:
+        """Move the chain of nodes held in sequence 0 into the tree layout: node `slot`'s own sequence 1 + slot
+        holds the committed prefix, its ancestors and itself."""
+        import llama_cpp
+
+        memory, base = self.llm._ctx.memory, self.llm.n_tokens
+        for slot in range(len(state.tree_depths)):
+            llama_cpp.llama_memory_seq_cp(memory, 0, 1 + slot, -1, base + slot + 1)
+        llama_cpp.llama_memory_seq_rm(memory, 0, base, -1)
+        state.in_sequence_0 = False
 
     def _decode(self, tokens: list[int], positions: list[int], seq_ids: list[list[int]], wanted: list[bool]) -> torch.Tensor:
         """One llama.cpp evaluation (in chunks of n_batch) of tokens at these positions, each in these
@@ -172,23 +227,13 @@ class LlamaCppRunner:
             return torch.zeros(1, 0, self.vocab_size)
         return torch.from_numpy(np.stack(rows))[None]  # (1, M, V)
 
-    def forward_tree(self, state: LlamaCppState, chains: list[list[int]], nodes: list[list[int]],
-                     parents: list[list[int]]) -> torch.Tensor:
-        """`ModelRunner.forward_tree` for the one sequence: committed tokens chains[0], then tree nodes
-        nodes[0] with parent slots parents[0]; (1, M, V) logits after the last chain token (if any) and
-        after each node."""
+    def _forward_tree(self, state: LlamaCppState, chain: list[int], new: list[int], new_parents: list[int],
+                      root: bool) -> torch.Tensor:
+        """Committed tokens, then tree nodes with parent slots new_parents; (1, M, V) logits after the last
+        committed token (if `root`) and after each node."""
         import llama_cpp
 
-        self._check(state)
-        chain, new, new_parents = chains[0], nodes[0], parents[0]
         held = len(state.tree_depths)
-        if chain and held:
-            raise ValueError("committed tokens cannot follow tree entries: commit_tree first")
-        if len(new) != len(new_parents):
-            raise ValueError(f"{len(new)} tree nodes but {len(new_parents)} parents")
-        for j, parent in enumerate(new_parents):
-            if not -1 <= parent < held + j:
-                raise ValueError(f"node {j} has parent slot {parent}, which does not exist yet")
         if 1 + held + len(new) > TREE_SEQUENCES:
             raise VerispecError(f"a llama.cpp tree holds at most {TREE_SEQUENCES - 1} nodes between commits, "
                                 f"this one would hold {held + len(new)}: use a smaller --tree-budget")
@@ -210,25 +255,32 @@ class LlamaCppRunner:
         tokens = chain + new
         positions = list(range(n_past, base)) + [base + state.tree_depths[held + j] - 1 for j in range(len(new))]
         seq_ids = [[0, *own]] * len(chain) + node_seqs
-        wanted = [i == len(chain) - 1 for i in range(len(chain))] + [True] * len(new)
+        wanted = [root and i == len(chain) - 1 for i in range(len(chain))] + [True] * len(new)
         logits = self._decode(tokens, positions, seq_ids, wanted)  # (1, M, V); M = 0 when there is nothing to read
         self.llm.n_tokens = base
         state.lengths = torch.tensor([base])
         return logits
 
-    def commit_tree(self, state: LlamaCppState, paths: list[list[int]]) -> None:
-        """Keep the tree entries on paths[0] (slots from the root down) as committed tokens; drop the others."""
+    def commit(self, state: LlamaCppState, paths: list[list[int]]) -> None:
+        """Keep the draft nodes on paths[0] (slots from the root down) as committed tokens; drop the others."""
         import llama_cpp
 
         self._check(state)
         path, held = list(paths[0]), len(state.tree_depths)
         if not held:
             if path:
-                raise ValueError("no tree entries to commit")
+                raise ValueError("no draft nodes to commit")
             return
         for i, slot in enumerate(path):
             if not 0 <= slot < held or state.tree_parents[slot] != (-1 if i == 0 else path[i - 1]):
                 raise ValueError(f"slots {path} are not a path from the root")
+        if state.in_sequence_0:  # a chain's first len(path) nodes are already where committed tokens go
+            keep = self.llm.n_tokens + len(path)
+            self.llm._ctx.kv_cache_seq_rm(-1, keep, -1)
+            state.tree_depths, state.tree_parents, state.in_sequence_0 = [], [], False
+            self.llm.n_tokens = keep
+            state.lengths = torch.tensor([keep])
+            return
         memory, base = self.llm._ctx.memory, self.llm.n_tokens
         if path:  # the last node's sequence holds the path (and its descendants' entries, beyond it)
             last = 1 + path[-1]
@@ -239,12 +291,3 @@ class LlamaCppRunner:
         state.tree_depths, state.tree_parents = [], []
         self.llm.n_tokens = base + len(path)
         state.lengths = torch.tensor([self.llm.n_tokens])
-
-    def rollback(self, state: LlamaCppState, num_dropped: list[int]) -> None:
-        self._check(state)
-        drop = num_dropped[0]
-        if drop:
-            keep = self.llm.n_tokens - drop
-            self.llm._ctx.kv_cache_seq_rm(-1, keep, -1)
-            self.llm.n_tokens = keep
-            state.lengths = torch.tensor([keep])

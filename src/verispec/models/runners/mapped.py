@@ -41,19 +41,17 @@ class MappedVocabRunner:
     def cache_bytes(self, tokens: int) -> int:
         return self.runner.cache_bytes(tokens)
 
-    def rollback(self, state, num_dropped: list[int]) -> None:
-        self.runner.rollback(state, num_dropped)
-
-    def commit_tree(self, state, paths: list[list[int]]) -> None:
-        self.runner.commit_tree(state, paths)
+    def commit(self, state, paths: list[list[int]]) -> None:
+        self.runner.commit(state, paths)
 
     def to_draft_ids(self, tokens: list[list[int]]) -> list[list[int]]:
         table = self.vocab.to_draft
         return [table[torch.as_tensor(row, dtype=torch.long)].tolist() if row else [] for row in tokens]
 
-    def forward(self, state, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+    def forward(self, state, tokens: list[list[int]], num_logits: list[int],
+                parents: list[list[int]] | None = None) -> torch.Tensor:
         """As `ModelRunner.forward`, in target ids: returns (B, M, Vt) logits, -inf outside the draft vocabulary."""
-        logits = self.runner.forward(state, self.to_draft_ids(tokens), num_logits)  # (B, M, Vd + 1)
+        logits = self.runner.forward(state, self.to_draft_ids(tokens), num_logits, parents)  # (B, M, Vd + 1)
         return self.vocab.scatter(logits, self.vocab_size)  # (B, M, Vt)
 
     def training_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor,
@@ -66,9 +64,3 @@ class MappedVocabRunner:
         out = logits.new_full((logits.shape[0], self.vocab_size), -1e4)  # (N, Vt)
         out[:, self.vocab.to_target] = logits[:, : self.vocab.draft_vocab_size]
         return out
-
-    def forward_tree(self, state, chains: list[list[int]], nodes: list[list[int]],
-                     parents: list[list[int]]) -> torch.Tensor:
-        """As `ModelRunner.forward_tree`, in target ids: (B, M, Vt) logits, -inf outside the draft vocabulary."""
-        logits = self.runner.forward_tree(state, self.to_draft_ids(chains), self.to_draft_ids(nodes), parents)
-        return self.vocab.scatter(logits, self.vocab_size)  # (B, M, Vt)

@@ -42,7 +42,7 @@ class RowStates:
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows, in this order. rows: (B',) long."""
         if self.speculative:
-            raise ValueError("select needs the tree entries committed first (commit_tree)")
+            raise ValueError("select needs the draft nodes committed first (commit)")
         self.rows = [self.rows[i] for i in rows.tolist()]
 
     def extend(self, num_rows: int) -> None:
@@ -72,27 +72,17 @@ class RowwiseRunner:
         state.extend(batch_size)
         return state
 
-    def forward(self, state: RowStates, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
-        """As `ModelRunner.forward`: (B, M, V) logits, M = max(1, max(num_logits)); rows without tokens are filler."""
-        outs = {b: self.runner.forward(state.rows[b], [row], [n])[0]  # (max(1, n), V)
-                for b, (row, n) in enumerate(zip(tokens, num_logits)) if row}
+    def forward(self, state: RowStates, tokens: list[list[int]], num_logits: list[int],
+                parents: list[list[int]] | None = None) -> torch.Tensor:
+        """As `ModelRunner.forward`, row by row: (B, M, V) logits, M = max(1, max(num_logits)); rows without
+        tokens are filler."""
+        outs = {b: self.runner.forward(state.rows[b], [row], [n], None if parents is None else [parents[b]])[0]
+                for b, (row, n) in enumerate(zip(tokens, num_logits)) if row}  # (max(1, n), V) each
         return _stack(outs, len(tokens), max(1, max(num_logits, default=0)), self.vocab_size)
 
-    def forward_tree(self, state: RowStates, chains: list[list[int]], nodes: list[list[int]],
-                     parents: list[list[int]]) -> torch.Tensor:
-        """As `ModelRunner.forward_tree`, row by row: (B, M, V) logits."""
-        outs = {b: self.runner.forward_tree(state.rows[b], [chains[b]], [nodes[b]], [parents[b]])[0]  # (m_b, V)
-                for b in range(len(chains)) if chains[b] or nodes[b]}
-        width = max((out.shape[0] for out in outs.values()), default=1)
-        return _stack(outs, len(chains), width, self.vocab_size)
-
-    def commit_tree(self, state: RowStates, paths: list[list[int]]) -> None:
+    def commit(self, state: RowStates, paths: list[list[int]]) -> None:
         for row, path in zip(state.rows, paths):
-            self.runner.commit_tree(row, [path])
-
-    def rollback(self, state: RowStates, num_dropped: list[int]) -> None:
-        for row, dropped in zip(state.rows, num_dropped):
-            self.runner.rollback(row, [dropped])
+            self.runner.commit(row, [path])
 
     def training_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor,
                         cols: torch.Tensor) -> torch.Tensor:

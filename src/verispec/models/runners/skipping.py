@@ -45,20 +45,14 @@ class SkipRunner:
         """A state over the target's caches: the same arrays, its own lengths (see drafters.self_draft)."""
         return SkipState.of(target_state, skips, share=True)
 
-    def forward(self, state, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+    def forward(self, state, tokens: list[list[int]], num_logits: list[int],
+                parents: list[list[int]] | None = None) -> torch.Tensor:
         return self._grouped(state, lambda sub, idx, bits, head: self.target.forward(
-            sub, [tokens[i] for i in idx], [num_logits[i] for i in idx], skip=bits, head_rows=head))
+            sub, [tokens[i] for i in idx], [num_logits[i] for i in idx],
+            None if parents is None else [parents[i] for i in idx], skip=bits, head_rows=head))
 
-    def forward_tree(self, state, chains, nodes, parents) -> torch.Tensor:
-        return self._grouped(state, lambda sub, idx, bits, head: self.target.forward_tree(
-            sub, [chains[i] for i in idx], [nodes[i] for i in idx], [parents[i] for i in idx], skip=bits,
-            head_rows=head))
-
-    def rollback(self, state, num_dropped: list[int]) -> None:
-        self.target.rollback(state, num_dropped)
-
-    def commit_tree(self, state, paths: list[list[int]]) -> None:
-        self.target.commit_tree(state, paths)
+    def commit(self, state, paths: list[list[int]]) -> None:
+        self.target.commit(state, paths)
 
     def _grouped(self, state, run) -> torch.Tensor:
         groups: dict[SkipSet, list[int]] = {}

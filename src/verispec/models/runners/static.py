@@ -152,15 +152,10 @@ class StaticRunner(ModelRunner):
         )
 
     @torch.inference_mode()
-    def forward(self, state: StaticKVState, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+    def forward(self, state: StaticKVState, tokens: list[list[int]], num_logits: list[int],
+                parents: list[list[int]] | None = None) -> torch.Tensor:
         self._make_room(state, max(len(t) for t in tokens))
-        return super().forward(state, tokens, num_logits)
-
-    @torch.inference_mode()
-    def forward_tree(self, state: StaticKVState, chains: list[list[int]], nodes: list[list[int]],
-                     parents: list[list[int]]) -> torch.Tensor:
-        self._make_room(state, max(len(c) + len(n) for c, n in zip(chains, nodes)))
-        return super().forward_tree(state, chains, nodes, parents)
+        return super().forward(state, tokens, num_logits, parents)
 
     def _make_room(self, state: StaticKVState, width: int) -> None:
         """Before a pass: compact the cache if the pass would run past its capacity, else refuse in one line."""
