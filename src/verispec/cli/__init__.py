@@ -1,5 +1,5 @@
 """`verispec` command line: one module per command (generate, replay, analyze, viz, audit, bench, serve, ngram build,
-fetch, models, and the training pipelines' distill, self-tune, train-heads); `cli.options` holds what they share.
+fetch, models, and the training pipelines' distill, self-tune, collect, train-heads); `cli.options` holds what they share.
 The CLI only builds the frozen configs: every default lives in `verispec.config` or `verispec.models.registry`.
 """
 
@@ -12,6 +12,7 @@ from verispec.cli import (
     analyze,
     audit,
     bench,
+    collect,
     distill,
     fetch,
     generate,
@@ -27,7 +28,7 @@ from verispec.errors import VerispecError
 
 COMMANDS = {"generate": generate, "replay": replay, "analyze": analyze, "viz": viz, "audit": audit, "bench": bench,
             "serve": serve, "ngram": ngram, "fetch": fetch, "models": models, "distill": distill, "self-tune": self_tune,
-            "train-heads": train_heads}
+            "train-heads": train_heads, "collect": collect}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,6 +50,12 @@ def add_parser(sub) -> None:
                         "(default: %(default)s)")
     t.add_argument("--categories", nargs="*", default=None, help="Spec-Bench categories to keep (default: all)")
     t.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
+    t.add_argument("--corpus", type=Path, default=None,
+                   help="eagle3: train on a corpus `verispec collect` wrote (its train split; its held-out split "
+                        "validates) instead of collecting answers")
+    t.add_argument("--corpus-tokens", type=int, default=None,
+                   help="with --corpus: train on its first answers up to this many answer tokens (a learning curve's "
+                        "point; default: all)")
     t.add_argument("--code-prompts", type=int, default=0,
                    help="also answer this many instructions built from installed packages' sources (default: 0)")
     for name, defaults in _options().items():
@@ -85,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     from verispec.heads.common import Partial
 
     partial = Partial(args.out, args.resume)
+    if args.corpus is not None:
+        return _train_on_corpus(args, config, partial)
     texts = prompt_texts(args.data, args.categories, args.per_category, TRAIN if args.data.endswith(".jsonl") else None)
     if args.code_prompts:
         from verispec.distill.data import package_files, synthetic_prompts
@@ -107,3 +115,42 @@ def run(args: argparse.Namespace) -> int:
     from verispec.heads.medusa_run import train_medusa
 
     return train_medusa(decoder, prompts, config, partial, args.device)
+
+
+def _train_on_corpus(args: argparse.Namespace, config, partial) -> int:
+    """--corpus: an EAGLE-3 head trained on a collected corpus, from this target only."""
+    from verispec.api import SpeculativeDecoder, set_threads
+    from verispec.heads.corpus import identity, read_corpus
+
+    if args.kind != "eagle3":
+        raise VerispecError("--corpus trains --kind eagle3 (Medusa heads collect their own answers)")
+    manifest, records = read_corpus(args.corpus)
+    set_threads(args.threads)
+    decoder = SpeculativeDecoder.load(args.target, "none", target_weights="dense")
+    who = identity(decoder)
+    theirs = manifest.get("identity", {})
+    if theirs.get("target_fingerprint") != who["target_fingerprint"] or theirs.get("tokenizer") != who["tokenizer"]:
+        raise VerispecError(f"--corpus {args.corpus} holds the answers of {theirs.get('target', 'another target')}, "
+                            f"not of {decoder.target.name}: collect one with this --target")
+    from verispec.core.protocols import FeatureRunner
+
+    if not isinstance(decoder.runner, FeatureRunner):
+        raise VerispecError("train-heads needs the target on the native or torch runner")
+    train = [r for r in records if r["split"] == "train"]
+    val = [r for r in records if r["split"] == "heldout"]
+    if args.corpus_tokens is not None:
+        if args.corpus_tokens < 1:
+            raise VerispecError("--corpus-tokens must be >= 1")
+        kept, total = [], 0
+        for record in train:
+            if total >= args.corpus_tokens:
+                break
+            kept.append(record)
+            total += len(record["answer"][: config.tokens])
+        train = kept
+    if not train or not val:
+        raise VerispecError(f"--corpus {args.corpus} has {len(train)} training and {len(val)} held-out answers; "
+                            "both are needed (collect more, or with --heldout-fraction > 0)")
+    from verispec.heads.eagle3_run import train_eagle3
+
+    return train_eagle3(decoder, [], config, partial, args.device, corpus=(train, val))

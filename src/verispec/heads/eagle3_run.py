@@ -1,5 +1,6 @@
-"""`verispec train-heads --kind eagle3`: collect the target's answers, train with checkpoints, write the head
-(through `heads.common.Partial`: OUT appears only complete, `--resume` goes on from OUT.partial)."""
+"""`verispec train-heads --kind eagle3`: collect the target's answers (or read a corpus `verispec collect` wrote),
+train with checkpoints, write the head (through `heads.common.Partial`: OUT appears only complete, `--resume` goes
+on from OUT.partial)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from verispec.console import notice
 from verispec.errors import VerispecError
 from verispec.heads.common import Partial, split
-from verispec.heads.eagle3_train import (EagleTrainConfig, aux_layers_for, collect, draft_vocabulary, new_head, train,
-                                         validate)
+from verispec.heads.eagle3_train import (EagleTrainConfig, aux_layers_for, collect, draft_vocabulary, new_head,
+                                         prefill_samples, train, validate)
 from verispec.models.heads.eagle3_ttt import Sample
 from verispec.models.heads.shipped import final_norm, lm_head_rows
 
@@ -30,17 +31,27 @@ class EmbeddingTable:
 
 
 def train_eagle3(decoder, prompts: list[list[int]], config: EagleTrainConfig, partial: Partial,
-                 device: str = "cpu") -> int:
+                 device: str = "cpu", corpus: tuple[list[dict], list[dict]] | None = None) -> int:
+    """corpus: (training records, validation records) of a collected corpus (`heads.corpus.read_corpus`): their
+    features and labels are recomputed by prefill passes (`prefill_samples`) instead of collecting answers."""
     runner = decoder.runner
     aux_layers = aux_layers_for(runner)
+    if corpus is not None:
+        train_records, val_records = corpus
+        notice(f"training an EAGLE-3 head for {decoder.target.name} on a corpus of {len(train_records)} answers "
+               f"({sum(len(r['answer'][: config.tokens]) for r in train_records)} tokens; {len(val_records)} held out), "
+               f"features entering layers {list(aux_layers)}")
+        train_set = prefill_samples(runner, train_records, config, aux_layers)
+        val_set = prefill_samples(runner, val_records, config, aux_layers)
+        samples = train_set + val_set
+    else:
+        def answers() -> list[dict]:
+            notice(f"training an EAGLE-3 head for {decoder.target.name} on its answers to {len(prompts)} prompts "
+                   f"({config.tokens} tokens each), features entering layers {list(aux_layers)}")
+            return [dataclasses.asdict(s) for s in collect(runner, prompts, config, aux_layers)]
 
-    def answers() -> list[dict]:
-        notice(f"training an EAGLE-3 head for {decoder.target.name} on its answers to {len(prompts)} prompts "
-               f"({config.tokens} tokens each), features entering layers {list(aux_layers)}")
-        return [dataclasses.asdict(s) for s in collect(runner, prompts, config, aux_layers)]
-
-    samples = [Sample(**s) for s in partial.answers(answers)]
-    train_set, val_set = split(samples, config.val_fraction, config.seed)
+        samples = [Sample(**s) for s in partial.answers(answers)]
+        train_set, val_set = split(samples, config.val_fraction, config.seed)
     if not train_set or not val_set:
         raise VerispecError(f"{len(samples)} answer(s) cannot be split into training and validation; give more prompts")
     ids = draft_vocabulary(train_set, config.draft_vocab, runner.vocab_size)
