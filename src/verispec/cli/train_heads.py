@@ -120,16 +120,15 @@ def run(args: argparse.Namespace) -> int:
 def _train_on_corpus(args: argparse.Namespace, config, partial) -> int:
     """--corpus: an EAGLE-3 head trained on a collected corpus, from this target only."""
     from verispec.api import SpeculativeDecoder, set_threads
-    from verispec.heads.corpus import identity, read_corpus
+    from verispec.heads.corpus import foreign, identity, read_corpus
 
     if args.kind != "eagle3":
         raise VerispecError("--corpus trains --kind eagle3 (Medusa heads collect their own answers)")
     manifest, records = read_corpus(args.corpus)
     set_threads(args.threads)
     decoder = SpeculativeDecoder.load(args.target, "none", target_weights="dense")
-    who = identity(decoder)
     theirs = manifest.get("identity", {})
-    if theirs.get("target_fingerprint") != who["target_fingerprint"] or theirs.get("tokenizer") != who["tokenizer"]:
+    if foreign(theirs, identity(decoder)) is not None:
         raise VerispecError(f"--corpus {args.corpus} holds the answers of {theirs.get('target', 'another target')}, "
                             f"not of {decoder.target.name}: collect one with this --target")
     from verispec.core.protocols import FeatureRunner

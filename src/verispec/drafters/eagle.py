@@ -293,8 +293,5 @@ class EagleDrafter(AdaptiveHead, Drafter):
         kept = []
         for a, d, path in zip(self._aux(), drafts, paths):
             pending = a.shape[0] - len(d)
-            if d.is_chain:  # the path is the chain's first drafts, right after the pending tokens
-                kept.append(a[: pending + len(path)])
-            else:
-                kept.append(torch.cat([a[:pending], a[[pending + node for node in path]]]))
+            kept.append(torch.cat([a[:pending], a[[pending + node for node in path]]]))
         self._keep_features(sequences, kept)

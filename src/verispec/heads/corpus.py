@@ -75,6 +75,14 @@ def identity(decoder) -> dict:
     return {"target": decoder.target.name, "target_fingerprint": fingerprint(decoder.runner), "tokenizer": digest}
 
 
+def foreign(theirs: dict, who: dict) -> str | None:
+    """What differs between the identity a corpus records and `who` ("target" or "tokenizer"), or None."""
+    for key, what in (("target_fingerprint", "target"), ("tokenizer", "tokenizer")):
+        if theirs.get(key) != who[key]:
+            return what
+    return None
+
+
 def _write_json(path: Path, obj, done: int = 0) -> None:
     """atomic_write_json, with a full disk said in one line (what is written so far stays)."""
     try:
@@ -102,11 +110,11 @@ class Corpus:
             if self.manifest.get("format") != FORMAT:
                 raise VerispecError(f"--resume: {self.folder} is not a corpus that verispec collect wrote")
             theirs = self.manifest.get("identity", {})
-            for key, what in (("target_fingerprint", "target"), ("tokenizer", "tokenizer")):
-                if theirs.get(key) != who[key]:
-                    raise VerispecError(f"--resume: {self.folder} was collected with another {what} "
-                                        f"({theirs.get('target', '?')}); its answers cannot be this one's: "
-                                        "collect into a new --out")
+            what = foreign(theirs, who)
+            if what is not None:
+                raise VerispecError(f"--resume: {self.folder} was collected with another {what} "
+                                    f"({theirs.get('target', '?')}); its answers cannot be this one's: "
+                                    "collect into a new --out")
         else:
             if self.folder.exists() and (not self.folder.is_dir() or any(self.folder.iterdir())):
                 raise VerispecError(f"--out {self.folder} exists and is not empty; name a new folder or pass --resume")
@@ -163,13 +171,14 @@ def self_prompts(decoder, count: int, config: CollectConfig, corpus: Corpus, avo
     spec = SpecConfig(max_new_tokens=config.self_prompt_tokens, stop=(end,) if end.strip() else (), stop_at_eos=True)
     sampling = SamplingConfig(temperature=1.0, top_p=config.top_p)
     tries, seed = 0, config.seed * 1_000_003 + 7 + len(kept) * 17
+    most = 20 * count + 5 * config.batch  # tries before giving up
     with progress("the target writes prompts of its own", count, show) as advance:
         advance(len(kept))
         while len(kept) < count:
-            if tries >= 20 * count + 5 * config.batch and not kept:
+            if tries >= most and not kept:
                 raise VerispecError(f"the target wrote no usable prompt in {tries} tries (--self-prompts): its chat "
                                     "template's user turn does not lead it to write requests")
-            if tries >= 20 * count + 5 * config.batch:
+            if tries >= most:
                 notice(f"the target wrote {len(kept)} usable prompts in {tries} tries; going on with those")
                 break
             group = config.batch

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verispec.datasets import TRAIN, load_prompts
+from verispec.distill.data import read_text
 from verispec.errors import VerispecError
 
 MARK = "\u2063VERISPEC-USER-TURN\u2063"  # a placeholder no real prompt holds
@@ -100,62 +101,54 @@ def python_files(roots: list[Path] | None = None, max_bytes: int = 200_000) -> l
     return sorted(set(files))
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
+def _contexts(files: list[Path], count: int, rng: random.Random, pick) -> list[Prompt]:
+    """Up to `count` prompts, at most one per file, the files read in an order `rng` shuffles; `pick(source, rng)`
+    makes a file's prompt, or None where it has none."""
+    order = list(files)
+    rng.shuffle(order)
+    out: list[Prompt] = []
+    for path in order:
+        if len(out) >= count:
+            break
+        source = read_text(path)
+        prompt = pick(source, rng) if source else None
+        if prompt is not None:
+            out.append(prompt)
+    return out
 
 
 def code_contexts(files: list[Path], count: int, seed: int, max_lines: int = 60) -> list[Prompt]:
     """`count` stretches of source files, each from a top-level definition's start to a line break within it
     (at most `max_lines` lines): the target continues the code."""
-    rng = random.Random(seed)
-    order = list(files)
-    rng.shuffle(order)
-    out: list[Prompt] = []
-    for path in order:
-        if len(out) >= count:
-            break
-        source = _read(path)
-        if not source:
-            continue
+
+    def stretch(source: str, rng: random.Random) -> Prompt | None:
         lines = source.splitlines()
         starts = [i for i, line in enumerate(lines) if line.startswith(("def ", "class ", "async def "))]
         if not starts:
-            continue
+            return None
         start = rng.choice(starts)
         cut = start + rng.randint(2, max_lines)
         text = "\n".join(lines[max(0, start - 5) : cut]) + "\n"
-        if len(text) >= 80:
-            out.append(Prompt(text, False, "code", "code"))
-    return out
+        return Prompt(text, False, "code", "code") if len(text) >= 80 else None
+
+    return _contexts(files, count, random.Random(seed), stretch)
 
 
 def prose_contexts(files: list[Path], count: int, seed: int) -> list[Prompt]:
     """`count` openings of long docstrings (modules, classes, functions): the target continues the prose."""
-    rng = random.Random(seed + 1)
-    order = list(files)
-    rng.shuffle(order)
-    out: list[Prompt] = []
-    for path in order:
-        if len(out) >= count:
-            break
-        source = _read(path)
-        if not source:
-            continue
+
+    def opening(source: str, rng: random.Random) -> Prompt | None:
         try:
             tree = ast.parse(source)
         except (SyntaxError, ValueError):
-            continue
+            return None
         docs = [ast.get_docstring(node) for node in ast.walk(tree)
                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
         docs = [d for d in docs if d and len(d) >= 300 and sum(c.isalpha() for c in d) > 0.6 * len(d)]
         if not docs:
-            continue
-        doc = rng.choice(docs)
-        sentences = re.split(r"(?<=[.!?])\s+", doc)
-        opening = " ".join(sentences[: max(1, len(sentences) // 3)])
-        if len(opening) >= 80:
-            out.append(Prompt(opening + " ", False, "prose", "prose"))
-    return out
+            return None
+        sentences = re.split(r"(?<=[.!?])\s+", rng.choice(docs))
+        text = " ".join(sentences[: max(1, len(sentences) // 3)])
+        return Prompt(text + " ", False, "prose", "prose") if len(text) >= 80 else None
+
+    return _contexts(files, count, random.Random(seed + 1), opening)

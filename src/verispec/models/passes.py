@@ -11,6 +11,16 @@ from __future__ import annotations
 import torch
 
 
+def forward_nodes(tokens: list[list[int]], num_logits: list[int], parents: list[list[int]] | None,
+                  tree_pass) -> torch.Tensor:
+    """What every runner's `forward` does where rows hold draft nodes: split each row's committed tokens from its
+    nodes, run the runner's own `tree_pass(chains, nodes, parents, root)` and keep the logits asked for."""
+    parents = parents if parents is not None else [[] for _ in tokens]
+    chains, nodes = split_nodes(tokens, parents)
+    root = root_wanted(chains, nodes, num_logits)
+    return last_logits(tree_pass(chains, nodes, parents, root), tree_pass_counts(nodes, root), num_logits)
+
+
 def split_nodes(tokens: list[list[int]], parents: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
     """Each row's committed tokens and its draft nodes: the last len(parents[b]) of tokens[b]."""
     if len(parents) != len(tokens):

@@ -31,7 +31,7 @@ from verispec.errors import VerispecError
 from verispec.models.gguf import ops
 from verispec.models.gguf.model import GGUFModel
 from verispec.models.gguf.native import DimsStruct, LayerStruct, WeightStruct, check, lib, ptr, set_threads
-from verispec.models.passes import last_logits, root_wanted, split_nodes, tree_pass_counts
+from verispec.models.passes import forward_nodes, tree_pass_counts
 from verispec.models.runners.hf import training_logits
 
 # Tokens in one pass (all rows together): a longer prompt is read in chunks of this many. Measured on the default
@@ -221,11 +221,8 @@ class NativeRunner:
         ids below this (-inf logits above); None keeps all."""
         if not state.speculative and (parents is None or not any(parents)):
             return self._forward_committed(state, tokens, num_logits, skip, head_rows)
-        parents = parents if parents is not None else [[] for _ in tokens]
-        chains, nodes = split_nodes(tokens, parents)
-        root = root_wanted(chains, nodes, num_logits)
-        logits = self._forward_tree(state, chains, nodes, parents, root, skip, head_rows)
-        return last_logits(logits, tree_pass_counts(nodes, root), num_logits)
+        return forward_nodes(tokens, num_logits, parents, lambda chains, nodes, parents, root: self._forward_tree(
+            state, chains, nodes, parents, root, skip, head_rows))
 
     def _forward_committed(self, state: NativeState, tokens: list[list[int]], num_logits: list[int],
                            skip: np.ndarray | None, head_rows: int | None) -> torch.Tensor:
@@ -253,12 +250,10 @@ class NativeRunner:
             held = len(row.spec_parents)
             if chains[b] and held:
                 raise ValueError("committed tokens cannot follow draft nodes: commit first")
-            if len(nodes[b]) != len(parents[b]):
-                raise ValueError(f"row {b}: {len(nodes[b])} tree nodes but {len(parents[b])} parents")
             for j, parent in enumerate(parents[b]):
                 if not -1 <= parent < held + j:
                     raise ValueError(f"row {b}: node {j} has parent slot {parent}, which does not exist yet")
-        queries, wanted, counts = [], [], []
+        queries, wanted = [], []
         for b, row in enumerate(state.rows):
             chain, base = chains[b], row.length + len(chains[b])
             for j, token in enumerate(chain):
@@ -280,8 +275,8 @@ class NativeRunner:
                 else:
                     queries.append(_Query(b, token, base + depth - 1, base + held + j, base, path[::-1]))
                 wanted.append(True)
-            counts.append(sum(1 for q, w in zip(queries, wanted) if q.row == b and w))
-        logits = self._run(state, queries, wanted, len(chains), max(1, max(counts, default=0)), skip, head_rows)
+        width = max(tree_pass_counts(nodes, root), default=0)
+        logits = self._run(state, queries, wanted, len(chains), max(1, width), skip, head_rows)
         for b, row in enumerate(state.rows):
             row.length += len(chains[b])
         return logits

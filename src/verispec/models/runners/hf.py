@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from verispec.errors import VerispecError
-from verispec.models.passes import last_logits, root_wanted, split_nodes, tree_pass_counts
+from verispec.models.passes import forward_nodes
 
 
 @dataclass
@@ -152,11 +152,8 @@ class ModelRunner:
         """
         if not state.speculative and (parents is None or not any(parents)):
             return self._forward_committed(state, tokens, num_logits)
-        parents = parents if parents is not None else [[] for _ in tokens]
-        chains, nodes = split_nodes(tokens, parents)
-        root = root_wanted(chains, nodes, num_logits)
-        logits = self._forward_tree(state, chains, nodes, parents, root)
-        return last_logits(logits, tree_pass_counts(nodes, root), num_logits)
+        return forward_nodes(tokens, num_logits, parents, lambda chains, nodes, parents, root: self._forward_tree(
+            state, chains, nodes, parents, root))
 
     def _forward_committed(self, state: KVState, tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
         """`forward` without draft nodes."""

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from verispec.errors import VerispecError
-from verispec.models.passes import last_logits, root_wanted, split_nodes, tree_pass_counts
+from verispec.models.passes import forward_nodes
 
 
 def llamacpp_available() -> bool:
@@ -143,21 +143,23 @@ class LlamaCppRunner:
         held = len(state.tree_depths)
         if not held and (parents is None or not parents[0]):
             return self._forward_committed(state, tokens[0], num_logits[0])
-        (chain,), (new,) = split_nodes(tokens, parents if parents is not None else [[]])
-        new_parents = parents[0] if parents is not None else []
+        return forward_nodes(tokens, num_logits, parents, lambda chains, nodes, parents, root: self._forward_nodes(
+            state, chains[0], nodes[0], parents[0], root[0]))
+
+    def _forward_nodes(self, state: LlamaCppState, chain: list[int], new: list[int], new_parents: list[int],
+                       root: bool) -> torch.Tensor:
+        """Committed tokens, then draft nodes: in sequence 0 while the nodes form a chain, else as a tree."""
+        held = len(state.tree_depths)
         if chain and held:
             raise ValueError("committed tokens cannot follow draft nodes: commit first")
         for j, parent in enumerate(new_parents):
             if not -1 <= parent < held + j:
                 raise ValueError(f"node {j} has parent slot {parent}, which does not exist yet")
-        root = root_wanted([chain], [new], num_logits)
         if (not held or state.in_sequence_0) and new_parents == list(range(held - 1, held - 1 + len(new))):
-            logits = self._forward_chain(state, chain, new, root[0])
-        else:
-            if state.in_sequence_0:
-                self._chain_to_tree(state)
-            logits = self._forward_tree(state, chain, new, new_parents, root[0])
-        return last_logits(logits, tree_pass_counts([new], root), num_logits)
+            return self._forward_chain(state, chain, new, root)
+        if state.in_sequence_0:
+            self._chain_to_tree(state)
+        return self._forward_tree(state, chain, new, new_parents, root)
 
     def _forward_committed(self, state: LlamaCppState, row: list[int], num_logits: int) -> torch.Tensor:
         m = max(1, num_logits)
