@@ -14,7 +14,7 @@ from verispec.errors import VerispecError
 from verispec.heads import corpus as corpus_module
 from verispec.heads.corpus import CollectConfig, collect, open_corpus, read_corpus
 from verispec.heads.sources import (Prompt, code_contexts, file_prompts, normalized, prose_contexts, python_files,
-                                    usable, user_turn_prefix)
+                                    request_text, usable, user_turn_prefix)
 
 PROMPTS = ["what is two plus two?", "name a colour.", "write a short poem about rain.", "say hello.",
            "count to five.", "what is a cat?", "spell dog."]
@@ -147,6 +147,14 @@ def test_prompt_sources(tmp_path):
     assert not usable("12345 67890 !!! ???") and not usable("hi") and usable("Write a function that sorts a list.")
 
 
+def test_a_written_request_loses_its_speaker_and_the_answer_the_target_went_on_to_write():
+    assert request_text("Q: Why do dogs bark?\n\nA: Dogs bark because") == "Why do dogs bark?"
+    assert request_text("**Question:** Sort a list.\n**Answer:** use sorted") == "Sort a list."
+    assert request_text("Qwen: fix my boat") == "fix my boat"
+    assert request_text("Which is true?\nA. Yes\nB. No") == "Which is true?\nA. Yes\nB. No"  # choices stay
+    assert request_text("Solve: 2 + 2") == "Solve: 2 + 2" and request_text("Queue: a list") == "Queue: a list"
+
+
 def test_the_command_line(targets, tmp_path, capsys):
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text("\n".join(PROMPTS[:3]))
@@ -199,6 +207,10 @@ def test_train_heads_on_a_corpus(targets, tmp_path, capsys):
     manifest = json.loads((corpus / "manifest.json").read_text())
     assert log["val_answers"] == manifest["mix"]["splits"]["heldout"]
     assert log["train_answers"] == manifest["mix"]["splits"]["train"] and log["validation"]
+    twice = tmp_path / "twice"  # two corpora read as one, an answer both hold counted once
+    assert main(["train-heads", "--kind", "eagle3", "--target", str(targets[0]), "--corpus", str(corpus), str(corpus),
+                 "--out", str(twice), *common[:-2], "--steps", "1"]) == 0
+    assert json.loads((twice / "training.json").read_text())["train_answers"] == log["train_answers"]
     capsys.readouterr()
     for args, fragment in ((["--kind", "eagle3", "--target", str(targets[1]), *common], "holds the answers of"),
                            (["--kind", "medusa", "--target", str(targets[0])], "--corpus trains --kind eagle3"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 from pathlib import Path
 
 from verispec.errors import VerispecError
@@ -50,9 +51,9 @@ def add_parser(sub) -> None:
                         "(default: %(default)s)")
     t.add_argument("--categories", nargs="*", default=None, help="Spec-Bench categories to keep (default: all)")
     t.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
-    t.add_argument("--corpus", type=Path, default=None,
-                   help="eagle3: train on a corpus `verispec collect` wrote (its train split; its held-out split "
-                        "validates) instead of collecting answers")
+    t.add_argument("--corpus", type=Path, nargs="+", default=None,
+                   help="eagle3: train on corpora `verispec collect` wrote (their train splits; their held-out splits "
+                        "validate) instead of collecting answers; several folders are read as one")
     t.add_argument("--corpus-tokens", type=int, default=None,
                    help="with --corpus: train on its first answers up to this many answer tokens (a learning curve's "
                         "point; default: all)")
@@ -124,13 +125,20 @@ def _train_on_corpus(args: argparse.Namespace, config, partial) -> int:
 
     if args.kind != "eagle3":
         raise VerispecError("--corpus trains --kind eagle3 (Medusa heads collect their own answers)")
-    manifest, records = read_corpus(args.corpus)
+    read = [(folder, *read_corpus(folder)) for folder in args.corpus]
     set_threads(args.threads)
     decoder = SpeculativeDecoder.load(args.target, "none", target_weights="dense")
-    theirs = manifest.get("identity", {})
-    if foreign(theirs, identity(decoder)) is not None:
-        raise VerispecError(f"--corpus {args.corpus} holds the answers of {theirs.get('target', 'another target')}, "
-                            f"not of {decoder.target.name}: collect one with this --target")
+    who, records, seen = identity(decoder), [], set()
+    for folder, manifest, found in read:
+        theirs = manifest.get("identity", {})
+        if foreign(theirs, who) is not None:
+            raise VerispecError(f"--corpus {folder} holds the answers of {theirs.get('target', 'another target')}, "
+                                f"not of {decoder.target.name}: collect one with this --target")
+        for record in found:  # an answer two corpora both hold counts once
+            key = (tuple(record["prompt"]), tuple(record["answer"]))
+            if key not in seen:
+                seen.add(key)
+                records.append(record)
     from verispec.core.protocols import FeatureRunner
 
     if not isinstance(decoder.runner, FeatureRunner):
@@ -141,14 +149,17 @@ def _train_on_corpus(args: argparse.Namespace, config, partial) -> int:
         if args.corpus_tokens < 1:
             raise VerispecError("--corpus-tokens must be >= 1")
         kept, total = [], 0
-        for record in train:
+        order = list(train)
+        random.Random(config.seed).shuffle(order)  # a sample of the whole mix (the plan lists source by source);
+        for record in order:  # with one seed, a smaller point's answers are part of a larger one's
             if total >= args.corpus_tokens:
                 break
             kept.append(record)
             total += len(record["answer"][: config.tokens])
         train = kept
     if not train or not val:
-        raise VerispecError(f"--corpus {args.corpus} has {len(train)} training and {len(val)} held-out answers; "
+        raise VerispecError(f"--corpus {' '.join(map(str, args.corpus))} has {len(train)} training and {len(val)} "
+                            "held-out answers; "
                             "both are needed (collect more, or with --heldout-fraction > 0)")
     from verispec.heads.eagle3_run import train_eagle3
 

@@ -32,7 +32,7 @@ from verispec.atomic import atomic_write_json
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.console import notice, progress
 from verispec.errors import VerispecError
-from verispec.heads.sources import Prompt, normalized, usable, user_turn_prefix
+from verispec.heads.sources import Prompt, normalized, request_text, usable, user_turn_prefix
 
 MANIFEST, PLAN, SELF_PROMPTS = "manifest.json", "plan.json", "self_prompts.json"
 FORMAT = "verispec-head-corpus"
@@ -187,7 +187,7 @@ def self_prompts(decoder, count: int, config: CollectConfig, corpus: Corpus, avo
             for seq in seqs:
                 text = decoder.decode(seq.generated)
                 text = text[: seq.text_end] if seq.text_end is not None else text
-                text = text.split(end)[0].strip() if end.strip() else text.strip()
+                text = request_text(text.split(end)[0] if end.strip() else text)
                 key = normalized(text)
                 if usable(text) and key not in seen and len(kept) < count:
                     seen.add(key)

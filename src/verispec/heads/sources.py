@@ -85,6 +85,19 @@ def usable(text: str, min_chars: int = 16, max_chars: int = 1500) -> bool:
     return len(zlib.compress(raw)) / len(raw) > 0.25 or len(raw) < 80  # a loop compresses to almost nothing
 
 
+_SPEAKER = re.compile(r"^\W{0,3}(?:q|question|user|human|qwen|prompt|request)\W{0,3}\s*[:\uff1a]\W{0,3}\s*", re.I)
+_ANSWER = re.compile(r"\n\s*\W{0,3}(?:a|answer|assistant|response|solution)\W{0,3}\s*[:\uff1a]", re.I)
+
+
+def request_text(text: str) -> str:
+    """A written prompt as a request: a speaker's label before it ("Q:", "User:", "**Question:**") dropped, and
+    an answer the target went on to write itself (a line beginning "A:", "Answer:", ...) cut off. Choices
+    ("A. ...") stay: they belong to the question."""
+    text = _SPEAKER.sub("", text.strip(), count=1)
+    found = _ANSWER.search(text)
+    return (text[: found.start()] if found else text).strip()
+
+
 def normalized(text: str) -> str:
     """The form duplicates are compared in: lower case, whitespace collapsed."""
     return re.sub(r"\s+", " ", text.strip().lower())
