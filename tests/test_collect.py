@@ -76,7 +76,7 @@ def test_a_killed_run_resumes_from_its_last_complete_shard_and_gives_the_same_co
     resumed = open_corpus(decoder, cut, CONFIG, None, 0, resume=True, show=False)  # the plan is read back
     assert resumed.finished() == {0, 1}
     collect(decoder, resumed, CONFIG, show=False)
-    assert read_corpus(cut)[1] == read_corpus(whole)[1]
+    assert [{**r, "corpus": None} for r in read_corpus(cut)[1]] == [{**r, "corpus": None} for r in read_corpus(whole)[1]]
 
 
 def test_resuming_with_another_target_or_into_a_used_folder_is_one_line(decoder, targets, tmp_path):
@@ -218,3 +218,40 @@ def test_train_heads_on_a_corpus(targets, tmp_path, capsys):
         assert main(["train-heads", *args, "--corpus", str(corpus), "--out", str(tmp_path / "new")]) == 2
         assert fragment in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+def test_the_feature_store_computes_each_answer_once(decoder, tmp_path, monkeypatch):
+    """Features and labels written beside a corpus read back equal, later runs compute only what is missing, a
+    damaged file is computed again, and a full disk leaves training going without the store."""
+    from verispec.heads import features
+    from verispec.heads.eagle3_train import EagleTrainConfig, prefill_samples
+
+    runner, config, aux = decoder.runner, EagleTrainConfig(tokens=6, top_k=4, window=8), (0, 1, 1)
+    records = [{"prompt": decoder.encode(t), "answer": [5, 6, 7, 8], "corpus": str(tmp_path), "shard": i // 2,
+                "slot": i % 2} for i, t in enumerate(PROMPTS[:3])]
+    records.append({**records[0], "answer": [], "slot": 1, "shard": 1})  # an empty answer gives no sample
+    records[2]["slot"] = 0
+    first = features.corpus_samples(runner, records[:2], config, aux, show=False)
+    folder = features.store_folder(tmp_path, runner, config, aux)
+    assert sorted(p.name for p in folder.iterdir()) == ["shard-00000.pt"]
+    computed = []
+    real = features.prefill_sample
+    monkeypatch.setattr(features, "prefill_sample", lambda r, rec, c: computed.append(rec["slot"]) or real(r, rec, c))
+    both = features.corpus_samples(runner, [records[1], records[2], records[0]], config, aux, show=False)
+    assert computed == [0]  # only the answer of shard 1 was missing
+    direct = prefill_samples(runner, [records[1], records[2], records[0]], config, aux, show=False)
+    for a, b in zip(both, direct):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.aux, b.aux) and torch.equal(a.probs, b.probs)
+    assert torch.equal(both[2].aux, first[0].aux)
+    assert len(features.corpus_samples(runner, records, config, aux, show=False)) == 3
+    (folder / "shard-00000.pt").write_bytes(b"not a tensor file")
+    computed.clear()
+    assert len(features.corpus_samples(runner, records[:2], config, aux, show=False)) == 2 and computed == [0, 1]
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(features, "atomic_path", full)
+    (folder / "shard-00000.pt").unlink()
+    assert len(features.corpus_samples(runner, records[:2], config, aux, show=False)) == 2
+    assert not (folder / "shard-00000.pt").exists()

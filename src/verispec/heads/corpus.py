@@ -312,7 +312,8 @@ def open_corpus(decoder, folder: Path, config: CollectConfig, prompts: list[Prom
 
 
 def read_corpus(folder: Path) -> tuple[dict, list[dict]]:
-    """(manifest, records) of a collected corpus: one record per answered item, its plan entry plus "answer"."""
+    """(manifest, records) of a collected corpus: one record per answered item, its plan entry plus "answer" and
+    where it is kept ("corpus" the folder, "shard", "slot" its place in the shard)."""
     folder = Path(folder)
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
@@ -326,7 +327,8 @@ def read_corpus(folder: Path) -> tuple[dict, list[dict]]:
         if not path.is_file():
             continue
         answers = json.loads(path.read_text())["answers"]
-        records += [{**item, "answer": answer} for item, answer in zip(items[index * size :], answers)]
+        records += [{**item, "answer": answer, "corpus": str(folder), "shard": index, "slot": slot}
+                    for slot, (item, answer) in enumerate(zip(items[index * size :], answers))]
     if not records:
         raise VerispecError(f"{folder} holds no answers yet: run verispec collect (with --resume) first")
     return manifest, records

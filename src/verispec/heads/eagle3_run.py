@@ -12,7 +12,7 @@ from verispec.console import notice
 from verispec.errors import VerispecError
 from verispec.heads.common import Partial, split
 from verispec.heads.eagle3_train import (EagleTrainConfig, aux_layers_for, collect, draft_vocabulary, new_head,
-                                         prefill_samples, train, validate)
+                                         train, validate)
 from verispec.models.heads.eagle3_ttt import Sample
 from verispec.models.heads.shipped import final_norm, lm_head_rows
 
@@ -41,8 +41,10 @@ def train_eagle3(decoder, prompts: list[list[int]], config: EagleTrainConfig, pa
         notice(f"training an EAGLE-3 head for {decoder.target.name} on a corpus of {len(train_records)} answers "
                f"({sum(len(r['answer'][: config.tokens]) for r in train_records)} tokens; {len(val_records)} held out), "
                f"features entering layers {list(aux_layers)}")
-        train_set = prefill_samples(runner, train_records, config, aux_layers)
-        val_set = prefill_samples(runner, val_records, config, aux_layers)
+        from verispec.heads.features import corpus_samples
+
+        train_set = corpus_samples(runner, train_records, config, aux_layers)
+        val_set = corpus_samples(runner, val_records, config, aux_layers)
         samples = train_set + val_set
     else:
         def answers() -> list[dict]:

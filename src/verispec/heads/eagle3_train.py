@@ -107,30 +107,37 @@ def prefill_samples(runner, records: list[dict], config: EagleTrainConfig, aux_l
                     show: bool = True) -> list[Sample]:
     """Samples from a collected corpus (`heads.corpus`: prompt and answer ids): one prefill pass over each prompt
     window and its answer gives what `collect` keeps while decoding, the states entering the head's layers for
-    every token and the target's top-k distribution at every answer position, without decoding again.
-
-    Rows are read one per pass: the logits of a whole answer are (n, V) floats, 150 MB at n = 256 for the default
-    target, and a batch of them would take gigabytes."""
+    every token and the target's top-k distribution at every answer position, without decoding again. Records
+    with an empty answer give none. `heads.features` keeps them beside the corpus, to compute them once."""
     runner.aux_layers = tuple(aux_layers)
     samples = []
     with progress("the target reads the corpus's answers (features and labels)", len(records), show) as advance:
         for record in records:
-            prompt, answer = record["prompt"][-config.window :], record["answer"][: config.tokens]
-            if not answer:
-                advance()
-                continue
-            tokens = prompt + answer
-            state = runner.new_state(1)
-            n = len(answer)
-            logits = runner.forward(state, [tokens], [n + 1])[0, :n]  # (n, V): after the last prompt token, then each answer token but the last
-            top = torch.softmax(logits.float(), -1).topk(config.top_k)  # (n, k)
-            start = len(prompt) - 1
-            ids = torch.zeros(len(tokens), config.top_k, dtype=torch.long)
-            probs = torch.zeros(len(tokens), config.top_k)
-            ids[start : start + n], probs[start : start + n] = top.indices, top.values
-            samples.append(Sample(torch.tensor(tokens), runner.aux_features[0].half(), ids, probs, start))
+            sample = prefill_sample(runner, record, config)
+            if sample is not None:
+                samples.append(sample)
             advance()
     return samples
+
+
+def prefill_sample(runner, record: dict, config: EagleTrainConfig) -> Sample | None:
+    """One record's sample (see prefill_samples; runner.aux_layers set), None for an empty answer.
+
+    Rows are read one per pass: the logits of a whole answer are (n, V) floats, 150 MB at n = 256 for the default
+    target, and a batch of them would take gigabytes."""
+    prompt, answer = record["prompt"][-config.window :], record["answer"][: config.tokens]
+    if not answer:
+        return None
+    tokens = prompt + answer
+    state = runner.new_state(1)
+    n = len(answer)
+    logits = runner.forward(state, [tokens], [n + 1])[0, :n]  # (n, V): after the last prompt token, then each answer token but the last
+    top = torch.softmax(logits.float(), -1).topk(config.top_k)  # (n, k)
+    start = len(prompt) - 1
+    ids = torch.zeros(len(tokens), config.top_k, dtype=torch.long)
+    probs = torch.zeros(len(tokens), config.top_k)
+    ids[start : start + n], probs[start : start + n] = top.indices, top.values
+    return Sample(torch.tensor(tokens), runner.aux_features[0].half(), ids, probs, start)
 
 
 def draft_vocabulary(samples: list[Sample], size: int, vocab: int) -> torch.Tensor:
