@@ -352,6 +352,25 @@ def test_training_with_the_training_time_test_raises_agreement_and_tau(pair, tra
     assert log["loss"][-1][1] < log["loss"][0][1] and first["step"] == 100
 
 
+def test_training_batches_are_drawn_among_answers_of_like_length():
+    """Batches come from buckets of similar lengths (little padding) and every answer is in exactly one bucket."""
+    from verispec.heads.eagle3_train import batch_of_like_lengths, length_buckets
+    from verispec.models.heads.eagle3_ttt import Sample
+
+    lengths = [5, 300, 7, 120, 40, 2, 90, 64, 33, 250, 11, 18, 77, 3]
+    samples = [Sample(torch.zeros(n, dtype=torch.long), None, None, None, 0) for n in lengths]
+    buckets = length_buckets(samples, batch_size=2, per_bucket=2)
+    assert sorted(i for b in buckets for i in b) == list(range(len(lengths)))
+    assert [len(b) for b in buckets] == [4, 4, 6]  # the short last bucket merged into the one before
+    spans = [(min(lengths[i] for i in b), max(lengths[i] for i in b)) for b in buckets]
+    assert all(hi <= lo_next for (_, hi), (lo_next, _) in zip(spans, spans[1:]))
+    g = torch.Generator().manual_seed(0)
+    drawn = [batch_of_like_lengths(buckets, 2, g) for _ in range(600)]
+    assert all(any(set(d) <= set(b) for b in buckets) for d in drawn)
+    counts = torch.bincount(torch.tensor(drawn).flatten(), minlength=len(lengths)).float()
+    assert counts.min() > 0.5 * counts.mean()  # every answer drawn about equally often
+
+
 def test_answers_collected_in_a_batch_are_the_ones_collected_one_by_one(pair):
     from verispec.heads.eagle3_train import EagleTrainConfig, collect
 

@@ -216,6 +216,7 @@ def train(head: Eagle3Head, train_set: list[Sample], val_set: list[Sample], embe
         return min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, config.steps) / config.steps))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+    buckets = length_buckets(train_set, config.batch_size)
     generator = torch.Generator().manual_seed(config.seed + start_step)
     device = head.fc.weight.device
     bf16 = bf16_enabled(device, config.bf16)
@@ -223,7 +224,7 @@ def train(head: Eagle3Head, train_set: list[Sample], val_set: list[Sample], embe
     began = time.perf_counter()
     with progress("training the EAGLE-3 head", config.steps - start_step, show) as advance:
         for step in range(start_step, config.steps):
-            pick = torch.randint(len(train_set), (config.batch_size,), generator=generator).tolist()
+            pick = batch_of_like_lengths(buckets, config.batch_size, generator)
             head.train()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss, _ = unrolled(head, *training_batch([train_set[i] for i in pick], head, embed, config.ttt), config.ttt)
@@ -244,6 +245,26 @@ def train(head: Eagle3Head, train_set: list[Sample], val_set: list[Sample], embe
     log["seconds"] = round(time.perf_counter() - began, 1)
     log["bf16"] = bf16
     return log
+
+
+def length_buckets(samples: list[Sample], batch_size: int, per_bucket: int = 8) -> list[list[int]]:
+    """The samples' indices sorted by length and cut into buckets of `per_bucket` batches (the last one merged into
+    the one before when shorter): a batch drawn from one bucket pads little, and every sample is drawn about as
+    often as with uniform sampling (all buckets but the last of equal size)."""
+    order = sorted(range(len(samples)), key=lambda i: (samples[i].tokens.numel(), i))
+    size = max(1, batch_size * per_bucket)
+    buckets = [order[i : i + size] for i in range(0, len(order), size)]
+    if len(buckets) > 1 and len(buckets[-1]) < size:
+        last = buckets.pop()
+        buckets[-1] = buckets[-1] + last
+    return buckets
+
+
+def batch_of_like_lengths(buckets: list[list[int]], batch_size: int, generator: torch.Generator) -> list[int]:
+    """`batch_size` sample indices drawn (with replacement) from one bucket, the bucket drawn by its size."""
+    sizes = torch.tensor([len(b) for b in buckets], dtype=torch.float)
+    bucket = buckets[int(torch.multinomial(sizes, 1, generator=generator))]
+    return [bucket[i] for i in torch.randint(len(bucket), (batch_size,), generator=generator).tolist()]
 
 
 def aux_layers_for(runner) -> tuple[int, int, int]:
