@@ -14,7 +14,7 @@ from verispec.errors import VerispecError
 from verispec.heads import corpus as corpus_module
 from verispec.heads.corpus import CollectConfig, collect, open_corpus, read_corpus
 from verispec.heads.sources import (Prompt, code_contexts, file_prompts, normalized, prose_contexts, python_files,
-                                    request_text, usable, user_turn_prefix)
+                                    request_text, text_passages, usable, user_turn_prefix)
 
 PROMPTS = ["what is two plus two?", "name a colour.", "write a short poem about rain.", "say hello.",
            "count to five.", "what is a cat?", "spell dog."]
@@ -218,6 +218,35 @@ def test_train_heads_on_a_corpus(targets, tmp_path, capsys):
         assert main(["train-heads", *args, "--corpus", str(corpus), "--out", str(tmp_path / "new")]) == 2
         assert fragment in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+def test_text_passages_are_answered_by_their_own_text_without_decoding(decoder, tmp_path, monkeypatch):
+    """A passage's answer is its file's next text (cut to the config's tokens), mixed in with decoded items; a
+    folder without usable files gives no passages."""
+    code = tmp_path / "src" / "mod.py"
+    code.parent.mkdir()
+    rng = __import__("random").Random(0)
+    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 9))) for _ in range(400)]
+    code.write_text("".join(f"def {words[i]}_{i}(value):\n    return value * {i} + len('{' '.join(words[9 * i:9 * i + 9])}')\n\n"
+                            for i in range(40)))
+    passages = text_passages([code], 3, 0, "code")
+    assert len(passages) == 1 and passages[0].category == "code" and passages[0].source == "text"
+    assert code.read_text().find(passages[0].text + passages[0].continuation) >= 0  # the file's own text, in order
+    assert text_passages([code], 3, 0, "code") == passages  # seeded
+    engine_generate = decoder.engine.make_sequences
+    asked = []
+    monkeypatch.setattr(decoder.engine, "make_sequences", lambda prompts, *a, **k: asked.extend(prompts) or
+                        engine_generate(prompts, *a, **k))
+    corpus = open_corpus(decoder, tmp_path / "c", CONFIG, prompts()[:2] + passages, 0, resume=False, show=False)
+    collect(decoder, corpus, CONFIG, show=False)
+    manifest, records = read_corpus(tmp_path / "c")
+    text, = [r for r in records if r["mode"] == "text"]
+    assert text["answer"] == decoder.encode(passages[0].continuation, chat=False)[: CONFIG.tokens]
+    assert text["prompt"] not in asked and len(asked) == 2  # never decoded; the two prompts were
+    assert manifest["mix"]["modes"]["text"] == 1 and manifest["mix"]["items"]["text:code"] == 1
+    empty = tmp_path / "empty.md"
+    empty.write_text("short\n" * 5)
+    assert text_passages([empty], 3, 0, "prose") == []
 
 
 def test_the_feature_store_computes_each_answer_once(decoder, tmp_path, monkeypatch):

@@ -33,6 +33,11 @@ def add_parser(sub) -> None:
                    help="stretches of Python sources shipped with Python and its packages, continued (default: 0)")
     c.add_argument("--prose-contexts", type=int, default=0,
                    help="openings of docstrings shipped with Python and its packages, continued (default: 0)")
+    c.add_argument("--code-texts", type=int, default=0,
+                   help="passages of Python sources whose answer is the file's own next text: labelled by the target, "
+                        "never decoded, about six times cheaper a token (default: 0)")
+    c.add_argument("--prose-texts", type=int, default=0,
+                   help="the same from the documentation shipped with Python's packages (default: 0)")
     for f in dataclasses.fields(CollectConfig):
         c.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=type(f.default), default=None,
                        help=f"{HELP.get(f.name, f.name)} (default: {f.default})")
@@ -46,11 +51,12 @@ def run(args: argparse.Namespace) -> int:
     from verispec.api import SpeculativeDecoder, set_threads
     from verispec.console import notice
     from verispec.heads.corpus import CollectConfig, collect, open_corpus
-    from verispec.heads.sources import code_contexts, file_prompts, prose_contexts, python_files
+    from verispec.heads.sources import (code_contexts, doc_files, file_prompts, prose_contexts, python_files,
+                                        text_passages)
 
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(CollectConfig) if getattr(args, f.name) is not None}
     config = CollectConfig(**given)
-    for name in ("self_prompts", "code_contexts", "prose_contexts"):
+    for name in ("self_prompts", "code_contexts", "prose_contexts", "code_texts", "prose_texts"):
         if getattr(args, name) < 0:
             raise VerispecError(f"--{name.replace('_', '-')} must be >= 0")
     prompts = []
@@ -66,8 +72,15 @@ def run(args: argparse.Namespace) -> int:
                 if not found:
                     raise VerispecError(f"the Python sources here yield no {what} contexts")
                 prompts += found
+    for count, files, category in ((args.code_texts, python_files, "code"), (args.prose_texts, doc_files, "prose")):
+        if count:
+            found = text_passages(files(), count, config.seed, category)
+            if not found:
+                raise VerispecError(f"the files here yield no {category} passages (--{category}-texts)")
+            prompts += found
     if not args.resume and not prompts and not args.self_prompts:
-        raise VerispecError("nothing to collect: give --prompts, --self-prompts, --code-contexts or --prose-contexts")
+        raise VerispecError("nothing to collect: give --prompts, --self-prompts, --code-contexts, --prose-contexts, "
+                            "--code-texts or --prose-texts")
     set_threads(args.threads)
     decoder = SpeculativeDecoder.load(args.target, "none", backend=args.backend)
     corpus = open_corpus(decoder, args.out, config, prompts, args.self_prompts, args.resume)

@@ -6,7 +6,8 @@
                         plan's mix (items and prompt tokens by source and category, split), the progress (shards,
                         answer tokens by category and split, tokens per second)
     plan.json           every item to answer, in order: prompt ids, source, category, mode (greedy or sampled at
-                        the config's temperature), split (train / heldout, by a hash of the prompt), seed
+                        the config's temperature, or text: a passage whose answer is its own next text, kept in the
+                        item as "text"), split (train / heldout, by a hash of the prompt), seed
     self_prompts.json   the prompts the target wrote for itself (kept while the plan is being built)
     shard-00000.json    answers to items 0 .. shard_size - 1, then the next shard, ...
 
@@ -213,8 +214,13 @@ def build_plan(decoder, prompts: list[Prompt], config: CollectConfig) -> tuple[l
             too_long[prompt.source] += 1
             continue
         held = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 16**8 < config.heldout_fraction
-        items.append({"prompt": ids, "source": prompt.source, "category": prompt.category, "mode": mode,
-                      "split": "heldout" if held else "train", "seed": config.seed * 1_000_003 + len(items)})
+        item = {"prompt": ids, "source": prompt.source, "category": prompt.category, "mode": mode,
+                "split": "heldout" if held else "train", "seed": config.seed * 1_000_003 + len(items)}
+        if prompt.continuation is not None:  # a text passage: its answer is its own next text
+            item.update(mode="text", text=decoder.encode(prompt.continuation, chat=False)[: config.tokens])
+            if not item["text"]:
+                continue
+        items.append(item)
     if not items:
         raise VerispecError("no prompt is left to answer (each was empty, a duplicate, or longer than --max-prompt "
                             f"{config.max_prompt} tokens)")
@@ -245,7 +251,13 @@ def collect(decoder, corpus: Corpus, config: CollectConfig, show: bool = True) -
             items = corpus.items(index)
             answers: list[list[int] | None] = [None] * len(items)
             batch = DecodeBatch(engine)
-            queue = list(range(len(items)))
+            queue = []
+            for k, item in enumerate(items):
+                if item["mode"] == "text":  # nothing to decode: the passage's own text is the answer
+                    answers[k] = list(item["text"])
+                    advance()
+                else:
+                    queue.append(k)
             rows: dict[int, int] = {}  # id(sequence) -> item
             while queue or batch:
                 joining = []
@@ -302,7 +314,8 @@ def open_corpus(decoder, folder: Path, config: CollectConfig, prompts: list[Prom
         written = self_prompts(decoder, self_count, config, corpus, {normalized(p.text) for p in prompts}, show)
         prompts += [Prompt(text, True, "self", "self") for text in written]
     if not prompts:
-        raise VerispecError("nothing to collect: give --prompts, --self-prompts, --code-contexts or --prose-contexts")
+        raise VerispecError("nothing to collect: give --prompts, --self-prompts, --code-contexts, --prose-contexts, "
+                            "--code-texts or --prose-texts")
     items, mix = build_plan(decoder, prompts, config)
     corpus.plan, corpus.shard_size = items, config.shard_size
     _write_json(corpus.folder / PLAN, {"shard_size": config.shard_size, "items": items})

@@ -6,7 +6,11 @@
   user's message begins, which an instruct model continues into a plausible request; duplicates and junk
   (too short, too long, mostly non-letters, repetitive) are dropped;
 - completion contexts from what ships with Python and its packages: a stretch of a source file cut at a line
-  (code), or a docstring's opening (prose), which the target continues as plain text, without a chat template.
+  (code), or a docstring's opening (prose), which the target continues as plain text, without a chat template;
+- text passages from the same files, whose answer is the file's own next text rather than the target's: nothing to
+  decode, so they cost only the prefill that every answer's features need (about six times the tokens per second
+  of answering). The labels are still the target's distributions at every position; only the tokens the head
+  reads were written by people (EAGLE's first heads trained on fixed conversations, not the target's answers).
 
 Every prompt is a `Prompt`: its text, whether the chat template wraps it, its source and category.
 """
@@ -31,12 +35,14 @@ MARK = "\u2063VERISPEC-USER-TURN\u2063"  # a placeholder no real prompt holds
 @dataclass(frozen=True)
 class Prompt:
     """text: the prompt; chat: wrapped in the target's chat template (False: a completion context, read as is);
-    source: "file", "self", "code" or "prose"; category: the file's category, or the source's name."""
+    source: "file", "self", "code", "prose" or "text"; category: the file's category, or the source's name (a text
+    passage's: code or prose); continuation: see `text_passages`."""
 
     text: str
     chat: bool
     source: str
     category: str
+    continuation: str | None = None  # a text passage's own next text: its answer, read by prefill, never decoded
 
 
 def file_prompts(path: Path) -> list[Prompt]:
@@ -165,3 +171,30 @@ def prose_contexts(files: list[Path], count: int, seed: int) -> list[Prompt]:
         return Prompt(text + " ", False, "prose", "prose") if len(text) >= 80 else None
 
     return _contexts(files, count, random.Random(seed + 1), opening)
+
+
+def doc_files(roots: list[Path] | None = None, max_bytes: int = 200_000) -> list[Path]:
+    """Documentation (.md, .rst, .txt) shipped with Python's packages, sorted (verispec's own left out)."""
+    roots = roots or [Path(sysconfig.get_paths()["purelib"])]
+    files = [p for root in roots for suffix in ("*.md", "*.rst", "*.txt") for p in Path(root).rglob(suffix)
+             if p.is_file() and 400 <= p.stat().st_size <= max_bytes and "verispec" not in p.parts]
+    return sorted(set(files))
+
+
+def text_passages(files: list[Path], count: int, seed: int, category: str, context_lines: int = 12,
+                  chars: int = 3000) -> list[Prompt]:
+    """`count` passages of `category` (code or prose), at most one per file: `context_lines` lines from a random line
+    on (the prompt, read as is) and the next `chars` characters of the file (its continuation)."""
+
+    def passage(source: str, rng: random.Random) -> Prompt | None:
+        lines = source.splitlines(keepends=True)
+        if len(lines) < context_lines + 8:
+            return None
+        start = rng.randrange(0, len(lines) - context_lines - 7)
+        text = "".join(lines[start : start + context_lines])
+        rest = "".join(lines[start + context_lines :])[:chars]
+        if len(text.strip()) < 40 or len(rest.strip()) < 200 or not usable(rest[:1500]):
+            return None
+        return Prompt(text, False, "text", category, rest)
+
+    return _contexts(files, count, random.Random(seed + 2 + (category == "prose")), passage)
