@@ -469,3 +469,34 @@ def test_eagle_heads_through_the_audit_and_the_server(tmp_path, capsys):
     assert code == 0 and report["passed"] and report["acceptance_rate"] > 0
     decoder = SpeculativeDecoder.load(str(folder), draft)
     assert_served_together_as_alone(decoder)
+
+
+def test_skipping_the_prompt_in_later_unrolled_steps_changes_nothing(pair):
+    """The training-time test runs steps after the first only from where a label can be reached: the same loss,
+    gradients and agreement counts as running every index, on a batch of answers after prompts of different
+    lengths."""
+    from verispec.models.heads.eagle3_ttt import Sample, training_batch, unrolled
+
+    torch.manual_seed(0)
+    head = random_head(pair[0]).train()
+    E, V, k = head.config.hidden, head.config.vocab, 3
+    samples = []
+    for prompt, answer in ((9, 6), (4, 8), (12, 3)):
+        n = prompt + answer
+        ids = torch.randint(V, (n, k))
+        probs = torch.softmax(torch.randn(n, k), -1)
+        ids[: prompt - 1], probs[: prompt - 1] = 0, 0
+        samples.append(Sample(torch.randint(V, (n,)), torch.randn(n, 3 * E).half(), ids, probs, prompt - 1))
+    table = torch.randn(V, E)
+    batch = training_batch(samples, head, lambda t: table[t], 3)
+    results = []
+    for skip in (True, False):
+        head.zero_grad()
+        loss, stats = unrolled(head, *batch, 3, skip_unlabelled=skip)
+        loss.backward()
+        results.append((loss.detach(), stats, [p.grad.clone() for p in head.parameters() if p.grad is not None]))
+    (a, sa, ga), (b, sb, gb) = results
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert sa == sb and len(ga) == len(gb)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)

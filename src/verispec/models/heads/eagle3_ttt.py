@@ -58,41 +58,52 @@ def training_batch(samples: list[Sample], head: Eagle3Head, embed, ttt: int):
     return tuple(t.to(device) for t in (embeds, aux, valid, ids, probs))
 
 
-def unrolled(head: Eagle3Head, embeds, aux, valid, ids, probs, ttt: int):
+def unrolled(head: Eagle3Head, embeds, aux, valid, ids, probs, ttt: int, skip_unlabelled: bool = True):
     """The training-time test over a padded batch. Returns the loss and, per step, (right, counted) greedy
-    agreement counts with the target's top label (drafts before it assumed right)."""
+    agreement counts with the target's top label (drafts before it assumed right).
+
+    Step 0 runs over every index (its keys and values are what later steps attend to). Steps 1 .. ttt - 1 only
+    matter where a label follows within the unroll, so with `skip_unlabelled` they run from the first index
+    that can reach one (a batch's prompt windows, often half its indices, are skipped); False runs every index
+    (the reference the test compares against: the same loss)."""
     B, T, _ = aux.shape
     mid, c = head.midlayer, head.config
     group = c.heads // c.kv_heads
+    labelled = (probs.sum(-1) > 0).any(0).nonzero()  # (n, 1) indices of token positions with a label
+    s0 = max(0, int(labelled[0, 0]) - ttt) if skip_unlabelled and labelled.numel() else 0  # later steps start here
     positions = torch.arange(T, device=aux.device)
     h = head.fc(aux)  # (B, T, E)
     causal = torch.ones(T, T, dtype=torch.bool, device=aux.device).tril()  # (T, T) step 0's entries at indices <= t
     keys, values, loss, stats = [], [], torch.zeros((), device=aux.device), []
     for j in range(ttt):
-        cos, sin = head.rope(positions + j)  # (T, D)
-        q, k, v = mid.qkv(embeds[:, j : j + T].reshape(B * T, -1), h.reshape(B * T, -1),
+        o = 0 if j == 0 else s0  # step j runs over indices o .. T - 1
+        n = T - o
+        if j == 1 and o:
+            h = h[:, o:]  # (B, n, E)
+        cos, sin = head.rope(positions[o:] + j)  # (n, D)
+        q, k, v = mid.qkv(embeds[:, o + j : j + T].reshape(B * n, -1), h.reshape(B * n, -1),
                           cos.repeat(B, 1), sin.repeat(B, 1))
-        q = q.view(B, T, c.heads, c.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k = k.view(B, T, c.kv_heads, c.head_dim).transpose(1, 2).repeat_interleave(group, 1)  # (B, Hq, T, D)
-        v = v.view(B, T, c.kv_heads, c.head_dim).transpose(1, 2).repeat_interleave(group, 1)
-        keys.append(k)
+        q = q.view(B, n, c.heads, c.head_dim).transpose(1, 2)  # (B, Hq, n, D)
+        k = k.view(B, n, c.kv_heads, c.head_dim).transpose(1, 2).repeat_interleave(group, 1)  # (B, Hq, n, D)
+        v = v.view(B, n, c.kv_heads, c.head_dim).transpose(1, 2).repeat_interleave(group, 1)
+        keys.append(k)  # step 0's over every index, later steps' over indices o .. only
         values.append(v)
         scale = c.head_dim ** -0.5
-        first = (q @ keys[0].transpose(-1, -2)) * scale  # (B, Hq, T, T)
-        first = first.masked_fill(~causal, float("-inf"))
-        diagonal = [(q * keys[i]).sum(-1, keepdim=True) * scale for i in range(1, j + 1)]  # (B, Hq, T, 1) each
-        weights = torch.softmax(torch.cat([first, *diagonal], dim=-1), dim=-1)  # (B, Hq, T, T + j)
-        out = weights[..., :T] @ values[0]  # (B, Hq, T, D)
+        first = (q @ keys[0].transpose(-1, -2)) * scale  # (B, Hq, n, T)
+        first = first.masked_fill(~causal[o:], float("-inf"))
+        diagonal = [(q * keys[i]).sum(-1, keepdim=True) * scale for i in range(1, j + 1)]  # (B, Hq, n, 1) each
+        weights = torch.softmax(torch.cat([first, *diagonal], dim=-1), dim=-1)  # (B, Hq, n, T + j)
+        out = weights[..., :T] @ values[0]  # (B, Hq, n, D)
         for i in range(1, j + 1):
             out = out + weights[..., T + i - 1 : T + i] * values[i]
-        h = mid.finish(out.transpose(1, 2).reshape(B * T, -1), h.reshape(B * T, -1)).view(B, T, -1)
-        p = probs[:, j + 1 : j + 1 + T]  # (B, T, k): the target's distribution of token t + j + 2
-        use = valid & (p.sum(-1) > 0)
+        h = mid.finish(out.transpose(1, 2).reshape(B * n, -1), h.reshape(B * n, -1)).view(B, n, -1)
+        p = probs[:, o + j + 1 : j + 1 + T]  # (B, n, k): the target's distribution of token t + j + 2
+        use = valid[:, o:] & (p.sum(-1) > 0)
         if j:
-            use = use & torch.nn.functional.pad(valid[:, j:], (0, j))  # the tokens fed at step j exist
-        labels = ids[:, j + 1 : j + 1 + T][use]  # (n, k) at the positions with a label only (the LM head's cost)
-        logq = torch.log_softmax(head.lm_head(head.norm(h[use])), -1)  # (n, V_draft)
-        ce = -(p[use] * logq.gather(-1, labels)).sum(-1)  # (n,)
+            use = use & torch.nn.functional.pad(valid[:, o + j :], (0, j))  # the tokens fed at step j exist
+        labels = ids[:, o + j + 1 : j + 1 + T][use]  # (m, k) at the positions with a label only (the LM head's cost)
+        logq = torch.log_softmax(head.lm_head(head.norm(h[use])), -1)  # (m, V_draft)
+        ce = -(p[use] * logq.gather(-1, labels)).sum(-1)  # (m,)
         loss = loss + 0.8 ** j * ce.sum() / max(1, ce.numel())
         with torch.no_grad():
             stats.append((int((logq.argmax(-1) == labels[:, 0]).sum()), int(ce.numel())))
