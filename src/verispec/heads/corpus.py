@@ -235,65 +235,77 @@ def build_plan(decoder, prompts: list[Prompt], config: CollectConfig) -> tuple[l
 # --- answering ---------------------------------------------------------------------------------------
 
 def collect(decoder, corpus: Corpus, config: CollectConfig, show: bool = True) -> dict:
-    """Answer every item of the plan not yet in a shard; returns the progress written to the manifest."""
+    """Answer every item of the plan not yet in a shard; returns the progress written to the manifest.
+
+    One ragged batch runs across shard boundaries: the next shard's items join as rows finish, and a shard is
+    written as soon as its last answer is in (shards may complete out of order; a resume reads which did). A batch
+    drained at every shard's end would run its last rows nearly alone."""
     from verispec.batch import DecodeBatch
 
     engine = decoder.engine
     done = corpus.finished()
     todo = [i for i in range(corpus.shards) if i not in done]
     total_tokens = dict(corpus.manifest.get("progress", {}).get("answer_tokens", {}))
-    remaining = sum(len(corpus.items(i)) for i in todo)
+    answers = {index: [None] * len(corpus.items(index)) for index in todo}
+    left = {index: len(answers[index]) for index in todo}  # answers still missing per shard
+    remaining = sum(left.values())
     began, new_tokens = time.perf_counter(), 0
     if done:
         notice(f"resuming: {len(done)} of {corpus.shards} shards are complete, {remaining} answers to go")
+
+    def answered(index: int, k: int, answer: list[int]) -> None:
+        answers[index][k] = answer
+        left[index] -= 1
+        advance()
+        if left[index]:
+            return
+        for item, tokens in zip(corpus.items(index), answers[index]):
+            key = f"{item['split']}:{item['source']}:{item['category']}"
+            total_tokens[key] = total_tokens.get(key, 0) + len(tokens)
+        _write_json(corpus.shard_path(index), {"shard": index, "answers": answers[index]}, len(done))
+        done.add(index)
+        seconds = time.perf_counter() - began
+        corpus.manifest["progress"] = {
+            "shards_done": len(done), "shards": corpus.shards, "answer_tokens": total_tokens,
+            "answer_tokens_total": sum(total_tokens.values()),
+            "tokens_per_second_this_run": round(new_tokens / max(seconds, 1e-9), 1)}
+        corpus.save(len(done))
+        notice(f"shard {index + 1}/{corpus.shards}: {sum(len(a) for a in answers.pop(index))} answer tokens; "
+               f"{new_tokens / max(seconds, 1e-9):.1f} decoded tokens/s this run")
+
     with progress("the target answers", remaining, show) as advance:
+        queue = []
         for index in todo:
-            items = corpus.items(index)
-            answers: list[list[int] | None] = [None] * len(items)
-            batch = DecodeBatch(engine)
-            queue = []
-            for k, item in enumerate(items):
+            for k, item in enumerate(corpus.items(index)):
                 if item["mode"] == "text":  # nothing to decode: the passage's own text is the answer
-                    answers[k] = list(item["text"])
-                    advance()
+                    answered(index, k, list(item["text"]))
                 else:
-                    queue.append(k)
-            rows: dict[int, int] = {}  # id(sequence) -> item
-            while queue or batch:
-                joining = []
-                while queue and len(batch) + len(joining) < config.batch:
-                    k = queue.pop(0)
-                    item = items[k]
-                    sampling = (SamplingConfig(temperature=config.temperature, top_p=config.top_p)
-                                if item["mode"] == "sampled" else SamplingConfig(temperature=0))
-                    room = min(config.tokens, engine.context_window - len(item["prompt"]) - 1)
-                    seq, = engine.make_sequences([item["prompt"]], sampling, SpecConfig(max_new_tokens=max(1, room)),
-                                                 [item["seed"]])
-                    rows[id(seq)] = k
-                    joining.append(seq)
-                batch.add(joining)
-                for _, seq in batch.step():
-                    if seq.finish_reason is None:
-                        continue
-                    if seq.error is not None:
-                        raise VerispecError(f"the target failed answering item {index * corpus.shard_size + rows[id(seq)]}:"
-                                            f" {type(seq.error).__name__}: {seq.error}") from seq.error
-                    answers[rows.pop(id(seq))] = list(seq.generated)
-                    new_tokens += len(seq.generated)
-                    advance()
-            for item, answer in zip(items, answers):
-                key = f"{item['split']}:{item['source']}:{item['category']}"
-                total_tokens[key] = total_tokens.get(key, 0) + len(answer)
-            _write_json(corpus.shard_path(index), {"shard": index, "answers": answers}, len(done))
-            done.add(index)
-            seconds = time.perf_counter() - began
-            corpus.manifest["progress"] = {
-                "shards_done": len(done), "shards": corpus.shards, "answer_tokens": total_tokens,
-                "answer_tokens_total": sum(total_tokens.values()),
-                "tokens_per_second_this_run": round(new_tokens / max(seconds, 1e-9), 1)}
-            corpus.save(len(done))
-            notice(f"shard {index + 1}/{corpus.shards}: {sum(len(a) for a in answers)} answer tokens; "
-                   f"{new_tokens / max(seconds, 1e-9):.1f} tokens/s this run")
+                    queue.append((index, k))
+        queue.reverse()  # popped from the end: plan order
+        batch = DecodeBatch(engine)
+        rows: dict[int, tuple[int, int]] = {}  # id(sequence) -> (shard, item)
+        while queue or batch:
+            joining = []
+            while queue and len(batch) + len(joining) < config.batch:
+                index, k = queue.pop()
+                item = corpus.items(index)[k]
+                sampling = (SamplingConfig(temperature=config.temperature, top_p=config.top_p)
+                            if item["mode"] == "sampled" else SamplingConfig(temperature=0))
+                room = min(config.tokens, engine.context_window - len(item["prompt"]) - 1)
+                seq, = engine.make_sequences([item["prompt"]], sampling, SpecConfig(max_new_tokens=max(1, room)),
+                                             [item["seed"]])
+                rows[id(seq)] = (index, k)
+                joining.append(seq)
+            batch.add(joining)
+            for _, seq in batch.step():
+                if seq.finish_reason is None:
+                    continue
+                index, k = rows.pop(id(seq))
+                if seq.error is not None:
+                    raise VerispecError(f"the target failed answering item {index * corpus.shard_size + k}:"
+                                        f" {type(seq.error).__name__}: {seq.error}") from seq.error
+                new_tokens += len(seq.generated)
+                answered(index, k, list(seq.generated))
     return corpus.manifest.get("progress", {})
 
 
