@@ -1,8 +1,9 @@
 """The EAGLE-3 head's learning curve: held-out agreement and tau against the training tokens it saw.
 
-Trains one head per point on the first N answer tokens of a corpus (`verispec collect`), each validated on the
-corpus's held-out split, and writes the curve (JSON, and a PNG with --plot). Points already trained (their
-OUT/N/training.json exists) are read back, so a stopped run goes on where it stopped.
+Trains one head per point on a seeded sample of N answer tokens of a corpus (`verispec collect`; several are read
+as one), a smaller sample part of a larger one, each validated on the corpus's held-out split, and writes the
+curve (JSON, and a PNG with --plot). Points already trained (their OUT/N/training.json exists) are read back, so
+a stopped run goes on where it stopped. The features are computed once, in the corpus's store.
 
     python benchmarks/head_curve.py --corpus CORPUS --out OUT --tokens-points 58000,250000,1000000 \
         --plot docs/head_curve.png -- --steps 3000 --batch-size 8
@@ -25,7 +26,7 @@ def main() -> None:
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, required=True)
+    parser.add_argument("--corpus", type=Path, nargs="+", required=True, help="one or more corpora, read as one")
     parser.add_argument("--out", type=Path, required=True, help="one head folder per point: OUT/N")
     parser.add_argument("--tokens-points", default="58000,250000,1000000", help="training tokens per point")
     parser.add_argument("--target", default=None)
@@ -36,7 +37,7 @@ def main() -> None:
     for n in points:
         head = args.out / str(n)
         if not (head / "training.json").is_file():
-            command = ["train-heads", "--kind", "eagle3", "--corpus", str(args.corpus), "--corpus-tokens", str(n),
+            command = ["train-heads", "--kind", "eagle3", "--corpus", *map(str, args.corpus), "--corpus-tokens", str(n),
                        "--out", str(head), *(["--target", args.target] if args.target else []), *extra]
             if (head.with_name(head.name + ".partial")).is_dir():
                 command.append("--resume")
