@@ -211,6 +211,37 @@ class PromptLookupConfig:
 
 
 @dataclass(frozen=True)
+class SuffixConfig:
+    """Suffix decoding (`drafters.suffix`): drafts from every earlier occurrence of the context's longest suffix.
+
+    Attributes:
+        min_match: the shortest suffix match drafted from (tokens). Default 2.
+        max_match: the longest suffix compared (a longer match counts as this long). Default 32.
+        spec_factor: a draft is at most this many times the match's length (a short match drafts little). Default 1.0.
+        min_share: a chain stops where its most frequent continuation follows less than this share of the
+            occurrences it extends. Default 0.1.
+        capacity: tokens of earlier requests' outputs kept (the oldest dropped first). Default 262144.
+        max_candidates: the most recent occurrences read per step, per source. Default 256.
+    """
+
+    min_match: int = 2
+    max_match: int = 32
+    spec_factor: float = 1.0
+    min_share: float = 0.1
+    capacity: int = 262_144
+    max_candidates: int = 256
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_match <= self.max_match:
+            raise VerispecError(f"suffix decoding needs 1 <= min_match <= max_match, got {self.min_match} and "
+                                f"{self.max_match}")
+        if self.capacity < 1:
+            raise VerispecError(f"suffix decoding's capacity must be at least 1 token, got {self.capacity}")
+        if not self.spec_factor > 0 or not 0 <= self.min_share <= 1 or self.max_candidates < 1:
+            raise VerispecError("suffix decoding needs spec_factor > 0, 0 <= min_share <= 1 and max_candidates >= 1")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """`verispec serve`: where the server listens and the limits that keep it safe.
 

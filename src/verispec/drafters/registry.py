@@ -3,6 +3,7 @@ entry in `KINDS` builds the drafter. The API, the CLI, the server, the bench and
 
     none | off                   plain decoding (no drafter)
     ngram                        prompt lookup (`prompt_lookup.py`)
+    suffix                       suffix decoding over the context and earlier requests' outputs (`suffix.py`)
     ngram-corpus[:TABLE], X.ngram  corpus n-grams (`ngram_corpus.py`)
     self, self:SKIP, self:FILE   the target with sublayers skipped (`self_draft.py`)
     medusa[:DIR]                 Medusa heads on the target's hidden states (`medusa.py`)
@@ -20,11 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from verispec.config import NGramConfig, PromptLookupConfig, SelfSpecConfig
+from verispec.config import NGramConfig, PromptLookupConfig, SelfSpecConfig, SuffixConfig
 from verispec.core.drafter import Drafter
 from verispec.errors import VerispecError
 
 NONE, NGRAM, CORPUS, SELF, MEDUSA, EAGLE, MODEL = "none", "ngram", "ngram-corpus", "self", "medusa", "eagle", "model"
+SUFFIX = "suffix"
 NO_DRAFT = ("none", "off")
 
 
@@ -53,6 +55,7 @@ class DrafterOptions:
 
     prompt_lookup: n-gram sizes of the `ngram` drafter.
     ngram: settings of the corpus n-gram drafter.
+    suffix: settings of suffix decoding.
     self_spec: settings of self-speculation.
     draft_lookup: N > 0 makes a draft model, an EAGLE head or the self drafter copy from the context first where
         its last n-gram (n >= N) occurred before; 0 turns that off; None keeps the drafter's own setting.
@@ -63,6 +66,7 @@ class DrafterOptions:
 
     prompt_lookup: PromptLookupConfig = PromptLookupConfig()
     ngram: NGramConfig = NGramConfig()
+    suffix: SuffixConfig = SuffixConfig()
     self_spec: SelfSpecConfig = SelfSpecConfig()
     draft_lookup: int | None = None
     draft_context: int | None = None
@@ -116,6 +120,12 @@ def _ngram(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
     from verispec.drafters.prompt_lookup import PromptLookupDrafter
 
     return Built(PromptLookupDrafter(options.prompt_lookup), NGRAM)
+
+
+def _suffix(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+    from verispec.drafters.suffix import SuffixDrafter
+
+    return Built(SuffixDrafter(options.suffix), SUFFIX)
 
 
 def _corpus(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
@@ -201,6 +211,8 @@ def _is_corpus(text: str) -> bool:
 KINDS: tuple[DrafterKind, ...] = (
     DrafterKind(NONE, "plain decoding", lambda text: text in NO_DRAFT, _none, arg_prefix=False, aliases=("off",)),
     DrafterKind(NGRAM, "prompt lookup: copies from the context", lambda text: text == NGRAM, _ngram, arg_prefix=False),
+    DrafterKind(SUFFIX, "suffix decoding: the context's and earlier outputs' continuations, by frequency",
+                lambda text: text == SUFFIX, _suffix, arg_prefix=False),
     DrafterKind(CORPUS, "corpus n-grams (`verispec ngram build`)", _is_corpus, _corpus),
     DrafterKind(SELF, "self-speculation: the target with sublayers skipped", _prefixed(SELF), _self),
     DrafterKind(MEDUSA, "Medusa heads on the target's hidden states", _prefixed(MEDUSA), _head),
