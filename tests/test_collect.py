@@ -207,6 +207,7 @@ def test_train_heads_on_a_corpus(targets, tmp_path, capsys):
     manifest = json.loads((corpus / "manifest.json").read_text())
     assert log["val_answers"] == manifest["mix"]["splits"]["heldout"]
     assert log["train_answers"] == manifest["mix"]["splits"]["train"] and log["validation"]
+    assert sum(v["answers"] for k, v in log["data"]["mix"].items() if k.startswith("train:")) == log["train_answers"]
     twice = tmp_path / "twice"  # two corpora read as one, an answer both hold counted once
     assert main(["train-heads", "--kind", "eagle3", "--target", str(targets[0]), "--corpus", str(corpus), str(corpus),
                  "--out", str(twice), *common[:-2], "--steps", "1"]) == 0
