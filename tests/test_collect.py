@@ -274,6 +274,10 @@ def test_the_feature_store_computes_each_answer_once(decoder, tmp_path, monkeypa
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.aux, b.aux) and torch.equal(a.probs, b.probs)
     assert torch.equal(both[2].aux, first[0].aux)
     assert len(features.corpus_samples(runner, records, config, aux, show=False)) == 3
+    computed.clear()
+    changed = [{**records[1], "answer": [9, 9, 9]}]  # the same slot now holds another answer: computed again
+    again = features.corpus_samples(runner, changed, config, aux, show=False)
+    assert computed == [1] and again[0].tokens[-3:].tolist() == [9, 9, 9]
     (folder / "shard-00000.pt").write_bytes(b"not a tensor file")
     computed.clear()
     assert len(features.corpus_samples(runner, records[:2], config, aux, show=False)) == 2 and computed == [0, 1]

@@ -8,13 +8,17 @@ shard computed so far, KEY naming what they depend on (the runner, the prompt wi
 label width, the layers read). Float16 features: about 9 KB a token for the default target.
 
 Each shard's file is written whole (`verispec.atomic`) after its missing records are computed, so a kill loses at
-most one shard's work. The store is a cache: a full disk says so in one line and training goes on without it.
+most one shard's work. Each sample is kept with a digest of its record's prompt and answer, and read back only
+where the record still matches (a shard collected again differently, or another corpus in the same folder, is
+computed again). The store is a cache: a full disk says so in one line and training goes on without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -48,9 +52,9 @@ def corpus_samples(runner, records: list[dict], config: EagleTrainConfig, aux_la
         path = store_folder(Path(corpus), runner, config, aux_layers) / f"shard-{shard:05d}.pt"
         saved = _read(path)
         for i in indices:
-            slot = records[i]["slot"]
-            if slot in saved:
-                found[i] = None if saved[slot] is None else Sample(**saved[slot])
+            kept = saved.get(records[i]["slot"])
+            if kept is not None and kept["digest"] == _digest(records[i]):
+                found[i] = None if kept["sample"] is None else Sample(**kept["sample"])
         if any(i not in found for i in indices):
             todo[(corpus, shard)] = {"path": path, "saved": saved, "indices": indices}
     missing = sum(1 for job in todo.values() for i in job["indices"] if i not in found)
@@ -63,11 +67,19 @@ def corpus_samples(runner, records: list[dict], config: EagleTrainConfig, aux_la
                 if i in found:
                     continue
                 found[i] = prefill_sample(runner, records[i], config)
-                job["saved"][records[i]["slot"]] = None if found[i] is None else _fields(found[i])
+                job["saved"][records[i]["slot"]] = {"digest": _digest(records[i]),
+                                                     "sample": None if found[i] is None else _fields(found[i])}
                 advance()
             writable = writable and _write(job["path"], job["saved"])
             job["saved"] = None
     return [found[i] for i in range(len(records)) if found[i] is not None]
+
+
+FORMAT = 2
+
+
+def _digest(record: dict) -> str:
+    return hashlib.sha256(json.dumps([record["prompt"], record["answer"]]).encode()).hexdigest()[:16]
 
 
 def _fields(sample: Sample) -> dict:
@@ -78,9 +90,12 @@ def _read(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return torch.load(path, weights_only=True)
+        saved = torch.load(path, weights_only=True)
+        if saved.get("format") != FORMAT:
+            raise ValueError("another format")
+        return saved["samples"]
     except Exception as err:  # a file another version wrote, or damaged: computed again
-        notice(f"ignoring the features in {path} ({type(err).__name__}); computing them again")
+        notice(f"ignoring the features in {path} ({type(err).__name__}: {err}); computing them again")
         return {}
 
 
@@ -89,7 +104,7 @@ def _write(path: Path, saved: dict) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp:
-            torch.save(saved, tmp)
+            torch.save({"format": FORMAT, "samples": saved}, tmp)
         return True
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT):
