@@ -1,8 +1,8 @@
 """The training features of a collected corpus, computed once and kept beside its shards.
 
 A corpus keeps token ids only; an EAGLE-3 head trains on the states entering three target layers and the
-target's top-k labels, which a prefill pass recomputes (`eagle3_train.prefill_sample`, about 260 tokens a second
-on 2 cores: an hour for a million). Every training run on the same corpus would pay that again, so the samples
+target's top-k labels, which a prefill pass recomputes (`eagle3_train.prefill_sample`, about 140 tokens a second
+on 2 cores: two hours for a million). Every training run on the same corpus would pay that again, so the samples
 are written to `CORPUS/features-KEY/shard-NNNNN.pt`, one file per shard of the corpus holding the records of that
 shard computed so far, KEY naming what they depend on (the runner, the prompt window, the answer length, the
 label width, the layers read). Float16 features: about 9 KB a token for the default target.
