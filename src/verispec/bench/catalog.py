@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # What a system drafts with (`drafter`): the bench's own names for its sources, not --draft specs.
-NONE, NGRAM, CORPUS, DRAFT, DISTILLED, SELF, MEDUSA, EAGLE = (
-    "none", "ngram", "ngram-corpus", "draft", "distilled", "self", "medusa", "eagle")
+NONE, NGRAM, CORPUS, DRAFT, DISTILLED, SELF, MEDUSA, EAGLE, SUFFIX = (
+    "none", "ngram", "ngram-corpus", "draft", "distilled", "self", "medusa", "eagle", "suffix")
 VERISPEC, HF, LLAMACPP = "verispec", "hf", "llama.cpp"  # who runs the loop (`family`)
 
 
@@ -19,7 +19,7 @@ class SystemSpec:
 
     name: what the report and --systems call it.
     family: whose decoding loop runs: verispec's, Hugging Face's `generate` or llama-cpp-python's.
-    drafter: NONE (plain), NGRAM (prompt lookup), CORPUS (corpus n-grams), DRAFT (the --draft model), DISTILLED
+    drafter: NONE (plain), NGRAM (prompt lookup), SUFFIX (suffix decoding), CORPUS (corpus n-grams), DRAFT (the --draft model), DISTILLED
         (the distilled draft), SELF (self-speculation), MEDUSA or EAGLE (heads).
     llamacpp: verispec's loop on llama.cpp's kernels (the target and draft as llama.cpp models).
     tree: drafts the bench's tree (BenchConfig.tree) instead of chains.
@@ -59,6 +59,9 @@ CATALOG: tuple[SystemSpec, ...] = (
     _verispec("verispec-draft", DRAFT),
     _verispec("verispec-ngram", NGRAM),
     _verispec("verispec-ngram-auto", NGRAM, auto=True),
+    _verispec("verispec-suffix", SUFFIX),
+    _verispec("verispec-suffix-auto", SUFFIX, auto=True),
+    _verispec("verispec-suffix-tree", SUFFIX, tree=True),
     _verispec("verispec-ngram-corpus", CORPUS),
     _verispec("verispec-ngram-corpus-tree", CORPUS, tree=True),
     _verispec("verispec-auto", DRAFT, auto=True),

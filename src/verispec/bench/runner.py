@@ -22,6 +22,7 @@ from verispec.bench.catalog import (
     NGRAM,
     NONE,
     SELF,
+    SUFFIX,
     SYSTEMS,
     SystemSpec,
 )
@@ -228,6 +229,8 @@ def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> Spec
         return SpeculativeDecoder(target, "none")
     if spec.drafter == NGRAM:
         return SpeculativeDecoder(target, "ngram")
+    if spec.drafter == SUFFIX:
+        return SpeculativeDecoder(target, "suffix")
     if spec.drafter == CORPUS:
         return _corpus_decoder(config, target)
     if spec.drafter == DISTILLED:
