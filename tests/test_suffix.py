@@ -23,8 +23,7 @@ def seq(tokens: list[int]) -> Sequence:
 
 def test_candidates_and_their_match_lengths():
     index = SuffixIndex(2)
-    index.append([5, 1, 2, 3, 9, 8, 1, 2, 4, 7])
-    index.end_document()
+    index.add_document([5, 1, 2, 3, 9, 8, 1, 2, 4, 7])
     index.append([1, 2, 6])
     positions, lengths = index.candidates([8, 1, 2], SuffixConfig(max_match=8))
     found = dict(zip(positions.tolist(), lengths.tolist()))

@@ -55,7 +55,9 @@ class SuffixIndex:
                 if SEPARATOR not in window:
                     self.after.setdefault(window, []).append(self.size)
 
-    def end_document(self) -> None:
+    def add_document(self, tokens: list[int]) -> None:
+        """Add a whole document (closed by the separator)."""
+        self.append(tokens)
         self.append([SEPARATOR])
 
     def candidates(self, context: list[int], config: SuffixConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -101,15 +103,13 @@ class OutputStore:
         self.documents.append(output)
         self.tokens += len(output)
         if self.tokens <= self.config.capacity:
-            self.index.append(output)
-            self.index.end_document()
+            self.index.add_document(output)
             return
         while self.tokens > 3 * self.config.capacity // 4 and len(self.documents) > 1:
             self.tokens -= len(self.documents.popleft())
         self.index = SuffixIndex(self.config.min_match)
         for document in self.documents:
-            self.index.append(document)
-            self.index.end_document()
+            self.index.add_document(document)
 
 
 class SuffixDrafter(Drafter):
@@ -134,10 +134,13 @@ class SuffixDrafter(Drafter):
         self.extend(sequences)
 
     def extend(self, sequences: list[Sequence]) -> None:
-        for seq in sequences:
-            index = SuffixIndex(self.config.min_match)
-            index.append(list(seq.tokens))
-            self.rows.append((seq, index))
+        self.rows += [(seq, self._index(seq)) for seq in sequences]
+
+    def _index(self, seq: Sequence) -> SuffixIndex:
+        """A new index of the row's context so far."""
+        index = SuffixIndex(self.config.min_match)
+        index.append(list(seq.tokens))
+        return index
 
     def keep(self, rows: list[int]) -> None:
         kept = set(rows)
@@ -163,19 +166,14 @@ class SuffixDrafter(Drafter):
                 continue
             tree = trees[b] if trees is not None else None
             tokens, parents = frequency_tree(continuations, tree, self.config.min_share)
-            if not tokens:
-                drafts.append(EMPTY_DRAFT)
-            elif tree is None:
-                drafts.append(Draft(torch.tensor(tokens, dtype=torch.long)))
-            else:
-                drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), tree=tree_from_parents(parents)))
+            shape = None if tree is None else tree_from_parents(parents)  # a chain keeps Draft's own (1, ..., 1)
+            drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), tree=shape) if tokens else EMPTY_DRAFT)
         return drafts
 
     def _own(self, b: int, seq: Sequence) -> SuffixIndex:
         """Row b's index of its own context, brought up to the tokens it has committed."""
         if b >= len(self.rows) or self.rows[b][0] is not seq:  # a row the batch did not announce: index it now
-            index = SuffixIndex(self.config.min_match)
-            index.append(list(seq.tokens))
+            index = self._index(seq)
             if b < len(self.rows):
                 self.rows[b] = (seq, index)
             else:
