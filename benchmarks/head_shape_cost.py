@@ -52,14 +52,16 @@ def main() -> None:
         for r in records:
             (counts.update(r["answer"]) if r["split"] == "train" else held.extend(r["answer"]))
     ranked = [t for t, _ in counts.most_common()]
-    ranked += [t for t in range(runner.vocab_size) if t not in set(ranked)]
+    seen = set(ranked)
+    ranked += [t for t in range(runner.vocab_size) if t not in seen]
+    aux = aux_layers_for(runner)
     rows = []
     for vocab in (int(v) for v in args.vocabs.split(",")):
         ids = torch.tensor(sorted(ranked[:vocab]), dtype=torch.long)
-        coverage = round(sum(t in set(ids.tolist()) for t in held) / len(held), 4) if held else None
+        vocabulary = set(ids.tolist())
+        coverage = round(sum(t in vocabulary for t in held) / len(held), 4) if held else None
         for intermediate in (int(i) for i in args.intermediates.split(",")):
             config = EagleTrainConfig(draft_vocab=vocab, intermediate=intermediate)
-            aux = aux_layers_for(runner)
             head = new_head(runner, config, aux, ids, lm_head_rows(runner, ids), final_norm(runner))
             with tempfile.TemporaryDirectory() as folder:
                 head.save(folder)

@@ -55,8 +55,8 @@ def add_parser(sub) -> None:
                    help="eagle3: train on corpora `verispec collect` wrote (their train splits; their held-out splits "
                         "validate) instead of collecting answers; several folders are read as one")
     t.add_argument("--corpus-tokens", type=int, default=None,
-                   help="with --corpus: train on its first answers up to this many answer tokens (a learning curve's "
-                        "point; default: all)")
+                   help="with --corpus: train on a seeded sample of its answers up to this many answer tokens (a "
+                        "learning curve's point, part of any larger one; default: all)")
     t.add_argument("--code-prompts", type=int, default=0,
                    help="also answer this many instructions built from installed packages' sources (default: 0)")
     for name, defaults in _options().items():

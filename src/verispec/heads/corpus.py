@@ -84,6 +84,11 @@ def foreign(theirs: dict, who: dict) -> str | None:
     return None
 
 
+def tally_key(item: dict) -> str:
+    """How answers are counted (the manifest's progress, a head's training.json): split, source and category."""
+    return f"{item['split']}:{item['source']}:{item['category']}"
+
+
 def _write_json(path: Path, obj, done: int = 0) -> None:
     """atomic_write_json, with a full disk said in one line (what is written so far stays)."""
     try:
@@ -260,7 +265,7 @@ def collect(decoder, corpus: Corpus, config: CollectConfig, show: bool = True) -
         if left[index]:
             return
         for item, tokens in zip(corpus.items(index), answers[index]):
-            key = f"{item['split']}:{item['source']}:{item['category']}"
+            key = tally_key(item)
             total_tokens[key] = total_tokens.get(key, 0) + len(tokens)
         _write_json(corpus.shard_path(index), {"shard": index, "answers": answers[index]}, len(done))
         done.add(index)

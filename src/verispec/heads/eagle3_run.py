@@ -66,12 +66,13 @@ def train_eagle3(decoder, prompts: list[list[int]], config: EagleTrainConfig, pa
                val_answers=len(val_set), train_tokens=sum(s.tokens.numel() - s.start for s in train_set),
                validation_before=before)
     if corpus is not None:  # what the data was: by source and category, answers and answer tokens of each split
+        from verispec.heads.corpus import tally_key
+
         mix: dict[str, dict[str, int]] = {}
-        for split_name, records in (("train", corpus[0]), ("heldout", corpus[1])):
-            for r in records:
-                row = mix.setdefault(f"{split_name}:{r['source']}:{r['category']}", {"answers": 0, "tokens": 0})
-                row["answers"] += 1
-                row["tokens"] += len(r["answer"][: config.tokens])
+        for r in corpus[0] + corpus[1]:
+            row = mix.setdefault(tally_key(r), {"answers": 0, "tokens": 0})
+            row["answers"] += 1
+            row["tokens"] += len(r["answer"][: config.tokens])
         log["data"] = {"corpora": sorted({r["corpus"] for r in corpus[0] + corpus[1]}), "mix": mix}
     partial.finish(head.cpu().save, runner, decoder.target.name, log)
     last = log["validation"][-1] if log["validation"] else before

@@ -29,6 +29,8 @@ from verispec.console import notice, progress
 from verispec.heads.eagle3_train import EagleTrainConfig, prefill_sample
 from verispec.models.heads.eagle3_ttt import Sample
 
+FORMAT = 2  # of a shard's file: {"format", "samples": {slot: {"digest", "sample"}}}; other formats are recomputed
+
 
 def store_folder(corpus: Path, runner, config: EagleTrainConfig, aux_layers: tuple[int, ...]) -> Path:
     """Where the features of `corpus` for this runner and these settings are kept."""
@@ -73,9 +75,6 @@ def corpus_samples(runner, records: list[dict], config: EagleTrainConfig, aux_la
             writable = writable and _write(job["path"], job["saved"])
             job["saved"] = None
     return [found[i] for i in range(len(records)) if found[i] is not None]
-
-
-FORMAT = 2
 
 
 def _digest(record: dict) -> str:
