@@ -169,6 +169,10 @@ def test_the_command_line(targets, tmp_path, capsys):
     assert "nothing to collect" in capsys.readouterr().err
     assert main(["collect", "--out", str(tmp_path / "e"), "--prompts", str(prompt_file), "--batch", "0"]) == 2
     assert "at least 1" in capsys.readouterr().err
+    for flag in ("--self-prompts", "--code-contexts", "--prose-contexts", "--code-texts", "--prose-texts"):
+        assert main(["collect", "--out", str(tmp_path / "f"), flag, "-1"]) == 2
+        assert f"{flag} must be >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "f").exists()
 
 
 def test_prefill_recomputes_what_collecting_while_decoding_keeps(decoder):
