@@ -180,18 +180,18 @@ def verify_greedy(target_argmax: torch.Tensor, draft: Draft) -> Verdict:
         target_argmax: (N + 1,) argmax of the target at the root and after each node.
         draft: N nodes (q is not read).
     """
-    tokens = draft.tokens
+    tokens = draft.tokens.tolist()  # N ints, on the host
+    best_of = target_argmax.tolist()  # N + 1 ints: one read of the device, the pass's only sync here
     if draft.is_chain:
-        n = tokens.numel()
-        matches = (tokens.to(target_argmax.device) == target_argmax[:n]).to(torch.int64)  # (n,)
-        num_accepted = int(matches.cumprod(dim=0).sum()) if n else 0
-        return Verdict(tuple(range(num_accepted)), int(target_argmax[num_accepted]), bonus=num_accepted == n)
+        n = len(tokens)
+        num_accepted = next((i for i in range(n) if tokens[i] != best_of[i]), n)
+        return Verdict(tuple(range(num_accepted)), best_of[num_accepted], bonus=num_accepted == n)
     tree = draft.tree
     path: list[int] = []
     node = -1
     while True:
-        best = int(target_argmax[node + 1])
-        nxt = next((c for c in tree.children[node + 1] if int(tokens[c]) == best), None)
+        best = best_of[node + 1]
+        nxt = next((c for c in tree.children[node + 1] if tokens[c] == best), None)
         if nxt is None:
             return Verdict(tuple(path), best, bonus=not tree.children[node + 1])
         path.append(nxt)
