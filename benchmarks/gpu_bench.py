@@ -133,6 +133,11 @@ def verispec_run(engine, prompts, tokens, sampling, k, seed=0, tokens_out=False)
     return row
 
 
+def equal_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two outputs share from their start."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def measure(size: str, args, device: torch.device, result: dict, save) -> dict:
     """Fill `result` phase by phase, calling save() after each (a run cut short keeps what it measured)."""
     from verispec.config import SamplingConfig
@@ -163,7 +168,8 @@ def measure(size: str, args, device: torch.device, result: dict, save) -> dict:
     plain = SpeculativeEngine(runner, None, set())
     verispec_run(plain, prompts[:1], 16, SamplingConfig(temperature=0), 1)  # compile the one-token pass first
     phase("plain warm-up (compile)")
-    run = verispec_run(plain, prompts[:1], args.tokens, SamplingConfig(temperature=0), 1)
+    run = verispec_run(plain, prompts[:1], args.tokens, SamplingConfig(temperature=0), 1, tokens_out=True)
+    plain_ids = run.pop("ids")
     result["plain_tokens_per_second"] = run["tokens"] / run["seconds"]
     result["plain_streamed_gb_per_second"] = result["weight_bytes"] * result["plain_tokens_per_second"] / 1e9
     phase("plain")
@@ -173,7 +179,8 @@ def measure(size: str, args, device: torch.device, result: dict, save) -> dict:
     modes = {"greedy": SamplingConfig(temperature=0), "t0.7": SamplingConfig(temperature=0.7)}
     for name in args.modes.split(","):
         sampling = modes[name]
-        verispec_run(engine, prompts[:1], 16, sampling, args.k)  # warm-up: compile the draft's and target's widths
+        # warm-up as long as the measured run, so every width it reaches is compiled before the clock starts
+        verispec_run(engine, prompts[:1], args.tokens, sampling, args.k)
         hf_run(target, prompts[0], 8, sampling)
         hf_run(target, prompts[0], 8, sampling, draft)
         phase(f"{name} warm-up")
@@ -185,14 +192,15 @@ def measure(size: str, args, device: torch.device, result: dict, save) -> dict:
             row["tokens_per_second"] = row["tokens"] / row["seconds"]
         if sampling.greedy:  # bfloat16 on other kernels may break a near-tie: reported, not asserted
             a, b = rows["verispec"].pop("ids"), rows["hf-generate"].pop("ids")
-            rows["greedy_equal_prefix"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            rows["greedy_equal_prefix"] = equal_prefix(a, b)  # with HF generate (another cache, other kernels)
+            rows["greedy_equal_prefix_vs_plain"] = equal_prefix(a, plain_ids)  # with this runner's plain decoding
         for row in rows.values():
             if isinstance(row, dict):
                 row.pop("ids", None)
         phase(name)
         rows["batches"] = {}
         for batch in (int(b) for b in args.batches.split(",") if b):
-            verispec_run(engine, prompts[:batch], 16, sampling, args.k)  # compile this batch size's widths
+            verispec_run(engine, prompts[:batch], args.tokens, sampling, args.k)  # compile this batch's widths
             b = verispec_run(engine, prompts[:batch], args.tokens, sampling, args.k)
             rows["batches"][batch] = {**b, "tokens_per_second_per_request": b["tokens"] / b["seconds"] / batch}
             phase(f"{name} batch {batch}")

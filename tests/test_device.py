@@ -85,4 +85,22 @@ def test_the_gpu_benchmark_runs_end_to_end_on_a_tiny_model(tmp_path, monkeypatch
     for mode in ("greedy", "t0.7"):
         assert result[mode]["verispec"]["tokens"] == 8 and result[mode]["hf-assisted"]["tokens"] == 8
         assert set(result[mode]["batches"]) == {"1", "2", "4", "8"}
+    assert result["greedy"]["greedy_equal_prefix_vs_plain"] == 8  # float32 here: speculation gives plain's tokens
     assert (tmp_path / "pass_costs.png").is_file() and (tmp_path / "speed.png").is_file()
+
+
+def test_the_gpu_profile_runs_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
+    """benchmarks/gpu_profile.py (where a GPU decode step's time goes) keeps working between GPU sessions."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    monkeypatch.setattr(sys, "argv", ["gpu_profile.py", "--size", "tiny", "--device", "cpu", "--tokens", "4",
+                                      "--no-compile", "--out", str(tmp_path)])
+    runpy.run_path(str(benchmarks / "gpu_profile.py"), run_name="__main__")
+    report = json.loads((tmp_path / "profile.json").read_text())
+    for layer in ("compiled_step", "runner_forward", "engine_plain"):
+        assert report[f"{layer}_ms"] > 0 and 0 < report[f"{layer}_bandwidth_share"] < 1
+    assert "Self CPU" in (tmp_path / "profile_table.txt").read_text()
