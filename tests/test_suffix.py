@@ -3,10 +3,14 @@ earlier outputs, and greedy output equal to plain decoding (its sampled exactnes
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 
 from conftest import tiny_model
+from tiny_hf import CHARS
 from verispec.config import SamplingConfig, SpecConfig, SuffixConfig, TreeConfig
 from verispec.core.sequence import Sequence
 from verispec.drafters.suffix import OutputStore, SuffixDrafter, SuffixIndex, frequency_tree
@@ -120,6 +124,80 @@ def test_the_draft_flag_builds_it():
     assert parse_draft("suffix").kind == "suffix"
     built = build_drafter("suffix", None, None, DrafterOptions(suffix=SuffixConfig(capacity=99)))
     assert isinstance(built.drafter, SuffixDrafter) and built.drafter.config.capacity == 99
+
+
+TOKENIZER = {"name": "tiny", "sha256": "a" * 64}
+
+
+def finished(drafter: SuffixDrafter, outputs: list[list[int]]) -> None:
+    """Run rows through the drafter as a batch does: announced, decoded (their outputs set), then dropped."""
+    rows = [seq([1, 2]) for _ in outputs]
+    drafter.start(rows)
+    for row, output in zip(rows, outputs):
+        row.tokens += output
+    drafter.keep([])
+
+
+def test_a_store_file_keeps_earlier_outputs_across_drafters(tmp_path):
+    path = tmp_path / "store.suffix"
+    first = SuffixDrafter(SuffixConfig(), path, TOKENIZER, 64)
+    assert not path.exists()  # nothing to keep yet
+    finished(first, [[9, 4, 5, 6, 7], [3, 8, 8]])
+    assert path.is_file()
+    second = SuffixDrafter(SuffixConfig(), path, TOKENIZER, 64)
+    assert list(second.store.documents) == [[9, 4, 5, 6, 7], [3, 8, 8]] and second.store.tokens == 8
+    row = seq([0, 9, 4, 5])
+    second.start([row])
+    assert second.propose([row], [4])[0].tokens.tolist() == [6, 7]  # drafted from the first process's output
+    small = SuffixDrafter(SuffixConfig(capacity=4), path, TOKENIZER, 64)  # a smaller bound: the oldest dropped
+    assert list(small.store.documents) == [[3, 8, 8]]
+
+
+def test_a_bad_store_file_is_one_clear_line_and_left_as_it_was(tmp_path):
+    from safetensors.numpy import save_file
+
+    good = tmp_path / "good.suffix"
+    finished(SuffixDrafter(SuffixConfig(), good, TOKENIZER, 64), [[5, 6, 7]])
+    garbage = tmp_path / "garbage.suffix"
+    garbage.write_bytes(b"\x07not a store at all")
+    foreign = tmp_path / "foreign.suffix"
+    save_file({"x": np.zeros(2, np.int32)}, str(foreign), metadata={"format": "something-else"})
+    damaged = tmp_path / "damaged.suffix"
+    save_file({"tokens": np.array([1, 2, 3], np.int32), "lengths": np.array([5], np.int64)}, str(damaged),
+              metadata={"format": "verispec-suffix-store", "version": "1", "tokenizer_sha256": "a" * 64})
+    cases = {garbage: "not a readable suffix store", foreign: "is not a suffix store",
+             damaged: "damaged suffix store", tmp_path: "is a folder", tmp_path / "no" / "such.suffix": "does not exist"}
+    for path, message in cases.items():
+        before = path.read_bytes() if path.is_file() else None
+        with pytest.raises(VerispecError, match=message):
+            SuffixDrafter(SuffixConfig(), path, TOKENIZER, 64)
+        assert (path.read_bytes() if path.is_file() else None) == before
+    with pytest.raises(VerispecError, match="another tokenizer \\('tiny'\\)"):
+        SuffixDrafter(SuffixConfig(), good, {"name": "other", "sha256": "b" * 64}, 64)
+    with pytest.raises(VerispecError, match="outside the vocabulary of 6"):
+        SuffixDrafter(SuffixConfig(), good, TOKENIZER, 6)  # ids 5, 6, 7: not all below 6
+
+
+def test_the_cli_keeps_a_store_file_and_refuses_a_bad_one(tmp_path, capsys):
+    from tiny_hf import save_tiny_model_dir
+    from verispec.cli import main
+
+    target = str(save_tiny_model_dir(tmp_path / "target", "llama", seed=0))
+    other = str(save_tiny_model_dir(tmp_path / "other", "llama", seed=1, vocab_chars=list(reversed(CHARS))))
+    store = tmp_path / "outputs.suffix"
+    common = ["generate", "--json", "--prompt", "abcabc", "--temperature", "0", "--max-new-tokens", "12"]
+    assert main([*common, "--target", target, "--draft", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)["token_ids"]
+    for _ in range(2):  # the second run reads the first one's output from the file
+        assert main([*common, "--target", target, "--draft", f"suffix:{store}"]) == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == plain
+    assert store.is_file()
+    kept = store.read_bytes()
+    assert main([*common, "--target", other, "--draft", f"suffix:{store}"]) == 2
+    err = capsys.readouterr().err
+    assert "another tokenizer" in err and len(err.strip().splitlines()) == 1 and store.read_bytes() == kept
+    assert main([*common, "--target", target, "--draft", "suffix", "--suffix-capacity", "0"]) == 2
+    assert "capacity must be at least 1 token" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("backend", ["torch", "native"])

@@ -18,7 +18,7 @@ import torch
 
 from verispec.adapt import OnlineAdapter
 from verispec.chat import chat_ids, has_chat_template, user_turn
-from verispec.config import AdaptConfig, NGramConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, SpecConfig
+from verispec.config import AdaptConfig, NGramConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, SpecConfig, SuffixConfig
 from verispec.core.drafter import Drafter
 from verispec.core.sequence import Sequence, StepEvent
 from verispec.drafters.registry import NGRAM, Built, DrafterOptions, build_drafter, model_drafter
@@ -128,11 +128,13 @@ class SpeculativeDecoder:
         self_spec: SelfSpecConfig = SelfSpecConfig(),
         device: str = "auto",
         compile: bool = False,
+        suffix: SuffixConfig = SuffixConfig(),
     ) -> SpeculativeDecoder:
         """Load by spec: a named default, a local HF model directory or a .gguf file.
 
-        `draft` may also be "ngram" (prompt lookup), "ngram-corpus[:TABLE]" / a .ngram table (corpus
-        n-grams, settings in `ngram`) or "none". `draft_dtype` defaults to `dtype`.
+        `draft` may also be "ngram" (prompt lookup), "suffix[:FILE]" (suffix decoding, settings in `suffix`; FILE
+        keeps earlier outputs across processes), "ngram-corpus[:TABLE]" / a .ngram table (corpus n-grams, settings
+        in `ngram`) or "none". `draft_dtype` defaults to `dtype`.
         `target_weights` "packed" (default) keeps the target's weights and dtype and only changes
         their memory layout for faster multi-token passes; "dense" runs them as loaded.
         `draft_weights` "int8" (default) quantizes the draft: the draft's dtype and weights change
@@ -152,7 +154,7 @@ class SpeculativeDecoder:
         loaded_target = load_model(target, dtype, target_weights, backend, device, compile)
         options = DrafterOptions(prompt_lookup=prompt_lookup, ngram=ngram, self_spec=self_spec, draft_lookup=draft_lookup,
                                  draft_context=draft_context, draft_dtype=draft_dtype or dtype, draft_weights=draft_weights,
-                                 backend=backend, device=device, compile=compile)
+                                 backend=backend, device=device, compile=compile, suffix=suffix)
         return cls(loaded_target, draft, options=options)
 
     # --- online adaptation -------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from verispec.config import TREE_CHILDREN, PromptLookupConfig, SamplingConfig, SelfSpecConfig, ServeConfig, SpecConfig, TreeConfig
+from verispec.config import TREE_CHILDREN, PromptLookupConfig, SamplingConfig, SelfSpecConfig, ServeConfig, SpecConfig, SuffixConfig, TreeConfig
 from verispec.console import notice
 from verispec.errors import VerispecError
 from verispec.models.loading import BACKENDS, DEFAULT_BACKEND, DEFAULT_DRAFT_WEIGHTS, DEFAULT_DTYPE, DEFAULT_TARGET_WEIGHTS, DTYPES, WEIGHT_FORMATS
@@ -33,6 +33,7 @@ SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "to
 SPEC_OPTIONS = {"num_draft_tokens": "num_draft_tokens", "max_new_tokens": "max_new_tokens", "stop": "stop",
                 "draft_stop": "draft_stop"}
 LOOKUP_OPTIONS = {"max_ngram": "ngram_max", "min_ngram": "ngram_min"}
+SUFFIX_OPTIONS = {"capacity": "suffix_capacity"}
 TREE_OPTIONS = {"budget": "tree_budget", "top_k": "tree_top_k", "children": "tree_children"}
 SERVE_OPTIONS = {name: name for name in ServeConfig.__dataclass_fields__}
 API_KEY_ENV = "VERISPEC_API_KEY"
@@ -68,6 +69,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="llama.cpp: run GGUF models with llama.cpp's kernels (needs llama-cpp-python) (default: %(default)s)")
     p.add_argument("--ngram-max", type=int, help=f"prompt lookup: longest n-gram matched (default: {default_of(PromptLookupConfig, 'max_ngram')})")
     p.add_argument("--ngram-min", type=int, help=f"prompt lookup: shortest n-gram matched (default: {default_of(PromptLookupConfig, 'min_ngram')})")
+    p.add_argument("--suffix-capacity", type=int, metavar="N",
+                   help="--draft suffix[:FILE]: tokens of earlier requests' outputs kept, the oldest dropped first "
+                        f"(default: {default_of(SuffixConfig, 'capacity')})")
     p.add_argument("--draft-lookup", type=int, default=None, metavar="N",
                    help="a draft model or an EAGLE head copies from the context first where its last n-gram (n >= N) "
                         "occurred before; "
@@ -147,6 +151,7 @@ def decoder_kwargs(args: argparse.Namespace) -> dict:
     """The arguments of `SpeculativeDecoder.load` the model options ask for."""
     return dict(target=args.target, draft=args.draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
                 prompt_lookup=build_config(PromptLookupConfig, args, LOOKUP_OPTIONS),
+                suffix=build_config(SuffixConfig, args, SUFFIX_OPTIONS),
                 target_weights=args.target_weights, draft_weights=args.draft_weights, backend=args.backend,
                 draft_lookup=getattr(args, "draft_lookup", None), draft_context=getattr(args, "draft_context", None),
                 self_spec=SelfSpecConfig(adapt=getattr(args, "self_adapt", False)), device=args.device,

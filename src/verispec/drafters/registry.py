@@ -3,7 +3,8 @@ entry in `KINDS` builds the drafter. The API, the CLI, the server, the bench and
 
     none | off                   plain decoding (no drafter)
     ngram                        prompt lookup (`prompt_lookup.py`)
-    suffix                       suffix decoding over the context and earlier requests' outputs (`suffix.py`)
+    suffix[:FILE]                suffix decoding over the context and earlier requests' outputs (`suffix.py`),
+                                 the outputs kept in FILE across processes
     ngram-corpus[:TABLE], X.ngram  corpus n-grams (`ngram_corpus.py`)
     self, self:SKIP, self:FILE   the target with sublayers skipped (`self_draft.py`)
     medusa[:DIR]                 Medusa heads on the target's hidden states (`medusa.py`)
@@ -125,7 +126,12 @@ def _ngram(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
 def _suffix(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
     from verispec.drafters.suffix import SuffixDrafter
 
-    return Built(SuffixDrafter(options.suffix), SUFFIX)
+    if spec.arg is None:
+        return Built(SuffixDrafter(options.suffix), SUFFIX)
+    from verispec.ngram.table import tokenizer_fingerprint
+
+    tokenizer = {"name": getattr(target.tokenizer, "name_or_path", "?"), "sha256": tokenizer_fingerprint(target.tokenizer)}
+    return Built(SuffixDrafter(options.suffix, spec.arg, tokenizer, runner.vocab_size), spec.text)
 
 
 def _corpus(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
@@ -212,7 +218,7 @@ KINDS: tuple[DrafterKind, ...] = (
     DrafterKind(NONE, "plain decoding", lambda text: text in NO_DRAFT, _none, arg_prefix=False, aliases=("off",)),
     DrafterKind(NGRAM, "prompt lookup: copies from the context", lambda text: text == NGRAM, _ngram, arg_prefix=False),
     DrafterKind(SUFFIX, "suffix decoding: the context's and earlier outputs' continuations, by frequency",
-                lambda text: text == SUFFIX, _suffix, arg_prefix=False),
+                _prefixed(SUFFIX), _suffix),
     DrafterKind(CORPUS, "corpus n-grams (`verispec ngram build`)", _is_corpus, _corpus),
     DrafterKind(SELF, "self-speculation: the target with sublayers skipped", _prefixed(SELF), _self),
     DrafterKind(MEDUSA, "Medusa heads on the target's hidden states", _prefixed(MEDUSA), _head),

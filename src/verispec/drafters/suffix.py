@@ -12,14 +12,16 @@ context repeating itself (an edit, an agent loop), a short one drafts little.
 
 Two sources: the row's own context (prompt and accepted tokens, indexed as they are committed), and a store of
 earlier requests' outputs shared by every row of this drafter (a server's requests), bounded by `capacity`
-tokens, the oldest output dropped first. Deterministic: q is one-hot, so the output is exactly the target's at
-any temperature (the verifier accepts draft x with probability p(x)).
+tokens, the oldest output dropped first, kept in a file across processes where one is named (`suffix:FILE`:
+read at start, written again each time a request's output joins it). Deterministic: q is one-hot, so the output
+is exactly the target's at any temperature (the verifier accepts draft x with probability p(x)).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,9 +29,11 @@ import torch
 from verispec.config import SuffixConfig, TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.sequence import Sequence
+from verispec.errors import VerispecError
 from verispec.tree import breadth_first, tree_from_parents
 
 SEPARATOR = -1  # between documents of one index: never equal to a token, so no match crosses it
+STORE_FORMAT, STORE_VERSION = "verispec-suffix-store", "1"  # a store file's header
 
 
 class SuffixIndex:
@@ -111,6 +115,49 @@ class OutputStore:
         for document in self.documents:
             self.index.add_document(document)
 
+    def save(self, path: Path, tokenizer: dict) -> None:
+        """Write the outputs atomically (a kill leaves the previous file): their tokens end to end, their lengths,
+        and a header naming the tokenizer (`tokenizer`: its "name" and "sha256") they are ids of."""
+        from safetensors.numpy import save_file
+
+        from verispec.atomic import atomic_path
+
+        tokens = np.fromiter((t for d in self.documents for t in d), dtype=np.int32, count=self.tokens)  # (T,)
+        lengths = np.array([len(d) for d in self.documents], dtype=np.int64)  # (D,)
+        header = {"format": STORE_FORMAT, "version": STORE_VERSION, "tokenizer": tokenizer["name"],
+                  "tokenizer_sha256": tokenizer["sha256"]}
+        with atomic_path(path) as tmp:
+            save_file({"tokens": tokens, "lengths": lengths}, str(tmp), metadata=header)
+
+    @classmethod
+    def load(cls, path: Path, config: SuffixConfig, tokenizer: dict, vocab_size: int) -> OutputStore:
+        """A store read from `path`, refused in one line where the file is not one, is damaged or holds ids of
+        another tokenizer; outputs past the capacity are dropped oldest first, as they are while decoding."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                header = f.metadata() or {}
+                if header.get("format") != STORE_FORMAT:
+                    raise VerispecError(f"{path} is not a suffix store (no '{STORE_FORMAT}' header)")
+                tokens, lengths = f.get_tensor("tokens"), f.get_tensor("lengths")
+        except (SafetensorError, OSError, ValueError, KeyError) as err:
+            raise VerispecError(f"{path} is not a readable suffix store ({type(err).__name__}: {err})") from None
+        if header.get("version") != STORE_VERSION:
+            raise VerispecError(f"{path} is a suffix store of format version {header.get('version')}, this verispec "
+                                f"reads version {STORE_VERSION}: delete it to start a new one")
+        if header.get("tokenizer_sha256") != tokenizer["sha256"]:
+            raise VerispecError(f"{path} holds token ids of another tokenizer ('{header.get('tokenizer', '?')}') "
+                                f"than the target's ('{tokenizer['name']}'): name another file, or delete it")
+        if (tokens.ndim != 1 or lengths.ndim != 1 or (lengths < 1).any() or int(lengths.sum()) != tokens.size
+                or (tokens.size and not (0 <= int(tokens.min()) and int(tokens.max()) < vocab_size))):
+            raise VerispecError(f"{path} is a damaged suffix store (its lengths and tokens disagree, or ids lie "
+                                f"outside the vocabulary of {vocab_size}): delete it to start a new one")
+        store = cls(config)
+        for document in np.split(tokens, np.cumsum(lengths)[:-1]) if lengths.size else []:
+            store.add(document.tolist())
+        return store
+
 
 class SuffixDrafter(Drafter):
     """Suffix decoding over each row's own context and the outputs of earlier requests (see the module doc)."""
@@ -118,9 +165,24 @@ class SuffixDrafter(Drafter):
     name = "suffix"
     chunked_prefill = True
 
-    def __init__(self, config: SuffixConfig = SuffixConfig()) -> None:
+    def __init__(self, config: SuffixConfig = SuffixConfig(), store_path: str | Path | None = None,
+                 tokenizer: dict | None = None, vocab_size: int | None = None) -> None:
+        """`store_path`: a file keeping the store across processes (read now if it exists, written as outputs join);
+        `tokenizer` ({"name", "sha256"}) and `vocab_size` then say whose token ids it may hold."""
         self.config = config
-        self.store = OutputStore(config)
+        self.store_path = None if store_path is None else Path(store_path)
+        self.tokenizer = tokenizer
+        if self.store_path is not None:
+            if tokenizer is None or vocab_size is None:
+                raise VerispecError("a suffix store file needs the target's tokenizer and vocabulary size")
+            if self.store_path.is_dir():
+                raise VerispecError(f"the suffix store {self.store_path} is a folder: name a file")
+            if not self.store_path.parent.is_dir():
+                raise VerispecError(f"the suffix store's folder {self.store_path.parent} does not exist")
+        if self.store_path is not None and self.store_path.exists():
+            self.store = OutputStore.load(self.store_path, config, tokenizer, vocab_size)
+        else:
+            self.store = OutputStore(config)
         self.rows: list[tuple[Sequence, SuffixIndex]] = []
 
     @property
@@ -148,11 +210,15 @@ class SuffixDrafter(Drafter):
         self.rows = [self.rows[r] for r in rows]
 
     def _retire(self, rows) -> None:
-        """Rows leaving: their outputs join the store for later requests."""
+        """Rows leaving: their outputs join the store for later requests (and its file, if it has one)."""
+        added = False
         for r in rows:
             seq, _ = self.rows[r]
             if seq.generated:
                 self.store.add(seq.generated)
+                added = True
+        if added and self.store_path is not None:
+            self.store.save(self.store_path, self.tokenizer)
 
     # --- drafting -------------------------------------------------------------------------------------------
     def propose(self, sequences: list[Sequence], depths: list[int],
