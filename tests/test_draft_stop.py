@@ -110,8 +110,9 @@ def test_an_auto_tuner_stops_chains_from_its_cost_profile(greedy_pair):
         drafter = CheckedDrafter(ModelRunner(draft), 64)
         drafter.calibration = AcceptanceCalibration(min_observations=0)  # 72 tokens are too few to leave exploring
         engine = SpeculativeEngine(ModelRunner(target), drafter, set())
-        tuner = AdaptiveK(profile, prior=0.9, stop_drafts=stop)
-        seqs = engine.generate(PROMPTS, GREEDY, SpecConfig(max_new_tokens=24), tuner=tuner)
+        tuner = AdaptiveK(profile, prior=0.9, stop_drafts=stop, learn_costs=False)  # these costs, not this CPU's
+        # one row at a time: the profile is a single row's (a batch's pass over rows x (K + 1) tokens costs more)
+        seqs = [engine.generate([p], GREEDY, SpecConfig(max_new_tokens=24), tuner=tuner)[0] for p in PROMPTS]
         assert [s.generated for s in seqs] == expected
         results[stop] = (drafter.stopped, drafts_accepted(seqs)[0])
     assert results[False][0] == 0 < results[True][0]

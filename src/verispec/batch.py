@@ -149,8 +149,9 @@ class DecodeBatch:
         left = [s.max_new_tokens - s.num_generated - 1 for s in active]
         drafter = self.drafter
         if drafter is None or not any(s.drafting and s.spec.tree is not None for s in active):
-            k = None if self.tuner is None else self.tuner.k(drafter is not None and drafter.stops_chains)
-            tuned_stop = None if self.tuner is None else self.tuner.draft_stop()  # thresholds from measured costs
+            rows = len(active)
+            k = None if self.tuner is None else self.tuner.k(drafter is not None and drafter.stops_chains, rows)
+            tuned_stop = None if self.tuner is None else self.tuner.draft_stop(rows)  # from measured costs
             for s in active:
                 s.draft_stop = tuned_stop or (DraftStop.fixed(s.spec.draft_stop) if s.spec.draft_stop > 0 else None)
             return None, [min(s.spec.num_draft_tokens if k is None else k, n)
@@ -160,7 +161,7 @@ class DecodeBatch:
         depths = [min(t.depth(s.spec.num_draft_tokens), n) if s.drafting and not pre else 0
                   for s, t, n, pre in zip(active, trees, left, prefilling)]
         if self.tuner is not None:  # dynamic trees keep only the nodes that pay for their share of the pass
-            profile = self.tuner.profile
+            profile = self.tuner.costs(len(active))
             costs = profile.pass_costs()  # measured widths bound the tree: wider passes were never timed
             trees = [replace(t, budget=min(t.budget, len(costs) - 1), pass_costs=costs, draft_cost=d * profile.c)
                      if t.budget is not None else t for t, d in zip(trees, depths)]
@@ -187,6 +188,9 @@ class DecodeBatch:
         parents = [d.tree.parents.tolist() for d in drafts]
         logits = self._target("forward", lambda: engine.target.forward(self.state, inputs, wanted, parents))  # (B, M, V)
         t2 = time.perf_counter()
+        if self.tuner is not None and not any(prefilling):  # costs measured while decoding (prompt passes aside)
+            self.tuner.observe_pass(sum(len(i) for i in inputs), t2 - t1)
+            self.tuner.observe_draft(max(depths), t1 - t0)
         verdicts = [None if pre else self._row(s, "verify", lambda b=b, s=s, d=d: engine._verify(s, d, logits[b, : len(d) + 1]))
                     for b, (s, d, pre) in enumerate(zip(active, drafts, prefilling))]
         paths = [v.path if v is not None else () for v in verdicts]

@@ -11,7 +11,9 @@ K = 0 (speculation off) is chosen where no K beats 1.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from verispec.core.protocols import Runner
@@ -107,6 +109,42 @@ def measure_costs(target: Runner, draft: Runner | None, k_max: int = 8, context:
     return CostProfile(passes, draft_cost)
 
 
+class PassClock:
+    """Target pass costs measured while decoding, by the tokens a pass reads (all its rows together).
+
+    It starts from the profile measured once at start (one row) and learns from every decoding pass: a width with
+    `min_samples` recent passes costs the median of its last `window`; any other costs the start profile's
+    figure (beyond its widest pass, the widest's cost per token times the tokens: an upper bound where cost grows
+    less than linearly) times the median ratio of observed to predicted cost over the last passes of any width.
+    Medians, so a busy second does not stick: a slow start profile is corrected within a few passes, a slow
+    stretch within `window` passes of its end.
+    """
+
+    def __init__(self, profile: CostProfile, window: int = 9, min_samples: int = 3) -> None:
+        self.base = profile
+        self.window, self.min_samples = window, min_samples
+        self.samples: dict[int, deque[float]] = {}  # tokens in the pass -> its last seconds
+        self.ratios: deque[float] = deque(maxlen=4 * window)  # observed / predicted, last passes of any width
+
+    def predicted(self, tokens: int) -> float:
+        widest = max(self.base.target_pass)
+        if tokens in self.base.target_pass:
+            return self.base.target_pass[tokens]
+        return self.base.target_pass[widest] * tokens / widest
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1 or not seconds > 0:
+            return
+        self.samples.setdefault(tokens, deque(maxlen=self.window)).append(seconds)
+        self.ratios.append(seconds / self.predicted(tokens))
+
+    def cost(self, tokens: int) -> float:
+        own = self.samples.get(tokens)
+        if own is not None and len(own) >= self.min_samples:
+            return statistics.median(own)
+        return self.predicted(tokens) * (statistics.median(self.ratios) if self.ratios else 1.0)
+
+
 @dataclass
 class AdaptiveK:
     """Picks K each step from the cost profile and a running estimate of alpha.
@@ -144,6 +182,9 @@ class AdaptiveK:
     steps_off: int = field(default=0)
     probe_gap: int = field(default=0)  # steps between probes now (0: probe_every)
     probing: bool = field(default=False)  # a probe was asked for and nothing has been drafted since
+    learn_costs: bool = True  # False: `profile` stays the costs (a profile given by hand, in a test say)
+    clock: PassClock | None = field(default=None)  # target pass costs measured while decoding
+    draft_seconds: deque = field(default_factory=lambda: deque(maxlen=9))  # last steps' seconds per draft position
 
     def __post_init__(self) -> None:
         if not 1 <= self.probe_every <= self.probe_max:
@@ -152,13 +193,36 @@ class AdaptiveK:
         if self.accepted < 0:
             self.accepted = self.prior * self.prior_weight
             self.rejections = (1 - self.prior) * self.prior_weight
+        self.clock = self.clock or PassClock(self.profile)
+
+    def costs(self, rows: int = 1) -> CostProfile:
+        """The costs now, for a batch of `rows` rows: v(K) is a pass over rows x (K + 1) tokens against one over
+        `rows` tokens (so speculation shrinks as a batch's plain pass fills the machine), c a draft position's
+        seconds against the latter; both from what decoding measured (`PassClock`, the draft's last steps)."""
+        widths = range(1, self.profile.k_max + 2)
+        passes = {w: self.clock.cost(rows * w) for w in widths}
+        draft = self.profile.draft_token
+        if draft > 0 and self.draft_seconds:  # a free drafter (measured 0) stays free
+            draft = statistics.median(self.draft_seconds)
+        return CostProfile(passes, draft)
+
+    def observe_pass(self, tokens: int, seconds: float) -> None:
+        """A decoding pass of the target over `tokens` tokens (all rows) took `seconds`."""
+        if self.learn_costs:
+            self.clock.observe(tokens, seconds)
+
+    def observe_draft(self, positions: int, seconds: float) -> None:
+        """The drafter took `seconds` to draft `positions` positions deep (all rows at once)."""
+        if self.learn_costs and positions > 0 and seconds > 0:
+            self.draft_seconds.append(seconds / positions)
 
     @property
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejections)
 
-    def k(self, stops_chains: bool = False) -> int:
-        """K for the next step; while speculation is off, 1 on probe steps (see the class docstring), else 0.
+    def k(self, stops_chains: bool = False, rows: int = 1) -> int:
+        """K for the next step of a batch of `rows` rows, from the costs measured so far (`costs`); while
+        speculation is off, 1 on probe steps (see the class docstring), else 0.
         With `stop_drafts`, K is the longest measured chain whenever speculation pays at all: where each
         chain stops is then the stopping rule's call, token by token, rather than this average's. For a free
         drafter whose chains honour the rule (`stops_chains`: prompt lookup; measured draft cost 0) it is
@@ -166,7 +230,7 @@ class AdaptiveK:
         may pay where the average copy does not), at no cost where it drafts nothing."""
         if self.stop_drafts and stops_chains and self.profile.draft_token == 0:
             return self.profile.k_max  # a free drafter's chains are gated one by one, by their own calibration
-        k = best_k(self.alpha, self.profile)
+        k = best_k(self.alpha, self.costs(rows))
         if k > 0:
             self.steps_off, self.probe_gap, self.probing = 0, self.probe_every, False
             return self.profile.k_max if self.stop_drafts else k
@@ -180,9 +244,12 @@ class AdaptiveK:
             return 1
         return 0
 
-    def draft_stop(self) -> DraftStop | None:
+    def draft_stop(self, rows: int = 1) -> DraftStop | None:
         """The per-position stopping thresholds that the measured costs give (None with stop_drafts off)."""
-        return DraftStop.from_costs(self.profile.c, self.profile.pass_costs()) if self.stop_drafts else None
+        if not self.stop_drafts:
+            return None
+        costs = self.costs(rows)
+        return DraftStop.from_costs(costs.c, costs.pass_costs())
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """One step's outcome (num_drafted > 0): the acceptance counts, and the probe gap after a probe."""

@@ -1,0 +1,64 @@
+"""Costs measured while decoding (`verispec.tuning.PassClock`, `AdaptiveK.costs`): a busy moment at start or a
+busy second later does not stick, and a batch's speculation shrinks as its plain pass fills the machine. No timing
+here: the seconds are given."""
+
+from __future__ import annotations
+
+from conftest import tiny_model
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.drafters.prompt_lookup import PromptLookupDrafter
+from verispec.engine import SpeculativeEngine
+from verispec.models.runners.hf import ModelRunner
+from verispec.tuning import AdaptiveK, CostProfile, PassClock, measure_costs
+
+FLAT = CostProfile({w: 1.0 + 0.05 * (w - 1) for w in range(1, 10)}, 0.1)  # a GPU-like v(k), a cheap draft
+
+
+def test_the_clock_learns_each_width_and_scales_the_rest_by_the_median_ratio():
+    clock = PassClock(FLAT)
+    assert clock.cost(3) == FLAT.target_pass[3] and clock.cost(18) == FLAT.target_pass[9] * 2  # beyond: per token
+    for _ in range(3):
+        clock.observe(1, 2.0)  # the machine is twice as slow as at start
+    assert clock.cost(1) == 2.0
+    assert clock.cost(2) == FLAT.target_pass[2] * 2.0  # not observed: the start figure times the median ratio
+    for _ in range(8):
+        clock.observe(2, 1.0)
+    clock.observe(2, 50.0)  # one busy moment among nine passes
+    assert clock.cost(2) == 1.0
+
+
+def test_a_draft_measured_slow_at_start_is_switched_back_on_by_what_decoding_measures():
+    busy = CostProfile(FLAT.target_pass, 2.0)  # the draft's cost measured in a busy moment: twice a target pass
+    tuner = AdaptiveK(busy, prior=0.8, prior_weight=100.0)
+    assert tuner.k() == 0  # speculation does not pay at that cost
+    for _ in range(3):
+        tuner.observe_draft(4, 0.4)  # what it really costs: 0.1 s a position
+    assert tuner.k() > 0 and abs(tuner.costs().c - 0.1) < 1e-9
+    fixed = AdaptiveK(busy, prior=0.8, prior_weight=100.0, learn_costs=False)
+    fixed.observe_draft(4, 0.4)
+    assert fixed.k() == 0  # a profile given to keep is kept
+
+
+def test_a_batch_speculates_less_as_its_plain_pass_fills_the_machine():
+    tuner = AdaptiveK(CostProfile({w: 1.0 + 0.05 * (w - 1) for w in range(1, 6)}, 0.0), prior=0.6,
+                      prior_weight=100.0)
+    assert tuner.k(rows=1) == 4
+    for tokens in range(8, 41):  # eight rows: a pass costs its tokens (the machine is compute bound at 8)
+        for _ in range(3):
+            tuner.observe_pass(tokens, tokens / 8)
+    assert tuner.costs(rows=8).v(1) == 2.0  # two tokens a row cost twice one
+    assert tuner.k(rows=8) == 0 and tuner.k(rows=1) == 4  # one row alone still has the cheap wide pass
+
+
+def test_decoding_with_the_tuner_feeds_it_and_keeps_plain_decodings_tokens():
+    model = tiny_model("llama", vocab=32, seed=2, layers=2, sharpness=20.0)
+    runner = ModelRunner(model)
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 5, 6, 5, 6]]
+    spec = SpecConfig(num_draft_tokens=3, max_new_tokens=16, stop_at_eos=False)
+    greedy = SamplingConfig(temperature=0)
+    plain = [s.generated for s in SpeculativeEngine(runner, None, set()).generate(prompts, greedy, spec)]
+    tuner = AdaptiveK(measure_costs(runner, None, k_max=3, context=8, repeats=1))
+    out = SpeculativeEngine(runner, PromptLookupDrafter(), set()).generate(prompts, greedy, spec, tuner=tuner)
+    assert [s.generated for s in out] == plain
+    assert sum(len(v) for v in tuner.clock.samples.values()) >= 8  # every decoding pass was timed
+    assert max(tuner.clock.samples) >= 2  # a pass of both rows counts the tokens of both
