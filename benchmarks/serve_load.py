@@ -4,7 +4,8 @@ Runs every configuration in {batching on, off} x {speculation on, off} against a
 server on 127.0.0.1 (a free port), and reports per configuration: requests/s, generated tokens/s,
 latency and time-to-first-token percentiles, and two checks:
   - mismatches: requests whose tokens differ from the same request in the batching-off run of the
-    same speculation setting (every request is seeded or greedy, so batching must not change them);
+    same speculation setting (every request is seeded or greedy, so batching must not change them; with
+    --auto-k, K follows timing and a seeded sampled request's draws follow K, so only greedy ones count);
   - leaked_cache_rows: KV cache rows still held after the run (must be 0).
 Bounded: a fixed number of requests, a per-request timeout and a time limit per configuration.
 
@@ -108,9 +109,9 @@ async def drive(url: str, requests: list[dict], clients: int, speculate: bool, t
 
 
 def run_config(decoder: SpeculativeDecoder, requests: list[dict], clients: int, batching: bool, speculate: bool,
-               timeout_s: float, time_limit_s: float) -> tuple[dict, list[dict | None]]:
+               timeout_s: float, time_limit_s: float, auto_k: bool = False) -> tuple[dict, list[dict | None]]:
     config = ServeConfig(port=0, max_batch_size=clients if batching else 1, max_queue=max(64, len(requests)),
-                         request_timeout=timeout_s)
+                         request_timeout=timeout_s, auto_k=auto_k)
     with BackgroundServer(decoder, config) as server:
         results, wall = asyncio.run(drive(server.url, requests, clients, speculate, timeout_s, time_limit_s))
         leaked = server.app.state.scheduler.cache_rows()
@@ -119,7 +120,7 @@ def run_config(decoder: SpeculativeDecoder, requests: list[dict], clients: int, 
     ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
     tokens = sum(r["tokens"] for r in done)
     summary = {
-        "batching": batching, "speculation": speculate, "clients": clients, "requests": len(requests),
+        "batching": batching, "speculation": speculate, "auto_k": auto_k and speculate, "clients": clients, "requests": len(requests),
         "completed": len(done), "wall_seconds": round(wall, 3),
         "requests_per_second": round(len(done) / wall, 3), "tokens_per_second": round(tokens / wall, 2),
         **{f"latency_p{q}": round(percentile(latencies, q), 3) for q in (50, 90, 99)},
@@ -132,17 +133,23 @@ def run_config(decoder: SpeculativeDecoder, requests: list[dict], clients: int, 
 
 def run_load(decoder: SpeculativeDecoder, clients: int = 8, num_requests: int = 32,
              max_new_tokens: tuple[int, ...] = (16, 64), seed: int = 0, timeout_s: float = 600.0,
-             time_limit_s: float = 1800.0, speculation: tuple[bool, ...] = (True, False)) -> list[dict]:
+             time_limit_s: float = 1800.0, speculation: tuple[bool, ...] = (True, False), auto_k: bool = False) -> list[dict]:
     """Every configuration's summary; `mismatches` compares each batched run with its batching-off run."""
     requests = workload(num_requests, list(max_new_tokens), seed)
     summaries = []
     for speculate in speculation:
         reference = None
         for batching in (False, True):
-            summary, results = run_config(decoder, requests, clients, batching, speculate, timeout_s, time_limit_s)
+            summary, results = run_config(decoder, requests, clients, batching, speculate, timeout_s, time_limit_s,
+                                          auto_k)
             if reference is None:
                 reference = results
             differing = [i for i, (a, b) in enumerate(zip(results, reference)) if a is None or b is None or a["text"] != b["text"]]
+            if auto_k and speculate:  # K then follows timing, and a seeded sampled request's draws follow K:
+                # its tokens are the target's distribution either way, the same tokens only when greedy
+                sampled = [i for i in differing if requests[i]["body"]["temperature"] and results[i] and reference[i]]
+                summary["sampled_differing"] = len(sampled)
+                differing = [i for i in differing if i not in sampled]
             summary["mismatches"] = len(differing)
             summary["mismatched_requests"] = [{"request": requests[i], "alone": reference[i] and reference[i]["text"],
                                                "here": results[i] and results[i]["text"]} for i in differing]
@@ -154,7 +161,7 @@ def run_load(decoder: SpeculativeDecoder, clients: int = 8, num_requests: int = 
 
 
 def markdown(summaries: list[dict]) -> str:
-    cols = ["batching", "speculation", "completed", "requests_per_second", "tokens_per_second", "latency_p50",
+    cols = ["batching", "speculation", "auto_k", "completed", "requests_per_second", "tokens_per_second", "latency_p50",
             "latency_p90", "latency_p99", "ttft_p50", "mismatches", "leaked_cache_rows"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(s[c]) for c in cols) + " |" for s in summaries]
@@ -174,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--speculation", choices=["both", "on", "off"], default="both",
                         help="run the configurations with speculation on, off or both (default: %(default)s)")
+    parser.add_argument("--auto-k", action="store_true", help="the server chooses K per step from measured costs "
+                        "(ServeConfig.auto_k) in the speculation-on configurations")
     parser.add_argument("--out", help="write the summaries as JSON here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -184,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = tuple(int(x) for x in args.max_new_tokens.split(","))
     speculation = {"both": (True, False), "on": (True,), "off": (False,)}[args.speculation]
     summaries = run_load(decoder, args.clients, args.requests, lengths, args.seed, args.timeout, args.time_limit,
-                         speculation)
+                         speculation, args.auto_k)
     print(markdown(summaries))
     if args.out:
         with open(args.out, "w") as f:

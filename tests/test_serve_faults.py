@@ -181,3 +181,22 @@ def test_load_script_reports_percentiles_and_finds_no_mismatch(decoder, capsys):
         assert s["completed"] == 8 and s["mismatches"] == 0 and s["leaked_cache_rows"] == 0
         assert s["tokens_per_second"] > 0 and s["latency_p50"] <= s["latency_p99"]
     assert "latency_p90" in serve_load.markdown(summaries)
+
+
+def test_the_server_sizes_speculation_from_costs_it_measures_and_stays_exact(decoder):
+    """ServeConfig.auto_k: the scheduler's batch gets a tuner fed by every pass; batched and one-at-a-time runs still
+    give every request the same text."""
+    from verispec.config import ServeConfig
+    from verispec.serve.app import create_app
+
+    app = create_app(decoder, ServeConfig(auto_k=True), scheduler_thread=False)
+    tuner = app.state.scheduler.tuner
+    assert tuner is not None and app.state.scheduler.batch.tuner is tuner
+    assert create_app(decoder, ServeConfig(), scheduler_thread=False).state.scheduler.tuner is None
+    spec = importlib.util.spec_from_file_location("serve_load", Path(__file__).parent.parent / "benchmarks/serve_load.py")
+    serve_load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_load)
+    summaries = serve_load.run_load(decoder, clients=4, num_requests=8, max_new_tokens=(6, 14), timeout_s=60,
+                                    time_limit_s=120, speculation=(True,), auto_k=True)
+    for s in summaries:
+        assert s["auto_k"] and s["completed"] == 8 and s["mismatches"] == 0 and s["leaked_cache_rows"] == 0

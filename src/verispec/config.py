@@ -276,6 +276,10 @@ class ServeConfig:
         header_timeout: seconds a client has to send a request's headers before its connection is closed
             (clients that trickle headers byte by byte hold no connection for long). Default 10.
         body_timeout: seconds a client has to send a request's body once its headers arrived. Default 30.
+        auto_k: choose K every step from costs measured while serving (`tuning.AdaptiveK`), for the batch's rows
+            together: the pass over every row's drafts against the plain pass over the rows, so speculation
+            shrinks, then stops, as concurrency fills the machine, and returns as it falls. A request's own K is
+            then not used. Default False.
     """
 
     host: str = "127.0.0.1"
@@ -301,6 +305,7 @@ class ServeConfig:
     timeout_keep_alive: float = 5.0
     header_timeout: float = 10.0
     body_timeout: float = 30.0
+    auto_k: bool = False
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):

@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
                    help=f"seconds a client has to send its headers (default: {default_of(ServeConfig, 'header_timeout')})")
     s.add_argument("--body-timeout", type=float,
                    help=f"seconds a client has to send its body (default: {default_of(ServeConfig, 'body_timeout')})")
+    s.add_argument("--auto-k", action="store_true", default=None,
+                   help="choose K every step from costs measured while serving, for the whole batch: speculation "
+                        "shrinks, then stops, as concurrency rises, and returns as it falls (requests' own K unused)")
     s.add_argument("--adapt", action="store_true",
                    help="online adaptation: the drafter learns from verification between requests, in the background")
     r = s.add_argument_group("scale-out on Ray Serve (pip install 'verispec[ray]')")

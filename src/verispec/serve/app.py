@@ -36,9 +36,10 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig(),
     `serve.server.run_server`) and stops it."""
     engine = decoder.engine
     adapter = decoder.adapter  # online adaptation (`serve --adapt`): updates run while the scheduler idles
+    tuner = decoder.auto_tuner() if config.auto_k and decoder.drafter is not None else None  # costs measured now
     scheduler = Scheduler(engine, config.max_batch_size, config.max_queue,
                           on_idle=adapter.poke if adapter is not None else None, prefill_chunk=config.prefill_chunk,
-                          max_cache_bytes=config.max_cache_bytes)
+                          max_cache_bytes=config.max_cache_bytes, tuner=tuner)
     metrics = Metrics(scheduler, adapter)
     model_name = config.served_model_name or decoder.target.name
     requests = RequestBuilder(decoder, config, model_name)

@@ -32,6 +32,7 @@ from verispec.batch import DecodeBatch
 from verispec.core.sequence import Sequence
 from verispec.engine import SpeculativeEngine
 from verispec.stats import GenerationStats
+from verispec.tuning import AdaptiveK
 
 log = logging.getLogger("verispec.serve")
 
@@ -188,20 +189,22 @@ class Scheduler:
             starts a background update of the drafter between requests).
         prefill_chunk: prompt tokens a joining request reads per step (None: a whole prompt in one step).
         max_cache_bytes: key/value cache the running requests may reserve together (None: `default_cache_budget`).
+        tuner: chooses K each step for every row from measured costs (None: each request's own K).
     """
 
     IDLE_WAIT_S = 0.5  # how long the idle thread sleeps between checks when nothing wakes it
 
     def __init__(self, engine: SpeculativeEngine, max_batch_size: int, max_queue: int,
                  on_idle: Callable[[], None] | None = None, prefill_chunk: int | None = None,
-                 max_cache_bytes: int | None = None) -> None:
+                 max_cache_bytes: int | None = None, tuner: AdaptiveK | None = None) -> None:
         self.engine = engine
         self.on_idle = on_idle
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
         self.max_cache_bytes = max_cache_bytes or default_cache_budget()
-        self.batch = DecodeBatch(engine, prefill_chunk=prefill_chunk)
+        self.tuner = tuner  # K per step from measured costs, for all rows together (ServeConfig.auto_k)
+        self.batch = DecodeBatch(engine, tuner, prefill_chunk=prefill_chunk)
         self.faults = _Faults()
         self.reserved = 0  # bytes reserved by the running requests
         self._waiting: collections.deque[Ticket] = collections.deque()
@@ -416,7 +419,7 @@ class Scheduler:
             ticket.post(Update(error=error))
         self._running.clear()
         self.reserved = 0
-        self.batch = DecodeBatch(self.engine, prefill_chunk=self.prefill_chunk)
+        self.batch = DecodeBatch(self.engine, self.tuner, prefill_chunk=self.prefill_chunk)
 
     def _cut_all(self, error: ServeError) -> None:
         with self._lock:
