@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from verispec.errors import VerispecError
 
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")  # Spec-Bench, beside the repository
+# shipped: code-editing and agent-loop prompts (scripts/build_edit_prompts.py; SOURCE.txt beside it)
+EDITING_PROMPTS = Path(__file__).resolve().parent / "bench" / "data" / "editing.jsonl"
 # Spec-Bench's six categories; its first 80 questions are MT-Bench's eight categories.
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
@@ -33,33 +36,27 @@ def spec_bench_category(category: str) -> str:
     return "mt_bench" if category in MT_BENCH_CATEGORIES else category
 
 
-def load_prompts(path: str | Path, categories: list[str] | None = None, per_category: int | None = None,
-                 split: str | None = None) -> list[Prompt]:
-    """First turns of a Spec-Bench-style JSONL file, grouped into Spec-Bench's categories.
+def load_prompts(path: str | Path | Sequence[str | Path], categories: list[str] | None = None,
+                 per_category: int | None = None, split: str | None = None) -> list[Prompt]:
+    """First turns of Spec-Bench-style JSONL files, grouped into Spec-Bench's categories.
 
     Args:
-        path: the JSONL file.
+        path: the JSONL file, or several read as one (their question ids must not repeat).
         categories: keep only these (Spec-Bench names: mt_bench, translation, summarization, qa,
             math_reasoning, rag; or one of MT-Bench's eight, e.g. coding or extraction, which keeps that
             part of mt_bench under its own name); None keeps all.
         per_category: keep the first N prompts of each category; None keeps all.
         split: HELDOUT or TRAIN keeps one side of the distillation split (`split_of`); None keeps both.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise VerispecError(f"prompt file not found: {path}")
+    paths = [Path(path)] if isinstance(path, (str, Path)) else [Path(p) for p in path]
+    path = ", ".join(str(p) for p in paths)  # for the messages below
     prompts: list[Prompt] = []
     raw: list[str] = []  # each prompt's category as the file names it (MT-Bench's own for mt_bench rows)
-    with open(path) as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                prompts.append(Prompt(int(row["question_id"]), spec_bench_category(row["category"]), row["turns"][0]))
-                raw.append(str(row["category"]))
-            except (ValueError, KeyError, IndexError, TypeError) as err:
-                raise VerispecError(f"{path}:{line_no}: not a Spec-Bench row ({type(err).__name__}: {err})") from None
+    for one in paths:
+        _read_rows(one, prompts, raw)
+    ids = [p.question_id for p in prompts]
+    if len(set(ids)) != len(ids):
+        raise VerispecError(f"question ids repeat across {path}: each prompt needs its own")
     known = sorted({p.category for p in prompts} | (set(raw) & MT_BENCH_CATEGORIES))
     if categories:
         unknown = set(categories) - set(known)
@@ -79,6 +76,22 @@ def load_prompts(path: str | Path, categories: list[str] | None = None, per_cate
                 taken[p.category] = taken.get(p.category, 0) + 1
         prompts = kept
     return prompts
+
+
+def _read_rows(path: Path, prompts: list[Prompt], raw: list[str]) -> None:
+    """Append a Spec-Bench JSONL file's first turns to `prompts` and their categories as written to `raw`."""
+    if not path.is_file():
+        raise VerispecError(f"prompt file not found: {path}")
+    with open(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompts.append(Prompt(int(row["question_id"]), spec_bench_category(row["category"]), row["turns"][0]))
+                raw.append(str(row["category"]))
+            except (ValueError, KeyError, IndexError, TypeError) as err:
+                raise VerispecError(f"{path}:{line_no}: not a Spec-Bench row ({type(err).__name__}: {err})") from None
 
 
 def prompt_texts(path: str | Path, categories: list[str] | None = None, per_category: int | None = None,

@@ -31,7 +31,7 @@ from verispec.bench.results import runs_json, write_json, write_report
 from verispec.bench.systems import HFSystem, LlamaCppGenerate, System, VerispecSystem
 from verispec.config import AdaptConfig, SamplingConfig, TreeConfig
 from verispec.console import stderr_console
-from verispec.datasets import DEFAULT_PROMPTS, load_prompts
+from verispec.datasets import DEFAULT_PROMPTS, EDITING_PROMPTS, load_prompts
 from verispec.drafters import registry
 from verispec.drafters.ngram_corpus import DEFAULT_TABLE
 from verispec.drafters.registry import DrafterOptions
@@ -45,7 +45,8 @@ SPLITS = ("all", "heldout", "train")  # Spec-Bench question ids: odd are held ou
 class BenchConfig:
     """What `verispec bench` measures.
 
-    prompts: Spec-Bench-format JSONL. categories: Spec-Bench categories to keep (None: all).
+    prompts: Spec-Bench-format JSONL, or several read as one (default: Spec-Bench beside the repository and the
+        shipped code_editing and agent prompts). categories: Spec-Bench categories to keep (None: all).
     per_category: prompts per category. systems: names from SYSTEMS (None: all that apply).
     split: "heldout" keeps the prompts the distilled draft never saw (odd question ids), "train" the
     others, "all" both. distilled: the distilled draft spec of the verispec-*distilled* systems (None: skip them).
@@ -67,7 +68,7 @@ class BenchConfig:
         takes the fastest as the peer's best speculative setting (`report.best_speculative`).
     """
 
-    prompts: str = str(DEFAULT_PROMPTS)
+    prompts: str | tuple[str, ...] = (str(DEFAULT_PROMPTS), str(EDITING_PROMPTS))
     categories: tuple[str, ...] | None = None
     per_category: int = 5
     max_new_tokens: int = 128
@@ -335,7 +336,7 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     prompts = load_prompts(config.prompts, list(config.categories) if config.categories else None, config.per_category,
                            split=None if config.split == "all" else config.split)
     if not prompts:
-        raise VerispecError(f"no prompts selected from {config.prompts}")
+        raise VerispecError(f"no prompts selected from {', '.join(config.prompts) if isinstance(config.prompts, tuple) else config.prompts}")
     prompts = by_turns(prompts)
     encoder = SpeculativeDecoder(target, "none")
     prompt_ids = [encoder.encode(prompt.text, chat=None) for prompt in prompts]

@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
     from verispec.bench.catalog import SYSTEMS
     from verispec.bench.runner import BenchConfig
 
-    b.add_argument("--prompts", help=f"Spec-Bench-format JSONL (default: {default_of(BenchConfig, 'prompts')})")
+    b.add_argument("--prompts", nargs="+", help="Spec-Bench-format JSONL files, read as one (default: "
+                   f"{' and '.join(default_of(BenchConfig, 'prompts'))})")
     b.add_argument("--categories", help="comma-separated Spec-Bench categories, or MT-Bench ones (coding, extraction, ...) to report them apart from mt_bench (default: all)")
     b.add_argument("--per-category", type=int, help=f"prompts per category (default: {default_of(BenchConfig, 'per_category')})")
     b.add_argument("--max-new-tokens", type=int, help=f"(default: {default_of(BenchConfig, 'max_new_tokens')})")
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return _show_bench_report(report_from_json(args.report, args.out))
     split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip()) if text else None  # noqa: E731
     args.categories, args.systems = split(args.categories), split(args.systems)
+    args.prompts = tuple(args.prompts) if args.prompts else None
     try:
         args.peer_k = tuple(int(k) for k in split(args.peer_k)) if args.peer_k else None
     except ValueError:
