@@ -95,7 +95,7 @@ class SpeculativeDecoder:
         self.target = target
         self.runner = target.make_runner()
         if isinstance(draft, LoadedModel):
-            built = model_drafter(draft, target, self.runner)
+            built = model_drafter(draft, target, self.runner, options.draft_vocab if options else None)
         elif isinstance(draft, Drafter):
             built = Built(draft, draft.name)
         else:
@@ -129,6 +129,7 @@ class SpeculativeDecoder:
         device: str = "auto",
         compile: bool = False,
         suffix: SuffixConfig = SuffixConfig(),
+        draft_vocab: int | None = None,
     ) -> SpeculativeDecoder:
         """Load by spec: a named default, a local HF model directory or a .gguf file.
 
@@ -147,6 +148,8 @@ class SpeculativeDecoder:
         setting (a distilled draft's manifest names the one measured best on its validation set).
         `draft_context` N makes a draft model read only the last N tokens of each prompt (a long
         prompt's draft pass then costs N tokens); None reads all.
+        `draft_vocab` N cuts a draft model's LM head to N token ids, the most frequent first (native runner; q = 0
+        elsewhere, so exact): a cheaper draft token; None keeps all.
         `device` "auto" (default: CUDA when torch sees a GPU), "cpu", "cuda" or "cuda:N" (`models.device`): off
         the CPU the torch route runs the models on a static cache with compiled passes, as `compile=True` does on
         the CPU (`models.runners.static`).
@@ -154,7 +157,8 @@ class SpeculativeDecoder:
         loaded_target = load_model(target, dtype, target_weights, backend, device, compile)
         options = DrafterOptions(prompt_lookup=prompt_lookup, ngram=ngram, self_spec=self_spec, draft_lookup=draft_lookup,
                                  draft_context=draft_context, draft_dtype=draft_dtype or dtype, draft_weights=draft_weights,
-                                 backend=backend, device=device, compile=compile, suffix=suffix)
+                                 backend=backend, device=device, compile=compile, suffix=suffix,
+                                 draft_vocab=draft_vocab)
         return cls(loaded_target, draft, options=options)
 
     # --- online adaptation -------------------------------------------------------------------------

@@ -79,6 +79,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-context", type=int, default=None, metavar="N",
                    help="a draft model reads only the last N tokens of each prompt: a long prompt's draft pass costs "
                         "N tokens; only the draft's guesses change, never the output (default: all)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="a draft model's LM head keeps N token ids, the most frequent first (native runner): each "
+                        "draft token costs less; q is 0 elsewhere, so the output is unchanged (default: all)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
@@ -154,6 +157,7 @@ def decoder_kwargs(args: argparse.Namespace) -> dict:
                 suffix=build_config(SuffixConfig, args, SUFFIX_OPTIONS),
                 target_weights=args.target_weights, draft_weights=args.draft_weights, backend=args.backend,
                 draft_lookup=getattr(args, "draft_lookup", None), draft_context=getattr(args, "draft_context", None),
+                draft_vocab=getattr(args, "draft_vocab", None),
                 self_spec=SelfSpecConfig(adapt=getattr(args, "self_adapt", False)), device=args.device,
                 compile=args.compile)
 

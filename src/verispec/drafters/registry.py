@@ -61,6 +61,8 @@ class DrafterOptions:
     draft_lookup: N > 0 makes a draft model, an EAGLE head or the self drafter copy from the context first where
         its last n-gram (n >= N) occurred before; 0 turns that off; None keeps the drafter's own setting.
     draft_context: a draft model reads only the last N tokens of each prompt (None: all).
+    draft_vocab: a draft model's LM head keeps N token ids, the most frequent first (q = 0 elsewhere: exact;
+        None: all; `models.runners.head_rows`).
     head_argmax: an EAGLE head drafts its argmax as one-hot drafts (vLLM's way) instead of sampling from its q.
     draft_dtype, draft_weights, backend, device, compile: how a draft model is loaded (`models.loading`).
     """
@@ -71,6 +73,7 @@ class DrafterOptions:
     self_spec: SelfSpecConfig = SelfSpecConfig()
     draft_lookup: int | None = None
     draft_context: int | None = None
+    draft_vocab: int | None = None
     head_argmax: bool = False
     draft_dtype: str | None = None
     draft_weights: str | None = None
@@ -187,10 +190,10 @@ def _model(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
     if options.draft_lookup is not None:
         loaded.lookup = lookup_first(options.draft_lookup)
     loaded.context = options.draft_context  # checked by DraftModelDrafter
-    return model_drafter(loaded, target, runner)
+    return model_drafter(loaded, target, runner, options.draft_vocab)
 
 
-def model_drafter(loaded, target, runner) -> Built:
+def model_drafter(loaded, target, runner, draft_vocab: int | None = None) -> Built:
     """A loaded draft model's drafter for this target (same tokenizer; a reduced vocabulary mapped to the target's)."""
     from verispec.drafters.draft_model import DraftModelDrafter
     from verispec.models.distilled import VocabMap
@@ -200,6 +203,12 @@ def model_drafter(loaded, target, runner) -> Built:
     if loaded.vocab is not None and loaded.vocab.to_draft.numel() != runner.vocab_size:
         loaded.vocab = VocabMap.from_target_ids(loaded.vocab.to_target, runner.vocab_size)
     draft_runner = loaded.make_runner()
+    if draft_vocab is not None:
+        from verispec.models.runners.head_rows import HeadRowsRunner
+
+        if loaded.vocab is not None:
+            raise VerispecError("--draft-vocab: this draft already has a vocabulary of its own (a distilled draft)")
+        draft_runner = HeadRowsRunner(draft_runner, draft_vocab, target.tokenizer)
     drafter = DraftModelDrafter(draft_runner, runner.vocab_size, loaded.lookup, loaded.context)
     return Built(drafter, loaded.name, draft_weights=loaded.weights, context_window=draft_runner.context_window)
 
