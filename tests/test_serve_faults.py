@@ -184,15 +184,15 @@ def test_load_script_reports_percentiles_and_finds_no_mismatch(decoder, capsys):
 
 
 def test_the_server_sizes_speculation_from_costs_it_measures_and_stays_exact(decoder):
-    """ServeConfig.auto_k: the scheduler's batch gets a tuner fed by every pass; batched and one-at-a-time runs still
-    give every request the same text."""
+    """ServeConfig.auto_k (the default): the scheduler's batch gets a tuner fed by every pass; batched and
+    one-at-a-time runs still give every greedy request the same text."""
     from verispec.config import ServeConfig
     from verispec.serve.app import create_app
 
-    app = create_app(decoder, ServeConfig(auto_k=True), scheduler_thread=False)
+    app = create_app(decoder, ServeConfig(), scheduler_thread=False)  # on by default
     tuner = app.state.scheduler.tuner
     assert tuner is not None and app.state.scheduler.batch.tuner is tuner
-    assert create_app(decoder, ServeConfig(), scheduler_thread=False).state.scheduler.tuner is None
+    assert create_app(decoder, ServeConfig(auto_k=False), scheduler_thread=False).state.scheduler.tuner is None
     spec = importlib.util.spec_from_file_location("serve_load", Path(__file__).parent.parent / "benchmarks/serve_load.py")
     serve_load = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve_load)

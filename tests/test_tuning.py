@@ -62,3 +62,23 @@ def test_decoding_with_the_tuner_feeds_it_and_keeps_plain_decodings_tokens():
     assert [s.generated for s in out] == plain
     assert sum(len(v) for v in tuner.clock.samples.values()) >= 8  # every decoding pass was timed
     assert max(tuner.clock.samples) >= 2  # a pass of both rows counts the tokens of both
+
+
+def test_a_sequence_that_names_its_k_keeps_it_beside_tuned_ones():
+    from verispec.batch import DecodeBatch
+
+    model = tiny_model("llama", vocab=32, seed=2, layers=2, sharpness=20.0)
+    runner = ModelRunner(model)
+    engine = SpeculativeEngine(runner, PromptLookupDrafter(), set())
+    never = AdaptiveK(CostProfile({w: float(w) for w in range(1, 5)}, 0.0), prior=0.5, prior_weight=1000.0,
+                      probe_every=1000, probe_max=1000, learn_costs=False)  # each token costs a pass: K = 0
+    spec = SpecConfig(num_draft_tokens=3, max_new_tokens=16, stop_at_eos=False)
+    seqs = engine.make_sequences([[1, 2, 3, 1, 2, 3, 1, 2], [1, 2, 3, 1, 2, 3, 1, 2]], SamplingConfig(temperature=0),
+                                 spec, [0, 1])
+    seqs[1].tuned = False  # its request named K = 3
+    batch = DecodeBatch(engine, never)
+    batch.add(seqs)
+    while len(batch):
+        batch.step()
+    assert seqs[0].stats.draft_tokens == 0 < seqs[1].stats.draft_tokens
+    assert seqs[0].generated == seqs[1].generated  # the same prompt: the same tokens either way

@@ -81,7 +81,8 @@ class DecodeBatch:
         (or, if even that fails, emptied with its sequences ended by the error) and the exception is raised."""
         if not sequences:
             return
-        if self.tuner is not None and any(s.spec.tree is not None and s.spec.tree.budget is None for s in sequences):
+        if self.tuner is not None and any(s.tuned and s.spec.tree is not None and s.spec.tree.budget is None
+                                          for s in sequences):
             raise VerispecError("auto-tuning sizes chains and dynamic trees (--tree-budget) from measured costs; "
                                 "a static tree shape cannot be auto-tuned")
         if not self.sequences:
@@ -154,7 +155,7 @@ class DecodeBatch:
             tuned_stop = None if self.tuner is None else self.tuner.draft_stop(rows)  # from measured costs
             for s in active:
                 s.draft_stop = tuned_stop or (DraftStop.fixed(s.spec.draft_stop) if s.spec.draft_stop > 0 else None)
-            return None, [min(s.spec.num_draft_tokens if k is None else k, n)
+            return None, [min(s.spec.num_draft_tokens if k is None or not s.tuned else k, n)
                           if s.drafting and not pre and drafter is not None else 0
                           for s, n, pre in zip(active, left, prefilling)]
         trees = [s.spec.tree_or_chain for s in active]
@@ -164,7 +165,7 @@ class DecodeBatch:
             profile = self.tuner.costs(len(active))
             costs = profile.pass_costs()  # measured widths bound the tree: wider passes were never timed
             trees = [replace(t, budget=min(t.budget, len(costs) - 1), pass_costs=costs, draft_cost=d * profile.c)
-                     if t.budget is not None else t for t, d in zip(trees, depths)]
+                     if t.budget is not None and s.tuned else t for t, d, s in zip(trees, depths, active)]
         return trees, depths
 
     def _step(self) -> list[tuple[StepEvent, Sequence]]:

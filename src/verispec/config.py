@@ -278,8 +278,9 @@ class ServeConfig:
         body_timeout: seconds a client has to send a request's body once its headers arrived. Default 30.
         auto_k: choose K every step from costs measured while serving (`tuning.AdaptiveK`), for the batch's rows
             together: the pass over every row's drafts against the plain pass over the rows, so speculation
-            shrinks, then stops, as concurrency fills the machine, and returns as it falls. A request's own K is
-            then not used. Default False.
+            shrinks, then stops, as concurrency fills the machine, and returns as it falls. A request that names
+            its K or a tree keeps it, as does a seeded sampled one (its draws follow K). Default True (measured with the 0.5B draft at 8 clients: 40.3 tok/s against 26.1 with
+            each request's fixed K; plain decoding 42.8).
     """
 
     host: str = "127.0.0.1"
@@ -305,7 +306,7 @@ class ServeConfig:
     timeout_keep_alive: float = 5.0
     header_timeout: float = 10.0
     body_timeout: float = 30.0
-    auto_k: bool = False
+    auto_k: bool = True
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):

@@ -52,9 +52,10 @@ def add_parser(sub) -> None:
                    help=f"seconds a client has to send its headers (default: {default_of(ServeConfig, 'header_timeout')})")
     s.add_argument("--body-timeout", type=float,
                    help=f"seconds a client has to send its body (default: {default_of(ServeConfig, 'body_timeout')})")
-    s.add_argument("--auto-k", action="store_true", default=None,
+    s.add_argument("--auto-k", action=argparse.BooleanOptionalAction, default=None,
                    help="choose K every step from costs measured while serving, for the whole batch: speculation "
-                        "shrinks, then stops, as concurrency rises, and returns as it falls (requests' own K unused)")
+                        "shrinks, then stops, as concurrency rises, and returns as it falls; a request naming its K "
+                        f"keeps it (default: {'on' if default_of(ServeConfig, 'auto_k') else 'off'})")
     s.add_argument("--adapt", action="store_true",
                    help="online adaptation: the drafter learns from verification between requests, in the background")
     r = s.add_argument_group("scale-out on Ray Serve (pip install 'verispec[ray]')")

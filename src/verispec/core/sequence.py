@@ -27,6 +27,7 @@ class Sequence:
     max_new_tokens: this sequence's limit (spec.max_new_tokens, cut to the context window).
     spec: K, stop strings and EOS handling for this sequence.
     drafting: False decodes this sequence plainly (no drafts, one token per target pass) in any batch.
+    tuned: a batch's auto-tuner may choose this sequence's K (False: spec.num_draft_tokens, as its request asked).
     target_cached: how many of `tokens` the target's KV cache holds.
     draft_stop: where this step's draft chain stops early (set by the engine each step from
         spec.draft_stop or an auto-tuner's costs; None: the drafter drafts its budget). See core.stopping.
@@ -44,6 +45,7 @@ class Sequence:
     max_new_tokens: int
     spec: SpecConfig = field(default_factory=SpecConfig)
     drafting: bool = True
+    tuned: bool = True
     target_cached: int = 0
     draft_stop: DraftStop | None = None
     finish_reason: str | None = None
