@@ -146,14 +146,15 @@ async def post_all(url: str, bodies: list[dict]) -> list[dict]:
 
 
 def test_concurrent_requests_equal_single_requests_and_leave_no_cache_rows(server, client):
-    """Greedy and seeded requests, each with its own settings, give the same tokens alone and batched."""
+    """Greedy and seeded requests, each with its own settings, give the same tokens alone and batched (a seeded
+    sampled request names its K: its draws follow K, which the server's tuner would otherwise choose by load)."""
     bodies = [
         {"prompt": "hello there", "max_tokens": 20, "temperature": 0},
         {"prompt": "a much longer prompt, with more words in it", "max_tokens": 9, "temperature": 0,
          "speculative": {"K": 5}},
-        {"prompt": "abc", "max_tokens": 30, "temperature": 1.0, "seed": 11, "top_p": 0.9},
+        {"prompt": "abc", "max_tokens": 30, "temperature": 1.0, "seed": 11, "top_p": 0.9, "speculative": {"K": 3}},
         {"prompt": "xyz", "max_tokens": 14, "temperature": 0.7, "seed": 5, "speculative": {"drafter": "none"}},
-        {"prompt": "the end", "max_tokens": 25, "temperature": 1.0, "seed": 2, "top_k": 8},
+        {"prompt": "the end", "max_tokens": 25, "temperature": 1.0, "seed": 2, "top_k": 8, "speculative": {"K": 2}},
         {"prompt": "q", "max_tokens": 3, "temperature": 0, "speculative": {"K": 1}},
     ]
     alone = [client.post("/v1/completions", json=b).json() for b in bodies]
@@ -185,7 +186,7 @@ def test_tree_requests_equal_chains_and_batch_with_them(server, client):
         assert spec["mean_accepted_length"] > 0 and len(spec["drafted_per_position"]) == 3 + ("budget" in tree)
     bodies = [
         {"prompt": "abc", "max_tokens": 24, "temperature": 1.0, "seed": 3, "speculative": {"tree": {"shape": [2, 2]}}},
-        {"prompt": "the end", "max_tokens": 18, "temperature": 1.0, "seed": 2, "top_k": 8},
+        {"prompt": "the end", "max_tokens": 18, "temperature": 1.0, "seed": 2, "top_k": 8, "speculative": {"K": 3}},
         {**base, "speculative": {"tree": {"budget": 6}}},
     ]
     alone = [client.post("/v1/completions", json=b).json() for b in bodies]

@@ -279,7 +279,8 @@ class ServeConfig:
         auto_k: choose K every step from costs measured while serving (`tuning.AdaptiveK`), for the batch's rows
             together: the pass over every row's drafts against the plain pass over the rows, so speculation
             shrinks, then stops, as concurrency fills the machine, and returns as it falls. A request that names
-            its K or a tree keeps it, as does a seeded sampled one (its draws follow K). Default True (measured with the 0.5B draft at 8 clients: 40.3 tok/s against 26.1 with
+            its K or a tree keeps it (a seeded sampled request's draws follow K: naming K keeps its tokens the same
+            alone or batched). Default True (measured with the 0.5B draft at 8 clients: 40.3 tok/s against 26.1 with
             each request's fixed K; plain decoding 42.8).
     """
 

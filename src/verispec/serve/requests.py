@@ -99,9 +99,9 @@ class RequestBuilder:
             field = str(err).split(" ", 1)[0]
             raise APIError(400, str(err), param=field if field in GenerationRequest.model_fields else None) from None
         seq.drafting = drafting
-        # the server's tuner (ServeConfig.auto_k) sizes a request's drafts unless it names K or a tree, or is seeded
-        # and sampled: its draws follow K, and a seed must give the same tokens alone or batched
-        seq.tuned = spec_options.K is None and tree is None and (body.seed is None or sampling.greedy)
+        # the server's tuner (ServeConfig.auto_k) sizes a request's drafts unless it names K or a tree (a seeded
+        # sampled request's draws follow K: naming K is how it gets the same tokens alone or batched)
+        seq.tuned = spec_options.K is None and tree is None
         return seq
 
     def _drafting(self, options: wire.SpeculativeOptions) -> bool:
