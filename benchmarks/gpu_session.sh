@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session's measurements in one command (the device machine starts bare: no venv, its own torch).
 #   bash benchmarks/gpu_session.sh [gpu_bench.py arguments]
-# Writes under $OUT (or ./artifacts/gpu_session): env.txt, pytest_gpu.log, bench.log and gpu_bench.json with plots.
+# Writes under $OUT (or ./artifacts/gpu_session): env.txt, pytest_gpu.log, bench.log and gpu_bench.json with plots;
+# PROFILE_SIZE=8b first runs gpu_profile.py (profile.json, profile_table.txt). The first H200 lease's plan for the
+# next: PROFILE_SIZE=8b BENCH_TIMEOUT=330 bash benchmarks/gpu_session.sh --sizes 8b --batches 1,4 (inductor).
 # Wheels in .whl/ (e.g. the transformers this project is tested with) are installed to /tmp/site first.
 # PYTEST_TIMEOUT / BENCH_TIMEOUT bound each stage in seconds (TEST_TIMEOUT each test, with pytest-timeout where it is
 # installed); SKIP_PYTEST=1 skips the tests. A benchmark that fails within its first 90 s (a compile backend that
@@ -10,6 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-artifacts/gpu_session}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -27,6 +30,10 @@ if [ "${SKIP_PYTEST:-0}" != 1 ]; then
     $("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout ${TEST_TIMEOUT:-90}") 2>&1 \
     | tee "$OUT/pytest_gpu.log" | tail -25
   echo "pytest -m gpu: $(( $(date +%s) - start )) s"
+fi
+if [ -n "${PROFILE_SIZE:-}" ]; then  # where a decode token's time and host syncs go (gpu_profile.py), before the bench
+  timeout "${PROFILE_TIMEOUT:-150}" "$PY" benchmarks/gpu_profile.py --size "$PROFILE_SIZE" --out "$OUT" 2>&1 \
+    | grep -v -E "Warning|forward_call|outputs = func" | tail -40
 fi
 bench() {
   timeout "$1" "$PY" benchmarks/gpu_bench.py --out "$OUT" "${@:2}" 2>&1 \
