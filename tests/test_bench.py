@@ -51,7 +51,7 @@ def fixed_costs(monkeypatch):
     over 1 to k_max + 1 tokens, a draft token 5% of it), not from this machine's timings: measured on a busy CPU
     the tuner may turn drafting off, and greedy equality would then compare plain decoding with itself."""
     def auto_tuner(self, k_max=8):
-        return AdaptiveK(CostProfile({w: 1.0 for w in range(1, k_max + 2)}, draft_token=0.05))
+        return AdaptiveK(CostProfile({w: 1.0 for w in range(1, k_max + 2)}, draft_token=0.05), learn_costs=False)
 
     monkeypatch.setattr(SpeculativeDecoder, "auto_tuner", auto_tuner)
 

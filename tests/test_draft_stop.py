@@ -218,7 +218,7 @@ def test_a_fixed_threshold_applies_under_an_auto_tuner_without_cost_thresholds(g
     drafter = CheckedDrafter(ModelRunner(draft), 64)
     drafter.calibration = AcceptanceCalibration(min_observations=0)
     engine = SpeculativeEngine(ModelRunner(target), drafter, set())
-    tuner = AdaptiveK(CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.01), prior=0.9)
+    tuner = AdaptiveK(CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.01), prior=0.9, learn_costs=False)
     assert tuner.draft_stop() is None  # cost thresholds are opt-in
     seqs = engine.generate(PROMPTS, GREEDY, SpecConfig(max_new_tokens=24, draft_stop=0.5), tuner=tuner)
     assert [s.generated for s in seqs] == expected
@@ -245,7 +245,7 @@ def test_a_free_drafter_under_cost_thresholds_is_gated_by_its_own_calibration(gr
     """AdaptiveK(stop_drafts=True) with prompt lookup: where the average copy does not pay (K would be 0),
     copies after matches whose calibrated acceptance pays are still proposed; output unchanged."""
     steep = CostProfile({1: 1.0, 2: 1.8, 3: 2.6, 4: 3.4, 5: 4.2}, draft_token=0.0)
-    tuner = AdaptiveK(steep, prior=0.3, stop_drafts=True)
+    tuner = AdaptiveK(steep, prior=0.3, stop_drafts=True, learn_costs=False)
     assert tuner.k(stops_chains=True) == 4 and tuner.k() == 0  # a drafter that ignores the rule stays gated
     assert AdaptiveK(CostProfile(steep.target_pass, draft_token=0.1), prior=0.3, stop_drafts=True).k(True) == 0
     target, _ = greedy_pair
@@ -257,7 +257,7 @@ def test_a_free_drafter_under_cost_thresholds_is_gated_by_its_own_calibration(gr
         drafter = PromptLookupDrafter()
         engine = SpeculativeEngine(ModelRunner(target), drafter, set())
         seqs = engine.generate(prompts, GREEDY, SpecConfig(max_new_tokens=24),
-                               tuner=AdaptiveK(steep, prior=0.3, stop_drafts=stop))
+                               tuner=AdaptiveK(steep, prior=0.3, stop_drafts=stop, learn_costs=False))
         assert [s.generated for s in seqs] == expected
         drafted[stop] = drafts_accepted(seqs)[0]
         assert bool(drafter.calibration.counts) == stop

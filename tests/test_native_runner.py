@@ -177,7 +177,7 @@ def test_greedy_speculative_decoding_equals_plain_decoding_on_the_native_runner(
     if kind == "auto-k":  # costs in which drafting pays, fixed: measured on a busy CPU they may turn it off
         from verispec.tuning import AdaptiveK, CostProfile
 
-        tuner = AdaptiveK(CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.05))
+        tuner = AdaptiveK(CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.05), learn_costs=False)
     sequences = SpeculativeEngine(target, drafter, set()).generate(PROMPTS, GREEDY, spec, tuner=tuner)
     assert [s.generated for s in sequences] == expected
     drafted, accepted = drafts_accepted(sequences)
@@ -322,7 +322,8 @@ def test_the_server_batches_requests_on_the_native_runner_as_it_answers_them_alo
     decoder = SpeculativeDecoder(native("target"), native("draft"))
     bodies = [{"prompt": "hello there", "max_tokens": 20, "temperature": 0},
               {"prompt": "a longer prompt, with more words", "max_tokens": 9, "temperature": 0, "speculative": {"K": 5}},
-              {"prompt": "abc", "max_tokens": 30, "temperature": 1.0, "seed": 11, "top_p": 0.9},
+              {"prompt": "abc", "max_tokens": 30, "temperature": 1.0, "seed": 11, "top_p": 0.9,
+               "speculative": {"K": 3}},  # seeded and sampled: names its K, as the server's docs say to
               {"prompt": "q", "max_tokens": 12, "temperature": 0.7, "seed": 5, "speculative": {"drafter": "none"}}]
     with BackgroundServer(decoder, ServeConfig(port=0, served_model_name="tiny", max_batch_size=4)) as server:
         with httpx.Client(base_url=server.url, timeout=60) as client:

@@ -186,7 +186,7 @@ def test_greedy_self_speculation_with_auto_k_and_lookup_first_equals_plain(nativ
     measured = measure_costs(native, drafter.runner, k_max=4, repeats=1)
     assert measured.draft_token == 1.0  # its cost c is measured like a draft model's: its runner's pass ran
     # K from costs in which drafting pays, fixed: measured on a busy CPU they may turn drafting off
-    tuner = AdaptiveK(tuning.CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.05))
+    tuner = AdaptiveK(tuning.CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.05), learn_costs=False)
     out = engine.generate(PROMPTS, GREEDY, SpecConfig(max_new_tokens=30), tuner=tuner)
     assert [s.generated for s in out] == plain(native)
     drafts_accepted(out)

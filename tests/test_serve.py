@@ -307,10 +307,11 @@ def assert_served_together_as_alone(decoder, bodies: list[dict] | None = None) -
     bodies = bodies or [{"prompt": "hello there", "max_tokens": 20, "temperature": 0},
                         {"prompt": "a longer prompt, with more words", "max_tokens": 9, "temperature": 0,
                          "speculative": {"K": 5}},
-                        {"prompt": "abc", "max_tokens": 30, "temperature": 1.0, "seed": 11, "top_p": 0.9}]
+                        {"prompt": "abc", "max_tokens": 30, "temperature": 1.0, "seed": 11, "top_p": 0.9,
+                         "speculative": {"K": 3}}]  # a seeded sampled request names K (its draws follow K)
     with BackgroundServer(decoder, ServeConfig(port=0, served_model_name="tiny", max_batch_size=4)) as server:
         with httpx.Client(base_url=server.url, timeout=60) as client:
             alone = [client.post("/v1/completions", json={"model": "tiny", **b}).json() for b in bodies]
         together = asyncio.run(post_all(server.url, [{"model": "tiny", **b} for b in bodies]))
-    for a, t in zip(alone, together):
-        assert t["choices"][0]["text"] == a["choices"][0]["text"]
+    for b, a, t in zip(bodies, alone, together):
+        assert t["choices"][0]["text"] == a["choices"][0]["text"], b

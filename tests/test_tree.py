@@ -298,7 +298,7 @@ def test_trees_need_a_tree_capable_drafter_and_backend(pair):
         SpeculativeEngine(ChainRunner(ModelRunner(target)), PromptLookupDrafter(), set()).make_sequences(
             [[1, 2]], GREEDY, spec, 0)
     engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), 64), set())
-    tuner = AdaptiveK(CostProfile({1: 1.0, 2: 1.0}, 0.1))
+    tuner = AdaptiveK(CostProfile({1: 1.0, 2: 1.0}, 0.1), learn_costs=False)
     with pytest.raises(VerispecError, match="static tree shape cannot be auto-tuned"):
         engine.generate([[1, 2]], GREEDY, spec, tuner=tuner)
 
@@ -311,7 +311,7 @@ def test_auto_tuned_dynamic_trees_equal_plain_decoding_and_shrink_with_steep_cos
     drafted = {}
     for name, costs in [("flat", {w: 1.0 for w in range(1, 12)}), ("steep", {w: float(w) ** 0.7 for w in range(1, 12)})]:
         engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), 64), {7})
-        seqs = engine.generate(PROMPTS, GREEDY, spec, tuner=AdaptiveK(CostProfile(costs, 0.05)))
+        seqs = engine.generate(PROMPTS, GREEDY, spec, tuner=AdaptiveK(CostProfile(costs, 0.05), learn_costs=False))
         assert [s.generated for s in seqs] == plain_tokens(target, PROMPTS, eos={7})
         drafted[name] = drafts_accepted(seqs)[0] / sum(s.stats.target_forward_passes for s in seqs)
     assert drafted["steep"] < drafted["flat"]
