@@ -125,6 +125,7 @@ class PassClock:
         self.window, self.min_samples = window, min_samples
         self.samples: dict[int, deque[float]] = {}  # tokens in the pass -> its last seconds
         self.ratios: deque[float] = deque(maxlen=4 * window)  # observed / predicted, last passes of any width
+        self.scale = 1.0  # their median, kept as they change: read for every width of every step's choice
 
     def predicted(self, tokens: int) -> float:
         widest = max(self.base.target_pass)
@@ -137,12 +138,13 @@ class PassClock:
             return
         self.samples.setdefault(tokens, deque(maxlen=self.window)).append(seconds)
         self.ratios.append(seconds / self.predicted(tokens))
+        self.scale = statistics.median(self.ratios)
 
     def cost(self, tokens: int) -> float:
         own = self.samples.get(tokens)
         if own is not None and len(own) >= self.min_samples:
             return statistics.median(own)
-        return self.predicted(tokens) * (statistics.median(self.ratios) if self.ratios else 1.0)
+        return self.predicted(tokens) * self.scale
 
 
 @dataclass

@@ -172,6 +172,7 @@ class SuffixDrafter(Drafter):
         self.config = config
         self.store_path = None if store_path is None else Path(store_path)
         self.tokenizer = tokenizer
+        self.store = OutputStore(config)
         if self.store_path is not None:
             if tokenizer is None or vocab_size is None:
                 raise VerispecError("a suffix store file needs the target's tokenizer and vocabulary size")
@@ -179,10 +180,8 @@ class SuffixDrafter(Drafter):
                 raise VerispecError(f"the suffix store {self.store_path} is a folder: name a file")
             if not self.store_path.parent.is_dir():
                 raise VerispecError(f"the suffix store's folder {self.store_path.parent} does not exist")
-        if self.store_path is not None and self.store_path.exists():
-            self.store = OutputStore.load(self.store_path, config, tokenizer, vocab_size)
-        else:
-            self.store = OutputStore(config)
+            if self.store_path.exists():
+                self.store = OutputStore.load(self.store_path, config, tokenizer, vocab_size)
         self.rows: list[tuple[Sequence, SuffixIndex]] = []
 
     @property
