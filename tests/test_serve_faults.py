@@ -15,7 +15,7 @@ import pytest
 from tiny_hf import save_tiny_model_dir
 from verispec import SpeculativeDecoder
 from verispec.config import SamplingConfig, ServeConfig, SpecConfig
-from verispec.serve.scheduler import Scheduler
+from verispec.serve.scheduler import Scheduler, ShuttingDown
 from verispec.serve.server import BackgroundServer
 
 LONG = {"prompt": "abc", "max_tokens": 100, "temperature": 1.0, "seed": 1}
@@ -118,17 +118,39 @@ def test_requests_past_the_timeout_are_cut_with_408(decoder):
 
 
 def test_shutdown_finishes_in_flight_requests_and_refuses_new_ones(decoder):
+    """The decoding step is held on an event until the scheduler reports that it is stopping, so the request is
+    still in flight when the stop arrives however fast the machine (with K tuned per request, 100 tokens of the
+    tiny model can finish before a poll sees them); it still ends whole, with 200, and the server thread ends."""
     server = BackgroundServer(decoder, ServeConfig(port=0, shutdown_timeout=20))
     with server:
+        scheduler = server.app.state.scheduler
+        stepping, released = threading.Event(), threading.Event()
+        step = scheduler.batch.step
+
+        def held_step():
+            stepping.set()
+            released.wait(60)  # a bound only: released once the stop has been asked for
+            return step()
+
+        scheduler.batch.step = held_step
+
         async def in_flight_then_stop():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
                 pending = asyncio.ensure_future(c.post("/v1/completions", json=LONG))
-                assert await asyncio.to_thread(wait_until, lambda: server.app.state.scheduler.running == 1)
-                await asyncio.to_thread(server.stop)
+                assert await asyncio.to_thread(stepping.wait, 60)
+                assert scheduler.running == 1
+                stopping = asyncio.ensure_future(asyncio.to_thread(server.stop))
+                assert await asyncio.to_thread(wait_until, lambda: scheduler.stopping, 30)
+                late = decoder.engine.make_sequences([[5, 6, 7]], SamplingConfig(), SpecConfig(), [0])[0]
+                with pytest.raises(ShuttingDown):  # the server answers it with 503
+                    scheduler.submit(late, 60)
+                released.set()
+                await stopping
                 return await pending
 
         r = asyncio.run(in_flight_then_stop())
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+    out = r.json()
+    assert r.status_code == 200 and (out["usage"]["completion_tokens"] == 100 or out["choices"][0]["finish_reason"] == "stop")
     assert not server.thread.is_alive()
 
 

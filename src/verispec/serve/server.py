@@ -219,8 +219,10 @@ class BackgroundServer:
         return self
 
     def stop(self) -> None:
-        """Shut down gracefully and wait for it (bounded by the shutdown timeout)."""
+        """Shut down gracefully and wait for it (bounded by the shutdown timeout): as `serve` does on a signal, the
+        listener closes and the scheduler admits nothing new (503) while the requests in flight finish."""
         self.server.should_exit = True
+        self.app.state.scheduler.request_stop(self.config.shutdown_timeout)
         self.thread.join(self.config.shutdown_timeout * 2 + 5)
 
     def __exit__(self, *exc) -> None:
