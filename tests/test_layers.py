@@ -15,7 +15,8 @@ ROOT = "verispec"  # the package's __init__: in the api layer, covering nothing 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("verispec.errors", "verispec.config", "verispec.atomic", "verispec.console", "verispec.stats",
                     "verispec.datasets", "verispec.detokenize", "verispec.sampling", "verispec.tree",
-                    "verispec.rejection", "verispec.chisquare", "verispec.trace", "verispec.chat")),
+                    "verispec.rejection", "verispec.chisquare", "verispec.trace", "verispec.chat",
+                    "verispec.constraints")),
     ("core", ("verispec.core",)),
     ("models", ("verispec.models", "verispec.ngram.table", "verispec.ngram")),
     ("drafters", ("verispec.drafters", "verispec.tuning")),

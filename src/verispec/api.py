@@ -18,6 +18,7 @@ import torch
 
 from verispec.adapt import OnlineAdapter
 from verispec.chat import chat_ids, has_chat_template, user_turn
+from verispec.constraints import Grammars, grammars_for
 from verispec.config import AdaptConfig, NGramConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, SpecConfig, SuffixConfig
 from verispec.core.drafter import Drafter
 from verispec.core.sequence import Sequence, StepEvent
@@ -107,7 +108,8 @@ class SpeculativeDecoder:
         self.skip_source: str | None = built.skip_source  # the self drafter's skip set: a file, "given" or "default"
         context_window = min(self.runner.context_window, built.context_window or self.runner.context_window)
         self.engine = SpeculativeEngine(
-            self.runner, self.drafter, target.eos_token_ids(), decode=self.decode, context_window=context_window
+            self.runner, self.drafter, target.eos_token_ids(), decode=self.decode, context_window=context_window,
+            grammars=self._grammars,
         )
         self.adapter: OnlineAdapter | None = None
 
@@ -160,6 +162,10 @@ class SpeculativeDecoder:
                                  backend=backend, device=device, compile=compile, suffix=suffix,
                                  draft_vocab=draft_vocab)
         return cls(loaded_target, draft, options=options)
+
+    def _grammars(self) -> Grammars:
+        """The structured-output compiler for the target's tokenizer."""
+        return grammars_for(self.target.tokenizer, self.runner.vocab_size, self.target.eos_token_ids())
 
     # --- online adaptation -------------------------------------------------------------------------
     def enable_adaptation(self, config: AdaptConfig = AdaptConfig()) -> OnlineAdapter:

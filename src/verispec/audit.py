@@ -19,6 +19,7 @@ import torch
 from verispec.api import SpeculativeDecoder
 from verispec.chisquare import FitResult, chi_square_test
 from verispec.config import SamplingConfig, SpecConfig, TreeConfig
+from verispec.constraints import apply_constraint
 from verispec.errors import VerispecError
 from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks
 
@@ -66,10 +67,17 @@ class AuditReport:
         }
 
 
-def exact_distribution(decoder: SpeculativeDecoder, context: list[int], sampling: SamplingConfig) -> torch.Tensor:
-    """The target's processed next-token distribution after `context`: (V,) (one-hot when greedy)."""
+def exact_distribution(decoder: SpeculativeDecoder, prompt: list[int], sampling: SamplingConfig,
+                       answer: tuple[int, ...] = ()) -> torch.Tensor:
+    """The target's processed next-token distribution after `prompt` + `answer`: (V,) (one-hot when greedy); under a
+    structured-output constraint, restricted to what it allows after `answer`."""
     runner = decoder.runner
+    context = list(prompt) + list(answer)
     logits = runner.forward(runner.new_state(1), [context], [1])[0]  # (1, V)
+    if sampling.constraint is not None:
+        state = decoder.engine.grammars().start(sampling.constraint)
+        state.advance(answer)
+        logits = apply_constraint(logits, state.allowed().unsqueeze(0))  # (1, V)
     seen = None
     if sampling.repetition_penalty != 1.0:
         seen = seen_masks(torch.tensor(context), torch.zeros(0, dtype=torch.long), logits.shape[-1])
@@ -110,7 +118,8 @@ def run_audit(
         seqs = decoder.engine.generate([prompt] * n, sampling, spec, seeds=[seed + start + i for i in range(n)])
         for s in seqs:
             firsts[s.generated[0]] += 1
-            pairs[(s.generated[0], s.generated[1])] += 1
+            if len(s.generated) > 1:  # (a constraint may end the answer after one token)
+                pairs[(s.generated[0], s.generated[1])] += 1
             drafted += s.stats.draft_tokens
             accepted += s.stats.accepted_tokens
         if on_progress:
@@ -118,8 +127,9 @@ def run_audit(
     report = AuditReport(samples=samples, alpha=alpha, acceptance_rate=accepted / drafted if drafted else 0.0)
     p1 = exact_distribution(decoder, prompt, sampling)
     report.checks.append(AuditCheck(1, [], chi_square_test(_counts(firsts, p1.numel()), p1)))
-    for first, _ in firsts.most_common(second_token_prefixes):
-        p2 = exact_distribution(decoder, prompt + [first], sampling)
+    followed = Counter({first: c for (first, _), c in pairs.items()})
+    for first, _ in followed.most_common(second_token_prefixes):
+        p2 = exact_distribution(decoder, prompt, sampling, (first,))
         seconds = Counter({b: c for (a, b), c in pairs.items() if a == first})
         report.checks.append(AuditCheck(2, [first], chi_square_test(_counts(seconds, p2.numel()), p2)))
     threshold = alpha / len(report.checks)

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from verispec.config import TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT
+from verispec.constraints import MAX_FORCED
+from verispec.core.drafter import EMPTY_DRAFT, Draft
 from verispec.core.sequence import Sequence, StepEvent
 from verispec.core.stopping import DraftStop
 from verispec.errors import VerispecError
@@ -168,11 +169,30 @@ class DecodeBatch:
                      if t.budget is not None and s.tuned else t for t, d, s in zip(trees, depths, active)]
         return trees, depths
 
+    def _forced(self, prefilling: list[bool]) -> dict[int, list[int]]:
+        """Rows whose constraint forces their next tokens, with those tokens (at most MAX_FORCED, and never past the
+        tokens left after this step's own). Only while speculating: with no drafter a row decodes plainly."""
+        if self.drafter is None:
+            return {}
+        forced = {}
+        for b, (s, pre) in enumerate(zip(self.sequences, prefilling)):
+            if s.constraint is not None and s.drafting and not pre:
+                try:
+                    tokens = s.constraint.forced(min(MAX_FORCED, s.max_new_tokens - s.num_generated - 1))
+                except Exception as err:  # free drafts are optional: the row drafts as usual
+                    log.warning("sequence %d: no forced tokens (%s: %s)", s.index, type(err).__name__, err)
+                    tokens = []
+                if tokens:
+                    forced[b] = tokens
+        return forced
+
     def _step(self) -> list[tuple[StepEvent, Sequence]]:
         active, engine = self.sequences, self.engine
         prefilling = self._prefilling()
         trees, depths = self._shapes(prefilling)
         t0 = time.perf_counter()
+        forced = self._forced(prefilling)  # row -> tokens its constraint forces: drafted for free
+        depths = [0 if b in forced else d for b, d in enumerate(depths)]
         drafts = [EMPTY_DRAFT] * len(active)
         if self.drafter is not None and any(depths):
             try:
@@ -180,6 +200,9 @@ class DecodeBatch:
             except Exception as err:  # the drafter is off now: this step decodes plainly
                 self._drafter_fault("propose", err)
                 drafts = [EMPTY_DRAFT] * len(active)
+        own = list(drafts)  # the drafter's own drafts (empty where the constraint drafted)
+        for b, tokens in forced.items():
+            drafts[b] = Draft(torch.tensor(tokens, dtype=torch.long))  # one-hot q: deterministic, exact
         t1 = time.perf_counter()
         # One pass: each row's pending tokens, then its draft's nodes; logits after the last pending token and
         # after each node (none for a row still reading its prompt).
@@ -197,7 +220,7 @@ class DecodeBatch:
         paths = [v.path if v is not None else () for v in verdicts]
         self._target("commit", lambda: engine.target.commit(self.state, [list(p) for p in paths]))
         events = []
-        for s, d, v, pre, read in zip(active, drafts, verdicts, prefilling, pending):
+        for b, (s, d, v, pre, read) in enumerate(zip(active, drafts, verdicts, prefilling, pending)):
             if pre:
                 s.target_cached += len(read)
                 continue
@@ -205,14 +228,18 @@ class DecodeBatch:
                 continue
             s.target_cached = len(s.tokens) + v.num_accepted
             s.stats.record(len(d), v.num_accepted, v.bonus, depth=d.tree.depth)
-            if self.tuner is not None and trees is None and len(d):
+            if b in forced:
+                s.stats.forced_tokens += v.num_accepted
+            elif self.tuner is not None and trees is None and len(d):
                 self.tuner.observe(len(d), v.num_accepted)
             event = self._row(s, "commit", lambda s=s, d=d, v=v: engine._commit(s, d.path_tokens(v.path), v))
+            if event is not None and b in forced:
+                event = replace(event, forced=True)
             if event is not None:
                 events.append((event, s))
         if self.drafter is not None:
             try:
-                self.drafter.commit(active, drafts, paths)
+                self.drafter.commit(active, own, [() if b in forced else p for b, p in enumerate(paths)])
             except Exception as err:
                 self._drafter_fault("commit", err)
         return self._finish_step(events, t1 - t0, t2 - t1)

@@ -12,6 +12,28 @@ from dataclasses import dataclass, field
 from verispec.errors import VerispecError
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output: what the answer must match (see `verispec.constraints`).
+
+    kind: "json_schema" (source: the schema as JSON text), "json_object" (any JSON object; no source), "regex"
+        (source: a regular expression the whole answer matches) or "grammar" (source: a Lark grammar, or a
+        GBNF grammar as llama.cpp writes them).
+    """
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise VerispecError(f"unknown constraint kind '{self.kind}' (one of {', '.join(CONSTRAINT_KINDS)})")
+        if not isinstance(self.source, str) or (self.kind != "json_object" and not self.source.strip()):
+            raise VerispecError(f"the {self.kind.replace('_', ' ')} constraint is empty")
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How a distribution over the vocabulary is made from logits.
@@ -25,6 +47,8 @@ class SamplingConfig:
         top_p: nucleus sampling mass in (0, 1]; 1.0 disables. Default 1.0.
         min_p: drop tokens whose probability is below min_p x the top probability; 0 disables.
         repetition_penalty: CTRL-style penalty (> 0) on tokens already in the context; 1.0 disables.
+        constraint: structured output (a JSON schema, a regex, a grammar): the target's p is restricted to the
+            tokens it allows at each position, before the settings above apply. None (default): unconstrained.
     """
 
     temperature: float = 1.0
@@ -32,6 +56,7 @@ class SamplingConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:

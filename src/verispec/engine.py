@@ -20,12 +20,14 @@ continuous batching), a fault stays with the sequence it belongs to, and long pr
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
 
 from verispec.batch import DecodeBatch
 from verispec.config import SamplingConfig, SpecConfig
+from verispec.constraints import Grammars, apply_constraint
 from verispec.core.drafter import Draft, Drafter
 from verispec.core.protocols import Runner
 from verispec.core.sequence import Sequence, StepEvent
@@ -45,6 +47,8 @@ class SpeculativeEngine:
         eos_token_ids: tokens that end a sequence.
         decode: token ids -> text, used for stop strings.
         context_window: the longest sequence (prompt + new tokens) the models accept.
+        grammars: makes the `verispec.constraints.Grammars` of the target's tokenizer, the first time a request
+            asks for structured output (None: constraints are refused).
     """
 
     def __init__(
@@ -54,12 +58,16 @@ class SpeculativeEngine:
         eos_token_ids: set[int],
         decode: Callable[[list[int]], str] | None = None,
         context_window: int | None = None,
+        grammars: Callable[[], Grammars] | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.eos_token_ids = set(eos_token_ids)
         self.decode = decode
         self.context_window = context_window or target.context_window
+        self._make_grammars = grammars
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()  # the server compiles constraints on worker threads
         # Observers of every verification, called as observer(seq, draft, p, verdict, uniforms) with the
         # Draft, its Verdict, p (N + 1 rows of (V,): a (N + 1, V) tensor for a chain, rows made on demand for
         # a tree; one-hot at the argmax at temperature 0) and the N uniforms `verify` drew (None at
@@ -104,8 +112,20 @@ class SpeculativeEngine:
             rng = torch.Generator(device=self.device)  # draws happen where the target's logits are
             rng.manual_seed(seed) if seed is not None else rng.seed()
             room = self.context_window - len(prompt)
-            sequences.append(Sequence(i, list(prompt), len(prompt), cfg, rng, min(spec.max_new_tokens, room), spec))
+            seq = Sequence(i, list(prompt), len(prompt), cfg, rng, min(spec.max_new_tokens, room), spec)
+            if cfg.constraint is not None:
+                seq.constraint = self.grammars().start(cfg.constraint)
+            sequences.append(seq)
         return sequences
+
+    def grammars(self) -> Grammars:
+        """The constraint compiler for the target's tokenizer (made on first use: ~1 s for a large vocabulary)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self._make_grammars is None:
+                    raise VerispecError("structured output needs the target's tokenizer: this engine was built without one")
+                self._grammars = self._make_grammars()
+            return self._grammars
 
     def cache_bytes(self, tokens: int) -> int:
         """Bytes of key/value cache one sequence of `tokens` tokens holds, in the target and the drafter."""
@@ -164,6 +184,9 @@ class SpeculativeEngine:
             context = torch.tensor(seq.tokens, dtype=torch.long)
             seen = (seen_masks(context, draft.tokens, logits.shape[-1]) if draft.is_chain else
                     tree_seen_masks(context, draft.tokens, draft.tree.parents, logits.shape[-1]))  # (N + 1, V)
+        if seq.constraint is not None:  # p restricted to what the constraint allows after each node's path
+            allowed = seq.constraint.node_masks(draft.tokens.tolist(), draft.tree.parents.tolist())  # (N + 1, V)
+            logits = apply_constraint(logits, allowed)  # (N + 1, V)
         watchers = self.observers if self.tracer is None else [self.tracer, *self.observers]
         if cfg.greedy:
             target_argmax = greedy_tokens(logits, cfg, seen)  # (N + 1,)
@@ -191,10 +214,21 @@ class SpeculativeEngine:
         for token in (*accepted, verdict.token):
             seq.tokens.append(token)
             committed.append(token)
+            if seq.constraint is not None:
+                seq.constraint.advance((token,))
             if scan and self._hit_stop_string(seq):
                 break
             if spec.stop_at_eos and token in self.eos_token_ids:
                 seq.finish_reason = "eos"
+                break
+            if seq.constraint is not None and seq.constraint.finished:
+                # complete: only the end-of-sequence token is allowed, so the constrained p is one-hot there and
+                # plain decoding would draw it next; it is committed now, without a pass
+                end = seq.constraint.end_token()
+                if end is not None and seq.num_generated < seq.max_new_tokens:
+                    seq.tokens.append(end)
+                    committed.append(end)  # (the matcher, stopped, takes nothing more)
+                seq.finish_reason = "eos" if end in self.eos_token_ids and committed[-1] == end else "stop"
                 break
             if seq.num_generated >= seq.max_new_tokens:
                 seq.finish_reason = "length"

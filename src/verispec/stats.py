@@ -23,6 +23,8 @@ class GenerationStats:
     new_tokens: tokens committed to the output.
     wall_seconds: time from the start of the batch to this sequence's end; draft_seconds and
     target_seconds split it (the rest is verification and bookkeeping).
+    forced_tokens: accepted drafts that a structured-output constraint forced (drafted for free; also counted in
+    draft_tokens / accepted_tokens).
     """
 
     target_forward_passes: int = 0
@@ -36,6 +38,7 @@ class GenerationStats:
     wall_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
+    forced_tokens: int = 0
 
     def record(self, num_drafted: int, num_accepted: int, bonus: bool, depth: int | None = None) -> None:
         """One target pass: num_drafted draft tokens (tree nodes), num_accepted of them accepted.
@@ -87,6 +90,7 @@ class GenerationStats:
             "draft_seconds": round(self.draft_seconds, 4),
             "target_seconds": round(self.target_seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
+            "forced_tokens": self.forced_tokens,
         }
 
     @classmethod
@@ -95,7 +99,7 @@ class GenerationStats:
         out = cls()
         for s in many:
             for name in ("target_forward_passes", "draft_tokens", "accepted_tokens", "recovered_tokens",
-                         "bonus_tokens", "new_tokens"):
+                         "bonus_tokens", "new_tokens", "forced_tokens"):
                 setattr(out, name, getattr(out, name) + getattr(s, name))
             for name in ("accepted_per_position", "drafted_per_position"):
                 mine, theirs = getattr(out, name), getattr(s, name)

@@ -11,6 +11,7 @@ from verispec.config import SamplingConfig, SpecConfig
 from verispec.stats import GenerationStats
 
 if TYPE_CHECKING:
+    from verispec.constraints import ConstraintState
     from verispec.core.stopping import DraftStop
     from verispec.detokenize import IncrementalText
 
@@ -35,6 +36,7 @@ class Sequence:
         when a fault in this sequence's own work ended it: see `error`).
     error: the exception that ended the sequence (finish_reason "error"), else None.
     text: the generated text, decoded incrementally where stop strings are scanned (see verispec.detokenize).
+    constraint: where the answer stands in its structured-output constraint (sampling.constraint; None: none).
     """
 
     index: int
@@ -52,6 +54,7 @@ class Sequence:
     text_end: int | None = None  # where a stop string cut the text, if one did
     error: BaseException | None = None
     text: IncrementalText | None = None
+    constraint: ConstraintState | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     @property
@@ -74,6 +77,7 @@ class StepEvent:
     committed: tokens appended to the output this step, after any EOS / stop / length cut.
     finish_reason: None while the sequence runs on; "eos", "stop" or "length" at its end; "error" when a fault
         ended it (`Sequence.error`; committed and token are then empty and -1).
+    forced: the draft was the tokens a structured-output constraint forces (free drafts), not the drafter's.
     """
 
     sequence: int
@@ -82,3 +86,4 @@ class StepEvent:
     bonus: bool
     committed: tuple[int, ...]
     finish_reason: str | None
+    forced: bool = False

@@ -37,6 +37,7 @@ from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.protocols import Runner, RunnerState
 from verispec.core.sequence import Sequence
 from verispec.core.stopping import AcceptanceCalibration
+from verispec.drafters.drawing import constrained_logits
 from verispec.drafters.prompt_lookup import lookup, lookup_match
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
@@ -152,13 +153,18 @@ class DraftModelDrafter(Drafter):
                     context = torch.tensor(seq.tokens + drafted[b], dtype=torch.long)
                     seen = seen_masks(context, context[:0], logits.shape[-1])  # (1, V)
                 copied, match = lookup_match(seq.tokens + drafted[b], 1, self.lookup) if self.lookup else ([], 0)
+                row = constrained_logits(logits[b : b + 1], seq, drafted[b])  # (1, V): q masked like the target's p
+                if row is None or (copied and seq.constraint is not None and copied[0] < row.shape[-1]
+                                   and row[0, copied[0]] == float("-inf")):
+                    limits[b] = step  # the constraint allows no draft here (or not the copy): the chain ends
+                    continue
                 q = None
                 if copied:  # deterministic: q is one-hot at the copied token
                     token = copied[0]
                 elif seq.sampling.greedy:
-                    token = int(greedy_tokens(logits[b : b + 1], seq.sampling, seen)[0])
+                    token = int(greedy_tokens(row, seq.sampling, seen)[0])
                 else:
-                    q = logits_to_probs(logits[b : b + 1], seq.sampling, seen)[0]  # (V,)
+                    q = logits_to_probs(row, seq.sampling, seen)[0]  # (V,)
                     token = -1  # drawn below, once the chain goes on
                 stop, key = seq.draft_stop, None
                 if stop is not None:

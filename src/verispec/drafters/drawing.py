@@ -16,9 +16,26 @@ def penalty_seen(seq: Sequence, drafted: list[int], vocab: int) -> torch.Tensor 
     return seen_masks(context, context[:0], vocab)
 
 
+def constrained_logits(logits: torch.Tensor, seq: Sequence, drafted: list[int]) -> torch.Tensor | None:
+    """A draft's (1, V') logits (V' <= the target's V) restricted like the target's p to what the row's structured-output
+    constraint allows after its answer and `drafted` (no constraint: as they are); None where nothing the draft can
+    write is allowed there (its chain ends). Masking q is not needed for exactness (any q is exact); it makes the
+    drafts the target accepts more likely."""
+    if seq.constraint is None:
+        return logits
+    allowed = seq.constraint.allowed_after(drafted)  # (V,)
+    if allowed is None:
+        return None
+    allowed = allowed[: logits.shape[-1]].to(logits.device)  # (V',)
+    if not bool(allowed.any()):
+        return None
+    return logits.float().masked_fill(~allowed, float("-inf"))
+
+
 def draw_token(logits: torch.Tensor, seq: Sequence, drafted: list[int]) -> tuple[int, torch.Tensor | None]:
     """A chain's next draft token from a head's (1, V) logits after `drafted`, processed like the target's
-    (temperature, top-k, top-p, repetition penalty): the argmax when greedy (q None), else a sample and its q (V,)."""
+    (temperature, top-k, top-p, repetition penalty): the argmax when greedy (q None), else a sample and its q (V,).
+    Callers restrict the logits to a constraint first (`constrained_logits`)."""
     seen = penalty_seen(seq, drafted, logits.shape[-1])
     if seq.sampling.greedy:
         return int(greedy_tokens(logits, seq.sampling, seen)[0]), None

@@ -38,7 +38,7 @@ from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.protocols import FeatureRunner
 from verispec.core.sequence import Sequence
-from verispec.drafters.drawing import draw_token, penalty_seen
+from verispec.drafters.drawing import constrained_logits, draw_token, penalty_seen
 from verispec.drafters.head_adapt import AdaptiveHead, HeadAdaptation, HeadTrainer, eagle_loss
 from verispec.drafters.prompt_lookup import lookup
 from verispec.drafters.tree_growth import TreeGrowth
@@ -196,12 +196,18 @@ class EagleDrafter(AdaptiveHead, Drafter):
                     mask = torch.ones(1, column + 1, dtype=torch.bool)
                     h = self._layer(row, tokens[-1:], h[None], [column], column, mask)[0]
                 copied = self._copied(seq, tokens)
+                if copied is not None and seq.constraint is not None:
+                    allowed = seq.constraint.allowed_after(tokens)
+                    if allowed is None or not bool(allowed[copied]):  # a copy the constraint forbids: the chain ends
+                        break
                 if copied is not None:
                     tokens.append(copied)
                     if not seq.sampling.greedy and not self.argmax:
                         q_rows.append(torch.nn.functional.one_hot(torch.tensor(copied), self.vocab_size).float())
                     continue
-                logits = self.head.logits(h[None])  # (1, V)
+                logits = constrained_logits(self.head.logits(h[None]), seq, tokens)  # (1, V)
+                if logits is None:  # the constraint allows nothing the head can write: the chain ends
+                    break
                 if self.argmax:
                     tokens.append(int(logits.argmax()))
                     continue
@@ -209,7 +215,8 @@ class EagleDrafter(AdaptiveHead, Drafter):
                 tokens.append(token)
                 if q is not None:
                     q_rows.append(q)
-            drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(q_rows) if q_rows else None))
+            drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(q_rows) if q_rows else None)
+                          if tokens else EMPTY_DRAFT)
         return drafts
 
     def _propose_tree(self, sequences: list[Sequence], trees: list[TreeConfig], depths: list[int]) -> list[Draft]:

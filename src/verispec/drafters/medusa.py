@@ -27,7 +27,7 @@ from verispec.config import AdaptConfig, TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.protocols import FeatureRunner
 from verispec.core.sequence import Sequence
-from verispec.drafters.drawing import draw_token, penalty_seen
+from verispec.drafters.drawing import constrained_logits, draw_token, penalty_seen
 from verispec.drafters.head_adapt import AdaptiveHead, HeadAdaptation, HeadTrainer, medusa_loss
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
@@ -123,11 +123,15 @@ class MedusaDrafter(AdaptiveHead, Drafter):
                 continue
             tokens, q_rows = [], []
             for k in range(limits[b]):
-                token, q = draw_token(logits[b][k : k + 1], seq, tokens)
+                head_logits = constrained_logits(logits[b][k : k + 1], seq, tokens)  # (1, V)
+                if head_logits is None:  # the constraint allows nothing this head can write: the chain ends
+                    break
+                token, q = draw_token(head_logits, seq, tokens)
                 tokens.append(token)
                 if q is not None:
                     q_rows.append(q)
-            drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(q_rows) if q_rows else None))
+            drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(q_rows) if q_rows else None)
+                          if tokens else EMPTY_DRAFT)
         return drafts
 
     def commit(self, sequences: list[Sequence], drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
