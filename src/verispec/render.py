@@ -9,7 +9,7 @@ from rich.text import Text
 from verispec.api import GenerationResult
 from verispec.stats import GenerationStats
 
-STYLES = {"accepted": "green", "recovered": "yellow", "bonus": "cyan", "plain": ""}
+STYLES = {"accepted": "green", "forced": "magenta", "recovered": "yellow", "bonus": "cyan", "plain": ""}
 
 
 class StreamPrinter:
@@ -25,13 +25,14 @@ class StreamPrinter:
         self.printed = 0
 
     def pieces(self, generated: list[int], accepted_committed: int, last_is_bonus: bool, total_committed: int,
-               text_end: int | None) -> list[tuple[str, str]]:
-        """This step's new text as (text, kind) pieces, kind in STYLES; advances what counts as printed."""
+               text_end: int | None, forced: bool = False) -> list[tuple[str, str]]:
+        """This step's new text as (text, kind) pieces, kind in STYLES; advances what counts as printed.
+        `forced`: the accepted drafts were tokens a structured-output constraint forced."""
         start = len(generated) - total_committed
         cut = (lambda t: t[:text_end]) if text_end is not None else (lambda t: t)
         kind = "plain" if self.plain else ("bonus" if last_is_bonus else "recovered")
         out = []
-        for text, style in ((cut(self.decode(generated[: start + accepted_committed])), "accepted"),
+        for text, style in ((cut(self.decode(generated[: start + accepted_committed])), "forced" if forced else "accepted"),
                             (cut(self.decode(generated)), kind)):
             if len(text) > self.printed:
                 out.append((text[self.printed :], style))
@@ -39,9 +40,9 @@ class StreamPrinter:
         return out
 
     def step(self, generated: list[int], accepted_committed: int, last_is_bonus: bool, total_committed: int,
-             text_end: int | None) -> list[tuple[str, str]]:
+             text_end: int | None, forced: bool = False) -> list[tuple[str, str]]:
         """Print this step's new text; returns the pieces printed."""
-        pieces = self.pieces(generated, accepted_committed, last_is_bonus, total_committed, text_end)
+        pieces = self.pieces(generated, accepted_committed, last_is_bonus, total_committed, text_end, forced)
         if self.console is not None:
             print_pieces(self.console, pieces)
         return pieces
@@ -53,11 +54,11 @@ def print_pieces(console: Console, pieces) -> None:
         console.print(Text(text, style=STYLES[kind]), end="", soft_wrap=True)
 
 
-def legend(plain: bool) -> Text:
+def legend(plain: bool, constrained: bool = False) -> Text:
     if plain:
         return Text("plain target decoding (no drafter)", style="dim")
     text = Text("tokens: ", style="dim")
-    for kind in ("accepted", "recovered", "bonus"):
+    for kind in ("accepted", *(("forced",) if constrained else ()), "recovered", "bonus"):
         text.append(kind, style=STYLES[kind])
         text.append(" ")
     return text
@@ -80,6 +81,7 @@ def stats_table(result: GenerationResult) -> Table:
         ("acceptance rate", f"{s.acceptance_rate:.1%}"),
         ("accepted per position", " ".join(f"{a}/{d}" for a, d in zip(s.accepted_per_position, s.drafted_per_position)) or "-"),
         ("recovered / bonus tokens", f"{s.recovered_tokens} / {s.bonus_tokens}"),
+        *((("forced tokens (free drafts)", str(s.forced_tokens)),) if s.forced_tokens else ()),
         ("wall time", f"{s.wall_seconds:.2f} s (draft {s.draft_seconds:.2f} s, target {s.target_seconds:.2f} s)"),
         ("speed", f"{s.tokens_per_second:.2f} tokens/s"),
     ]

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from verispec.cli.options import (SAMPLING_OPTIONS, add_decoding_options, build_config, load_decoder, read_prompt,
-                                  tree_config)
-from verispec.config import SamplingConfig, SpecConfig
+from verispec.cli.options import add_decoding_options, build_config, load_decoder, read_prompt, sampling_config, tree_config
+from verispec.config import SpecConfig
 
 
 def add_parser(sub) -> None:
@@ -26,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
 
     from verispec.audit import run_audit
 
-    sampling = build_config(SamplingConfig, args, SAMPLING_OPTIONS)
+    sampling = sampling_config(args)
     spec = build_config(SpecConfig, args, {"num_draft_tokens": "num_draft_tokens", "draft_stop": "draft_stop"})
     tree = tree_config(args)
     decoder = load_decoder(args)

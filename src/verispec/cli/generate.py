@@ -9,16 +9,16 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from verispec.cli.options import (
-    SAMPLING_OPTIONS,
     SPEC_OPTIONS,
     add_decoding_options,
     build_config,
     default_of,
     load_decoder,
     read_prompt,
+    sampling_config,
     tree_config,
 )
-from verispec.config import AdaptConfig, SamplingConfig, SpecConfig
+from verispec.config import AdaptConfig, SpecConfig
 from verispec.errors import VerispecError
 
 
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from verispec.render import StreamPrinter, legend, stats_table
     from verispec.trace import Tracer, save_trace, trace_document, tracing
 
-    sampling = build_config(SamplingConfig, args, SAMPLING_OPTIONS)
+    sampling = sampling_config(args)
     if args.stop:
         args.stop = tuple(args.stop)
     tree = tree_config(args)
@@ -67,13 +67,14 @@ def run(args: argparse.Namespace) -> int:
     printer = StreamPrinter(console if show else None, decoder.decode, plain_decoding=decoder.drafter is None)
     tracer = Tracer(token_text=lambda t: decoder.target.tokenizer.decode([t])) if args.trace else None
     if show:
-        console.print(legend(decoder.drafter is None))
+        console.print(legend(decoder.drafter is None, sampling.constraint is not None))
     steps, seq = [], None
     with tracing(decoder.engine, tracer) if tracer else nullcontext():
         for event, seq in decoder.stream(prompt, sampling, spec, args.seed, args.chat, tuner):
             n_acc = min(len(event.accepted), len(event.committed))
             if show or tracer:
-                pieces = printer.step(seq.generated, n_acc, event.bonus, len(event.committed), seq.text_end)
+                pieces = printer.step(seq.generated, n_acc, event.bonus, len(event.committed), seq.text_end,
+                                      event.forced)
             if tracer:
                 steps.append(tracer.step(event, seq, pieces))
             if adapter is not None:

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from verispec.config import TREE_CHILDREN, PromptLookupConfig, SamplingConfig, SelfSpecConfig, ServeConfig, SpecConfig, SuffixConfig, TreeConfig
+from verispec.config import TREE_CHILDREN, Constraint, PromptLookupConfig, SamplingConfig, SelfSpecConfig, ServeConfig, SpecConfig, SuffixConfig, TreeConfig
 from verispec.console import notice
 from verispec.errors import VerispecError
 from verispec.models.loading import BACKENDS, DEFAULT_BACKEND, DEFAULT_DRAFT_WEIGHTS, DEFAULT_DTYPE, DEFAULT_TARGET_WEIGHTS, DTYPES, WEIGHT_FORMATS
@@ -92,11 +92,42 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, help="drop tokens below min-p x top probability (default: 0)")
     p.add_argument("--repetition-penalty", type=float, help="CTRL repetition penalty, 1.0 disables (default: 1.0)")
     p.add_argument("--seed", type=int, default=None, help="seed of this request's random generator (default: fresh entropy)")
+    structured = p.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", type=Path, metavar="FILE",
+                            help="structured output: the answer is JSON valid against the schema in FILE (speculation "
+                                 "stays exact: p is restricted to what the schema allows; forced tokens are free drafts)")
+    structured.add_argument("--json-object", action="store_true", help="structured output: the answer is a JSON object")
+    structured.add_argument("--regex", metavar="RE", help="structured output: the whole answer matches RE")
+    structured.add_argument("--grammar", type=Path, metavar="FILE",
+                            help="structured output: the answer follows the grammar in FILE (Lark, or llama.cpp's GBNF)")
     p.add_argument("-k", "--num-draft-tokens", type=int, help=f"K, draft tokens per step (default: {default_of(SpecConfig, 'num_draft_tokens')})")
     p.add_argument("--draft-stop", type=float, metavar="P",
                    help="a draft model's or prompt lookup's chain stops early where the estimated chance that all its "
                         "drafts are accepted (calibrated draft confidence) falls below P; with --auto-k, K is "
                         f"still the tuner's (default: {default_of(SpecConfig, 'draft_stop')}, off)")
+
+
+def constraint(args: argparse.Namespace) -> Constraint | None:
+    """The structured-output constraint the options ask for (--json-schema, --json-object, --regex, --grammar)."""
+    if getattr(args, "json_object", False):
+        return Constraint("json_object")
+    if getattr(args, "regex", None) is not None:
+        return Constraint("regex", args.regex)
+    for option, kind in (("json_schema", "json_schema"), ("grammar", "grammar")):
+        path = getattr(args, option, None)
+        if path is not None:
+            try:
+                return Constraint(kind, path.read_text())
+            except OSError as err:
+                raise VerispecError(f"cannot read --{option.replace('_', '-')} {path}: {err.strerror}") from None
+            except UnicodeDecodeError:
+                raise VerispecError(f"--{option.replace('_', '-')} {path} is not UTF-8 text") from None
+    return None
+
+
+def sampling_config(args: argparse.Namespace) -> SamplingConfig:
+    """The SamplingConfig the sampling and structured-output options ask for."""
+    return dataclasses.replace(build_config(SamplingConfig, args, SAMPLING_OPTIONS), constraint=constraint(args))
 
 
 def add_tree_options(p: argparse.ArgumentParser) -> None:

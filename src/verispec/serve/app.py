@@ -61,15 +61,22 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig(),
     app.add_middleware(Gate, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
     add_error_handlers(app, config)
 
+    async def sequence(body, prompt: list[int], max_tokens: int | None):
+        """The request's Sequence; a structured-output constraint is compiled off the event loop (the first one also
+        reads the tokenizer's vocabulary, ~1 s for Qwen's)."""
+        if body.response_format is None or body.response_format.type == "text":
+            return requests.sequence(body, prompt, max_tokens)
+        return await asyncio.to_thread(requests.sequence, body, prompt, max_tokens)
+
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        seq = requests.sequence(body, requests.completion_prompt(body), body.max_tokens)
+        seq = await sequence(body, requests.completion_prompt(body), body.max_tokens)
         return await answers.respond(request, body, seq, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest) -> Response:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        seq = requests.sequence(body, requests.chat_prompt(body), max_tokens)
+        seq = await sequence(body, requests.chat_prompt(body), max_tokens)
         return await answers.respond(request, body, seq, chat=True)
 
     @app.get("/v1/models")

@@ -7,13 +7,14 @@ something other than what it asked for. Fields left out keep verispec's own defa
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from verispec.config import MAX_TEMPERATURE, PENALTY_RANGE, TreeConfig
+from verispec.config import MAX_TEMPERATURE, PENALTY_RANGE, Constraint, TreeConfig
 from verispec.errors import VerispecError
 from verispec.stats import GenerationStats
 
@@ -67,6 +68,50 @@ def tree_config(value: Any) -> TreeConfig | None:
         raise APIError(400, f"speculative.tree: {err}", param="speculative.tree") from None
 
 
+class JsonSchemaFormat(Strict):
+    """response_format.json_schema: OpenAI's {"name", "description", "schema", "strict"}. The schema is always
+    enforced (strict or not): every answer is valid against it unless cut by max_tokens (finish_reason "length")."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """Structured output: OpenAI's {"type": "text" | "json_object" | "json_schema"}, and verispec's own
+    {"type": "regex", "regex": ...} and {"type": "grammar", "grammar": ...} (Lark, or llama.cpp's GBNF)."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The Constraint this format asks for (None for text); a missing or misplaced part is a 400."""
+        given = {name for name in ("json_schema", "regex", "grammar") if getattr(self, name) is not None}
+        wanted = {self.type} & {"json_schema", "regex", "grammar"}
+        if given - wanted:
+            raise APIError(400, f"response_format.{sorted(given - wanted)[0]} does not go with type '{self.type}'",
+                           param="response_format")
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint("json_object")
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise APIError(400, "response_format type 'json_schema' needs json_schema.schema",
+                               param="response_format")
+            return Constraint("json_schema", json.dumps(self.json_schema.schema_))
+        source = getattr(self, self.type)
+        if source is None or not source.strip():
+            raise APIError(400, f"response_format type '{self.type}' needs a non-empty '{self.type}'",
+                           param="response_format")
+        return Constraint(self.type, source)
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
 
@@ -91,6 +136,7 @@ class GenerationRequest(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
     def sampling_fields(self) -> dict:

@@ -91,12 +91,15 @@ class RequestBuilder:
             spec_fields["draft_stop"] = spec_options.draft_stop
         if tree is not None:
             spec_fields["tree"] = tree
+        constraint = body.response_format.constraint() if body.response_format is not None else None
         try:
-            sampling = SamplingConfig(**body.sampling_fields())
+            sampling = SamplingConfig(**body.sampling_fields(), constraint=constraint)
             spec = SpecConfig(**spec_fields)
             seq = self.engine.make_sequences([prompt], sampling, spec, [body.seed])[0]
         except VerispecError as err:
             field = str(err).split(" ", 1)[0]
+            if constraint is not None and ("constraint" in str(err) or "schema" in str(err)):
+                field = "response_format"
             raise APIError(400, str(err), param=field if field in GenerationRequest.model_fields else None) from None
         seq.drafting = drafting
         # the server's tuner (ServeConfig.auto_k) sizes a request's drafts unless it names K or a tree (a seeded

@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field
 
 from verispec.analyze import AnalyzeConfig, measured_from_bench, speedup_table
 from verispec.api import SpeculativeDecoder
-from verispec.config import MAX_TEMPERATURE, TREE_CHILDREN, SamplingConfig, ServeConfig, SpecConfig, TreeConfig
+from verispec.config import MAX_TEMPERATURE, TREE_CHILDREN, Constraint, SamplingConfig, ServeConfig, SpecConfig, TreeConfig
 from verispec.drafters.registry import NGRAM
 from verispec.errors import VerispecError
 from verispec.render import StreamPrinter
@@ -50,6 +50,13 @@ MAX_LIVE_TREE_DEPTH = ServeConfig().max_draft_tokens
 MAX_LIVE_TOKENS = 4096  # a live decoding's max_new_tokens (each step is one request, but the text is kept)
 
 
+class LiveConstraint(BaseModel):
+    """Structured output for a live decoding: a `config.Constraint`'s kind and source."""
+
+    kind: str
+    source: str = Field("", max_length=100_000)
+
+
 class LiveRequest(BaseModel):
     prompt: str = Field(max_length=100_000)
     drafter: str
@@ -59,6 +66,8 @@ class LiveRequest(BaseModel):
     max_new_tokens: int = Field(64, ge=1, le=MAX_LIVE_TOKENS)
     chat: bool | None = None
     tree: Any = None  # None: a chain of K drafts; else read by `live_tree_config`
+    constraint: LiveConstraint | None = None  # structured output
+
 
 
 def live_tree_config(value: Any, k: int) -> TreeConfig | None:
@@ -111,11 +120,15 @@ class LiveDecoding:
     def __init__(self, session: int, decoder: SpeculativeDecoder, request: LiveRequest) -> None:
         self.session = session
         self.decoder = decoder
-        sampling = SamplingConfig(temperature=request.temperature)
+        constraint = request.constraint
+        sampling = SamplingConfig(temperature=request.temperature,
+                                  constraint=None if constraint is None else Constraint(constraint.kind, constraint.source))
         tree = live_tree_config(request.tree, request.k)
         spec = SpecConfig(num_draft_tokens=request.k, max_new_tokens=request.max_new_tokens, tree=tree)
         if tree is not None:
             decoder.engine.check_tree_support()  # now, not at the first step
+        if sampling.constraint is not None:
+            decoder.engine.grammars().start(sampling.constraint)  # a bad constraint answers 400 now
         self.tree = tree
         self.prompt_ids = decoder.encode(request.prompt, request.chat)
         tokenizer = decoder.target.tokenizer
@@ -135,7 +148,8 @@ class LiveDecoding:
                 self.done = True
                 return None
         n_acc = min(len(event.accepted), len(event.committed))
-        pieces = self.printer.pieces(seq.generated, n_acc, event.bonus, len(event.committed), seq.text_end)
+        pieces = self.printer.pieces(seq.generated, n_acc, event.bonus, len(event.committed), seq.text_end,
+                                     event.forced)
         record = self.tracer.step(event, seq, pieces)
         self.done = event.finish_reason is not None
         return record

@@ -13,6 +13,16 @@ async function init() {
   for (const name of info.tree.children) $("tree-children").append(el("option", { value: name }, name.replace(/_/g, " ")));
   $("tree-children").value = info.defaults.tree_children;
   $("tree-mode").onchange = treeControls; treeControls();
+  $("constraint-kind").onchange = () => {
+    const kind = $("constraint-kind").value;
+    $("constraint-source").disabled = kind === "" || kind === "json_object";
+  };
+}
+
+// The request's structured-output constraint: null for none; the server checks it (a bad schema answers 400).
+function constraintRequest() {
+  const kind = $("constraint-kind").value;
+  return kind ? { kind, source: kind === "json_object" ? "" : $("constraint-source").value } : null;
 }
 
 // Only the tree inputs of the chosen mode are enabled: a shape, or a budget (depth K) with its top-k.
@@ -38,7 +48,7 @@ async function start() {
   try {
     const r = await api("/api/live/start", { prompt: $("prompt").value, drafter: $("drafter").value, k: Number($("k").value),
       temperature: Number($("temperature").value), seed: Number($("seed").value), max_new_tokens: Number($("max-new-tokens").value),
-      tree: treeRequest() });
+      tree: treeRequest(), constraint: constraintRequest() });
     session = r.session; done = false;
     $("output").replaceChildren(el("span", { class: "prompt" }, r.prompt_text));
     $("steps").replaceChildren(); $("bars").replaceChildren(); $("detail-title").textContent = "click a draft, tree node, recovered or bonus token";
