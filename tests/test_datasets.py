@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from verispec.datasets import EDITING_PROMPTS, HELDOUT, load_prompts
+from verispec.config import Constraint
+from verispec.constraints import grammar_text
+from verispec.datasets import EDITING_PROMPTS, HELDOUT, STRUCTURED_PROMPTS, load_prompts
 from verispec.errors import VerispecError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,8 +46,22 @@ def test_several_files_read_as_one_and_ids_must_not_repeat(tmp_path):
         load_prompts([other, other])
 
 
+def test_the_shipped_structured_prompts_each_carry_a_schema_the_grammar_engine_accepts():
+    import llguidance
+
+    prompts = load_prompts(STRUCTURED_PROMPTS)
+    assert [p.category for p in prompts].count("json_extraction") == 20 == [p.category for p in prompts].count("function_call")
+    assert len(load_prompts(STRUCTURED_PROMPTS, split=HELDOUT)) == 20
+    for p in prompts:
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_text(Constraint("json_schema", p.schema)))
+        assert not failed, (p.question_id, messages)
+        assert "JSON" in p.text
+    rows = [json.loads(line) for line in STRUCTURED_PROMPTS.read_text().splitlines()]
+    assert all(r["source"] for r in rows)
+
+
 @pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="built from Python 3.11's standard library sources")
-def test_the_builder_reproduces_the_shipped_prompts():
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_edit_prompts.py"), "--check"],
-                          capture_output=True, text=True)
+@pytest.mark.parametrize("script", ["build_edit_prompts.py", "build_structured_prompts.py"])
+def test_the_builder_reproduces_the_shipped_prompts(script):
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--check"], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr

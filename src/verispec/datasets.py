@@ -12,15 +12,20 @@ from verispec.errors import VerispecError
 DEFAULT_PROMPTS = Path("../shared/datasets/spec_bench/question.jsonl")  # Spec-Bench, beside the repository
 # shipped: code-editing and agent-loop prompts (scripts/build_edit_prompts.py; SOURCE.txt beside it)
 EDITING_PROMPTS = Path(__file__).resolve().parent / "bench" / "data" / "editing.jsonl"
+# shipped: structured-output prompts, each with the JSON schema its answer must follow (scripts/build_structured_prompts.py)
+STRUCTURED_PROMPTS = Path(__file__).resolve().parent / "bench" / "data" / "structured.jsonl"
 # Spec-Bench's six categories; its first 80 questions are MT-Bench's eight categories.
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
 @dataclass(frozen=True)
 class Prompt:
+    """schema: the JSON schema (as JSON text) the answer must follow, for structured-output prompts; else None."""
+
     question_id: int
     category: str
     text: str
+    schema: str | None = None
 
 
 TRAIN, HELDOUT = "train", "heldout"
@@ -63,7 +68,7 @@ def load_prompts(path: str | Path | Sequence[str | Path], categories: list[str] 
         if unknown:
             raise VerispecError(f"unknown categories {sorted(unknown)}; {path} has {known}")
         # an MT-Bench category asked for by name keeps its name (reported apart from the rest of mt_bench)
-        prompts = [Prompt(p.question_id, r, p.text) if r in categories and r in MT_BENCH_CATEGORIES else p
+        prompts = [Prompt(p.question_id, r, p.text, p.schema) if r in categories and r in MT_BENCH_CATEGORIES else p
                    for p, r in zip(prompts, raw) if r in categories or p.category in categories]
     if split is not None:
         prompts = [p for p in prompts if split_of(p.question_id) == split]
@@ -88,7 +93,9 @@ def _read_rows(path: Path, prompts: list[Prompt], raw: list[str]) -> None:
                 continue
             try:
                 row = json.loads(line)
-                prompts.append(Prompt(int(row["question_id"]), spec_bench_category(row["category"]), row["turns"][0]))
+                schema = row.get("schema")
+                prompts.append(Prompt(int(row["question_id"]), spec_bench_category(row["category"]), row["turns"][0],
+                                      None if schema is None else json.dumps(schema)))
                 raw.append(str(row["category"]))
             except (ValueError, KeyError, IndexError, TypeError) as err:
                 raise VerispecError(f"{path}:{line_no}: not a Spec-Bench row ({type(err).__name__}: {err})") from None

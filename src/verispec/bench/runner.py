@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -29,9 +29,10 @@ from verispec.bench.catalog import (
 from verispec.bench.report import Record
 from verispec.bench.results import runs_json, write_json, write_report
 from verispec.bench.systems import HFSystem, LlamaCppGenerate, System, VerispecSystem
-from verispec.config import AdaptConfig, SamplingConfig, TreeConfig
+from verispec.config import AdaptConfig, Constraint, SamplingConfig, TreeConfig
 from verispec.console import stderr_console
-from verispec.datasets import DEFAULT_PROMPTS, EDITING_PROMPTS, load_prompts
+from verispec.constraints import grammars_for
+from verispec.datasets import DEFAULT_PROMPTS, EDITING_PROMPTS, STRUCTURED_PROMPTS, load_prompts
 from verispec.drafters import registry
 from verispec.drafters.ngram_corpus import DEFAULT_TABLE
 from verispec.drafters.registry import DrafterOptions
@@ -46,7 +47,8 @@ class BenchConfig:
     """What `verispec bench` measures.
 
     prompts: Spec-Bench-format JSONL, or several read as one (default: Spec-Bench beside the repository and the
-        shipped code_editing and agent prompts). categories: Spec-Bench categories to keep (None: all).
+        shipped code_editing, agent, json_extraction and function_call prompts; the last two are decoded under
+        each row's JSON schema by every system). categories: Spec-Bench categories to keep (None: all).
     per_category: prompts per category. systems: names from SYSTEMS (None: all that apply).
     split: "heldout" keeps the prompts the distilled draft never saw (odd question ids), "train" the
     others, "all" both. distilled: the distilled draft spec of the verispec-*distilled* systems (None: skip them).
@@ -68,7 +70,7 @@ class BenchConfig:
         takes the fastest as the peer's best speculative setting (`report.best_speculative`).
     """
 
-    prompts: str | tuple[str, ...] = (str(DEFAULT_PROMPTS), str(EDITING_PROMPTS))
+    prompts: str | tuple[str, ...] = (str(DEFAULT_PROMPTS), str(EDITING_PROMPTS), str(STRUCTURED_PROMPTS))
     categories: tuple[str, ...] | None = None
     per_category: int = 5
     max_new_tokens: int = 128
@@ -186,6 +188,13 @@ class _Models:
             self.shared[key] = make()
         return self.shared[key]
 
+    def hf_grammars(self):
+        """The structured-output compiler of the Hugging Face target's tokenizer (made once, when first needed)."""
+        if "grammars" not in self.shared:
+            hf = self.hf_target
+            self.shared["grammars"] = grammars_for(hf.tokenizer, hf.model.config.vocab_size, hf.eos_token_ids())
+        return self.shared["grammars"]
+
 
 def _build(spec: SystemSpec, config: BenchConfig, m: _Models) -> list[System]:
     """One catalog entry's systems (several for a peer run at several K; none where its models are missing)."""
@@ -196,12 +205,13 @@ def _build(spec: SystemSpec, config: BenchConfig, m: _Models) -> list[System]:
     if spec.family == HF:
         if m.hf_target is None or (spec.drafter == DRAFT and (m.hf_draft is None or m.draft is None)):
             return []  # Hugging Face systems need the models loaded on torch
+        grammars = m.hf_grammars  # structured-output prompts: the schema as a logits processor
         if spec.drafter == NGRAM:
-            return [HFSystem(peer, m.hf_target.model, eos, prompt_lookup_num_tokens=peer_k)
+            return [HFSystem(peer, m.hf_target.model, eos, grammars, prompt_lookup_num_tokens=peer_k)
                     for peer, peer_k in _peer_ks(config, spec.name)]
         if spec.drafter == DRAFT:
-            return [HFSystem(spec.name, m.hf_target.model, eos, assistant_model=m.hf_draft.model)]
-        return [HFSystem(spec.name, m.hf_target.model, eos)]
+            return [HFSystem(spec.name, m.hf_target.model, eos, grammars, assistant_model=m.hf_draft.model)]
+        return [HFSystem(spec.name, m.hf_target.model, eos, grammars)]
     if spec.family == LLAMACPP:
         source = m.llama_target.source
         if spec.drafter == NGRAM:
@@ -322,6 +332,11 @@ def by_turns(prompts: list) -> list:
     return ordered
 
 
+def prompt_sampling(sampling: SamplingConfig, prompt) -> SamplingConfig:
+    """The sampling settings for one prompt: constrained by its JSON schema where it has one."""
+    return sampling if prompt.schema is None else replace(sampling, constraint=Constraint("json_schema", prompt.schema))
+
+
 def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
               hf_target: LoadedModel | None = None, hf_draft: LoadedModel | None = None) -> dict:
     """Run every system on every prompt (interleaved), write JSON, markdown and plots; return the report.
@@ -366,8 +381,9 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
         for prompt, ids in zip(prompts, prompt_ids):
             for system in systems:
                 progress.update(task, description=f"{prompt.category} q{prompt.question_id} {system.name}")
-                try:
-                    run = system.run(ids, sampling, config.max_new_tokens, config.seed + prompt.question_id)
+                try:  # a structured-output prompt is decoded under its schema by every system
+                    run = system.run(ids, prompt_sampling(sampling, prompt), config.max_new_tokens,
+                                     config.seed + prompt.question_id)
                 except Exception as err:  # noqa: BLE001 (recorded, printed and reported below)
                     # one system failing on one prompt (a context too long for it, a backend error) is
                     # recorded and the bench goes on: the other systems' figures are still worth having

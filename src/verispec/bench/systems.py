@@ -14,6 +14,7 @@ import torch
 
 from verispec.api import SpeculativeDecoder
 from verispec.config import SamplingConfig, SpecConfig, TreeConfig
+from verispec.errors import VerispecError
 from verispec.stats import GenerationStats
 from verispec.tuning import AdaptiveK
 
@@ -89,18 +90,49 @@ class VerispecSystem(System):
         return Run(seq.generated, seconds, seq.stats, first_seconds, first_tokens)
 
 
+class _ConstrainedLogits:
+    """A Hugging Face logits processor restricting scores to what a structured-output constraint allows after the
+    answer so far (input_ids past the prompt). Assisted generation scores candidates at several lengths, so the
+    constraint's matcher is moved to each call's answer by rolling back to the prefix it shares with the last one."""
+
+    def __init__(self, state, prompt_len: int) -> None:
+        self.state, self.prompt_len, self.held = state, prompt_len, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        answer = input_ids[0, self.prompt_len :].tolist()
+        common = 0
+        while common < min(len(answer), len(self.held)) and answer[common] == self.held[common]:
+            common += 1
+        matcher = self.state.matcher
+        matcher.rollback(len(self.held) - common)
+        consumed = matcher.try_consume_tokens(answer[common:]) if len(answer) > common else 0
+        self.held = answer[: common + consumed]
+        if len(self.held) < len(answer):  # a candidate past a token the constraint forbids: never committed
+            return scores
+        allowed = self.state.allowed()[: scores.shape[-1]].to(scores.device)  # (V,)
+        return scores.masked_fill(~allowed, float("-inf"))
+
+
 class HFSystem(System):
     """Hugging Face `generate`: target alone, assisted by a draft model, or with prompt lookup."""
 
     family = "hf"
 
-    def __init__(self, name: str, target, eos_token_ids: set[int], **generate_kwargs):
+    def __init__(self, name: str, target, eos_token_ids: set[int], grammars=None, **generate_kwargs):
         self.name, self.target, self.eos, self.kwargs = name, target, sorted(eos_token_ids), generate_kwargs
+        self.grammars = grammars  # () -> verispec.constraints.Grammars, for structured-output prompts
 
     @torch.inference_mode()
     def run(self, prompt, sampling, max_new_tokens, seed):
+        from transformers import LogitsProcessorList
+
         ids = torch.tensor([prompt], device=self.target.device)
         kwargs = dict(self.kwargs)
+        if sampling.constraint is not None:
+            if self.grammars is None:
+                raise VerispecError(f"{self.name} was built without a tokenizer for structured output")
+            state = self.grammars().start(sampling.constraint)
+            kwargs["logits_processor"] = LogitsProcessorList([_ConstrainedLogits(state, len(prompt))])
         if sampling.greedy:
             kwargs.update(do_sample=False)
         else:
@@ -180,6 +212,8 @@ class LlamaCppGenerate(System):
         kwargs = dict(temp=0.0) if sampling.greedy else dict(
             temp=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p, min_p=sampling.min_p,
             repeat_penalty=sampling.repetition_penalty)
+        if sampling.constraint is not None:  # llama.cpp's own grammar sampler, from its JSON-schema converter
+            kwargs["grammar"] = llamacpp_grammar(sampling.constraint)
         tokens: list[int] = []
         first_seconds = 0.0
         start = time.perf_counter()
@@ -190,3 +224,17 @@ class LlamaCppGenerate(System):
             if token in self.eos or len(tokens) >= max_new_tokens:
                 break
         return Run(tokens, time.perf_counter() - start, None, first_seconds, min(1, len(tokens)))
+
+
+def llamacpp_grammar(constraint):
+    """A llama-cpp-python LlamaGrammar for a JSON-schema or JSON-object constraint (llama.cpp's own converter to
+    GBNF, which allows optional whitespace where verispec's JSON has fixed separators)."""
+    from llama_cpp import LlamaGrammar
+
+    if constraint.kind == "json_object":
+        return LlamaGrammar.from_json_schema('{"type": "object"}', verbose=False)
+    if constraint.kind == "json_schema":
+        return LlamaGrammar.from_json_schema(constraint.source, verbose=False)
+    if constraint.kind == "grammar" and "::=" in constraint.source:
+        return LlamaGrammar.from_string(constraint.source, verbose=False)
+    raise VerispecError(f"the llama.cpp systems take JSON schemas and GBNF grammars, not a {constraint.kind}")
