@@ -96,3 +96,24 @@ def test_the_shipped_heads_on_the_default_target_greedy_equal_plain_decoding():
                     out = decoder.generate(prompt, greedy, SpecConfig(num_draft_tokens=3, max_new_tokens=N, tree=tree))
                     assert out.token_ids == reference.token_ids, (backend, draft, tree)
                     assert out.stats.accepted_tokens > 0, (backend, draft, tree)
+
+
+def test_structured_output_on_the_native_runner_greedy_equals_constrained_plain_decoding():
+    """The shipped structured prompts' schemas on the default pair: greedy constrained speculation (the 0.5B draft with
+    its q masked too, suffix decoding, prompt lookup) equals greedy constrained plain decoding, every answer valid."""
+    import json
+
+    from verispec.config import Constraint
+    from verispec.datasets import STRUCTURED_PROMPTS, load_prompts
+
+    target, draft = load_model(DEFAULT_TARGET), load_model(DEFAULT_DRAFT)
+    plain = SpeculativeDecoder(target, "none")
+    for p in load_prompts(STRUCTURED_PROMPTS, per_category=1):
+        sampling = SamplingConfig(temperature=0, constraint=Constraint("json_schema", p.schema))
+        spec = SpecConfig(num_draft_tokens=4, max_new_tokens=200)
+        reference = plain.generate(p.text, sampling, spec)
+        assert reference.finish_reason == "eos" and isinstance(json.loads(reference.text), dict)
+        for drafter in (draft, "suffix", "ngram"):
+            out = SpeculativeDecoder(target, drafter).generate(p.text, sampling, spec)
+            assert out.token_ids == reference.token_ids, (p.question_id, drafter)
+            assert out.stats.forced_tokens > 0
