@@ -224,3 +224,33 @@ def test_a_constraint_the_tokenizer_cannot_write_is_refused_before_decoding(tmp_
     decoder = SpeculativeDecoder.load(str(target), "none")
     with pytest.raises(VerispecError, match="allows no output with this tokenizer"):
         decoder.generate("hello", SamplingConfig(constraint=Constraint("json_object")), SpecConfig(max_new_tokens=4))
+
+
+# --- forced runs with a lookup's guess, and deterministic chains cut at a forbidden token ------------------------
+def test_a_forced_run_is_followed_by_the_lookups_guess_and_a_forbidden_copy_is_cut(decoders):
+    from verispec.batch import DecodeBatch
+    from verispec.core.drafter import Draft
+
+    dec = decoders["ngram"]
+    tok = dec.target.tokenizer
+    ids = lambda text: [tok.convert_tokens_to_ids(c) for c in text]  # noqa: E731
+    seq = dec.engine.make_sequences([ids("ab:12 ab:13 ab")], SamplingConfig(temperature=0.0,
+                                    constraint=Constraint("regex", ":[0-9]+ ab:[0-9]+")), SpecConfig(), [0])[0]
+    batch = DecodeBatch(dec.engine)
+    batch.add([seq])
+    assert seq.constraint.forced(8) == ids(":")  # ':' is forced, the digits are free
+    chain = batch._after_forced(0, ids(":"), 4)
+    assert chain[:1] == ids(":") and len(chain) > 1  # the lookup copies what followed "ab:" before
+    copied = Draft(torch.tensor(ids(":1x3")))  # 'x' is forbidden: the chain is cut before it
+    assert batch._within_constraint(seq, copied).tokens.tolist() == ids(":1")
+    sampled = Draft(torch.tensor(ids(":1x")), q=torch.full((3, dec.runner.vocab_size), 1.0 / dec.runner.vocab_size))
+    assert batch._within_constraint(seq, sampled) is sampled  # never cut by its value
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_forced_runs_with_guesses_pass_the_chi_square_audit(decoders, drafter):
+    dec = decoders[drafter]
+    prompt = dec.encode("a cat, a cat, a bat", chat=False)
+    sampling = SamplingConfig(temperature=1.5, constraint=Constraint("regex", "a [a-m ]+[0-9]"))
+    report = run_audit(dec, prompt, sampling, num_draft_tokens=3, samples=1200, batch_size=300, seed=5)
+    assert report.passed, report.to_dict()

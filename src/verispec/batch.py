@@ -186,13 +186,38 @@ class DecodeBatch:
                     forced[b] = tokens
         return forced
 
+    def _after_forced(self, b: int, tokens: list[int], depth: int) -> list[int]:
+        """A row's forced tokens, followed (where the drafter has deterministic continuations and the row drafts this
+        step) by the drafter's guess of what follows them: one chain verified in one pass. The guess is optional: a
+        fault in it leaves the forced run alone."""
+        if self.drafter is None or depth <= 0:
+            return tokens
+        left = self.sequences[b].max_new_tokens - self.sequences[b].num_generated - 1 - len(tokens)
+        try:
+            return tokens + self.drafter.continuation(b, self.sequences[b], tokens, min(depth, left))[: max(left, 0)]
+        except Exception as err:
+            log.warning("the drafter's continuation failed (%s: %s); the forced tokens are drafted alone",
+                        type(err).__name__, err)
+            return tokens
+
+    @staticmethod
+    def _within_constraint(seq: Sequence, draft: Draft) -> Draft:
+        """A deterministic chain cut before its first token the row's constraint forbids: that token has p = 0 and
+        would be rejected, and the recovered token would come from p itself (the residual of a one-hot q at a token of
+        probability 0), as the bonus token after the cut chain does; so the cut changes nothing but the pass's width.
+        A sampled draft is never cut by its value (that would not be exact)."""
+        if seq.constraint is None or draft.q is not None or not draft.is_chain or not len(draft):
+            return draft
+        keep = seq.constraint.valid_prefix(draft.tokens.tolist())
+        return draft if keep == len(draft) else Draft(draft.tokens[:keep]) if keep else EMPTY_DRAFT
+
     def _step(self) -> list[tuple[StepEvent, Sequence]]:
         active, engine = self.sequences, self.engine
         prefilling = self._prefilling()
         trees, depths = self._shapes(prefilling)
         t0 = time.perf_counter()
         forced = self._forced(prefilling)  # row -> tokens its constraint forces: drafted for free
-        depths = [0 if b in forced else d for b, d in enumerate(depths)]
+        depths_before, depths = depths, [0 if b in forced else d for b, d in enumerate(depths)]
         drafts = [EMPTY_DRAFT] * len(active)
         if self.drafter is not None and any(depths):
             try:
@@ -201,8 +226,9 @@ class DecodeBatch:
                 self._drafter_fault("propose", err)
                 drafts = [EMPTY_DRAFT] * len(active)
         own = list(drafts)  # the drafter's own drafts (empty where the constraint drafted)
-        for b, tokens in forced.items():
-            drafts[b] = Draft(torch.tensor(tokens, dtype=torch.long))  # one-hot q: deterministic, exact
+        for b, tokens in forced.items():  # the forced run, then a lookup's guess of what follows it
+            drafts[b] = Draft(torch.tensor(self._after_forced(b, tokens, depths_before[b]), dtype=torch.long))
+        drafts = [self._within_constraint(s, d) for s, d in zip(active, drafts)]
         t1 = time.perf_counter()
         # One pass: each row's pending tokens, then its draft's nodes; logits after the last pending token and
         # after each node (none for a row still reading its prompt).
@@ -229,7 +255,7 @@ class DecodeBatch:
             s.target_cached = len(s.tokens) + v.num_accepted
             s.stats.record(len(d), v.num_accepted, v.bonus, depth=d.tree.depth)
             if b in forced:
-                s.stats.forced_tokens += v.num_accepted
+                s.stats.forced_tokens += min(v.num_accepted, len(forced[b]))
             elif self.tuner is not None and trees is None and len(d):
                 self.tuner.observe(len(d), v.num_accepted)
             event = self._row(s, "commit", lambda s=s, d=d, v=v: engine._commit(s, d.path_tokens(v.path), v))

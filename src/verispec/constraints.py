@@ -223,6 +223,10 @@ class ConstraintState:
         finally:
             self.matcher.rollback(consumed)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of these tokens, after the committed answer, the constraint allows in a row (state unchanged)."""
+        return self.matcher.validate_tokens(list(tokens)) if tokens else 0
+
     def forced(self, limit: int) -> list[int]:
         """The tokens the constraint forces next (at most `limit`): free drafts."""
         if limit <= 0 or self.matcher.is_stopped():

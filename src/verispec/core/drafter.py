@@ -77,6 +77,12 @@ class Drafter(ABC):
         """Propose a draft for each sequence b, at most depths[b] tokens deep (0: none this step): a chain where
         trees[b] is None (`trees` None: chains for every row), else a tree shaped by trees[b]."""
 
+    def continuation(self, b: int, seq: Sequence, after: list[int], depth: int) -> list[int]:
+        """A deterministic chain of at most `depth` tokens to follow row b's tokens and then `after` (tokens not yet
+        committed: a structured-output constraint's forced run), for drafters whose chains are a function of the
+        context alone (lookups); [] where the drafter has none. It must not change the drafter's state."""
+        return []
+
     def commit(self, sequences: list[Sequence], drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
         """Called after verification, once each sequence's tokens hold the committed tokens: paths[b] are the
         accepted nodes of drafts[b] from the root down (for a chain, its first len(paths[b]) drafts)."""

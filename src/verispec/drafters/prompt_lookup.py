@@ -145,6 +145,9 @@ class PromptLookupDrafter(Drafter):
             drafts.append(Draft(torch.tensor(found, dtype=torch.long)) if found else EMPTY_DRAFT)
         return drafts
 
+    def continuation(self, b: int, seq: Sequence, after: list[int], depth: int) -> list[int]:
+        return lookup_match(seq.tokens + after, depth, self.config)[0] if depth > 0 else []
+
     def commit(self, sequences: list[Sequence], drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
         for keys, path in zip(self.stop_keys, paths):
             if keys:

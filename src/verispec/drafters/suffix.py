@@ -235,6 +235,12 @@ class SuffixDrafter(Drafter):
             drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), tree=shape) if tokens else EMPTY_DRAFT)
         return drafts
 
+    def continuation(self, b: int, seq: Sequence, after: list[int], depth: int) -> list[int]:
+        if depth <= 0 or b >= len(self.rows) or self.rows[b][0] is not seq:
+            return []
+        continuations = self._continuations(seq.tokens + after, self._own(b, seq), depth)
+        return frequency_tree(continuations, None, self.config.min_share)[0] if continuations else []
+
     def _own(self, b: int, seq: Sequence) -> SuffixIndex:
         """Row b's index of its own context, brought up to the tokens it has committed."""
         if b >= len(self.rows) or self.rows[b][0] is not seq:  # a row the batch did not announce: index it now
