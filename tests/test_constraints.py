@@ -254,3 +254,21 @@ def test_forced_runs_with_guesses_pass_the_chi_square_audit(decoders, drafter):
     sampling = SamplingConfig(temperature=1.5, constraint=Constraint("regex", "a [a-m ]+[0-9]"))
     report = run_audit(dec, prompt, sampling, num_draft_tokens=3, samples=1200, batch_size=300, seed=5)
     assert report.passed, report.to_dict()
+
+
+def test_trees_draw_their_children_from_the_constrained_q(decoders):
+    """A tree drafted under a constraint has only allowed nodes (its q is masked after each node's path), and stays
+    exact: greedy equal to plain above, and here the audit of sampled trees from a draft model."""
+    dec = decoders["draft"]
+    prompt = dec.encode("the cat", chat=False)
+    sampling = SamplingConfig(temperature=1.5, constraint=HALF)
+    seq = dec.engine.make_sequences([prompt], sampling, SpecConfig(tree=TreeConfig(shape=(3, 2))), [0])[0]
+    dec.drafter.start([seq])
+    draft = dec.drafter.propose([seq], [2], [TreeConfig(shape=(3, 2))])[0]
+    masks = seq.constraint.node_masks(draft.tokens.tolist(), draft.tree.parents.tolist())  # (N + 1, V)
+    for i, (token, parent) in enumerate(zip(draft.tokens.tolist(), draft.tree.parents.tolist())):
+        assert bool(masks[parent + 1, token]), i
+        assert float(draft.q[i][~masks[parent + 1]].sum()) == 0.0  # q is zero where the constraint forbids
+    report = run_audit(dec, prompt, sampling, num_draft_tokens=3, samples=1200, batch_size=300, seed=9,
+                       tree=TreeConfig(shape=(3, 2), children="iid"))
+    assert report.passed, report.to_dict()

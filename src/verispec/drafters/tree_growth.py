@@ -67,11 +67,15 @@ class TreeGrowth:
         sampling: the sequence's sampling settings (greedy takes top-k children).
         rng: the sequence's generator (sampled children draw from it).
         vocab_size: the target's vocabulary size; q rows are padded to it.
+        constraint: the sequence's structured-output state (`constraints.ConstraintState`) or None: each node's
+            children are drawn from the draft's q restricted to what the constraint allows after the node's path (any
+            q is exact; a masked one is accepted more often).
     """
 
     def __init__(self, config: TreeConfig, depth: int, sampling: SamplingConfig, rng: torch.Generator,
-                 vocab_size: int) -> None:
+                 vocab_size: int, constraint=None) -> None:
         self.config, self.max_depth, self.sampling, self.rng = config, depth, sampling, rng
+        self.constraint = constraint
         self.vocab_size = vocab_size
         self.mode = "top" if sampling.greedy else config.children
         # with measured costs: the step's cost with n nodes, draft + target pass over n + 1 tokens, never
@@ -107,6 +111,14 @@ class TreeGrowth:
             sampled children all come from one q), with top-token children the draft's others follow it.
         """
         k = self.width(parent)
+        if self.constraint is not None:  # children only where the constraint allows them, q restricted likewise
+            allowed = self.constraint.allowed_after(self.path(parent))  # (V,) or None: the parent is forbidden
+            if allowed is None or not bool(allowed[: logits.shape[-1]].any()):
+                return
+            allowed = allowed[: logits.shape[-1]].to(logits.device)  # (V',)
+            if copied is not None and (copied >= allowed.numel() or not bool(allowed[copied])):
+                copied = None
+            logits = logits.float().masked_fill(~allowed, float("-inf"))
         if self.sampling.greedy:
             logits = logits.float()[None]  # (1, V')
             if seen is not None:
@@ -114,7 +126,7 @@ class TreeGrowth:
             probs = torch.softmax(logits[0], dim=-1)  # (V',) only ranks the children
             tokens = probs.topk(min(k, probs.numel())).indices.tolist()
             best = int(logits[0].argmax())  # the chain's greedy token comes first, whatever the tie-break
-            tokens = [best] + [t for t in tokens if t != best][: k - 1]
+            tokens = [best] + [t for t in tokens if t != best and probs[t] > 0][: k - 1]  # (> 0: what a mask allows)
         else:
             probs = logits_to_probs(logits[None], self.sampling, seen)[0]  # (V',)
             # with a copied token, sampled children make way for it; top-token children follow it
