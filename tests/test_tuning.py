@@ -82,3 +82,37 @@ def test_a_sequence_that_names_its_k_keeps_it_beside_tuned_ones():
         batch.step()
     assert seqs[0].stats.draft_tokens == 0 < seqs[1].stats.draft_tokens
     assert seqs[0].generated == seqs[1].generated  # the same prompt: the same tokens either way
+
+
+def test_cost_profiles_are_measured_once_per_key_and_kept(tmp_path):
+    from verispec.tuning import CostProfile, cached_costs
+
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return CostProfile({1: 0.05, 2: 0.06, 3: 0.08}, 0.01)
+
+    first = cached_costs("target|threads=2|cpu=x", measure, tmp_path)
+    again = cached_costs("target|threads=2|cpu=x", measure, tmp_path)
+    assert again == first and len(calls) == 1  # read back, not measured again
+    cached_costs("target|threads=4|cpu=x", measure, tmp_path)
+    assert len(calls) == 2  # another key: measured
+    for path in tmp_path.iterdir():
+        path.write_text("{not json")
+    assert cached_costs("target|threads=2|cpu=x", measure, tmp_path) == first and len(calls) == 3  # unreadable
+
+
+def test_generate_tunes_k_by_default_unless_k_a_static_tree_or_a_seeded_sample_is_asked_for():
+    import argparse
+
+    from verispec.cli.generate import default_auto_k
+    from verispec.config import SamplingConfig, TreeConfig
+
+    args = lambda **kw: argparse.Namespace(**{"num_draft_tokens": None, "seed": None, **kw})  # noqa: E731
+    greedy, sampled = SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.7)
+    assert default_auto_k(args(), sampled, None) and default_auto_k(args(seed=3), greedy, None)
+    assert default_auto_k(args(), greedy, TreeConfig(budget=8))
+    assert not default_auto_k(args(num_draft_tokens=4), greedy, None)
+    assert not default_auto_k(args(), greedy, TreeConfig(shape=(2, 1)))
+    assert not default_auto_k(args(seed=3), sampled, None)

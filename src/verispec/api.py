@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -33,9 +34,9 @@ from verispec.models.loading import (
     LoadedModel,
     load_model,
 )
-from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, cache_dir
 from verispec.stats import GenerationStats
-from verispec.tuning import AdaptiveK, measure_costs
+from verispec.tuning import AdaptiveK, cached_costs, measure_costs
 
 
 @dataclass
@@ -221,12 +222,24 @@ class SpeculativeDecoder:
             if seq.finish_reason is not None and self.adapter is not None:
                 self.adapter.poke()
 
-    def auto_tuner(self, k_max: int = 8) -> AdaptiveK:
-        """Measure this machine's target and draft pass costs (a few seconds) and return an AdaptiveK."""
+    def auto_tuner(self, k_max: int = 8, cache: bool = False) -> AdaptiveK:
+        """Measure this machine's target and draft pass costs (a few seconds) and return an AdaptiveK.
+
+        `cache`: take the costs measured by an earlier process on this machine for the same models, threads and CPU
+        (`tuning.cached_costs`, kept under the cache directory), measuring only the first time: a one-shot
+        `verispec generate` then starts at once. The tuner corrects them from every pass either way."""
         draft_runner = self.drafter.runner if self.drafter is not None else None
-        profile = measure_costs(self.runner, draft_runner, k_max=k_max)
+        measure = lambda: measure_costs(self.runner, draft_runner, k_max=k_max)  # noqa: E731
+        profile = cached_costs(self._cost_key(k_max), measure, cache_dir() / "pass_costs") if cache else measure()
         head_cost = self.drafter.token_cost() if self.drafter is not None and draft_runner is None else None
         return AdaptiveK(replace(profile, draft_token=head_cost) if head_cost else profile)
+
+    def _cost_key(self, k_max: int) -> str:
+        """What a cost profile depends on: the target as loaded, the draft's runner, threads and the CPU."""
+        t = self.target
+        cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "")
+        return (f"{t.name}|{t.source}|{t.backend}|{t.dtype}|{t.weights}|{self.draft_name}|{self.draft_weights}|"
+                f"threads={torch.get_num_threads()}|k_max={k_max}|cpu={cpu}|{platform.machine()}")
 
     def generate(
         self,
@@ -306,3 +319,11 @@ def set_threads(n: int | None) -> None:
     """Use n CPU threads for torch (None: leave torch's default)."""
     if n:
         torch.set_num_threads(n)
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []

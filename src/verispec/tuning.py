@@ -11,11 +11,15 @@ K = 0 (speculation off) is chosen where no K beats 1.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from verispec.atomic import atomic_write_text
 from verispec.core.protocols import Runner
 from verispec.core.stopping import DraftStop
 from verispec.tree import chain_parents
@@ -67,6 +71,31 @@ def expected_speedup(alpha: float, k: int, profile: CostProfile) -> float:
 def best_k(alpha: float, profile: CostProfile) -> int:
     """The K in 0..k_max with the highest expected speedup (0: speculation does not pay here)."""
     return max(range(profile.k_max + 1), key=lambda k: (expected_speedup(alpha, k, profile), -k))
+
+
+COST_CACHE_FORMAT = 1
+
+
+def cached_costs(key: str, measure, directory: Path) -> CostProfile:
+    """The cost profile measured before on this machine under `key` (what was measured: models, threads, CPU), or
+    `measure()` now, kept in `directory` for the next process. A start profile only: `PassClock` corrects it from
+    the passes it times while decoding, so a profile measured on a busier day does not stick. An unreadable file is
+    measured again."""
+    path = directory / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("format") == COST_CACHE_FORMAT and saved.get("key") == key:
+            return CostProfile({int(w): float(t) for w, t in saved["target_pass"].items()}, float(saved["draft_token"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    profile = measure()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"format": COST_CACHE_FORMAT, "key": key, "draft_token": profile.draft_token,
+                                            "target_pass": {str(w): t for w, t in profile.target_pass.items()}}))
+    except OSError:  # a read-only cache: measured again next time
+        pass
+    return profile
 
 
 def _timed(fn, repeats: int) -> float:
