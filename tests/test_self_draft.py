@@ -314,8 +314,8 @@ def model_dir(tmp_path_factory):
 def test_draft_self_on_the_command_line_equals_plain_decoding(model_dir, capsys):
     from verispec.cli import main
 
-    common = ["generate", "--json", "--target", model_dir, "--prompt", "hello there", "--temperature", "0",
-              "--max-new-tokens", "16"]
+    common = ["generate", "--json", "--no-auto-k", "--target", model_dir, "--prompt", "hello there", "--temperature",
+              "0", "--max-new-tokens", "16"]
     outputs = {}
     for draft in ("none", "self:a1", "self"):
         assert main([*common, "--draft", draft]) == 0

@@ -19,23 +19,33 @@ from verispec.cli.options import (
     tree_config,
 )
 from verispec.config import AdaptConfig, SpecConfig
+from verispec.models.registry import DEFAULT_DRAFTER
 from verispec.errors import VerispecError
 
 
 def add_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text speculatively and show how it was produced")
-    add_decoding_options(g)
+    add_decoding_options(g, DEFAULT_DRAFTER)
     g.add_argument("--max-new-tokens", type=int, help=f"(default: {default_of(SpecConfig, 'max_new_tokens')})")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--auto-k", action="store_true",
-                   help="choose K each step from measured pass costs and acceptance (speculation off where it cannot win); "
-                        "with --tree-budget, keep only the tree nodes that pay for their share of the target pass")
+    g.add_argument("--auto-k", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose K each step from pass costs (measured once per machine and model, then while decoding) "
+                        "and acceptance, speculation off where it cannot win; with --tree-budget, keep only the tree "
+                        "nodes that pay for their share of the target pass (default: on, unless -k or --tree-shape is "
+                        "given, or --seed with sampling: a seeded sampled answer's draws follow K, so it repeats with a "
+                        "fixed K)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--no-color", action="store_true", help="plain text output")
     g.add_argument("--trace", type=Path, help="save every step's verification (p, q, min(1, p/q), u, verdict; for a tree every node) as JSON")
     g.add_argument("--adapt", action="store_true",
                    help="online adaptation: the drafter learns from the target's distributions where drafts failed, "
                         "between steps (output distribution unchanged; mostly useful for serve and bench)")
+
+
+def default_auto_k(args: argparse.Namespace, sampling, tree) -> bool:
+    """--auto-k unless the user fixed K (-k), drafts a static tree, or asked for a repeatable sampled answer (--seed)."""
+    return (args.num_draft_tokens is None and (tree is None or tree.budget is not None)
+            and not (args.seed is not None and not sampling.greedy))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,10 +67,11 @@ def run(args: argparse.Namespace) -> int:
         if args.auto_k and tree.budget is None:
             raise VerispecError("--auto-k sizes chains and dynamic trees (--tree-budget) from measured costs; "
                                 "it cannot tune a static --tree-shape")
+    auto_k = args.auto_k if args.auto_k is not None else default_auto_k(args, sampling, tree)
     prompt = read_prompt(args)
     decoder = load_decoder(args)
     k_max = max(8, spec.num_draft_tokens, (tree.budget or 0) if tree is not None else 0)  # a tree pass's widths
-    tuner = decoder.auto_tuner(k_max) if args.auto_k and decoder.drafter is not None else None
+    tuner = decoder.auto_tuner(k_max, cache=True) if auto_k and decoder.drafter is not None else None
     adapter = decoder.enable_adaptation(AdaptConfig(background=False)) if args.adapt else None
     console = Console(no_color=args.no_color, highlight=False)
     show = not args.json

@@ -39,10 +39,11 @@ SERVE_OPTIONS = {name: name for name in ServeConfig.__dataclass_fields__}
 API_KEY_ENV = "VERISPEC_API_KEY"
 
 
-def add_model_options(p: argparse.ArgumentParser) -> None:
+def add_model_options(p: argparse.ArgumentParser, draft: str = DEFAULT_DRAFT) -> None:
+    """`draft`: this command's default --draft."""
     names = ", ".join(NAMED_MODELS)
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"named default ({names}), HF model directory or .gguf file (default: %(default)s)")
-    p.add_argument("--draft", default=DEFAULT_DRAFT,
+    p.add_argument("--draft", default=draft,
                    help="a model spec like --target, 'ngram' (prompt lookup), 'ngram-corpus[:TABLE]' or a .ngram file "
                         "(corpus n-grams, see `verispec ngram build`), 'self' / 'self:SKIP' / 'self:FILE' (the target "
                         "drafts with sublayers skipped; SKIP like a4-9,m12,20-; FILE from `verispec self-tune`), "
@@ -141,9 +142,10 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
                    f"distinct samples, independent samples or its top tokens (default: {default_of(TreeConfig, 'children')})")
 
 
-def add_decoding_options(p: argparse.ArgumentParser) -> None:
-    """What a command that decodes one prompt takes: the models, the prompt, sampling and trees."""
-    add_model_options(p)
+def add_decoding_options(p: argparse.ArgumentParser, draft: str = DEFAULT_DRAFT) -> None:
+    """What a command that decodes one prompt takes: the models (`draft`: the default --draft), the prompt, sampling
+    and trees."""
+    add_model_options(p, draft)
     add_prompt_options(p)
     add_sampling_options(p)
     add_tree_options(p)

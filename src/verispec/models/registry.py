@@ -80,7 +80,11 @@ NAMED_MODELS: dict[str, NamedModel] = {
 }
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"  # the default draft *model* (bench's draft systems, `fetch`)
+# What `verispec generate` drafts with when --draft is not given: suffix decoding, its K tuned from measured costs
+# (--auto-k). Measured the fastest exact configuration on held-out prompts of every bench category, and the only one
+# at or above plain decoding in each (docs/performance.md, "The defaults").
+DEFAULT_DRAFTER = "suffix"
 
 
 def fetch_command(model: NamedModel) -> str:
