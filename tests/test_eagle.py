@@ -192,16 +192,21 @@ def test_both_runners_keep_every_read_tokens_layer_states(pair, backend):
 
 @pytest.mark.parametrize("tree", [None, TreeConfig(shape=(2, 2, 1)), TreeConfig(budget=6, top_k=2)],
                          ids=["chain", "static-tree", "dynamic-tree"])
-def test_the_heads_cache_holds_the_targets_features_of_the_committed_tokens(pair, trained, tree):
+@pytest.mark.parametrize("constrained", [False, True], ids=["free", "constrained"])
+def test_the_heads_cache_holds_the_targets_features_of_the_committed_tokens(pair, trained, tree, constrained):
     """After each step the head's committed entries are what one pass of the head over the sequence gives: the
-    target's fused features at positions 0 .. N - 2 with the embeddings of tokens 1 .. N - 1."""
+    target's fused features at positions 0 .. N - 2 with the embeddings of tokens 1 .. N - 1. Under a constraint
+    too, where forced runs (and a cut of a chain) are verified in place of the head's own drafts."""
+    from test_medusa import FORCING, constrained_engines
+
     model, _ = pair
     runner = ModelRunner(model)
     head, _ = trained
     drafter = EagleDrafter(runner, head)
-    engine = SpeculativeEngine(runner, drafter, set())
+    engine = constrained_engines(runner, drafter)[1] if constrained else SpeculativeEngine(runner, drafter, set())
     batch = DecodeBatch(engine)
-    batch.add(engine.make_sequences(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=40, tree=tree), 0))
+    sampling = FORCING if constrained else GREEDY
+    batch.add(engine.make_sequences(PROMPTS, sampling, SpecConfig(num_draft_tokens=3, max_new_tokens=40, tree=tree), 0))
     for _ in range(4):
         batch.step()
         drafter.propose(batch.sequences, [1] * len(batch.sequences))  # catches up, then drafts one token
@@ -500,3 +505,16 @@ def test_skipping_the_prompt_in_later_unrolled_steps_changes_nothing(pair):
     assert sa == sb and len(ga) == len(gb)
     for x, y in zip(ga, gb):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_constrained_eagle_keeps_the_targets_features_and_equals_constrained_plain_decoding(pair, trained):
+    from test_medusa import FORCING, constrained_engines
+
+    model, native = pair
+    head, _ = trained
+    plain, engine = constrained_engines(native, EagleDrafter(native, head))
+    expected = [s.generated for s in plain.generate(PROMPTS, FORCING, SpecConfig(max_new_tokens=30))]
+    for tree in (None, TreeConfig(budget=6, top_k=2)):
+        out = engine.generate(PROMPTS, FORCING, SpecConfig(num_draft_tokens=3, max_new_tokens=30, tree=tree))
+        assert [s.generated for s in out] == expected, tree
+        assert sum(s.stats.forced_tokens for s in out) > 0

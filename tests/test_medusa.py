@@ -317,3 +317,30 @@ def test_train_heads_medusa_checkpoints_and_resumes(tmp_path, capsys, monkeypatc
         "config.json", "medusa_lm_head.safetensors", "training.json"}
     config = json.loads((out / "config.json").read_text())
     assert load_medusa(out, config["hidden_size"], config["vocab_size"]).num_heads == 2
+
+
+def constrained_engines(runner, drafter):
+    """(plain, speculative) engines whose constraints read a character tokenizer over the tiny model's 64 ids."""
+    from tiny_hf import char_tokenizer
+    from verispec.constraints import Grammars
+
+    grammars = Grammars(char_tokenizer(), 64, 2)
+    return (SpeculativeEngine(runner, None, {2}, grammars=lambda: grammars),
+            SpeculativeEngine(runner, drafter, {2}, grammars=lambda: grammars))
+
+
+# three letters, then ": " and after two digits "." forced: free drafts between the heads' own
+FORCING = SamplingConfig(temperature=0, constraint=__import__("verispec.config").config.Constraint(
+    "regex", "[a-h]{3}: [0-9]{2}\\.[a-h ]{4}"))
+
+
+def test_constrained_heads_keep_the_targets_features_and_equal_constrained_plain_decoding(pair):
+    """Forced runs are drafted among the heads' drafts: the heads' commit must keep the target's features at the forced
+    path's positions, or their next drafts read the wrong states (and a head's tree must stay in the constraint)."""
+    model, native = pair
+    plain, engine = constrained_engines(native, MedusaDrafter(native, random_heads(model)))
+    expected = [s.generated for s in plain.generate(PROMPTS, FORCING, SpecConfig(max_new_tokens=30))]
+    for tree in (None, TreeConfig(shape=(2, 2, 1))):
+        out = engine.generate(PROMPTS, FORCING, SpecConfig(num_draft_tokens=3, max_new_tokens=30, tree=tree))
+        assert [s.generated for s in out] == expected, tree
+        assert sum(s.stats.forced_tokens for s in out) > 0

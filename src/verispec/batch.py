@@ -200,15 +200,19 @@ class DecodeBatch:
                         type(err).__name__, err)
             return tokens
 
-    @staticmethod
-    def _within_constraint(seq: Sequence, draft: Draft) -> Draft:
+    def _within_constraint(self, seq: Sequence, draft: Draft) -> Draft:
         """A deterministic chain cut before its first token the row's constraint forbids: that token has p = 0 and
         would be rejected, and the recovered token would come from p itself (the residual of a one-hot q at a token of
         probability 0), as the bonus token after the cut chain does; so the cut changes nothing but the pass's width.
         A sampled draft is never cut by its value (that would not be exact)."""
         if seq.constraint is None or draft.q is not None or not draft.is_chain or not len(draft):
             return draft
-        keep = seq.constraint.valid_prefix(draft.tokens.tolist())
+        try:
+            keep = seq.constraint.valid_prefix(draft.tokens.tolist())
+        except Exception as err:  # the cut is optional: the draft is verified whole
+            log.warning("sequence %d: draft not checked against its constraint (%s: %s)", seq.index,
+                        type(err).__name__, err)
+            return draft
         return draft if keep == len(draft) else Draft(draft.tokens[:keep]) if keep else EMPTY_DRAFT
 
     def _step(self) -> list[tuple[StepEvent, Sequence]]:
@@ -225,7 +229,6 @@ class DecodeBatch:
             except Exception as err:  # the drafter is off now: this step decodes plainly
                 self._drafter_fault("propose", err)
                 drafts = [EMPTY_DRAFT] * len(active)
-        own = list(drafts)  # the drafter's own drafts (empty where the constraint drafted)
         for b, tokens in forced.items():  # the forced run, then a lookup's guess of what follows it
             drafts[b] = Draft(torch.tensor(self._after_forced(b, tokens, depths_before[b]), dtype=torch.long))
         drafts = [self._within_constraint(s, d) for s, d in zip(active, drafts)]
@@ -265,7 +268,9 @@ class DecodeBatch:
                 events.append((event, s))
         if self.drafter is not None:
             try:
-                self.drafter.commit(active, own, [() if b in forced else p for b, p in enumerate(paths)])
+                # the drafts verified, forced and cut ones included: a head keeps the target's features at the
+                # accepted path's positions, and a draft model keeps only the nodes it fed itself (none for a forced row)
+                self.drafter.commit(active, drafts, paths)
             except Exception as err:
                 self._drafter_fault("commit", err)
         return self._finish_step(events, t1 - t0, t2 - t1)
