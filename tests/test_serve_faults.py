@@ -38,6 +38,20 @@ def wait_until(condition, timeout_s: float = 10.0) -> bool:
     return False
 
 
+def hold_steps(scheduler: Scheduler) -> tuple[threading.Event, threading.Event]:
+    """Make the scheduler's decoding step wait until `released` is set; `stepping` is set when a step begins."""
+    stepping, released = threading.Event(), threading.Event()
+    step = scheduler.batch.step
+
+    def held_step():
+        stepping.set()
+        released.wait(60)  # a bound only: released once the stop has been asked for
+        return step()
+
+    scheduler.batch.step = held_step
+    return stepping, released
+
+
 def still_answers(url: str, expected: str) -> None:
     body = {"prompt": "hello", "max_tokens": 12, "temperature": 0}
     r = httpx.post(url + "/v1/completions", json=body, timeout=30)
@@ -124,15 +138,7 @@ def test_shutdown_finishes_in_flight_requests_and_refuses_new_ones(decoder):
     server = BackgroundServer(decoder, ServeConfig(port=0, shutdown_timeout=20))
     with server:
         scheduler = server.app.state.scheduler
-        stepping, released = threading.Event(), threading.Event()
-        step = scheduler.batch.step
-
-        def held_step():
-            stepping.set()
-            released.wait(60)  # a bound only: released once the stop has been asked for
-            return step()
-
-        scheduler.batch.step = held_step
+        stepping, released = hold_steps(scheduler)
 
         async def in_flight_then_stop():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
@@ -160,15 +166,7 @@ def test_shutdown_past_its_timeout_cuts_requests_with_503(decoder):
     shutdown's 503 short of its 120 tokens, and the loop ends."""
     async def run():
         scheduler = Scheduler(decoder.engine, max_batch_size=2, max_queue=4)
-        stepping, released = threading.Event(), threading.Event()
-        step = scheduler.batch.step
-
-        def held_step():
-            stepping.set()
-            released.wait(60)  # a bound only: released once the stop has been asked for
-            return step()
-
-        scheduler.batch.step = held_step
+        stepping, released = hold_steps(scheduler)
         spec = SpecConfig(max_new_tokens=120)
         seqs = [decoder.engine.make_sequences([[5, 6, 7]], SamplingConfig(), spec, [i])[0] for i in range(3)]
         scheduler.start()
