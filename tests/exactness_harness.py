@@ -305,7 +305,8 @@ def exact_joint(runner, sampling: SamplingConfig, depth: int) -> dict[tuple[int,
     return joint
 
 
-def run_cell(cell: Cell, n: int | None = None, seed: int = 0) -> Outcome:
+def run_cell(cell: Cell, n: int | None = None, seed: int = 0, tuner=None) -> Outcome:
+    """Decode the cell's sequences and fit their joint; `tuner` (a `tuning.AdaptiveK`) sizes drafts from its costs."""
     n = n or N * (2 if cell.late else 1)
     engine, _ = engine_for(cell.family, cell.backend)
     sampling, tree, depth = SETTINGS[cell.setting], SHAPES[cell.shape], cell.depth
@@ -323,7 +324,7 @@ def run_cell(cell: Cell, n: int | None = None, seed: int = 0) -> Outcome:
         if cell.backend in SEQUENTIAL:
             seqs = [engine.generate([PROMPT], sampling, spec, seeds=seed + i)[0] for i in range(n)]
         else:
-            seqs = engine.generate([PROMPT] * n, sampling, spec, seeds=seed)
+            seqs = engine.generate([PROMPT] * n, sampling, spec, seeds=seed, tuner=tuner)
     finally:
         engine.observers.remove(observe)
     exact = exact_joint_for(cell.backend, cell.setting, depth)

@@ -152,7 +152,10 @@ class DecodeBatch:
         drafter = self.drafter
         if drafter is None or not any(s.drafting and s.spec.tree is not None for s in active):
             rows = len(active)
-            k = None if self.tuner is None else self.tuner.k(drafter is not None and drafter.stops_chains, rows)
+            k = None
+            if self.tuner is not None:  # a drafter that sizes its own drafts gets the costs and the longest K
+                sizes = drafter is not None and drafter.size_drafts(self.tuner.costs(rows))
+                k = self.tuner.profile.k_max if sizes else self.tuner.k(drafter is not None and drafter.stops_chains, rows)
             tuned_stop = None if self.tuner is None else self.tuner.draft_stop(rows)  # from measured costs
             for s in active:
                 s.draft_stop = tuned_stop or (DraftStop.fixed(s.spec.draft_stop) if s.spec.draft_stop > 0 else None)
@@ -164,6 +167,8 @@ class DecodeBatch:
                   for s, t, n, pre in zip(active, trees, left, prefilling)]
         if self.tuner is not None:  # dynamic trees keep only the nodes that pay for their share of the pass
             profile = self.tuner.costs(len(active))
+            if drafter is not None:
+                drafter.size_drafts(profile)
             costs = profile.pass_costs()  # measured widths bound the tree: wider passes were never timed
             trees = [replace(t, budget=min(t.budget, len(costs) - 1), pass_costs=costs, draft_cost=d * profile.c)
                      if t.budget is not None and s.tuned else t for t, d, s in zip(trees, depths, active)]

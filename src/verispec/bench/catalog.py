@@ -10,6 +10,7 @@ from dataclasses import dataclass
 # What a system drafts with (`drafter`): the bench's own names for its sources, not --draft specs.
 NONE, NGRAM, CORPUS, DRAFT, DISTILLED, SELF, MEDUSA, EAGLE, SUFFIX = (
     "none", "ngram", "ngram-corpus", "draft", "distilled", "self", "medusa", "eagle", "suffix")
+SUFFIX_DRAFT = "suffix+draft"  # the composite: suffix decoding, else the --draft model, chosen each step
 VERISPEC, HF, LLAMACPP = "verispec", "hf", "llama.cpp"  # who runs the loop (`family`)
 
 
@@ -20,7 +21,8 @@ class SystemSpec:
     name: what the report and --systems call it.
     family: whose decoding loop runs: verispec's, Hugging Face's `generate` or llama-cpp-python's.
     drafter: NONE (plain), NGRAM (prompt lookup), SUFFIX (suffix decoding), CORPUS (corpus n-grams), DRAFT (the --draft model), DISTILLED
-        (the distilled draft), SELF (self-speculation), MEDUSA or EAGLE (heads).
+        (the distilled draft), SELF (self-speculation), MEDUSA or EAGLE (heads), SUFFIX_DRAFT (suffix decoding and
+        the --draft model behind one composite drafter).
     llamacpp: verispec's loop on llama.cpp's kernels (the target and draft as llama.cpp models).
     tree: drafts the bench's tree (BenchConfig.tree) instead of chains.
     auto: K (or the tree's budget) tuned from pass costs measured at start.
@@ -62,6 +64,8 @@ CATALOG: tuple[SystemSpec, ...] = (
     _verispec("verispec-suffix", SUFFIX),
     _verispec("verispec-suffix-auto", SUFFIX, auto=True),
     _verispec("verispec-suffix-tree", SUFFIX, tree=True),
+    _verispec("verispec-suffix-draft", SUFFIX_DRAFT),
+    _verispec("verispec-suffix-draft-auto", SUFFIX_DRAFT, auto=True),
     _verispec("verispec-ngram-corpus", CORPUS),
     _verispec("verispec-ngram-corpus-tree", CORPUS, tree=True),
     _verispec("verispec-auto", DRAFT, auto=True),

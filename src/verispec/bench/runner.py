@@ -23,6 +23,7 @@ from verispec.bench.catalog import (
     NONE,
     SELF,
     SUFFIX,
+    SUFFIX_DRAFT,
     SYSTEMS,
     SystemSpec,
 )
@@ -246,6 +247,14 @@ def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> Spec
         return _corpus_decoder(config, target)
     if spec.drafter == DISTILLED:
         return SpeculativeDecoder(target, m.distilled) if m.distilled is not None else None
+    if spec.drafter == SUFFIX_DRAFT:
+        if m.draft is None:
+            return None
+        from verispec.drafters.composite import CompositeDrafter
+        from verispec.drafters.suffix import SuffixDrafter
+
+        model = SpeculativeDecoder(target, m.draft)  # the draft model's drafter, on a runner of its own
+        return SpeculativeDecoder(target, CompositeDrafter([SuffixDrafter(), model.drafter], [SUFFIX, model.draft_name]))
     if spec.drafter == DRAFT:
         draft = m.llama_draft if spec.llamacpp else m.draft
         if draft is None:

@@ -66,6 +66,12 @@ class Drafter(ABC):
         keeps none of its own)."""
         return 0
 
+    def size_drafts(self, costs) -> bool:
+        """For drafters that choose each row's draft length themselves (the composite): the batch's measured costs
+        for this step (a `tuning.CostProfile`; None without `--auto-k`). Return True to get the longest measured K as
+        every row's cap instead of the tuner's K. Others return False and are sized by the tuner."""
+        return False
+
     def token_cost(self) -> float | None:
         """Seconds one drafted token costs, timed on this machine, for drafters without a runner of their own
         (draft heads); None where `verispec.tuning.measure_costs` times the drafter's runner, or it is free."""

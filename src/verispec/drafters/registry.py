@@ -5,6 +5,8 @@ entry in `KINDS` builds the drafter. The API, the CLI, the server, the bench and
     ngram                        prompt lookup (`prompt_lookup.py`)
     suffix[:FILE]                suffix decoding over the context and earlier requests' outputs (`suffix.py`),
                                  the outputs kept in FILE across processes
+    LOOKUP+...+OTHER             lookups first (ngram, suffix, corpus n-grams) and one costly drafter, chosen per row
+                                 and step from measured costs and acceptance (`composite.py`): suffix+eagle, ...
     ngram-corpus[:TABLE], X.ngram  corpus n-grams (`ngram_corpus.py`)
     self, self:SKIP, self:FILE   the target with sublayers skipped (`self_draft.py`)
     medusa[:DIR]                 Medusa heads on the target's hidden states (`medusa.py`)
@@ -27,7 +29,7 @@ from verispec.core.drafter import Drafter
 from verispec.errors import VerispecError
 
 NONE, NGRAM, CORPUS, SELF, MEDUSA, EAGLE, MODEL = "none", "ngram", "ngram-corpus", "self", "medusa", "eagle", "model"
-SUFFIX = "suffix"
+SUFFIX, COMPOSITE = "suffix", "composite"
 NO_DRAFT = ("none", "off")
 
 
@@ -43,7 +45,21 @@ class DraftSpec:
     @property
     def loads_model(self) -> bool:
         """Whether this spec loads a draft model of its own (the others draft from the context or the target)."""
-        return self.kind == MODEL
+        return self.kind == MODEL or (self.kind == COMPOSITE and any(part.loads_model for part in self.parts))
+
+    @property
+    def parts(self) -> tuple[DraftSpec, ...]:
+        """A composite's drafters, in order (one clear line for an empty part, 'none' or a nested composite)."""
+        if self.kind != COMPOSITE:
+            return (self,)
+        parts = []
+        for text in self.text.split("+"):
+            part = parse_draft(text) if text.strip() else None
+            if part is None or part.kind in (NONE, COMPOSITE):
+                raise VerispecError(f"--draft {self.text}: each part of a composite names a drafter "
+                                    f"(ngram, suffix, ngram-corpus, then a model, eagle, medusa or self), got {text!r}")
+            parts.append(part)
+        return tuple(parts)
 
     @property
     def is_head(self) -> bool:
@@ -213,6 +229,33 @@ def model_drafter(loaded, target, runner, draft_vocab: int | None = None) -> Bui
     return Built(drafter, loaded.name, draft_weights=loaded.weights, context_window=draft_runner.context_window)
 
 
+def _composite(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+    from verispec.drafters.composite import CompositeDrafter
+
+    parts = spec.parts
+    if len(parts) < 2:
+        raise VerispecError(f"--draft {spec.text}: a composite needs two drafters or more, joined by '+'")
+    built = []
+    for part in parts:
+        try:
+            built.append(build_drafter(part, target, runner, options))
+        except VerispecError as err:
+            raise VerispecError(f"--draft {spec.text}: {err}") from None
+    try:
+        drafter = CompositeDrafter([b.drafter for b in built], [b.name for b in built])
+    except VerispecError as err:
+        raise VerispecError(f"--draft {spec.text}: {err}") from None
+    model = next((b for b in built if b.draft_weights is not None or b.context_window is not None), None)
+    return Built(drafter, drafter.name, draft_weights=model and model.draft_weights,
+                 context_window=model and model.context_window)
+
+
+def _is_composite(text: str) -> bool:
+    """A '+'-joined spec whose first part is a lookup (a model path with a '+' in it stays a model)."""
+    first = text.split("+", 1)[0].strip()
+    return "+" in text and (first in (NGRAM, SUFFIX) or _prefixed(SUFFIX)(first) or _is_corpus(first))
+
+
 def _prefixed(name: str) -> Callable[[str], bool]:
     return lambda text: text == name or text.startswith(name + ":")
 
@@ -224,6 +267,8 @@ def _is_corpus(text: str) -> bool:
 
 
 KINDS: tuple[DrafterKind, ...] = (
+    DrafterKind(COMPOSITE, "lookups first and one costly drafter, chosen each step (suffix+eagle, ngram+MODEL)",
+                _is_composite, _composite, arg_prefix=False),
     DrafterKind(NONE, "plain decoding", lambda text: text in NO_DRAFT, _none, arg_prefix=False, aliases=("off",)),
     DrafterKind(NGRAM, "prompt lookup: copies from the context", lambda text: text == NGRAM, _ngram, arg_prefix=False),
     DrafterKind(SUFFIX, "suffix decoding: the context's and earlier outputs' continuations, by frequency",

@@ -1,0 +1,281 @@
+"""The right drafter each step: free lookups (suffix decoding, prompt lookup, corpus n-grams) and one costly drafter
+(a draft model, a head, self-speculation) behind one `Drafter`, chosen per row and per step.
+
+`--draft suffix+qwen2.5-coder-0.5b-instruct` (or `ngram+eagle`, `suffix+ngram+self`, ...): every step, each row
+drafts with whichever source promises the most tokens per second, or not at all.
+
+    free member f with a draft of L tokens this step: value E[tokens](alpha_f, k_f) / v(k_f), k_f <= L the best K for
+        alpha_f at no drafting cost;
+    the costly member m: value E[tokens](alpha_m, k_m) / (v(k_m) + k_m c_m), k_m its best K;
+    no drafting: value 1.
+
+alpha is each member's acceptance rate (accepted drafts in a row until the first rejection, counts decayed as in
+`tuning.AdaptiveK`). A lookup's chain is scored against the tokens each step commits whether or not it was chosen
+(`matched`: the verification's own outcome at temperature 0, an unbiased estimate when sampling), so a lookup that
+loses to the model keeps an up-to-date rate; the costly member learns from the steps it drafts. c_m is the costly
+member's seconds per drafted position timed on its own steps (median of its last ones, so a busy second does not
+stick) over a one-token target pass, and v(k) a (k + 1)-token target pass over a one-token one, both as the batch
+measures them (`tuning.AdaptiveK.costs`). Without `--auto-k` every row takes the first free member with a draft,
+else the costly member at the row's K. A costly member that is off drafts one token on probe steps (16 steps after it
+went off, the gap doubling after a rejected probe) so that a rising acceptance turns it back on. Within a tree step
+(a static shape or a budget) the same choice is made and the chosen member grows its own tree. The copied branch
+beside a model branch in one tree is a draft model's or EAGLE head's "lookup first" (`--draft-lookup`).
+
+Exactness: the choice for a step is made before any of the step's draft tokens is drawn, from the members' free
+drafts (a function of the committed context: deterministic drafters), the acceptance counts of steps already
+verified, measured seconds and step counters; never from the step's own verification or random draws. Each row's
+draft then carries the q of the member that drew it, so verification is the ordinary exact rule
+(`tests/test_composite.py` runs the chi-square harness through the engine with the choice switching).
+
+Members keep their own state: every member's `commit` sees every row's verified draft, except that a member reading
+only tokens (a draft model, lookups) sees an empty draft for rows it did not draft (it fed none of their nodes to its
+cache); heads and self-speculation read the target's pass and see the real one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+
+from verispec.config import TreeConfig
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.sequence import Sequence
+from verispec.errors import VerispecError
+from verispec.tuning import CostProfile, best_k, expected_tokens
+
+PROBE_EVERY, PROBE_MAX = 16, 128  # steps between probes of a costly member that is off (as tuning.AdaptiveK)
+NONE = -1  # a row's choice: no drafting this step
+
+
+def is_free(drafter: Drafter) -> bool:
+    """Whether a drafter drafts at no measured cost: no model runner and no timed head (lookups)."""
+    return drafter.runner is None and type(drafter).token_cost is Drafter.token_cost
+
+
+class MemberRecord:
+    """One member's acceptance (geometric counts decayed per observed step) and, for a costly member, its seconds per
+    drafted position and probe state."""
+
+    def __init__(self, prior: float = 0.6, weight: float = 4.0, decay: float = 0.95) -> None:
+        self.accepted, self.rejections, self.decay = prior * weight, (1 - prior) * weight, decay
+        self.seconds: deque[float] = deque(maxlen=9)
+        self.steps_off, self.probe_gap, self.probing = 0, PROBE_EVERY, False
+        self.drafted = 0  # rows x steps this member's draft was chosen for (reporting)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejections)
+
+    def observe(self, accepted: int, rejected: bool) -> None:
+        """A step's drafts accepted in a row, and whether a rejection ended them (False: all accepted, or the
+        count was cut short)."""
+        self.accepted = self.decay * self.accepted + accepted
+        self.rejections = self.decay * self.rejections + int(rejected)
+        if self.probing:
+            self.probing = False
+            gap = self.probe_gap // 2 if accepted else self.probe_gap * 2
+            self.probe_gap = min(PROBE_MAX, max(PROBE_EVERY, gap))
+
+
+def matched(draft: list[int], committed: list[int]) -> tuple[int, bool]:
+    """How a deterministic chain would have fared against the tokens a step committed: its leading tokens equal to
+    them, and whether a difference was seen. At temperature 0 that is the verification's own outcome; when sampling,
+    a one-hot draft x is accepted with probability p(x), the chance that the target's token is x, so the counts are
+    an unbiased estimate of acceptance (cut short where the committed tokens end)."""
+    n = 0
+    while n < len(draft) and n < len(committed) and draft[n] == committed[n]:
+        n += 1
+    return n, n < len(draft) and n < len(committed)
+
+
+class CompositeDrafter(Drafter):
+    """Free members first in the spec's order, at most one costly member (see the module docstring)."""
+
+    name = "composite"
+
+    def __init__(self, members: list[Drafter], names: list[str] | None = None, learn_costs: bool = True) -> None:
+        """`names`: how each member is reported (its class's name by default); `learn_costs` False keeps the costly
+        member's cost at what the batch's profile says (a test's fixed profile) instead of timing its steps."""
+        if len(members) < 2:
+            raise VerispecError("a composite drafter needs at least two drafters")
+        costly = [m for m in members if not is_free(m)]
+        if len(costly) > 1:
+            raise VerispecError("a composite drafter takes one drafter with a cost of its own (a draft model, a head "
+                                f"or self); got {len(costly)}")
+        self.members = list(members)
+        self.names = list(names) if names is not None else [m.name for m in members]
+        self.free = [i for i, m in enumerate(members) if is_free(m)]
+        self.costly = next((i for i, m in enumerate(members) if not is_free(m)), None)
+        self.records = [MemberRecord() for _ in members]
+        self.learn_costs = learn_costs
+        self.costs: CostProfile | None = None  # the batch's measured costs this step (None: no --auto-k)
+        self.draft_token: float | None = None  # the costly member's seconds per position, as first measured
+        self.chosen: list[int] = []  # per row, the last propose's choice (a member index, or NONE)
+        self.free_drafts: dict[int, list[Draft]] = {}  # the last propose's drafts of each free member, per row
+        self.name = "+".join(self.names)
+
+    # --- what the batch reads -----------------------------------------------------------------------
+    @property
+    def runner(self):  # `--auto-k` times the costly member's own runner (tuning.measure_costs)
+        return None if self.costly is None else self.members[self.costly].runner
+
+    def token_cost(self) -> float | None:
+        return None if self.costly is None else self.members[self.costly].token_cost()
+
+    @property
+    def supports_trees(self) -> bool:
+        return all(m.supports_trees for m in self.members)
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return all(m.chunked_prefill for m in self.members)
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        return self.members[0].prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, value: int | None) -> None:
+        for m in self.members:
+            m.prefill_chunk = value
+
+    def cache_bytes(self, tokens: int) -> int:
+        return sum(m.cache_bytes(tokens) for m in self.members)
+
+    def size_drafts(self, costs: CostProfile | None) -> bool:
+        self.costs = costs
+        if costs is not None and self.draft_token is None:
+            self.draft_token = costs.draft_token
+        return costs is not None
+
+    # --- rows ------------------------------------------------------------------------------------------
+    def start(self, sequences: list[Sequence]) -> None:
+        for m in self.members:
+            m.start(sequences)
+
+    def bind_target(self, state) -> None:
+        for m in self.members:
+            m.bind_target(state)
+
+    def extend(self, sequences: list[Sequence]) -> None:
+        for m in self.members:
+            m.extend(sequences)
+
+    def keep(self, rows: list[int]) -> None:
+        for m in self.members:
+            m.keep(rows)
+
+    # --- the choice ------------------------------------------------------------------------------------
+    def _profile(self, member: int) -> CostProfile | None:
+        """Costs for a member's step: the batch's pass costs with the member's own drafting cost (0 for a free one)."""
+        if self.costs is None:
+            return None
+        draft = 0.0
+        if member == self.costly:
+            seconds = self.records[member].seconds
+            draft = statistics.median(seconds) if seconds else (self.draft_token or 0.0)
+        return CostProfile(self.costs.target_pass, draft)
+
+    def _value(self, member: int, cap: int) -> tuple[float, int]:
+        """(expected speedup over plain decoding, K) of drafting up to `cap` tokens with `member` this step."""
+        profile = self._profile(member)
+        if profile is None or cap <= 0:
+            return (0.0, 0)
+        alpha = self.records[member].alpha
+        k = min(best_k(alpha, profile), cap)
+        if k == 0:
+            return (1.0, 0)
+        return (expected_tokens(alpha, k) / (k * profile.c + profile.v(k)), k)
+
+    def propose(self, sequences: list[Sequence], depths: list[int],
+                trees: list[TreeConfig | None] | None = None) -> list[Draft]:
+        B = len(sequences)
+        chosen, drafts = [NONE] * B, [EMPTY_DRAFT] * B
+        self.free_drafts = {}
+        for i in self.free:  # lookups cost nothing to ask: every row's best-valued free draft is its candidate
+            self.free_drafts[i] = out = self.members[i].propose(sequences, depths, trees)
+            for b, draft in enumerate(out):
+                if len(draft) and (chosen[b] == NONE or self._value(i, len(draft)) > self._value(chosen[b], len(drafts[b]))):
+                    chosen[b], drafts[b] = i, draft
+        probe = self.costly is not None and self._probe_due()
+        costly_k = [0] * B
+        for b in range(B):
+            if depths[b] <= 0:
+                continue
+            if self.costs is None:  # no measured costs: the costly member drafts wherever no lookup did
+                costly_k[b] = depths[b] if chosen[b] == NONE and self.costly is not None else 0
+                continue
+            value, k = self._value(self.costly, depths[b]) if self.costly is not None else (1.0, 0)
+            if k == 0 and probe:
+                value, k = 1.0, 1  # one token, so that a rising acceptance can turn the member back on
+            if chosen[b] != NONE:
+                own, own_k = self._value(chosen[b], len(drafts[b]))
+                if own_k and own >= value:
+                    if trees is None and own_k < len(drafts[b]):
+                        drafts[b] = Draft(drafts[b].tokens[:own_k])  # a deterministic chain, cut by count
+                    continue
+                if not k:
+                    chosen[b], drafts[b] = NONE, EMPTY_DRAFT  # the lookup does not pay and nothing else drafts
+                    continue
+            costly_k[b] = k
+        if any(costly_k):
+            start = time.perf_counter()
+            out = self.members[self.costly].propose(sequences, costly_k, trees)
+            self._timed(time.perf_counter() - start, max(costly_k))
+            for b, k in enumerate(costly_k):
+                if k:
+                    chosen[b], drafts[b] = self.costly, out[b]
+        for b, i in enumerate(chosen):
+            if i != NONE:
+                self.records[i].drafted += 1
+        self.chosen = chosen
+        return drafts
+
+    def _probe_due(self) -> bool:
+        """Count a step on the costly member's probe clock (only while it does not pay); True where a probe is due.
+        A probe stays due until a step drafts with the member (see `MemberRecord.observe`)."""
+        record = self.records[self.costly]
+        if self.costs is None or self._value(self.costly, self.costs.k_max)[1] > 0:
+            record.steps_off, record.probing = 0, False
+            return False
+        if not record.probing:
+            record.steps_off += 1
+            if record.steps_off >= record.probe_gap:
+                record.steps_off, record.probing = 0, True
+        return record.probing
+
+    def _timed(self, seconds: float, positions: int) -> None:
+        if self.learn_costs and positions > 0 and seconds > 0:
+            self.records[self.costly].seconds.append(seconds / positions)
+
+    # --- after verification ------------------------------------------------------------------------------
+    def commit(self, sequences: list[Sequence], drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
+        chosen = self.chosen if len(self.chosen) == len(drafts) else [NONE] * len(drafts)
+        for b, (seq, draft, path) in enumerate(zip(sequences, drafts, paths)):
+            if chosen[b] == self.costly and self.costly is not None and len(draft):
+                self.records[self.costly].observe(len(path), len(path) < draft.tree.depth)
+            committed = seq.tokens[len(seq.tokens) - len(path) - 1 :]  # this step's accepted tokens and the last one
+            for i, out in self.free_drafts.items():  # each lookup's chain, drafted or not, against what was committed
+                if b < len(out) and len(out[b]) and out[b].is_chain:
+                    self.records[i].observe(*matched(out[b].tokens.tolist(), committed))
+                elif i == chosen[b] and len(draft):  # a tree: its verified outcome
+                    self.records[i].observe(len(path), len(path) < draft.tree.depth)
+        for i, member in enumerate(self.members):
+            if member.chunked_prefill:  # reads tokens only: it fed nothing of another member's draft
+                own = [d if c == i else EMPTY_DRAFT for d, c in zip(drafts, chosen)]
+                member.commit(sequences, own, [p if c == i else () for p, c in zip(paths, chosen)])
+            else:
+                member.commit(sequences, drafts, paths)
+        self.chosen, self.free_drafts = [], {}
+
+    def continuation(self, b: int, seq: Sequence, after: list[int], depth: int) -> list[int]:
+        for i in self.free:
+            found = self.members[i].continuation(b, seq, after, depth)
+            if found:
+                return found
+        return []
+
+    def shares(self) -> dict[str, int]:
+        """How many row steps each member drafted so far, by name."""
+        return {name: record.drafted for name, record in zip(self.names, self.records)}
