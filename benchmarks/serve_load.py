@@ -10,7 +10,13 @@ latency and time-to-first-token percentiles, and two checks:
   - leaked_cache_rows: KV cache rows still held after the run (must be 0).
 Bounded: a fixed number of requests, a per-request timeout and a time limit per configuration.
 
+`--prompts bench` replaces the six built-in prompts (which repeat, so a drafter that learns from earlier requests'
+outputs copies whole answers) with held-out bench prompts, each request a different one, sent as chat messages; and
+`--clients 1,2,4,8,16` sweeps concurrency (`--batching on` skips the one-at-a-time runs, and then the mismatch check).
+
     python benchmarks/serve_load.py --target <model> --draft <model> --clients 8 --requests 32 --out load.json
+    python benchmarks/serve_load.py --target <model> --draft suffix --auto-k --prompts bench --batching on \
+        --clients 1,2,4,8,16 --requests 24 --max-new-tokens 96
 """
 
 from __future__ import annotations
@@ -39,9 +45,21 @@ PROMPTS = [
 ]
 
 
-def workload(num_requests: int, max_new_tokens: list[int], seed: int, name_k: bool = True) -> list[dict]:
+def bench_prompts(seed: int) -> list[str]:
+    """The bench's held-out prompts (Spec-Bench beside the repository, the shipped editing and structured ones), in a
+    seeded order: each request of a workload gets the next one, so none repeats until all are used."""
+    from verispec.datasets import DEFAULT_PROMPTS, EDITING_PROMPTS, HELDOUT, load_prompts
+
+    paths = [p for p in (DEFAULT_PROMPTS, EDITING_PROMPTS) if p.is_file()]
+    prompts = [p.text for p in load_prompts(paths, split=HELDOUT)]
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+def workload(num_requests: int, max_new_tokens: list[int], seed: int, name_k: bool = True,
+             prompts: list[str] | None = None) -> list[dict]:
     """Mixed requests: prompts, lengths, greedy or seeded sampling, K (unless name_k is False: the server's tuner
-    chooses), streaming or not."""
+    chooses), streaming or not. With `prompts`, request i asks prompts[i] (cycling) as a chat message."""
     rng = random.Random(seed)
     requests = []
     for i in range(num_requests):
@@ -51,6 +69,9 @@ def workload(num_requests: int, max_new_tokens: list[int], seed: int, name_k: bo
             body["speculative"] = {}
         if body["temperature"]:
             body["top_p"] = 0.95
+        if prompts:
+            del body["prompt"]
+            body["messages"] = [{"role": "user", "content": prompts[i % len(prompts)]}]
         requests.append({"body": body, "stream": rng.random() < 0.5})
     return requests
 
@@ -68,15 +89,18 @@ async def one_request(client: httpx.AsyncClient, request: dict, speculate: bool)
         body["speculative"] = {"drafter": "none"}
     start = time.perf_counter()
     first = None
+    chat = "messages" in body
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     if not request["stream"]:
-        response = await client.post("/v1/completions", json=body)
+        response = await client.post(path, json=body)
         response.raise_for_status()
         out = response.json()
-        return {"text": out["choices"][0]["text"], "tokens": out["usage"]["completion_tokens"],
-                "latency": time.perf_counter() - start, "ttft": None}
+        choice = out["choices"][0]
+        return {"text": choice["message"]["content"] if chat else choice["text"],
+                "tokens": out["usage"]["completion_tokens"], "latency": time.perf_counter() - start, "ttft": None}
     text, tokens = [], 0
     body.update(stream=True, stream_options={"include_usage": True})
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    async with client.stream("POST", path, json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -87,7 +111,8 @@ async def one_request(client: httpx.AsyncClient, request: dict, speculate: bool)
             if chunk["choices"]:
                 if first is None:
                     first = time.perf_counter() - start
-                text.append(chunk["choices"][0]["text"])
+                choice = chunk["choices"][0]
+                text.append((choice["delta"].get("content") or "") if chat else choice["text"])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     return {"text": "".join(text), "tokens": tokens, "latency": time.perf_counter() - start, "ttft": first}
@@ -137,17 +162,26 @@ def run_config(decoder: SpeculativeDecoder, requests: list[dict], clients: int, 
 
 def run_load(decoder: SpeculativeDecoder, clients: int = 8, num_requests: int = 32,
              max_new_tokens: tuple[int, ...] = (16, 64), seed: int = 0, timeout_s: float = 600.0,
-             time_limit_s: float = 1800.0, speculation: tuple[bool, ...] = (True, False), auto_k: bool = False) -> list[dict]:
-    """Every configuration's summary; `mismatches` compares each batched run with its batching-off run."""
-    requests = workload(num_requests, list(max_new_tokens), seed, name_k=not auto_k)
+             time_limit_s: float = 1800.0, speculation: tuple[bool, ...] = (True, False), auto_k: bool = False,
+             prompts: list[str] | None = None, batchings: tuple[bool, ...] = (False, True)) -> list[dict]:
+    """Every configuration's summary; `mismatches` compares each batched run with its batching-off run (None where
+    that run was not asked for)."""
+    requests = workload(num_requests, list(max_new_tokens), seed, name_k=not auto_k, prompts=prompts)
     summaries = []
     for speculate in speculation:
         reference = None
-        for batching in (False, True):
+        for batching in batchings:
             summary, results = run_config(decoder, requests, clients, batching, speculate, timeout_s, time_limit_s,
                                           auto_k)
-            if reference is None:
+            if reference is None and not batching:
                 reference = results
+            if reference is None:
+                summary["mismatches"], summary["mismatched_requests"] = None, []
+                summaries.append(summary)
+                print(f"clients {clients}, batching on, speculation {'on' if speculate else 'off'}: "
+                      f"{summary['completed']}/{summary['requests']} done, {summary['tokens_per_second']} tok/s, "
+                      f"latency p50 {summary['latency_p50']} s", file=sys.stderr, flush=True)
+                continue
             differing = [i for i, (a, b) in enumerate(zip(results, reference)) if a is None or b is None or a["text"] != b["text"]]
             if auto_k and speculate:  # K then follows load, and a seeded sampled request's draws follow K: its
                 # tokens are the target's distribution either way, the same tokens only when greedy
@@ -165,7 +199,7 @@ def run_load(decoder: SpeculativeDecoder, clients: int = 8, num_requests: int = 
 
 
 def markdown(summaries: list[dict]) -> str:
-    cols = ["batching", "speculation", "auto_k", "completed", "requests_per_second", "tokens_per_second", "latency_p50",
+    cols = ["clients", "batching", "speculation", "auto_k", "completed", "requests_per_second", "tokens_per_second", "latency_p50",
             "latency_p90", "latency_p99", "ttft_p50", "mismatches", "leaked_cache_rows"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(s[c]) for c in cols) + " |" for s in summaries]
@@ -176,7 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="target model spec (as for verispec generate)")
     parser.add_argument("--draft", required=True, help="draft model spec, 'ngram' or 'none'")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent clients (default: %(default)s)")
+    parser.add_argument("--clients", default="8", help="concurrent clients, or several comma-separated to sweep "
+                        "(default: %(default)s)")
+    parser.add_argument("--prompts", choices=["builtin", "bench"], default="builtin",
+                        help="six built-in prompts that repeat, or held-out bench prompts, none repeated (default: "
+                        "%(default)s)")
+    parser.add_argument("--batching", choices=["both", "on"], default="both",
+                        help="run with batching off too (the mismatch check's reference) or only on (default: "
+                        "%(default)s)")
     parser.add_argument("--requests", type=int, default=32, help="requests per configuration (default: %(default)s)")
     parser.add_argument("--max-new-tokens", default="16,64", help="comma-separated lengths mixed (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
@@ -196,8 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     decoder = SpeculativeDecoder.load(args.target, args.draft)
     lengths = tuple(int(x) for x in args.max_new_tokens.split(","))
     speculation = {"both": (True, False), "on": (True,), "off": (False,)}[args.speculation]
-    summaries = run_load(decoder, args.clients, args.requests, lengths, args.seed, args.timeout, args.time_limit,
-                         speculation, args.auto_k)
+    prompts = bench_prompts(args.seed) if args.prompts == "bench" else None
+    batchings = (True,) if args.batching == "on" else (False, True)
+    summaries = []
+    for clients in (int(x) for x in args.clients.split(",")):
+        summaries += run_load(decoder, clients, args.requests, lengths, args.seed, args.timeout, args.time_limit,
+                              speculation, args.auto_k, prompts, batchings)
     print(markdown(summaries))
     if args.out:
         with open(args.out, "w") as f:

@@ -45,6 +45,7 @@ from verispec.errors import VerispecError
 from verispec.tuning import CostProfile, best_k, expected_tokens
 
 PROBE_EVERY, PROBE_MAX = 16, 128  # steps between probes of a costly member that is off (as tuning.AdaptiveK)
+READ_TOKENS = 128  # tokens of the pass that times a costly member's catch-up reading
 NONE = -1  # a row's choice: no drafting this step
 
 
@@ -112,6 +113,7 @@ class CompositeDrafter(Drafter):
         self.costs: CostProfile | None = None  # the batch's measured costs this step (None: no --auto-k)
         self.draft_token: float | None = None  # the costly member's seconds per position, as first measured
         self.chosen: list[int] = []  # per row, the last propose's choice (a member index, or NONE)
+        self.read_token: float | None = None  # seconds the costly member takes to read one token of a long catch-up
         self.free_drafts: dict[int, list[Draft]] = {}  # the last propose's drafts of each free member, per row
         self.name = "+".join(self.names)
 
@@ -147,7 +149,28 @@ class CompositeDrafter(Drafter):
         self.costs = costs
         if costs is not None and self.draft_token is None:
             self.draft_token = costs.draft_token
+            self.read_token = self._measure_reading() if self.learn_costs else 0.0
         return costs is not None
+
+    def _measure_reading(self) -> float:
+        """Seconds per token the costly member takes to catch up on READ_TOKENS tokens at once (median of 3 after a
+        warm-up), for members that read tokens into a cache of their own (a draft model); 0 for the others."""
+        member = self.members[self.costly] if self.costly is not None else None
+        runner = getattr(member, "runner", None)
+        if runner is None or not hasattr(member, "cached"):
+            return 0.0
+        tokens = [[(i * 7919) % runner.vocab_size for i in range(READ_TOKENS)]]
+        times = []
+        for _ in range(4):
+            start = time.perf_counter()
+            runner.forward(runner.new_state(1), tokens, [1])
+            times.append(time.perf_counter() - start)
+        return sorted(times[1:])[1] / READ_TOKENS
+
+    def _lag(self, b: int, seq: Sequence) -> int:
+        """Tokens of row b the costly member has not read yet (0 for members that read the target's own pass)."""
+        cached = getattr(self.members[self.costly], "cached", None)
+        return max(0, len(seq.tokens) - cached[b]) if cached is not None and b < len(cached) else 0
 
     # --- rows ------------------------------------------------------------------------------------------
     def start(self, sequences: list[Sequence]) -> None:
@@ -177,8 +200,9 @@ class CompositeDrafter(Drafter):
             draft = statistics.median(seconds) if seconds else (self.draft_token or 0.0)
         return CostProfile(self.costs.target_pass, draft)
 
-    def _value(self, member: int, cap: int) -> tuple[float, int]:
-        """(expected speedup over plain decoding, K) of drafting up to `cap` tokens with `member` this step."""
+    def _value(self, member: int, cap: int, catch_up: float = 0.0) -> tuple[float, int]:
+        """(expected speedup over plain decoding, K) of drafting up to `cap` tokens with `member` this step;
+        `catch_up`: the share of a one-token target pass this step is charged for the member's reading first."""
         profile = self._profile(member)
         if profile is None or cap <= 0:
             return (0.0, 0)
@@ -186,7 +210,18 @@ class CompositeDrafter(Drafter):
         k = min(best_k(alpha, profile), cap)
         if k == 0:
             return (1.0, 0)
-        return (expected_tokens(alpha, k) / (k * profile.c + profile.v(k)), k)
+        value = expected_tokens(alpha, k) / (k * profile.c + profile.v(k) + catch_up)
+        return (value, k) if value > 1.0 else (1.0, 0)
+
+    def _catch_up(self, b: int, seq: Sequence, k: int) -> float:
+        """The costly member's reading of row b's unread tokens (the whole prompt, the first time), charged to each of
+        the steps it may draft for the rest of the row's answer: a one-off read pays where the member is chosen for
+        long, not for one step. In one-token target passes."""
+        lag = self._lag(b, seq)
+        if not lag or not self.read_token:
+            return 0.0
+        steps = max(1.0, (seq.max_new_tokens - seq.num_generated) / expected_tokens(self.records[self.costly].alpha, k))
+        return lag * self.read_token / self.costs.target_pass[1] / steps
 
     def propose(self, sequences: list[Sequence], depths: list[int],
                 trees: list[TreeConfig | None] | None = None) -> list[Draft]:
@@ -206,9 +241,12 @@ class CompositeDrafter(Drafter):
             if self.costs is None:  # no measured costs: the costly member drafts wherever no lookup did
                 costly_k[b] = depths[b] if chosen[b] == NONE and self.costly is not None else 0
                 continue
-            value, k = self._value(self.costly, depths[b]) if self.costly is not None else (1.0, 0)
-            if k == 0 and probe:
-                value, k = 1.0, 1  # one token, so that a rising acceptance can turn the member back on
+            value, k = (1.0, 0) if self.costly is None else self._value(self.costly, depths[b])
+            if k:  # and with its catch-up on the row's unread tokens
+                value, k = self._value(self.costly, depths[b], self._catch_up(b, sequences[b], k))
+            if k == 0 and probe and self._lag(b, sequences[b]) <= READ_TOKENS:
+                value, k = 1.0, 1  # one token, so that a rising acceptance can turn the member back on (never at
+                # the price of reading a long prompt)
             if chosen[b] != NONE:
                 own, own_k = self._value(chosen[b], len(drafts[b]))
                 if own_k and own >= value:
