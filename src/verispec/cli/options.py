@@ -48,8 +48,9 @@ def add_model_options(p: argparse.ArgumentParser, draft: str = DEFAULT_DRAFT) ->
                         "(corpus n-grams, see `verispec ngram build`), 'self' / 'self:SKIP' / 'self:FILE' (the target "
                         "drafts with sublayers skipped; SKIP like a4-9,m12,20-; FILE from `verispec self-tune`), "
                         "'medusa' / 'eagle' (the Medusa / EAGLE-3 head shipped for the default target), 'medusa:DIR' "
-                        "(the Medusa repository's format), 'eagle:DIR' (an EAGLE-3 head, SpecForge's format) or 'none' "
-                        "(plain decoding) (default: %(default)s)")
+                        "(the Medusa repository's format), 'eagle:DIR' (an EAGLE-3 head, SpecForge's format), "
+                        "'suffix[:FILE]' (suffix decoding), lookups and one costly drafter joined by '+' and chosen per "
+                        "step (suffix+MODEL, ngram+eagle) or 'none' (plain decoding) (default: %(default)s)")
     p.add_argument("--self-adapt", action="store_true",
                    help="--draft self: re-choose the skipped sublayers while decoding, from each request's verified "
                         "steps (SWIFT-style; native runner)")
