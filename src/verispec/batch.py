@@ -228,7 +228,11 @@ class DecodeBatch:
         forced = self._forced(prefilling)  # row -> tokens its constraint forces: drafted for free
         depths_before, depths = depths, [0 if b in forced else d for b, d in enumerate(depths)]
         drafts = [EMPTY_DRAFT] * len(active)
-        if self.drafter is not None and any(depths):
+        # a drafter with a cache of its own reads each prompt in the row's first step even when nothing is drafted
+        # then (the tuner's K is 0): a later probe then costs a step's catch-up, not the whole prompt after the first
+        # output
+        first = any(s.num_generated == 0 and not pre for s, pre in zip(active, prefilling))
+        if self.drafter is not None and (any(depths) or (first and self.drafter.reads_prompt)):
             try:
                 drafts = self.drafter.propose(active, depths, trees)
             except Exception as err:  # the drafter is off now: this step decodes plainly

@@ -37,6 +37,9 @@ class Drafter(ABC):
     # True for drafters that follow a prompt the target reads over several steps (chunked prefill, verispec.batch):
     # those that read only the sequence's tokens. Heads and self-speculation read the target's pass itself.
     chunked_prefill: bool = False
+    # True for drafters with a cache of their own (a draft model): `propose` is called in a row's first step even
+    # when no row drafts (all depths 0), so that the drafter reads the prompt then, before the first output.
+    reads_prompt: bool = False
     # Set by the batch: a row given no drafts reads at most this many of its pending tokens per call (None: all),
     # so a drafter with a cache of its own reads a long prompt in chunks alongside the target.
     prefill_chunk: int | None = None

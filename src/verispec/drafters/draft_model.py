@@ -62,6 +62,7 @@ class DraftModelDrafter(Drafter):
     adaptive = True
     stops_chains = True
     chunked_prefill = True
+    reads_prompt = True
 
     def __init__(self, runner: Runner, target_vocab_size: int, lookup: PromptLookupConfig | None = None,
                  context: int | None = None) -> None:
