@@ -8,11 +8,12 @@ from verispec.cli.options import (API_KEY_ENV, SERVE_OPTIONS, add_model_options,
                                   load_decoder)
 from verispec.config import AdaptConfig, ServeConfig
 from verispec.errors import VerispecError
+from verispec.models.registry import DEFAULT_DRAFTER
 
 
 def add_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API with continuous batched speculation")
-    add_model_options(s)
+    add_model_options(s, DEFAULT_DRAFTER)
     s.add_argument("--host", help=f"interface to bind (default: {default_of(ServeConfig, 'host')}, this machine only)")
     s.add_argument("--port", type=int, help=f"(default: {default_of(ServeConfig, 'port')})")
     s.add_argument("--api-key", help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV} if set, else none)")

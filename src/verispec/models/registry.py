@@ -81,9 +81,10 @@ NAMED_MODELS: dict[str, NamedModel] = {
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"  # the default draft *model* (bench's draft systems, `fetch`)
-# What `verispec generate` drafts with when --draft is not given: suffix decoding, its K tuned from measured costs
-# (--auto-k). Measured the fastest exact configuration on held-out prompts of every bench category, and the only one
-# at or above plain decoding in each (docs/performance.md, "The defaults").
+# What `verispec generate` and `verispec serve` draft with when --draft is not given: suffix decoding, its K tuned from
+# measured costs (--auto-k). Measured the fastest exact configuration on held-out prompts of every bench category, the
+# only one at or above plain decoding in each, and above plain decoding at every concurrency from 1 to 16 clients
+# where the 0.5B draft lost (docs/performance.md, "The defaults").
 DEFAULT_DRAFTER = "suffix"
 
 
