@@ -177,3 +177,22 @@ def test_the_draft_flag_builds_it_and_bad_specs_are_one_clear_line(pair, tmp_pat
         assert main([*common, "--draft", bad]) == 2
         err = capsys.readouterr().err
         assert says in err and f"--draft {bad}" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_draft_models_unread_prompt_is_charged_to_the_steps_it_may_draft(pair):
+    from verispec.core.sequence import Sequence
+
+    _, draft = pair
+    drafter = CompositeDrafter([Fixed([[], []]), DraftModelDrafter(draft, 16)])
+    drafter.size_drafts(CostProfile({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4}, 0.05))
+    assert drafter.read_token > 0  # timed on the draft's own runner
+    drafter.read_token = 0.05  # a twentieth of a target pass per token read
+    drafter.records[1].accepted, drafter.records[1].rejections = 8.0, 2.0
+    short, long = [1, 2, 3], [(i * 5) % 16 for i in range(600)]
+    seqs = [Sequence(b, list(p), len(p), GREEDY, torch.Generator(), 32) for b, p in enumerate((short, long))]
+    drafter.start(seqs)
+    drafts = drafter.propose(seqs, [4, 4])
+    # 600 unread tokens cost 30 passes, more than the model saves over this answer's 32 tokens; 3 cost nothing much
+    assert drafter.chosen == [1, -1] and len(drafts[0]) and not len(drafts[1])
+    cached = drafter.members[1].cached  # the draft's pass read the short row (and its drafts) and caught the long one up
+    assert cached[0] > len(short) and cached[1] == len(long)
