@@ -518,3 +518,49 @@ def test_constrained_eagle_keeps_the_targets_features_and_equals_constrained_pla
         out = engine.generate(PROMPTS, FORCING, SpecConfig(num_draft_tokens=3, max_new_tokens=30, tree=tree))
         assert [s.generated for s in out] == expected, tree
         assert sum(s.stats.forced_tokens for s in out) > 0
+
+
+@pytest.mark.parametrize("tree", [None, TreeConfig(budget=6, top_k=2)], ids=["chain", "tree"])
+def test_a_composite_of_suffix_decoding_and_a_head_keeps_the_heads_cache_and_equals_plain_decoding(pair, trained, tree):
+    """Where suffix decoding's drafts are verified in place of the head's, the head's commit still sees them (it keeps
+    the target's features at the accepted path): its cache equals one pass over the committed tokens after every step,
+    and greedy output equals plain decoding's with both members drafting."""
+    from verispec.config import SuffixConfig
+    from verispec.drafters.composite import CompositeDrafter
+    from verispec.drafters.suffix import SuffixDrafter
+    from verispec.tuning import AdaptiveK, CostProfile
+
+    class FixedCosts(AdaptiveK):
+        def costs(self, rows=1):
+            return self.profile
+
+    model, _ = pair
+    runner = ModelRunner(model)
+    head, _ = trained
+    spec = SpecConfig(num_draft_tokens=3, max_new_tokens=30, tree=tree)
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], *PROMPTS]
+    expected = plain(runner, prompts)
+    composite = CompositeDrafter([SuffixDrafter(SuffixConfig(min_match=1)), EagleDrafter(runner, head)],
+                                 learn_costs=False)
+    engine = SpeculativeEngine(runner, composite, set())
+    tuner = FixedCosts(CostProfile({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15}, 0.02), learn_costs=False)
+    batch = DecodeBatch(engine, tuner)
+    batch.add(engine.make_sequences(prompts, GREEDY, spec, 0))
+    eagle = composite.members[1]
+    for _ in range(4):
+        batch.step()
+        eagle.propose(batch.sequences, [1] * len(batch.sequences))  # catches up, then drafts one token
+        for seq, row in zip(batch.sequences, eagle.rows):
+            with torch.no_grad():
+                states = model(torch.tensor([seq.tokens[:-1]]), output_hidden_states=True).hidden_states
+                features = head.fc(torch.cat([states[i][0] for i in AUX], dim=-1))  # (N - 1, E)
+                _, k, _ = head.new_kv(runner.token_embeddings(torch.tensor(seq.tokens[1:])), features,
+                                      torch.arange(len(seq.tokens) - 1))
+            assert row.length == len(seq.tokens) - 1
+            torch.testing.assert_close(row.keys[: row.length], k, rtol=1e-4, atol=1e-4)
+    composite = CompositeDrafter([SuffixDrafter(SuffixConfig(min_match=1)), EagleDrafter(runner, head)],
+                                 learn_costs=False)
+    out = SpeculativeEngine(runner, composite, set()).generate(prompts, GREEDY, spec, tuner=tuner)
+    assert [s.generated for s in out] == expected
+    drafts_accepted(out)
+    assert all(composite.shares().values()), composite.shares()
