@@ -42,7 +42,7 @@ from verispec.config import TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.sequence import Sequence
 from verispec.errors import VerispecError
-from verispec.tuning import CostProfile, best_k, expected_tokens
+from verispec.tuning import CostProfile, _timed, best_k, expected_tokens
 
 PROBE_EVERY, PROBE_MAX = 16, 128  # steps between probes of a costly member that is off (as tuning.AdaptiveK)
 READ_TOKENS = 64  # tokens of the pass that times a costly member's catch-up reading
@@ -153,23 +153,24 @@ class CompositeDrafter(Drafter):
         return costs is not None
 
     def _measure_reading(self) -> float:
-        """Seconds per token the costly member takes to catch up on READ_TOKENS tokens at once (the faster of two
-        passes after a warm-up), for members that read tokens into a cache of their own (a draft model); 0 for the
-        others, and where the member's runner cannot be timed alone (self-speculation reads the target's cache)."""
+        """Seconds per token the costly member takes to catch up on READ_TOKENS tokens at once (timed as
+        `tuning.measure_costs` times passes: a warm-up, then the median of 3), for members that read tokens into a
+        cache of their own (a draft model); 0 for the others, and where the member's runner cannot be timed alone
+        (self-speculation reads the target's cache)."""
         member = self.members[self.costly] if self.costly is not None else None
         runner = getattr(member, "runner", None)
         if runner is None or not hasattr(member, "cached"):
             return 0.0
         tokens = [[(i * 7919) % runner.vocab_size for i in range(READ_TOKENS)]]
-        times = []
+
+        def read():
+            runner.forward(runner.new_state(1), tokens, [1])
+
         try:
-            for _ in range(3):
-                start = time.perf_counter()
-                runner.forward(runner.new_state(1), tokens, [1])
-                times.append(time.perf_counter() - start)
+            read()  # warm-up
+            return _timed(read, 3) / READ_TOKENS
         except Exception:  # the charge is an estimate: without it the member's reading is not charged
             return 0.0
-        return min(times[1:]) / READ_TOKENS
 
     def _lag(self, b: int, seq: Sequence) -> int:
         """Tokens of row b the costly member has not read yet (0 for members that read the target's own pass)."""
