@@ -20,7 +20,7 @@ import torch
 from verispec.adapt import OnlineAdapter
 from verispec.chat import chat_ids, has_chat_template, user_turn
 from verispec.constraints import Grammars, grammars_for
-from verispec.config import AdaptConfig, NGramConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, SpecConfig, SuffixConfig
+from verispec.config import AdaptConfig, CrossTokenizerConfig, NGramConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, SpecConfig, SuffixConfig
 from verispec.core.drafter import Drafter
 from verispec.core.sequence import Sequence, StepEvent
 from verispec.drafters.registry import NGRAM, Built, DrafterOptions, build_drafter, model_drafter
@@ -97,7 +97,7 @@ class SpeculativeDecoder:
         self.target = target
         self.runner = target.make_runner()
         if isinstance(draft, LoadedModel):
-            built = model_drafter(draft, target, self.runner, options.draft_vocab if options else None)
+            built = model_drafter(draft, target, self.runner, *((options.draft_vocab, options.cross) if options else ()))
         elif isinstance(draft, Drafter):
             built = Built(draft, draft.name)
         else:
@@ -133,6 +133,7 @@ class SpeculativeDecoder:
         compile: bool = False,
         suffix: SuffixConfig = SuffixConfig(),
         draft_vocab: int | None = None,
+        cross: CrossTokenizerConfig = CrossTokenizerConfig(),
     ) -> SpeculativeDecoder:
         """Load by spec: a named default, a local HF model directory or a .gguf file.
 
@@ -153,6 +154,7 @@ class SpeculativeDecoder:
         prompt's draft pass then costs N tokens); None reads all.
         `draft_vocab` N cuts a draft model's LM head to N token ids, the most frequent first (native runner; q = 0
         elsewhere, so exact): a cheaper draft token; None keeps all.
+        `cross`: how a draft model with another tokenizer than the target's drafts (`drafters.cross_tokenizer`).
         `device` "auto" (default: CUDA when torch sees a GPU), "cpu", "cuda" or "cuda:N" (`models.device`): off
         the CPU the torch route runs the models on a static cache with compiled passes, as `compile=True` does on
         the CPU (`models.runners.static`).
@@ -161,7 +163,7 @@ class SpeculativeDecoder:
         options = DrafterOptions(prompt_lookup=prompt_lookup, ngram=ngram, self_spec=self_spec, draft_lookup=draft_lookup,
                                  draft_context=draft_context, draft_dtype=draft_dtype or dtype, draft_weights=draft_weights,
                                  backend=backend, device=device, compile=compile, suffix=suffix,
-                                 draft_vocab=draft_vocab)
+                                 draft_vocab=draft_vocab, cross=cross)
         return cls(loaded_target, draft, options=options)
 
     def _grammars(self) -> Grammars:

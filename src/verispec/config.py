@@ -266,6 +266,33 @@ class SuffixConfig:
             raise VerispecError("suffix decoding needs spec_factor > 0, 0 <= min_share <= 1 and max_candidates >= 1")
 
 
+CROSS_SCHEMES = ("string", "intersection")
+
+
+@dataclass(frozen=True)
+class CrossTokenizerConfig:
+    """A draft model with another tokenizer than the target's (`drafters.cross_tokenizer`).
+
+    Attributes:
+        scheme: "string" (the draft writes greedily, its text re-read as target tokens, q one-hot) or "intersection"
+            (q restricted to the tokens both vocabularies share). Default "string" (docs/cross-tokenizer.md).
+        passes_per_token: draft passes allowed per target token wanted (the string scheme's draft may need more
+            tokens than the target for the same text). Default 2.0.
+        min_shared: below this share of the draft's tokens being target tokens too, the draft is dropped with a
+            notice and the target decodes alone. Default 0.1.
+    """
+
+    scheme: str = "string"
+    passes_per_token: float = 2.0
+    min_shared: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.scheme not in CROSS_SCHEMES:
+            raise VerispecError(f"unknown cross-tokenizer scheme '{self.scheme}'; choose one of {', '.join(CROSS_SCHEMES)}")
+        if not self.passes_per_token >= 1 or not 0 <= self.min_shared <= 1:
+            raise VerispecError("a cross-tokenizer draft needs passes_per_token >= 1 and 0 <= min_shared <= 1")
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """`verispec serve`: where the server listens and the limits that keep it safe.

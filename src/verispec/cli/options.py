@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from verispec.config import TREE_CHILDREN, Constraint, PromptLookupConfig, SamplingConfig, SelfSpecConfig, ServeConfig, SpecConfig, SuffixConfig, TreeConfig
+from verispec.config import CROSS_SCHEMES, TREE_CHILDREN, Constraint, CrossTokenizerConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, ServeConfig, SpecConfig, SuffixConfig, TreeConfig
 from verispec.console import notice
 from verispec.errors import VerispecError
 from verispec.models.loading import BACKENDS, DEFAULT_BACKEND, DEFAULT_DRAFT_WEIGHTS, DEFAULT_DTYPE, DEFAULT_TARGET_WEIGHTS, DTYPES, WEIGHT_FORMATS
@@ -34,6 +34,7 @@ SPEC_OPTIONS = {"num_draft_tokens": "num_draft_tokens", "max_new_tokens": "max_n
                 "draft_stop": "draft_stop"}
 LOOKUP_OPTIONS = {"max_ngram": "ngram_max", "min_ngram": "ngram_min"}
 SUFFIX_OPTIONS = {"capacity": "suffix_capacity"}
+CROSS_OPTIONS = {"scheme": "cross_scheme"}
 TREE_OPTIONS = {"budget": "tree_budget", "top_k": "tree_top_k", "children": "tree_children"}
 SERVE_OPTIONS = {name: name for name in ServeConfig.__dataclass_fields__}
 API_KEY_ENV = "VERISPEC_API_KEY"
@@ -84,6 +85,10 @@ def add_model_options(p: argparse.ArgumentParser, draft: str = DEFAULT_DRAFT) ->
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="a draft model's LM head keeps N token ids, the most frequent first (native runner): each "
                         "draft token costs less; q is 0 elsewhere, so the output is unchanged (default: all)")
+    p.add_argument("--cross-scheme", choices=list(CROSS_SCHEMES), default=None,
+                   help="a draft model with another tokenizer than the target's drafts text: 'string' (its greedy text "
+                        "read as target tokens) or 'intersection' (its q on the tokens both share); exact either way "
+                        f"(default: {default_of(CrossTokenizerConfig, 'scheme')})")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
@@ -191,7 +196,7 @@ def decoder_kwargs(args: argparse.Namespace) -> dict:
                 suffix=build_config(SuffixConfig, args, SUFFIX_OPTIONS),
                 target_weights=args.target_weights, draft_weights=args.draft_weights, backend=args.backend,
                 draft_lookup=getattr(args, "draft_lookup", None), draft_context=getattr(args, "draft_context", None),
-                draft_vocab=getattr(args, "draft_vocab", None),
+                draft_vocab=getattr(args, "draft_vocab", None), cross=build_config(CrossTokenizerConfig, args, CROSS_OPTIONS),
                 self_spec=SelfSpecConfig(adapt=getattr(args, "self_adapt", False)), device=args.device,
                 compile=args.compile)
 

