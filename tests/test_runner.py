@@ -77,3 +77,28 @@ def test_select_rows_drops_finished_sequences():
     state.select(torch.tensor([1]))
     out = runner.forward(state, [[6]], [1])[0]
     torch.testing.assert_close(out, full_logits(model, [4, 5, 6])[-1:], atol=1e-5, rtol=1e-5)
+
+
+def test_a_sliding_window_model_rolls_back_past_its_window():
+    """Gemma 3's sliding-window layers (a window of 4 here) through drafts cut after the window was passed: each pass
+    equals a full pass over the committed tokens (the model's own sliding-window mask). One row per cache: in a
+    ragged batch the window is counted in cache columns, which a shorter row's holes make longer than its positions
+    (a draft's guesses change there, not a target's tokens: run a sliding-window target one sequence at a time)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128)
+    model = Gemma3ForCausalLM(config).eval()
+    runner = ModelRunner(model)
+    for b, row in enumerate([[3, 9, 27, 17, 5, 25, 11, 30, 1], [4, 8, 15]]):
+        state = runner.new_state(1)
+        runner.forward(state, [row], [1])
+        for step in range(4):
+            draft = [(7 * step + b) % 32, (5 * step + 3) % 32, 2]
+            out = runner.forward(state, [draft], [3], [chain(3)])[0]
+            torch.testing.assert_close(out, full_logits(model, row + draft)[-3:], atol=1e-4, rtol=1e-4)
+            keep = list(range((step + b) % 3))
+            runner.commit(state, [keep])
+            row = row + [draft[i] for i in keep]

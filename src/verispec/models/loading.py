@@ -236,7 +236,7 @@ def load_model(spec: str, dtype: str = DEFAULT_DTYPE, weights: str = "dense", ba
     if where.type != "cpu" and backend in ("native", "llama.cpp"):
         raise VerispecError(f"the {backend} backend runs on the CPU; --device {device} needs --backend torch (or auto)")
     if backend == "auto":
-        backend = "native" if resolve(spec)[0] == "gguf" and where.type == "cpu" and not compiled else "torch"
+        backend = "native" if _native_runs(spec) and where.type == "cpu" and not compiled else "torch"
     if compiled and backend != "torch":
         raise VerispecError(f"--compile runs the torch route; the {backend} backend has its own kernels")
     if backend == "llama.cpp":
@@ -297,6 +297,26 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
             (tmp / _COMPLETE).write_text("{}")
     except OSError as err:
         notice(f"[yellow]could not cache the tokenizer at {out}: {err}[/yellow]")
+
+
+def _native_runs(spec: str) -> bool:
+    """Whether `--backend auto` runs the model on the native runner: a GGUF of an architecture it has (others, as
+    Gemma 3, run on torch after a notice; a damaged file goes to the native loader, which names what is wrong)."""
+    kind, path = resolve(spec)
+    if kind != "gguf":
+        return False
+    from verispec.models.gguf.gguf_file import GGUFFile
+    from verispec.models.gguf.model import ARCHITECTURES
+
+    try:
+        arch = GGUFFile(path).fields.get("general.architecture")
+    except VerispecError:
+        return True
+    if arch in ARCHITECTURES:
+        return True
+    notice(f"[dim]{path.name}: architecture '{arch}' runs on torch (the native CPU runner has "
+           f"{', '.join(ARCHITECTURES)})[/dim]")
+    return False
 
 
 def _load_for_llamacpp(spec: str) -> LoadedModel:

@@ -129,8 +129,15 @@ class ModelRunner:
         return 2 * layers * heads * head_dim * self.dtype.itemsize * tokens
 
     def new_state(self, batch_size: int) -> KVState:
+        cache = DynamicCache(config=self.model.config)
+        if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+            # Sliding-window layers (Gemma 2 / 3) drop keys past their window, so a rollback past it cannot be undone
+            # and the columns would no longer be positions: keep every layer whole; the model's sliding-window mask
+            # still limits what each layer attends to (counted in cache columns: in a ragged batch a shorter row's
+            # holes widen its window, so run a sliding-window target one sequence at a time).
+            cache = DynamicCache()
         return KVState(
-            cache=DynamicCache(config=self.model.config),
+            cache=cache,
             valid=torch.zeros(batch_size, 0, dtype=torch.bool),
             lengths=torch.zeros(batch_size, dtype=torch.long),
         )
