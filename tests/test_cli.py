@@ -100,7 +100,6 @@ def test_python_api_mirrors_the_cli(model_dirs, capsys):
         (["--prompt", "hi", "--draft-stop", "1.5"], "draft_stop"),
         (["--prompt", "hi " * 200, "--no-chat"], "context window"),
         (["--prompt", "hi", "--target", "no-such-model"], "unknown model spec"),
-        (["--prompt", "hi", "--draft", "OTHER"], "different tokenizers"),
         (["--prompt", "hi", "--target", "NOCHAT", "--draft", "none", "--chat"], "no chat template"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read"),
     ],

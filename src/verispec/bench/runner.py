@@ -30,7 +30,7 @@ from verispec.bench.catalog import (
 from verispec.bench.report import Record
 from verispec.bench.results import runs_json, write_json, write_report
 from verispec.bench.systems import HFSystem, LlamaCppGenerate, System, VerispecSystem
-from verispec.config import AdaptConfig, Constraint, SamplingConfig, TreeConfig
+from verispec.config import AdaptConfig, Constraint, CrossTokenizerConfig, SamplingConfig, TreeConfig
 from verispec.console import stderr_console
 from verispec.constraints import grammars_for
 from verispec.datasets import DEFAULT_PROMPTS, EDITING_PROMPTS, STRUCTURED_PROMPTS, load_prompts
@@ -91,6 +91,7 @@ class BenchConfig:
     self_draft: str = "self"
     medusa: str | None = "medusa"
     eagle: str | None = "eagle"
+    cross: CrossTokenizerConfig = CrossTokenizerConfig()  # a --draft model with another tokenizer than the target's
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -253,7 +254,7 @@ def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> Spec
         from verispec.drafters.composite import CompositeDrafter
         from verispec.drafters.suffix import SuffixDrafter
 
-        model = SpeculativeDecoder(target, m.draft)  # the draft model's drafter, on a runner of its own
+        model = SpeculativeDecoder(target, m.draft, options=DrafterOptions(cross=config.cross))  # its own runner
         return SpeculativeDecoder(target, CompositeDrafter([SuffixDrafter(), model.drafter], [SUFFIX, model.draft_name]))
     if spec.drafter == DRAFT:
         draft = m.llama_draft if spec.llamacpp else m.draft
@@ -261,7 +262,7 @@ def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> Spec
             return None  # the remaining systems need a draft model
         if spec.llamacpp:
             return SpeculativeDecoder(target, draft)
-        return m.decoder("draft", lambda: SpeculativeDecoder(target, draft))
+        return m.decoder("draft", lambda: SpeculativeDecoder(target, draft, options=DrafterOptions(cross=config.cross)))
     if spec.drafter == SELF:
         if spec.adapt and target.backend != "native":
             return None  # the on-the-fly choice runs on the native runner's shared caches

@@ -70,6 +70,7 @@ class CrossTokenizerDrafter(Drafter):
 
     name = "cross-tokenizer"
     reads_prompt = True
+    chunked_prefill = True  # reads only committed tokens; a row given no drafts reads `prefill_chunk` ids a step
 
     def __init__(self, runner: Runner, bridge: VocabBridge, target_vocab_size: int,
                  config: CrossTokenizerConfig = CrossTokenizerConfig()) -> None:
@@ -88,6 +89,11 @@ class CrossTokenizerDrafter(Drafter):
 
     def cache_bytes(self, tokens: int) -> int:
         return self.runner.cache_bytes(tokens)
+
+    @property
+    def cached(self) -> list[int]:
+        """Per row: the target tokens the draft has read as text (the composite charges the reading of the rest)."""
+        return [row.read for row in self.rows]
 
     def start(self, sequences: list[Sequence]) -> None:
         self.state = self.runner.new_state(len(sequences))
@@ -108,10 +114,21 @@ class CrossTokenizerDrafter(Drafter):
         row.text += self.bridge.target.bytes_of(seq.tokens[row.read:])
         row.read = len(seq.tokens)
 
-    def _pending(self, row: _Row) -> list[int]:
-        """The draft's ids of the committed text its cache does not hold (with its BOS before the prompt)."""
+    def _read(self, row: _Row, drafting: bool) -> list[int]:
+        """The draft's ids of the committed text its cache does not hold (its BOS before the prompt), marked read: all
+        of it, or for a row given no drafts while the target reads a long prompt in chunks, `prefill_chunk` ids."""
         ids = self.bridge.draft.encode(bytes(row.text[row.covered:]))
-        return (self.bridge.draft.prefix if not row.ids else []) + ids
+        prefix = self.bridge.draft.prefix if not row.ids else []
+        chunk = self.prefill_chunk
+        if not drafting and chunk is not None and len(ids) > chunk:
+            read = self.bridge.draft.bytes_of(ids[:chunk])
+            if row.text[row.covered:row.covered + len(read)] == read:  # (not where bytes were read as U+FFFD)
+                row.covered += len(read)
+                row.ids += prefix + ids[:chunk]
+                return prefix + ids[:chunk]
+        row.covered = len(row.text)
+        row.ids += prefix + ids
+        return prefix + ids
 
     def propose(self, sequences: list[Sequence], depths: list[int],
                 trees: list[TreeConfig | None] | None = None) -> list[Draft]:
@@ -123,14 +140,13 @@ class CrossTokenizerDrafter(Drafter):
         for b, (row, seq) in enumerate(zip(self.rows, sequences)):
             self._sync(row, seq)
             row.fed = []
-            pending = [] if row.off else self._pending(row)
-            if len(row.ids) + len(pending) + budget[b] + 1 > self.runner.context_window:
-                row.off, pending = True, []  # the draft cannot read further: this row decodes without it
-            if row.off or seq.constraint is not None or not pending:
+            if not row.off and len(row.ids) + (len(row.text) - row.covered) + budget[b] + 1 > self.runner.context_window:
+                row.off = True  # (a token holds a byte or more) the draft cannot read further: no drafts for this row
+            drafting = limits[b] > 0 and not row.off and seq.constraint is None
+            pending = [] if row.off else self._read(row, drafting)
+            if not drafting or not pending or row.covered < len(row.text):
                 limits[b] = 0
             inputs.append(pending)
-            row.covered = len(row.text)
-            row.ids += pending
         if not any(limits):
             if any(inputs):
                 self.runner.forward(self.state, inputs, [0] * B)  # keep up, so the next step stays narrow
