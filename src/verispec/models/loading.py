@@ -396,7 +396,8 @@ def same_tokenizer(target: LoadedModel, draft: LoadedModel) -> bool:
 
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
-    """Raise where the two vocabularies differ (the drafters that read the target's token ids: distilled drafts)."""
+    """Raise where the two vocabularies differ, for callers that need the target's ids (a draft model no longer does:
+    with another tokenizer it drafts text, `drafters.cross_tokenizer`)."""
     if same_tokenizer(target, draft):
         return
     target_vocab, draft_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
