@@ -35,6 +35,7 @@ prompt. Rows under a structured-output constraint are not drafted (the target de
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 import torch
 
@@ -76,13 +77,11 @@ class CrossTokenizerDrafter(Drafter):
                  config: CrossTokenizerConfig = CrossTokenizerConfig()) -> None:
         self.runner, self.bridge, self.config = runner, bridge, config
         self.target_vocab_size = target_vocab_size
-        draft_width = len(bridge.draft.pieces)
         self.state: RunnerState | None = None
         self.rows: list[_Row] = []
         # (Vd,) draft ids the string scheme may write: those with text. Intersection: only the shared ones.
-        self.writable = bridge.draft.usable.clone()
-        self.shared = torch.zeros(draft_width, dtype=torch.bool)
-        self.shared[bridge.shared_draft] = True
+        self.writable = bridge.draft.usable
+        self.shared = bridge.draft_to_target >= 0
         # a draft's added token ends its text unless the target has the same added token
         target_added = {bridge.target.pieces[i] for i in bridge.target.added}
         self.ends_text = {j for j in bridge.draft.added if bridge.draft.pieces[j] not in target_added}
@@ -187,8 +186,7 @@ class CrossTokenizerDrafter(Drafter):
         ids = self.bridge.target.encode(bytes(text)) if text else []
         if len(ids) > k or ended or last_pass:
             complete = ids if (ended and len(ids) <= k) else ids[: min(k, len(ids) - 1)]
-            inside = [i < self.target_vocab_size for i in complete]
-            drafted[b] = complete[: inside.index(False)] if False in inside else complete
+            drafted[b] = list(takewhile(lambda i: i < self.target_vocab_size, complete))
             return token, True
         return token, False
 
@@ -203,7 +201,7 @@ class CrossTokenizerDrafter(Drafter):
             q_d = logits_to_probs(row, seq.sampling)[0]  # (Vd,): zero off the shared ids
             token = sample(q_d, seq.rng)
             q = torch.zeros(self.target_vocab_size, dtype=q_d.dtype)  # (Vt,)
-            q[self.bridge.draft_to_target[:width][self.shared[:width]]] = q_d[self.shared[:width]]
+            q[self.bridge.shared_target] = q_d[self.bridge.shared_draft]
             q_rows[b].append(q)
         drafted[b].append(int(self.bridge.draft_to_target[token]))
         return token, len(drafted[b]) >= k

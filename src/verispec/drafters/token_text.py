@@ -26,18 +26,10 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 @lru_cache(maxsize=1)
 def _byte_level_table() -> dict[str, int]:
-    """Character -> byte of byte-level BPE (GPT-2's table: printable bytes stand for themselves, the others are
-    moved past 255 in order)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    """Character -> byte of byte-level BPE: the inverse of GPT-2's table, as transformers builds it."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def _decoder_kind(tokenizer) -> str:
