@@ -196,3 +196,49 @@ def test_a_draft_models_unread_prompt_is_charged_to_the_steps_it_may_draft(pair)
     assert drafter.chosen == [1, -1] and len(drafts[0]) and not len(drafts[1])
     cached = drafter.members[1].cached  # the draft's pass read the short row (and its drafts) and caught the long one up
     assert cached[0] > len(short) and cached[1] == len(long)
+
+
+def test_the_costly_member_is_timed_but_not_where_it_reads_a_prompt_or_probes(pair):
+    """Its first step on a row reads the whole prompt, and a probe after steps off first reads what it skipped: one-offs
+    that, charged to a step's few positions, kept it off for good. Its catch-up after a lookup's steps is timed (rows
+    switching members pay it again and again)."""
+    from verispec.core.sequence import Sequence
+
+    _, draft = pair
+
+    def run(drafter, chains):
+        lookup, timed, chosen = drafter.members[0], [], []
+        drafter._timed = lambda seconds, positions: timed.append(step)
+        seq = Sequence(0, [1, 2, 3], 3, GREEDY, torch.Generator(), 64)
+        drafter.start([seq])
+        for step, chain in enumerate(chains):
+            lookup.chains = [chain]
+            drafts = drafter.propose([seq], [3])
+            chosen.append(drafter.chosen[0] if len(drafts[0]) else -1)
+            accepted = drafts[0].tokens[:1].tolist()
+            seq.tokens += accepted + [9]  # one draft accepted, then a recovered token
+            drafter.commit([seq], drafts, [tuple(range(len(accepted)))])
+        return timed, chosen
+
+    timed, chosen = run(CompositeDrafter([Fixed([[]]), DraftModelDrafter(draft, 16)]),
+                        [[], [], [], [5, 6, 7], [5, 6], [], [], []])
+    assert chosen == [1, 1, 1, 0, 0, 1, 1, 1] and timed == [1, 2, 5, 6, 7]  # all but the row's first step
+    off = CompositeDrafter([Fixed([[]]), DraftModelDrafter(draft, 16)])
+    off.size_drafts(PROFILE)
+    off.records[1].accepted, off.records[1].rejections = 0.1, 9.9
+    timed, chosen = run(off, [[]] * 20)
+    assert chosen.count(1) == 1 and timed == []  # one probe, not timed
+
+
+def test_a_fresh_batch_restarts_each_members_estimate_from_its_average(pair):
+    target, draft = pair
+    drafter = composite(draft)
+    record = drafter.records[1]
+    for _ in range(30):
+        record.observe(4, False)  # a request the model follows
+    for _ in range(100):
+        record.observe(0, True)  # one whose ending it cannot: off, its probes spaced out
+    record.probe_gap = 128
+    assert record.alpha < 0.05
+    SpeculativeEngine(target, drafter, set()).generate([PROMPTS[0]], GREEDY, SpecConfig(max_new_tokens=1))
+    assert record.alpha == pytest.approx((0.6 * 4 + 120) / (4 + 120 + 100)) and record.probe_gap == 16

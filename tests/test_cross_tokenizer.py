@@ -24,6 +24,7 @@ from verispec.drafters.token_text import TokenText, VocabBridge
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.models.runners.hf import ModelRunner
+from verispec.tuning import AdaptiveK, CostProfile
 
 GREEDY = SamplingConfig(temperature=0)
 SCHEMES = ["string", "intersection"]
@@ -133,8 +134,12 @@ def test_the_drafts_cache_holds_the_committed_text_through_cut_drafts_and_recove
             n = int(torch.randint(0, len(draft) + 1, (1,), generator=rng))
             seq.tokens += draft.tokens[:n].tolist() + [int(torch.randint(0, 8, (1,), generator=rng))]
         drafter.commit(seqs, drafts, [tuple(range(len(d)))[:1] for d in drafts])
-        for row in drafter.rows:
+        for row, seq, n in zip(drafter.rows, seqs, drafter.cached):
             assert row.covered < len(row.text) and bridge().draft.bytes_of(row.ids) == bytes(row.text[:row.covered])
+            # the target tokens the cache holds whole (what the composite does not charge as catch-up)
+            held = bridge().target.bytes_of(seq.tokens[:n])
+            assert n < len(seq.tokens) and row.covered >= len(held)
+            assert row.covered < len(held + bridge().target.bytes_of(seq.tokens[n:n + 1]))
     state = drafter.state
     nxt = [[0]] * len(seqs)
     cached = draft_runner.forward(state, nxt, [1] * len(seqs))[:, 0]
@@ -157,6 +162,32 @@ def test_greedy_output_equals_plain_decoding(scheme):
     out = SpeculativeEngine(runner, drafter, set()).generate(prompts, GREEDY, spec)
     assert [s.generated for s in out] == plain
     drafts_accepted(out)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_tuner_charges_the_string_drafts_held_back_token_and_decodes_exactly(scheme):
+    """`--auto-k` (the default): the string scheme's steps cost K + 1 draft positions, the intersection's K."""
+    from types import SimpleNamespace
+
+    from verispec.api import SpeculativeDecoder
+
+    target = tiny_model("qwen2", vocab=8, seed=3, layers=2, sharpness=30.0)
+    runner = ModelRunner(target)
+    drafter = CrossTokenizerDrafter(ModelRunner(translated_draft(target, TARGET_CHARS, DRAFT_TOKENS, 0.2)), bridge(),
+                                    8, CrossTokenizerConfig(scheme=scheme))
+    tuner = SpeculativeDecoder.auto_tuner(SimpleNamespace(runner=runner, drafter=drafter), k_max=4)
+    assert tuner.profile.draft_extra == (1.0 if scheme == "string" else 0.0) == drafter.held_back
+    tuner = AdaptiveK(CostProfile({w: 1.0 for w in range(1, 6)}, 0.01, tuner.profile.draft_extra),
+                      learn_costs=False)  # drafting pays
+    timed = []
+    tuner.observe_draft = lambda positions, seconds: timed.append(positions)
+    prompts = [[1, 5, 2, 6, 1, 5, 2, 6], [0, 1, 2, 3, 4]]
+    spec = SpecConfig(max_new_tokens=30, stop_at_eos=False)
+    plain = [s.generated for s in SpeculativeEngine(runner, None, set()).generate(prompts, GREEDY, spec)]
+    out = SpeculativeEngine(runner, drafter, set()).generate(prompts, GREEDY, spec, tuner=tuner)
+    assert [s.generated for s in out] == plain
+    drafts_accepted(out)
+    assert timed and all(timed)  # steady steps were timed
 
 
 # --- chi-square through the engine --------------------------------------------------------------------------------

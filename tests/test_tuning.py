@@ -9,7 +9,7 @@ from verispec.config import SamplingConfig, SpecConfig
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.models.runners.hf import ModelRunner
-from verispec.tuning import AdaptiveK, CostProfile, PassClock, measure_costs
+from verispec.tuning import AdaptiveK, CostProfile, PassClock, best_k, measure_costs
 
 FLAT = CostProfile({w: 1.0 + 0.05 * (w - 1) for w in range(1, 10)}, 0.1)  # a GPU-like v(k), a cheap draft
 
@@ -141,3 +141,86 @@ def test_a_draft_model_reads_the_prompt_in_the_first_step_even_when_the_tuner_dr
     engine.generate([prompt], SamplingConfig(temperature=0), SpecConfig(max_new_tokens=4), tuner=off)
     assert read and read[0] == ([0], [len(prompt)])  # the first step: nothing drafted, the prompt read
     assert len(read) == 1  # and no further calls while the tuner keeps drafting off
+
+
+class Scripted(AdaptiveK):
+    """A tuner whose K follows a script (one entry per call), recording the steps whose draft seconds it was given."""
+
+    def __init__(self, script):
+        super().__init__(CostProfile({w: 1.0 for w in range(1, 6)}, 0.1), learn_costs=False)
+        self.script, self.calls, self.timed = list(script), 0, []
+
+    def k(self, stops_chains=False, rows=1):
+        self.calls += 1
+        return self.script[min(self.calls, len(self.script)) - 1]
+
+    def observe_draft(self, positions, seconds):
+        self.timed.append(self.calls)
+
+
+def test_a_drafting_step_is_timed_only_after_a_drafting_step():
+    """After a step with speculation off (or in a row's first step) a draft model first reads every token it skipped:
+    charged to the step's few positions, that one-off made a cross-tokenizer draft token look 8x its cost and kept
+    speculation off for good (measured: 0.99x plain decoding where a fixed K = 4 made 1.16x)."""
+    from conftest import noisy_copy
+    from verispec.drafters.draft_model import DraftModelDrafter
+
+    model = tiny_model("llama", vocab=16, seed=1, layers=2)
+    drafter = DraftModelDrafter(ModelRunner(noisy_copy(model, 0.3, seed=2)), 16)
+    engine = SpeculativeEngine(ModelRunner(model), drafter, set())
+    tuner = Scripted([2, 2, 0, 0, 1, 2, 2, 0, 1, 0, 1, 1])  # step n drafts script[n - 1] tokens
+    spec = SpecConfig(max_new_tokens=40, stop_at_eos=False)
+    engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingConfig(temperature=0), spec, tuner=tuner)
+    script = tuner.script + [1] * (tuner.calls - len(tuner.script))
+    steady = [n for n in range(2, tuner.calls + 1) if script[n - 1] and script[n - 2]]
+    assert tuner.timed == steady[: len(tuner.timed)] and len(tuner.timed) >= len(steady) - 1  # (the last may be cut)
+    assert 1 not in tuner.timed and 5 not in tuner.timed and 9 not in tuner.timed  # the first step, after off steps
+
+
+def test_a_draft_that_holds_tokens_back_is_charged_for_them():
+    """A cross-tokenizer string draft writes until its text holds K + 1 target tokens: a step costs (K + 1) draft
+    positions, so its per-position cost is measured over K + 1 and K = 1 is dearer per token than K = 4."""
+    from verispec.tuning import expected_speedup, expected_tokens
+
+    held = CostProfile(FLAT.target_pass, 0.1, draft_extra=1.0)
+    assert expected_speedup(0.7, 2, held) == expected_tokens(0.7, 2) / (3 * held.c + held.v(2))
+    tuner = AdaptiveK(held)
+    for _ in range(3):
+        tuner.observe_draft(1, 0.4)  # two draft passes for one position: 0.2 s each
+    assert tuner.costs().c == 0.2 and tuner.costs().draft_extra == 1.0
+    assert expected_speedup(0.5, 1, tuner.costs()) < expected_speedup(0.5, 1, CostProfile(FLAT.target_pass, 0.2))
+
+
+def test_a_new_request_starts_from_the_drafters_average_not_the_last_requests_ending():
+    tuner = AdaptiveK(FLAT, prior=0.6, prior_weight=4.0)
+    for _ in range(60):
+        tuner.observe(4, 4)  # a request the draft follows well
+    for _ in range(100):
+        tuner.observe(4, 0)  # and one whose ending it cannot follow: speculation goes off
+    for _ in range(200):
+        tuner.k()  # probes are spaced out while it stays off
+        if tuner.probing:
+            tuner.observe(1, 0)
+    assert best_k(tuner.alpha, tuner.costs()) == 0 and tuner.probe_gap == tuner.probe_max
+    probes = tuner.total_rejections - 100  # each rejected
+    tuner.restart()
+    average = (0.6 * 4 + 240) / (4 + 240 + 100 + probes)
+    assert abs(tuner.alpha - average) < 1e-9 and tuner.k() > 0 and tuner.probe_gap == tuner.probe_every
+    bad = AdaptiveK(FLAT, prior=0.6, prior_weight=4.0)
+    for _ in range(200):
+        bad.observe(4, 0)
+    bad.restart()
+    assert bad.alpha < 0.05 and bad.k() == 0  # a draft that is never right stays off
+
+
+def test_each_fresh_batch_restarts_the_tuner():
+    model = tiny_model("llama", vocab=32, seed=2, layers=2, sharpness=20.0)
+    runner = ModelRunner(model)
+    tuner = AdaptiveK(measure_costs(runner, None, k_max=3, context=8, repeats=1))
+    restarts = []
+    tuner.restart = lambda: restarts.append(1)
+    engine = SpeculativeEngine(runner, PromptLookupDrafter(), set())
+    spec = SpecConfig(num_draft_tokens=3, max_new_tokens=4, stop_at_eos=False)
+    for prompt in ([1, 2, 3, 1, 2, 3], [5, 6, 5, 6]):
+        engine.generate([prompt], SamplingConfig(temperature=0), spec, tuner=tuner)
+    assert len(restarts) == 2

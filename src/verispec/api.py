@@ -234,7 +234,9 @@ class SpeculativeDecoder:
         measure = lambda: measure_costs(self.runner, draft_runner, k_max=k_max)  # noqa: E731
         profile = cached_costs(self._cost_key(k_max), measure, cache_dir() / "pass_costs") if cache else measure()
         head_cost = self.drafter.token_cost() if self.drafter is not None and draft_runner is None else None
-        return AdaptiveK(replace(profile, draft_token=head_cost) if head_cost else profile)
+        profile = replace(profile, draft_token=head_cost) if head_cost else profile
+        held_back = self.drafter.held_back if self.drafter is not None else 0
+        return AdaptiveK(replace(profile, draft_extra=float(held_back)) if held_back else profile)
 
     def _cost_key(self, k_max: int) -> str:
         """What a cost profile depends on: the target as loaded, the draft's runner, threads and the CPU."""

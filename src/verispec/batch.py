@@ -70,6 +70,7 @@ class DecodeBatch:
         self.drafter = engine.drafter  # None once a fault turned drafting off for this batch's rows
         self.faults: list[tuple[str, BaseException]] = []  # (stage, exception) of the faults the batch absorbed
         self._joined: dict[int, float] = {}  # id(sequence) -> when it joined (perf_counter)
+        self._drafted = False  # the last step drafted: the drafter's cache lags only by that step's commit
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -88,10 +89,13 @@ class DecodeBatch:
                                 "a static tree shape cannot be auto-tuned")
         if not self.sequences:
             self.drafter = self.engine.drafter  # a fresh batch drafts again
+            if self.tuner is not None:
+                self.tuner.restart()  # new text: the last request's ending does not decide this start
             self.state = self.engine.target.new_state(len(sequences))
             if self.drafter is not None:
                 self.drafter.prefill_chunk = self.prefill_chunk
                 try:
+                    self.drafter.restart()
                     self.drafter.bind_target(self.state)
                     self.drafter.start(sequences)
                 except Exception as err:
@@ -252,7 +256,13 @@ class DecodeBatch:
         t2 = time.perf_counter()
         if self.tuner is not None and not any(prefilling):  # costs measured while decoding (prompt passes aside)
             self.tuner.observe_pass(sum(len(i) for i in inputs), t2 - t1)
-            self.tuner.observe_draft(max(depths), t1 - t0)
+            if self._drafted and any(depths) and not first:
+                # a drafting step's cost, timed only where the step before drafted too: after steps with speculation
+                # off (a probe), or in a row's first step, a drafter with a cache of its own first reads every token it
+                # skipped (the prompt, the first time), a one-off that charged to this step's few positions made one
+                # draft token look 8x its cost and kept speculation off for good
+                self.tuner.observe_draft(max(depths), t1 - t0)
+        self._drafted = any(depths)
         verdicts = [None if pre else self._row(s, "verify", lambda b=b, s=s, d=d: engine._verify(s, d, logits[b, : len(d) + 1]))
                     for b, (s, d, pre) in enumerate(zip(active, drafts, prefilling))]
         paths = [v.path if v is not None else () for v in verdicts]

@@ -46,11 +46,19 @@ class Drafter(ABC):
     # The drafter's own model runner where it has one (a draft model, self-speculation's skip set): `--auto-k` times
     # its passes (`tuning.measure_costs`). None: no runner of its own (lookups, heads: see `token_cost`).
     runner = None
+    # Draft positions a drafting step computes beyond the K it proposes: the tuner charges a step (K + held_back)
+    # positions' cost (a cross-tokenizer string draft writes until its text holds K + 1 target tokens).
+    held_back: int = 0
 
     @property
     def supports_trees(self) -> bool:
         """Whether `propose` builds trees here (a chain-only drafter is never asked for one)."""
         return False
+
+    def restart(self) -> None:
+        """Decoding starts afresh: a batch that was empty takes new requests, just before `start`. A drafter that
+        estimates its own acceptance (the composite) starts those estimates again from its averages
+        (see `tuning.AdaptiveK.restart`)."""
 
     def start(self, sequences: list[Sequence]) -> None:
         """A new batch begins (prompts only in `tokens`).

@@ -34,6 +34,7 @@ prompt. Rows under a structured-output constraint are not drafted (the target de
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import takewhile
 
@@ -53,6 +54,7 @@ class _Row:
 
     text: bytearray = field(default_factory=bytearray)  # the committed tokens as bytes
     read: int = 0  # target tokens of the sequence turned into `text`
+    ends: list[int] = field(default_factory=list)  # per target token read: where its bytes end in `text`
     covered: int = 0  # bytes of `text` the draft's committed cache holds
     ids: list[int] = field(default_factory=list)  # the draft ids in its committed cache (BOS included)
     fed: list[int] = field(default_factory=list)  # this step's draft ids fed as uncommitted nodes, in order
@@ -77,6 +79,7 @@ class CrossTokenizerDrafter(Drafter):
                  config: CrossTokenizerConfig = CrossTokenizerConfig()) -> None:
         self.runner, self.bridge, self.config = runner, bridge, config
         self.target_vocab_size = target_vocab_size
+        self.held_back = 1 if config.scheme == "string" else 0  # the string scheme's K + 1st target token (tuning)
         self.state: RunnerState | None = None
         self.rows: list[_Row] = []
         # (Vd,) draft ids the string scheme may write: those with text. Intersection: only the shared ones.
@@ -91,8 +94,9 @@ class CrossTokenizerDrafter(Drafter):
 
     @property
     def cached(self) -> list[int]:
-        """Per row: the target tokens the draft has read as text (the composite charges the reading of the rest)."""
-        return [row.read for row in self.rows]
+        """Per row: the target tokens whose text the draft's cache holds whole (the composite charges the reading of
+        the rest)."""
+        return [bisect_right(row.ends, row.covered) for row in self.rows]
 
     def start(self, sequences: list[Sequence]) -> None:
         self.state = self.runner.new_state(len(sequences))
@@ -110,7 +114,9 @@ class CrossTokenizerDrafter(Drafter):
 
     def _sync(self, row: _Row, seq: Sequence) -> None:
         """Append the sequence's new committed tokens to the row's text."""
-        row.text += self.bridge.target.bytes_of(seq.tokens[row.read:])
+        for token in seq.tokens[row.read:]:
+            row.text += self.bridge.target.bytes_of([token])
+            row.ends.append(len(row.text))
         row.read = len(seq.tokens)
 
     def _read(self, row: _Row, drafting: bool) -> list[int]:
