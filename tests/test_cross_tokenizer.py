@@ -150,18 +150,26 @@ def test_the_drafts_cache_holds_the_committed_text_through_cut_drafts_and_recove
 
 
 # --- greedy equality ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_greedy_output_equals_plain_decoding(scheme):
+def sharp_pair(scheme: str) -> tuple[ModelRunner, CrossTokenizerDrafter]:
+    """A peaked target and a draft of it in another vocabulary (the greedy tests' pair)."""
     target = tiny_model("qwen2", vocab=8, seed=3, layers=2, sharpness=30.0)
-    runner = ModelRunner(target)
     drafter = CrossTokenizerDrafter(ModelRunner(translated_draft(target, TARGET_CHARS, DRAFT_TOKENS, 0.2)), bridge(),
                                     8, CrossTokenizerConfig(scheme=scheme))
-    prompts = [[1, 5, 2, 6, 1, 5, 2, 6], [0, 1, 2, 3, 4], [7, 7, 1], [3]]
-    spec = SpecConfig(num_draft_tokens=4, max_new_tokens=30, stop_at_eos=False)
+    return ModelRunner(target), drafter
+
+
+def assert_greedy_equals_plain(runner, drafter, prompts, spec, tuner=None) -> None:
     plain = [s.generated for s in SpeculativeEngine(runner, None, set()).generate(prompts, GREEDY, spec)]
-    out = SpeculativeEngine(runner, drafter, set()).generate(prompts, GREEDY, spec)
+    out = SpeculativeEngine(runner, drafter, set()).generate(prompts, GREEDY, spec, tuner=tuner)
     assert [s.generated for s in out] == plain
     drafts_accepted(out)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_greedy_output_equals_plain_decoding(scheme):
+    runner, drafter = sharp_pair(scheme)
+    assert_greedy_equals_plain(runner, drafter, [[1, 5, 2, 6, 1, 5, 2, 6], [0, 1, 2, 3, 4], [7, 7, 1], [3]],
+                               SpecConfig(num_draft_tokens=4, max_new_tokens=30, stop_at_eos=False))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -171,22 +179,15 @@ def test_the_tuner_charges_the_string_drafts_held_back_token_and_decodes_exactly
 
     from verispec.api import SpeculativeDecoder
 
-    target = tiny_model("qwen2", vocab=8, seed=3, layers=2, sharpness=30.0)
-    runner = ModelRunner(target)
-    drafter = CrossTokenizerDrafter(ModelRunner(translated_draft(target, TARGET_CHARS, DRAFT_TOKENS, 0.2)), bridge(),
-                                    8, CrossTokenizerConfig(scheme=scheme))
+    runner, drafter = sharp_pair(scheme)
     tuner = SpeculativeDecoder.auto_tuner(SimpleNamespace(runner=runner, drafter=drafter), k_max=4)
     assert tuner.profile.draft_extra == (1.0 if scheme == "string" else 0.0) == drafter.held_back
     tuner = AdaptiveK(CostProfile({w: 1.0 for w in range(1, 6)}, 0.01, tuner.profile.draft_extra),
                       learn_costs=False)  # drafting pays
     timed = []
     tuner.observe_draft = lambda positions, seconds: timed.append(positions)
-    prompts = [[1, 5, 2, 6, 1, 5, 2, 6], [0, 1, 2, 3, 4]]
-    spec = SpecConfig(max_new_tokens=30, stop_at_eos=False)
-    plain = [s.generated for s in SpeculativeEngine(runner, None, set()).generate(prompts, GREEDY, spec)]
-    out = SpeculativeEngine(runner, drafter, set()).generate(prompts, GREEDY, spec, tuner=tuner)
-    assert [s.generated for s in out] == plain
-    drafts_accepted(out)
+    assert_greedy_equals_plain(runner, drafter, [[1, 5, 2, 6, 1, 5, 2, 6], [0, 1, 2, 3, 4]],
+                               SpecConfig(max_new_tokens=30, stop_at_eos=False), tuner)
     assert timed and all(timed)  # steady steps were timed
 
 

@@ -48,6 +48,10 @@ class CostProfile:
         width = min(k + 1, widths[-1])
         return self.target_pass[width] / self.target_pass[1]
 
+    def step_cost(self, k: int) -> float:
+        """A step drafting K tokens, in one-token target passes: (K + h) c + v(K)."""
+        return (k + self.draft_extra) * self.c + self.v(k)
+
     def pass_costs(self) -> tuple[float, ...]:
         """v for target passes over 1, 2, ... k_max + 1 tokens (relative to one token), for sizing trees."""
         return tuple(self.target_pass[w] / self.target_pass[1] for w in sorted(self.target_pass))
@@ -68,7 +72,7 @@ def expected_speedup(alpha: float, k: int, profile: CostProfile) -> float:
     """Speedup over plain decoding of drafting K tokens per step (K = 0 gives 1)."""
     if k == 0:
         return 1.0
-    return expected_tokens(alpha, k) / ((k + profile.draft_extra) * profile.c + profile.v(k))
+    return expected_tokens(alpha, k) / profile.step_cost(k)
 
 
 def best_k(alpha: float, profile: CostProfile) -> int:
@@ -77,6 +81,13 @@ def best_k(alpha: float, profile: CostProfile) -> int:
 
 
 COST_CACHE_FORMAT = 1
+
+
+def restarted_counts(prior: float, weight: float, accepted: float, rejections: float) -> tuple[float, float]:
+    """Acceptance counts for decoding that starts afresh (`AdaptiveK.restart`): `weight` pseudo-counts at the rate of
+    the prior and every observed step's undecayed `accepted` drafts and `rejections` together."""
+    rate = (prior * weight + accepted) / (weight + accepted + rejections)
+    return rate * weight, (1 - rate) * weight
 
 
 def cached_costs(key: str, measure, directory: Path) -> CostProfile:
@@ -298,9 +309,8 @@ class AdaptiveK:
     def restart(self) -> None:
         """Decoding starts afresh (see the class docstring): the counts become the prior's weight at the drafter's
         average rate so far, and the probe clock its first gap."""
-        rate = ((self.prior * self.prior_weight + self.total_accepted)
-                / (self.prior_weight + self.total_accepted + self.total_rejections))
-        self.accepted, self.rejections = rate * self.prior_weight, (1 - rate) * self.prior_weight
+        self.accepted, self.rejections = restarted_counts(self.prior, self.prior_weight, self.total_accepted,
+                                                          self.total_rejections)
         self.steps_off, self.probe_gap, self.probing = 0, self.probe_every, False
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:

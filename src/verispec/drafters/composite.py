@@ -42,7 +42,7 @@ from verispec.config import TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.sequence import Sequence
 from verispec.errors import VerispecError
-from verispec.tuning import CostProfile, _timed, best_k, expected_tokens
+from verispec.tuning import CostProfile, _timed, best_k, expected_tokens, restarted_counts
 
 PROBE_EVERY, PROBE_MAX = 16, 128  # steps between probes of a costly member that is off (as tuning.AdaptiveK)
 READ_TOKENS = 64  # tokens of the pass that times a costly member's catch-up reading
@@ -85,8 +85,8 @@ class MemberRecord:
     def restart(self) -> None:
         """Decoding starts afresh: the member's average rate so far at the prior's weight, the probe clock's first gap
         (as `tuning.AdaptiveK.restart`)."""
-        rate = (self.prior * self.weight + self.total_accepted) / (self.weight + self.total_accepted + self.total_rejections)
-        self.accepted, self.rejections = rate * self.weight, (1 - rate) * self.weight
+        self.accepted, self.rejections = restarted_counts(self.prior, self.weight, self.total_accepted,
+                                                          self.total_rejections)
         self.steps_off, self.probe_gap, self.probing = 0, PROBE_EVERY, False
 
 
@@ -231,7 +231,7 @@ class CompositeDrafter(Drafter):
         k = min(best_k(alpha, profile), cap)
         if k == 0:
             return (1.0, 0)
-        value = expected_tokens(alpha, k) / ((k + profile.draft_extra) * profile.c + profile.v(k) + catch_up)
+        value = expected_tokens(alpha, k) / (profile.step_cost(k) + catch_up)
         return (value, k) if value > 1.0 else (1.0, 0)
 
     def _catch_up(self, b: int, seq: Sequence, k: int) -> float:
