@@ -276,7 +276,7 @@ def test_adaptive_k_follows_acceptance_and_probes_when_off():
     assert tuner.k() == 4 and tuner.alpha > 0.9
     for _ in range(400):
         tuner.observe(1, 0)
-    assert tuner.alpha < 0.1
+    assert tuner.first_alpha < 0.1
     ks = [tuner.k() for _ in range(32)]
     assert ks.count(0) == 30 and ks.count(1) == 2
 

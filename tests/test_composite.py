@@ -63,8 +63,14 @@ def test_a_lookup_chain_is_scored_against_what_was_committed():
     assert matched([4, 5], [4, 5, 9]) == (2, False)  # all accepted
     assert matched([4, 5, 6], [4]) == (1, False)  # the committed tokens end first: cut short, no rejection seen
     record = MemberRecord(prior=0.5, weight=2.0, decay=1.0)
-    record.observe(3, True)
-    assert record.alpha == pytest.approx(4 / 6)
+    record.observe(3, True)  # the first position accepted; two later ones accepted, then one rejected
+    assert record.first_alpha == pytest.approx(2 / 3) and record.alpha == pytest.approx(3 / 5)
+
+
+def rate(record: MemberRecord, alpha: float, weight: float = 10.0) -> None:
+    """Set a member's acceptance: both rates (first position and later ones) alpha, worth `weight` trials."""
+    for r in (record.first, record.later):
+        r.accepted, r.rejections = alpha * weight, (1 - alpha) * weight
 
 
 class Fixed(PromptLookupDrafter):
@@ -94,14 +100,14 @@ def test_the_choice_follows_acceptance_and_cost(pair):
     drafter = CompositeDrafter([Fixed([[5, 6, 7, 8], []]), DraftModelDrafter(draft, 16)], learn_costs=False)
     assert choose(drafter, 2) == [0, 1]  # no costs measured: the lookup where it has a chain, else the model
     drafter.size_drafts(PROFILE)
-    drafter.records[0].accepted, drafter.records[0].rejections = 9.0, 1.0  # the lookup is right 90% of the time
-    drafter.records[1].accepted, drafter.records[1].rejections = 6.0, 4.0
+    rate(drafter.records[0], 0.9)  # the lookup is right 90% of the time
+    rate(drafter.records[1], 0.6)
     assert choose(drafter, 2)[0] == 0  # free and better: the lookup
-    drafter.records[0].accepted, drafter.records[0].rejections = 1.0, 9.0
-    drafter.records[1].accepted, drafter.records[1].rejections = 9.0, 1.0
+    rate(drafter.records[0], 0.1)
+    rate(drafter.records[1], 0.9)
     assert choose(drafter, 2) == [1, 1]  # a poor lookup loses to a good model
-    drafter.records[0].accepted, drafter.records[0].rejections = 0.1, 9.9
-    drafter.records[1].accepted, drafter.records[1].rejections = 0.1, 9.9
+    rate(drafter.records[0], 0.01)
+    rate(drafter.records[1], 0.01)
     assert choose(drafter, 2) == [-1, -1]  # nothing pays: no drafting
 
 
@@ -109,7 +115,7 @@ def test_a_costly_member_that_is_off_is_probed(pair):
     _, draft = pair
     drafter = CompositeDrafter([Fixed([[]]), DraftModelDrafter(draft, 16)], learn_costs=False)
     drafter.size_drafts(PROFILE)
-    drafter.records[1].accepted, drafter.records[1].rejections = 0.1, 9.9
+    rate(drafter.records[1], 0.01)
     chosen = [choose(drafter, 1)[0] for _ in range(60)]
     probes = [i for i, c in enumerate(chosen) if c == 1]
     assert probes == [15, 47]  # after 16 steps off; the probe was rejected, so the next after 32
@@ -187,7 +193,7 @@ def test_a_draft_models_unread_prompt_is_charged_to_the_steps_it_may_draft(pair)
     drafter.size_drafts(CostProfile({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4}, 0.05))
     assert drafter.read_token > 0  # timed on the draft's own runner
     drafter.read_token = 0.05  # a twentieth of a target pass per token read
-    drafter.records[1].accepted, drafter.records[1].rejections = 8.0, 2.0
+    rate(drafter.records[1], 0.8)
     short, long = [1, 2, 3], [(i * 5) % 16 for i in range(600)]
     seqs = [Sequence(b, list(p), len(p), GREEDY, torch.Generator(), 32) for b, p in enumerate((short, long))]
     drafter.start(seqs)
@@ -225,7 +231,7 @@ def test_the_costly_member_is_timed_but_not_where_it_reads_a_prompt_or_probes(pa
     assert chosen == [1, 1, 1, 0, 0, 1, 1, 1] and timed == [1, 2, 5, 6, 7]  # all but the row's first step
     off = CompositeDrafter([Fixed([[]]), DraftModelDrafter(draft, 16)])
     off.size_drafts(PROFILE)
-    off.records[1].accepted, off.records[1].rejections = 0.1, 9.9
+    rate(off.records[1], 0.01)
     timed, chosen = run(off, [[]] * 20)
     assert chosen.count(1) == 1 and timed == []  # one probe, not timed
 
@@ -239,6 +245,7 @@ def test_a_fresh_batch_restarts_each_members_estimate_from_its_average(pair):
     for _ in range(100):
         record.observe(0, True)  # one whose ending it cannot: off, its probes spaced out
     record.probe_gap = 128
-    assert record.alpha < 0.05
+    assert record.first_alpha < 0.05
     SpeculativeEngine(target, drafter, set()).generate([PROMPTS[0]], GREEDY, SpecConfig(max_new_tokens=1))
-    assert record.alpha == pytest.approx((0.6 * 4 + 120) / (4 + 120 + 100)) and record.probe_gap == 16
+    assert record.first_alpha == pytest.approx((0.6 * 4 + 30) / (4 + 30 + 100)) and record.probe_gap == 16
+    assert record.alpha == pytest.approx((0.6 * 4 + 90) / (4 + 90))  # later positions were only ever accepted

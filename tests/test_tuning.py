@@ -4,12 +4,15 @@ here: the seconds are given."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from conftest import tiny_model
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.models.runners.hf import ModelRunner
-from verispec.tuning import AdaptiveK, CostProfile, PassClock, best_k, measure_costs
+from verispec.tuning import Acceptance, AdaptiveK, CostProfile, PassClock, expected_tokens, measure_costs
 
 FLAT = CostProfile({w: 1.0 + 0.05 * (w - 1) for w in range(1, 10)}, 0.1)  # a GPU-like v(k), a cheap draft
 
@@ -201,16 +204,17 @@ def test_a_new_request_starts_from_the_drafters_average_not_the_last_requests_en
         tuner.k()  # probes are spaced out while it stays off
         if tuner.probing:
             tuner.observe(1, 0)
-    assert best_k(tuner.alpha, tuner.costs()) == 0 and tuner.probe_gap == tuner.probe_max
-    probes = tuner.total_rejections - 100  # each rejected
+    assert tuner.acceptance.best_k(tuner.costs()) == 0 and tuner.probe_gap == tuner.probe_max
+    probes = tuner.acceptance.first.total_rejections - 100  # each rejected
     tuner.restart()
-    average = (0.6 * 4 + 240) / (4 + 240 + 100 + probes)
-    assert abs(tuner.alpha - average) < 1e-9 and tuner.k() > 0 and tuner.probe_gap == tuner.probe_every
+    assert tuner.first_alpha == pytest.approx((0.6 * 4 + 60) / (4 + 60 + 100 + probes))
+    assert tuner.alpha == pytest.approx((0.6 * 4 + 180) / (4 + 180))  # after an accepted first, always accepted
+    assert tuner.k() > 0 and tuner.probe_gap == tuner.probe_every
     bad = AdaptiveK(FLAT, prior=0.6, prior_weight=4.0)
     for _ in range(200):
         bad.observe(4, 0)
     bad.restart()
-    assert bad.alpha < 0.05 and bad.k() == 0  # a draft that is never right stays off
+    assert bad.first_alpha < 0.05 and bad.k() == 0  # a draft that is never right stays off
 
 
 def test_each_fresh_batch_restarts_the_tuner():
@@ -224,3 +228,41 @@ def test_each_fresh_batch_restarts_the_tuner():
     for prompt in ([1, 2, 3, 1, 2, 3], [5, 6, 5, 6]):
         engine.generate([prompt], SamplingConfig(temperature=0), spec, tuner=tuner)
     assert len(restarts) == 2
+
+
+def test_two_rates_give_the_mean_tokens_of_chains_and_are_recovered_from_them():
+    """A chain's first draft accepted at rate alpha_1, each later one at alpha given the one before: the mean tokens a
+    step yields is expected_tokens(alpha, K, alpha_1), and `Acceptance` recovers both rates from the chains."""
+    assert expected_tokens(0.7, 3) == pytest.approx((1 - 0.7 ** 4) / (1 - 0.7))  # one rate: Leviathan et al.
+    assert expected_tokens(0.7, 3, 0.7) == expected_tokens(0.7, 3) and expected_tokens(1.0, 3, 0.5) == 2.5
+    first, later, k, n = 0.55, 0.75, 4, 20000
+    u = torch.rand(n, k, generator=torch.Generator().manual_seed(0))
+    ok = torch.cat([u[:, :1] < first, u[:, 1:] < later], 1).int()
+    accepted = ok.cumprod(1).sum(1)  # (n,) drafts accepted in a row
+    assert (accepted + 1).double().mean().item() == pytest.approx(expected_tokens(later, k, first), abs=0.04)
+    acceptance = Acceptance(prior=0.5, weight=2.0, decay=1.0)
+    for a in accepted.tolist():
+        acceptance.observe(a, a < k)
+    assert acceptance.first_alpha == pytest.approx(first, abs=0.015)
+    assert acceptance.alpha == pytest.approx(later, abs=0.015)
+
+
+def test_one_token_probes_feed_the_first_positions_rate_alone():
+    """While speculation is off, probes draft one token: what they say is the first position's rate; the later
+    positions keep what longer chains showed, and K comes back longer than one once probes are accepted."""
+    steep = CostProfile({w: 1.0 + 0.3 * (w - 1) for w in range(1, 6)}, 0.1)  # a CPU-like v(k)
+    tuner = AdaptiveK(steep, learn_costs=False)
+    for _ in range(40):
+        tuner.observe(4, 4)
+    for _ in range(60):
+        tuner.observe(4, 0)  # the first draft rejected every step: off
+    later = tuner.alpha
+    assert tuner.k() == 0 and later > 0.95
+    ks = []
+    for _ in range(400):
+        ks.append(tuner.k())
+        if tuner.probing:
+            tuner.observe(1, 1)  # every probe accepted
+        if ks[-1] > 1:
+            break
+    assert ks[-1] > 1 and tuner.alpha == later

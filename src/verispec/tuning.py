@@ -1,10 +1,12 @@
 """Choosing K from measured costs: the expected-speedup model of Leviathan et al. (2023), section 3.
 
 With per-token acceptance rate alpha, a step that drafts K tokens yields on average
-    E[tokens] = (1 - alpha^(K+1)) / (1 - alpha)
-and costs (K + h) * c + v(K) target-pass units, where c is one draft token's cost relative to a one-token
-target pass, h the draft positions a step computes beyond its K (0 but for a draft that holds tokens back),
-and v(K) is the cost of a target pass over K + 1 tokens relative to a one-token pass.
+    E[tokens] = (1 - alpha^(K+1)) / (1 - alpha),
+or 1 + alpha_1 (1 - alpha^K) / (1 - alpha) where the first draft position is accepted at its own rate alpha_1 and
+each later one at alpha given the one before (`Acceptance`, which the tuner learns). The step costs
+(K + h) * c + v(K) target-pass units, where c is one draft token's cost relative to a one-token target pass, h the
+draft positions a step computes beyond its K (0 but for a draft that holds tokens back), and v(K) is the cost of a
+target pass over K + 1 tokens relative to a one-token pass.
 Both are measured on this machine (`measure_costs`), never assumed: on a CPU v(K) grows with K,
 on a GPU it stays near 1 for small K. The speedup over plain decoding is E[tokens] / ((K + h) c + v(K));
 K = 0 (speculation off) is chosen where no K beats 1.
@@ -61,33 +63,102 @@ class CostProfile:
         return max(self.target_pass) - 1
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """E[tokens per step] = (1 - alpha^(K+1)) / (1 - alpha)."""
+def expected_tokens(alpha: float, k: int, first: float | None = None) -> float:
+    """E[tokens per step] drafting K tokens: 1 + alpha_1 (1 - alpha^K) / (1 - alpha), where alpha_1 (`first`, by
+    default alpha) is the first draft position's acceptance rate and alpha each later position's given the one before
+    it; with one rate for all, (1 - alpha^(K+1)) / (1 - alpha)."""
+    first = alpha if first is None else first
+    if k == 0:
+        return 1.0
     if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+        return 1.0 + first * k
+    return 1.0 + first * (1.0 - alpha ** k) / (1.0 - alpha)
 
 
-def expected_speedup(alpha: float, k: int, profile: CostProfile) -> float:
+def expected_speedup(alpha: float, k: int, profile: CostProfile, first: float | None = None) -> float:
     """Speedup over plain decoding of drafting K tokens per step (K = 0 gives 1)."""
     if k == 0:
         return 1.0
-    return expected_tokens(alpha, k) / profile.step_cost(k)
+    return expected_tokens(alpha, k, first) / profile.step_cost(k)
 
 
-def best_k(alpha: float, profile: CostProfile) -> int:
+def best_k(alpha: float, profile: CostProfile, first: float | None = None) -> int:
     """The K in 0..k_max with the highest expected speedup (0: speculation does not pay here)."""
-    return max(range(profile.k_max + 1), key=lambda k: (expected_speedup(alpha, k, profile), -k))
+    return max(range(profile.k_max + 1), key=lambda k: (expected_speedup(alpha, k, profile, first), -k))
 
 
 COST_CACHE_FORMAT = 1
 
 
-def restarted_counts(prior: float, weight: float, accepted: float, rejections: float) -> tuple[float, float]:
-    """Acceptance counts for decoding that starts afresh (`AdaptiveK.restart`): `weight` pseudo-counts at the rate of
-    the prior and every observed step's undecayed `accepted` drafts and `rejections` together."""
-    rate = (prior * weight + accepted) / (weight + accepted + rejections)
-    return rate * weight, (1 - rate) * weight
+class Rate:
+    """One acceptance rate from decayed counts: trials accepted and rejected, each observation's counts added after the
+    earlier ones are multiplied by `decay` (a window of about 1 / (1 - decay) observations), starting as pseudo-counts
+    worth `weight` trials at rate `prior`; every observation is also kept undecayed (`restart`)."""
+
+    def __init__(self, prior: float, weight: float, decay: float) -> None:
+        self.prior, self.weight, self.decay = prior, weight, decay
+        self.accepted, self.rejections = prior * weight, (1 - prior) * weight
+        self.total_accepted = self.total_rejections = 0.0
+
+    @property
+    def value(self) -> float:
+        return self.accepted / (self.accepted + self.rejections)
+
+    def observe(self, accepted: int, rejected: int) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.rejections = self.decay * self.rejections + rejected
+        self.total_accepted += accepted
+        self.total_rejections += rejected
+
+    def restart(self) -> None:
+        """Counts worth the prior's weight at the average rate of everything observed (and the prior)."""
+        rate = (self.prior * self.weight + self.total_accepted) / (self.weight + self.total_accepted
+                                                                    + self.total_rejections)
+        self.accepted, self.rejections = rate * self.weight, (1 - rate) * self.weight
+
+
+class Acceptance:
+    """A drafter's acceptance, learned from each step's chain, as two rates (`expected_tokens`): alpha_1, the first
+    draft position's, and alpha, each later position's given that the one before it was accepted.
+
+    A chain's drafts are accepted in a row until the first rejection; the first position is one trial, and each later
+    one reached is another (the maximum-likelihood rate of each is its accepted / trials). One pooled rate misled
+    the tuner: on a coding prompt at temperature 0.7 the first position was accepted 0.55 of the time and later ones
+    0.75, and while speculation was off only one-token probes fed the pooled rate, which then saw the first position
+    alone. Each rate's counts decay per observation of its own position (`Rate`).
+    """
+
+    def __init__(self, prior: float = 0.6, weight: float = 4.0, decay: float = 0.95) -> None:
+        self.first = Rate(prior, weight, decay)
+        self.later = Rate(prior, weight, decay)
+
+    @property
+    def alpha(self) -> float:
+        """Each later position's acceptance rate given the one before."""
+        return self.later.value
+
+    @property
+    def first_alpha(self) -> float:
+        return self.first.value
+
+    def expected_tokens(self, k: int) -> float:
+        return expected_tokens(self.alpha, k, self.first_alpha)
+
+    def best_k(self, profile: CostProfile) -> int:
+        return best_k(self.alpha, profile, self.first_alpha)
+
+    def observe(self, accepted: int, rejected: bool) -> None:
+        """A chain's drafts accepted in a row, and whether a rejection ended them (False: all accepted, or the count
+        was cut short)."""
+        if accepted or rejected:
+            self.first.observe(int(accepted > 0), int(accepted == 0))
+        if accepted > 1 or (accepted and rejected):
+            self.later.observe(accepted - 1, int(rejected))
+
+    def restart(self) -> None:
+        """Decoding starts afresh (`AdaptiveK.restart`): each rate becomes the prior's weight at its average so far."""
+        self.first.restart()
+        self.later.restart()
 
 
 def cached_costs(key: str, measure, directory: Path) -> CostProfile:
@@ -192,12 +263,10 @@ class PassClock:
 
 @dataclass
 class AdaptiveK:
-    """Picks K each step from the cost profile and a running estimate of alpha.
-
-    Each step's drafts are accepted in a row until the first rejection, a geometric count whose
-    maximum-likelihood rate is accepted / (accepted + rejections). Both counts decay by `decay` per
-    observation (a window of about 1 / (1 - decay) steps) so K follows the text being written; they
-    start as pseudo-counts worth `prior_weight` tokens at rate `prior`.
+    """Picks K each step from the cost profile and running estimates of acceptance (`Acceptance`: the first draft
+    position's rate and each later one's). The counts decay by `decay` per observation (a window of about
+    1 / (1 - decay) steps) so K follows the text being written; they start as pseudo-counts worth `prior_weight`
+    tokens at rate `prior`.
 
     While speculation is off, a probe step drafts one token so that a rising acceptance rate can switch
     it back on. The first probe comes `probe_every` steps after speculation went off; each rejected probe
@@ -229,24 +298,19 @@ class AdaptiveK:
     probe_every: int = 16
     probe_max: int = 128
     stop_drafts: bool = False
-    accepted: float = field(default=-1.0)
-    rejections: float = field(default=-1.0)
+    acceptance: Acceptance | None = field(default=None)  # built from prior, prior_weight and decay
     steps_off: int = field(default=0)
     probe_gap: int = field(default=0)  # steps between probes now (0: probe_every)
     probing: bool = field(default=False)  # a probe was asked for and nothing has been drafted since
     learn_costs: bool = True  # False: `profile` stays the costs (a profile given by hand, in a test say)
     clock: PassClock | None = field(default=None)  # target pass costs measured while decoding
     draft_seconds: deque = field(default_factory=lambda: deque(maxlen=9))  # last steps' seconds per draft position
-    total_accepted: float = field(default=0.0)  # every observed step's accepted drafts, undecayed
-    total_rejections: float = field(default=0.0)
 
     def __post_init__(self) -> None:
         if not 1 <= self.probe_every <= self.probe_max:
             raise ValueError(f"need 1 <= probe_every <= probe_max, got {self.probe_every} and {self.probe_max}")
         self.probe_gap = self.probe_gap or self.probe_every
-        if self.accepted < 0:
-            self.accepted = self.prior * self.prior_weight
-            self.rejections = (1 - self.prior) * self.prior_weight
+        self.acceptance = self.acceptance or Acceptance(self.prior, self.prior_weight, self.decay)
         self.clock = self.clock or PassClock(self.profile)
 
     def costs(self, rows: int = 1) -> CostProfile:
@@ -273,7 +337,13 @@ class AdaptiveK:
 
     @property
     def alpha(self) -> float:
-        return self.accepted / (self.accepted + self.rejections)
+        """Each later draft position's acceptance rate given the one before (`Acceptance`)."""
+        return self.acceptance.alpha
+
+    @property
+    def first_alpha(self) -> float:
+        """The first draft position's acceptance rate."""
+        return self.acceptance.first_alpha
 
     def k(self, stops_chains: bool = False, rows: int = 1) -> int:
         """K for the next step of a batch of `rows` rows, from the costs measured so far (`costs`); while
@@ -285,7 +355,7 @@ class AdaptiveK:
         may pay where the average copy does not), at no cost where it drafts nothing."""
         if self.stop_drafts and stops_chains and self.profile.draft_token == 0:
             return self.profile.k_max  # a free drafter's chains are gated one by one, by their own calibration
-        k = best_k(self.alpha, self.costs(rows))
+        k = self.acceptance.best_k(self.costs(rows))
         if k > 0:
             self.steps_off, self.probe_gap, self.probing = 0, self.probe_every, False
             return self.profile.k_max if self.stop_drafts else k
@@ -308,18 +378,13 @@ class AdaptiveK:
 
     def restart(self) -> None:
         """Decoding starts afresh (see the class docstring): the counts become the prior's weight at the drafter's
-        average rate so far, and the probe clock its first gap."""
-        self.accepted, self.rejections = restarted_counts(self.prior, self.prior_weight, self.total_accepted,
-                                                          self.total_rejections)
+        average rates so far, and the probe clock its first gap."""
+        self.acceptance.restart()
         self.steps_off, self.probe_gap, self.probing = 0, self.probe_every, False
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """One step's outcome (num_drafted > 0): the acceptance counts, and the probe gap after a probe."""
-        rejected = int(num_accepted < num_drafted)
-        self.accepted = self.decay * self.accepted + num_accepted
-        self.rejections = self.decay * self.rejections + rejected
-        self.total_accepted += num_accepted
-        self.total_rejections += rejected
+        self.acceptance.observe(num_accepted, num_accepted < num_drafted)
         if self.probing:
             self.probing = False
             gap = self.probe_gap // 2 if num_accepted else self.probe_gap * 2

@@ -9,17 +9,18 @@ drafts with whichever source promises the most tokens per second, or not at all.
     the costly member m: value E[tokens](alpha_m, k_m) / (v(k_m) + k_m c_m), k_m its best K;
     no drafting: value 1.
 
-alpha is each member's acceptance rate (accepted drafts in a row until the first rejection, counts decayed as in
-`tuning.AdaptiveK`). A lookup's chain is scored against the tokens each step commits whether or not it was chosen
-(`matched`: the verification's own outcome at temperature 0, an unbiased estimate when sampling), so a lookup that
-loses to the model keeps an up-to-date rate; the costly member learns from the steps it drafts. c_m is the costly
-member's seconds per drafted position timed on its own steps (median of its last ones, so a busy second does not
-stick) over a one-token target pass, and v(k) a (k + 1)-token target pass over a one-token one, both as the batch
-measures them (`tuning.AdaptiveK.costs`). Without `--auto-k` every row takes the first free member with a draft,
-else the costly member at the row's K. A costly member that is off drafts one token on probe steps (16 steps after it
-went off, the gap doubling after a rejected probe) so that a rising acceptance turns it back on. Within a tree step
-(a static shape or a budget) the same choice is made and the chosen member grows its own tree. The copied branch
-beside a model branch in one tree is a draft model's or EAGLE head's "lookup first" (`--draft-lookup`).
+alpha is each member's acceptance (accepted drafts in a row until the first rejection; two rates, the first
+position's and each later one's, decayed as in `tuning.AdaptiveK`: `tuning.Acceptance`). A lookup's chain is scored
+against the tokens each step commits whether or not it was chosen (`matched`: the verification's own outcome at
+temperature 0, an unbiased estimate when sampling), so a lookup that loses to the model keeps up-to-date rates;
+the costly member learns from the steps it drafts. c_m is the costly member's seconds per drafted position timed on
+its own steps (median of its last ones, so a busy second does not stick) over a one-token target pass, and v(k) a
+(k + 1)-token target pass over a one-token one, both as the batch measures them (`tuning.AdaptiveK.costs`).
+Without `--auto-k` every row takes the first free member with a draft, else the costly member at the row's K. A
+costly member that is off drafts one token on probe steps (16 steps after it went off, the gap doubling after a
+rejected probe) so that a rising acceptance turns it back on. Within a tree step (a static shape or a budget) the
+same choice is made and the chosen member grows its own tree. The copied branch beside a model branch in one tree is
+a draft model's or EAGLE head's "lookup first" (`--draft-lookup`).
 
 Exactness: the choice for a step is made before any of the step's draft tokens is drawn, from the members' free
 drafts (a function of the committed context: deterministic drafters), the acceptance counts of steps already
@@ -42,7 +43,7 @@ from verispec.config import TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.sequence import Sequence
 from verispec.errors import VerispecError
-from verispec.tuning import CostProfile, _timed, best_k, expected_tokens, restarted_counts
+from verispec.tuning import Acceptance, CostProfile, _timed
 
 PROBE_EVERY, PROBE_MAX = 16, 128  # steps between probes of a costly member that is off (as tuning.AdaptiveK)
 READ_TOKENS = 64  # tokens of the pass that times a costly member's catch-up reading
@@ -54,29 +55,20 @@ def is_free(drafter: Drafter) -> bool:
     return drafter.runner is None and type(drafter).token_cost is Drafter.token_cost
 
 
-class MemberRecord:
-    """One member's acceptance (geometric counts decayed per observed step) and, for a costly member, its seconds per
-    drafted position and probe state."""
+class MemberRecord(Acceptance):
+    """One member's acceptance (`tuning.Acceptance`, as the tuner's) and, for a costly member, its seconds per drafted
+    position and probe state."""
 
     def __init__(self, prior: float = 0.6, weight: float = 4.0, decay: float = 0.95) -> None:
-        self.accepted, self.rejections, self.decay = prior * weight, (1 - prior) * weight, decay
-        self.prior, self.weight = prior, weight
-        self.total_accepted = self.total_rejections = 0.0  # every observed step's, undecayed
+        super().__init__(prior, weight, decay)
         self.seconds: deque[float] = deque(maxlen=9)
         self.steps_off, self.probe_gap, self.probing = 0, PROBE_EVERY, False
         self.drafted = 0  # rows x steps this member's draft was chosen for (reporting)
 
-    @property
-    def alpha(self) -> float:
-        return self.accepted / (self.accepted + self.rejections)
-
     def observe(self, accepted: int, rejected: bool) -> None:
         """A step's drafts accepted in a row, and whether a rejection ended them (False: all accepted, or the
-        count was cut short)."""
-        self.accepted = self.decay * self.accepted + accepted
-        self.rejections = self.decay * self.rejections + int(rejected)
-        self.total_accepted += accepted
-        self.total_rejections += int(rejected)
+        count was cut short); a probe's outcome spaces the next."""
+        super().observe(accepted, rejected)
         if self.probing:
             self.probing = False
             gap = self.probe_gap // 2 if accepted else self.probe_gap * 2
@@ -85,8 +77,7 @@ class MemberRecord:
     def restart(self) -> None:
         """Decoding starts afresh: the member's average rate so far at the prior's weight, the probe clock's first gap
         (as `tuning.AdaptiveK.restart`)."""
-        self.accepted, self.rejections = restarted_counts(self.prior, self.weight, self.total_accepted,
-                                                          self.total_rejections)
+        super().restart()
         self.steps_off, self.probe_gap, self.probing = 0, PROBE_EVERY, False
 
 
@@ -227,11 +218,11 @@ class CompositeDrafter(Drafter):
         profile = self._profile(member)
         if profile is None or cap <= 0:
             return (0.0, 0)
-        alpha = self.records[member].alpha
-        k = min(best_k(alpha, profile), cap)
+        record = self.records[member]
+        k = min(record.best_k(profile), cap)
         if k == 0:
             return (1.0, 0)
-        value = expected_tokens(alpha, k) / (profile.step_cost(k) + catch_up)
+        value = record.expected_tokens(k) / (profile.step_cost(k) + catch_up)
         return (value, k) if value > 1.0 else (1.0, 0)
 
     def _catch_up(self, b: int, seq: Sequence, k: int) -> float:
@@ -241,7 +232,7 @@ class CompositeDrafter(Drafter):
         lag = self._lag(b, seq)
         if not lag or not self.read_token:
             return 0.0
-        steps = max(1.0, (seq.max_new_tokens - seq.num_generated) / expected_tokens(self.records[self.costly].alpha, k))
+        steps = max(1.0, (seq.max_new_tokens - seq.num_generated) / self.records[self.costly].expected_tokens(k))
         return lag * self.read_token / self.costs.target_pass[1] / steps
 
     def propose(self, sequences: list[Sequence], depths: list[int],
