@@ -161,6 +161,12 @@ class Acceptance:
         self.later.restart()
 
 
+def next_probe_gap(gap: int, accepted: int, every: int, most: int) -> int:
+    """Steps to the next probe after one that had `accepted` drafts accepted: half the gap after an accepted probe,
+    twice it after a rejected one, kept within [every, most] (`AdaptiveK`, the composite's costly member)."""
+    return min(most, max(every, gap // 2 if accepted else gap * 2))
+
+
 def cached_costs(key: str, measure, directory: Path) -> CostProfile:
     """The cost profile measured before on this machine under `key` (what was measured: models, threads, CPU), or
     `measure()` now, kept in `directory` for the next process. A start profile only: `PassClock` corrects it from
@@ -387,5 +393,4 @@ class AdaptiveK:
         self.acceptance.observe(num_accepted, num_accepted < num_drafted)
         if self.probing:
             self.probing = False
-            gap = self.probe_gap // 2 if num_accepted else self.probe_gap * 2
-            self.probe_gap = min(self.probe_max, max(self.probe_every, gap))
+            self.probe_gap = next_probe_gap(self.probe_gap, num_accepted, self.probe_every, self.probe_max)

@@ -43,7 +43,7 @@ from verispec.config import TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.sequence import Sequence
 from verispec.errors import VerispecError
-from verispec.tuning import Acceptance, CostProfile, _timed
+from verispec.tuning import Acceptance, CostProfile, _timed, next_probe_gap
 
 PROBE_EVERY, PROBE_MAX = 16, 128  # steps between probes of a costly member that is off (as tuning.AdaptiveK)
 READ_TOKENS = 64  # tokens of the pass that times a costly member's catch-up reading
@@ -71,8 +71,7 @@ class MemberRecord(Acceptance):
         super().observe(accepted, rejected)
         if self.probing:
             self.probing = False
-            gap = self.probe_gap // 2 if accepted else self.probe_gap * 2
-            self.probe_gap = min(PROBE_MAX, max(PROBE_EVERY, gap))
+            self.probe_gap = next_probe_gap(self.probe_gap, accepted, PROBE_EVERY, PROBE_MAX)
 
     def restart(self) -> None:
         """Decoding starts afresh: the member's average rate so far at the prior's weight, the probe clock's first gap
