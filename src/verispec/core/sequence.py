@@ -37,6 +37,8 @@ class Sequence:
     error: the exception that ended the sequence (finish_reason "error"), else None.
     text: the generated text, decoded incrementally where stop strings are scanned (see verispec.detokenize).
     constraint: where the answer stands in its structured-output constraint (sampling.constraint; None: none).
+    scope: whose shared drafter state this sequence may read and add to (a server's tenant, named by its API key
+        under `--suffix-scope key`: the suffix store keeps each scope's outputs apart); None: the shared state.
     """
 
     index: int
@@ -55,6 +57,7 @@ class Sequence:
     error: BaseException | None = None
     text: IncrementalText | None = None
     constraint: ConstraintState | None = None
+    scope: str | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     @property
