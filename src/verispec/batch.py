@@ -3,15 +3,26 @@
 `DecodeBatch` is one step of the engine (draft, verify, commit; see `verispec.engine`) over a batch that changes
 between steps: the server's continuous batching, and `SpeculativeEngine.stream` for a fixed batch.
 
-Faults. A shared batch must not let one sequence's fault take the others with it:
+Faults. A shared batch must not let one sequence's fault take the others with it. Every guard absorbs any fault
+(`errors.is_fault`: an Exception, or a native extension's panic, which derives from BaseException; an interrupt or an
+exit goes through) and records it in `faults` as (stage, exception):
   - a fault in one sequence's own work (verifying its drafts, sampling its token, committing, its stop strings)
     ends that sequence alone, with finish_reason "error" and the exception in `Sequence.error`; the others'
     steps go on as if it had finished;
-  - a fault in the drafter (which drafts every row in one call) turns drafting off for the rows in the batch
-    now: they go on decoding plainly, which is exact (an empty draft is always a valid draft), and the drafter
-    is used again from the next batch on (when this one has emptied);
-  - a fault in the target's pass or its cache (memory, say) leaves the cache in no known state: every sequence
-    in the batch ends with that error and the batch starts afresh; sequences not yet admitted are untouched.
+  - a fault in the drafter (which drafts every row in one call) stops drafting for the row that causes it only:
+    the drafter is brought back to a known state and the row found by running it for each row alone; that row
+    decodes plainly, which is exact (an empty draft is always a valid draft), the others draft on in the same step,
+    and rows that join later draft. Drafters that read the target's own passes (heads, self-speculation on the
+    native runner) cannot be replayed: there the rows present decode plainly and the drafter is started afresh
+    when rows join. A row whose tokens the drafter's own model cannot read (a smaller draft vocabulary) never
+    reaches it. See `verispec.faults.DraftRows`;
+  - a fault in the target's pass: rows whose pending tokens or drafts the target cannot read are caught before the
+    pass (the row ends alone, "inputs"; a bad draft is dropped and its row stops drafting). If the pass raises and
+    the target's state can be brought back to before it (the torch runners' dynamic cache and the native GGUF
+    runner; not the static cache nor llama.cpp), the pass is run again by halves of its rows: a row that fails
+    alone ends ("forward"), the others finish the step. Otherwise, or where the cache fails in a commit or a row
+    selection, every sequence in the batch ends with that error and the batch starts afresh; sequences not yet
+    admitted are untouched. See `verispec.faults.split_forward`.
 
 Chunked prefill (`prefill_chunk`). A joining sequence's prompt is read `prefill_chunk` tokens per step, in the same
 pass as the other rows' drafts, so a long prompt delays the others' next token by one chunk's share of a pass
@@ -34,7 +45,8 @@ from verispec.constraints import MAX_FORCED
 from verispec.core.drafter import EMPTY_DRAFT, Draft
 from verispec.core.sequence import Sequence, StepEvent
 from verispec.core.stopping import DraftStop
-from verispec.errors import VerispecError
+from verispec.errors import VerispecError, is_fault
+from verispec.faults import DraftRows, check_inputs, checkpoint, split_forward
 
 if TYPE_CHECKING:
     from verispec.engine import SpeculativeEngine
@@ -46,8 +58,9 @@ log = logging.getLogger("verispec.batch")
 class DecodeBatch:
     """A running batch that sequences join (`add`) and leave (`cancel`, by finishing, or by a fault) between steps.
 
-    Row b of the target's KV state and of the drafter's state belongs to `sequences[b]`; a joining sequence gets
-    empty rows and its prompt is read by the target in its first steps, together with the others' drafts. Each
+    Row b of the target's KV state belongs to `sequences[b]`; the drafter holds the rows that draft, in the same order
+    (`draft_rows`, a `faults.DraftRows`). A joining sequence gets empty rows and its prompt is read by the target in
+    its first steps, together with the others' drafts. Each
     sequence keeps its own sampling settings, generator, spec (K, stop strings, max_new_tokens) and acceptance,
     so its tokens do not depend on the batch around it. The engine's drafter holds one batch's state: one
     DecodeBatch per engine is live at a time.
@@ -67,13 +80,18 @@ class DecodeBatch:
         self.prefill_chunk = prefill_chunk
         self.sequences: list[Sequence] = []
         self.state = None  # the target's KV state; None while the batch is empty
-        self.drafter = engine.drafter  # None once a fault turned drafting off for this batch's rows
         self.faults: list[tuple[str, BaseException]] = []  # (stage, exception) of the faults the batch absorbed
+        self.draft_rows = DraftRows(engine.drafter, self.faults)  # the drafter and the rows it drafts
         self._joined: dict[int, float] = {}  # id(sequence) -> when it joined (perf_counter)
         self._drafted = False  # the last step drafted: the drafter's cache lags only by that step's commit
 
     def __len__(self) -> int:
         return len(self.sequences)
+
+    @property
+    def drafter(self):
+        """The engine's drafter while it drafts in this batch (None: plain decoding, or until it is started afresh)."""
+        return self.draft_rows.active
 
     # --- membership --------------------------------------------------------------------------------
     def add(self, sequences: list[Sequence]) -> None:
@@ -88,26 +106,14 @@ class DecodeBatch:
             raise VerispecError("auto-tuning sizes chains and dynamic trees (--tree-budget) from measured costs; "
                                 "a static tree shape cannot be auto-tuned")
         if not self.sequences:
-            self.drafter = self.engine.drafter  # a fresh batch drafts again
             if self.tuner is not None:
                 self.tuner.restart()  # new text: the last request's ending does not decide this start
             self.state = self.engine.target.new_state(len(sequences))
-            if self.drafter is not None:
-                self.drafter.prefill_chunk = self.prefill_chunk
-                try:
-                    self.drafter.restart()
-                    self.drafter.bind_target(self.state)
-                    self.drafter.start(sequences)
-                except Exception as err:
-                    self._drafter_fault("start", err)
+            self.draft_rows.begin(list(sequences), self.state, self.prefill_chunk)  # a fresh batch drafts again
         else:
             rows = len(self.sequences)
             self.state.extend(len(sequences))
-            if self.drafter is not None:
-                try:
-                    self.drafter.extend(sequences)
-                except Exception as err:
-                    self._drafter_fault("extend", err)
+            self.draft_rows.join(self.sequences, list(sequences))
             if self.state.batch_size != rows + len(sequences):  # pragma: no cover - a runner broke its contract
                 raise VerispecError("the target's state did not take the joining rows")
         now = time.perf_counter()
@@ -154,7 +160,9 @@ class DecodeBatch:
         active = self.sequences
         left = [s.max_new_tokens - s.num_generated - 1 for s in active]
         drafter = self.drafter
-        if drafter is None or not any(s.drafting and s.spec.tree is not None for s in active):
+        drafts = self.draft_rows.drafting(active)
+        drafting = [s.drafting and d and not pre for s, d, pre in zip(active, drafts, prefilling)]
+        if drafter is None or not any(d and s.spec.tree is not None for s, d in zip(active, drafting)):
             rows = len(active)
             k = None
             if self.tuner is not None:  # a drafter that sizes its own drafts gets the costs and the longest K
@@ -163,12 +171,11 @@ class DecodeBatch:
             tuned_stop = None if self.tuner is None else self.tuner.draft_stop(rows)  # from measured costs
             for s in active:
                 s.draft_stop = tuned_stop or (DraftStop.fixed(s.spec.draft_stop) if s.spec.draft_stop > 0 else None)
-            return None, [min(s.spec.num_draft_tokens if k is None or not s.tuned else k, n)
-                          if s.drafting and not pre and drafter is not None else 0
-                          for s, n, pre in zip(active, left, prefilling)]
+            return None, [min(s.spec.num_draft_tokens if k is None or not s.tuned else k, n) if d else 0
+                          for s, n, d in zip(active, left, drafting)]
         trees = [s.spec.tree_or_chain for s in active]
-        depths = [min(t.depth(s.spec.num_draft_tokens), n) if s.drafting and not pre else 0
-                  for s, t, n, pre in zip(active, trees, left, prefilling)]
+        depths = [min(t.depth(s.spec.num_draft_tokens), n) if d else 0
+                  for s, t, n, d in zip(active, trees, left, drafting)]
         if self.tuner is not None:  # dynamic trees keep only the nodes that pay for their share of the pass
             profile = self.tuner.costs(len(active))
             if drafter is not None:
@@ -184,11 +191,14 @@ class DecodeBatch:
         if self.drafter is None:
             return {}
         forced = {}
-        for b, (s, pre) in enumerate(zip(self.sequences, prefilling)):
-            if s.constraint is not None and s.drafting and not pre:
+        drafting = self.draft_rows.drafting(self.sequences)
+        for b, (s, pre, d) in enumerate(zip(self.sequences, prefilling, drafting)):
+            if s.constraint is not None and s.drafting and d and not pre:
                 try:
                     tokens = s.constraint.forced(min(MAX_FORCED, s.max_new_tokens - s.num_generated - 1))
-                except Exception as err:  # free drafts are optional: the row drafts as usual
+                except BaseException as err:  # free drafts are optional: the row drafts as usual
+                    if not is_fault(err):
+                        raise
                     log.warning("sequence %d: no forced tokens (%s: %s)", s.index, type(err).__name__, err)
                     tokens = []
                 if tokens:
@@ -202,12 +212,7 @@ class DecodeBatch:
         if self.drafter is None or depth <= 0:
             return tokens
         left = self.sequences[b].max_new_tokens - self.sequences[b].num_generated - 1 - len(tokens)
-        try:
-            return tokens + self.drafter.continuation(b, self.sequences[b], tokens, min(depth, left))[: max(left, 0)]
-        except Exception as err:
-            log.warning("the drafter's continuation failed (%s: %s); the forced tokens are drafted alone",
-                        type(err).__name__, err)
-            return tokens
+        return tokens + self.draft_rows.continuation(b, self.sequences[b], tokens, min(depth, left))[: max(left, 0)]
 
     def _within_constraint(self, seq: Sequence, draft: Draft) -> Draft:
         """A deterministic chain cut before its first token the row's constraint forbids: that token has p = 0 and
@@ -218,43 +223,42 @@ class DecodeBatch:
             return draft
         try:
             keep = seq.constraint.valid_prefix(draft.tokens.tolist())
-        except Exception as err:  # the cut is optional: the draft is verified whole
+        except BaseException as err:  # the cut is optional: the draft is verified whole
+            if not is_fault(err):
+                raise
             log.warning("sequence %d: draft not checked against its constraint (%s: %s)", seq.index,
                         type(err).__name__, err)
             return draft
         return draft if keep == len(draft) else Draft(draft.tokens[:keep]) if keep else EMPTY_DRAFT
 
     def _step(self) -> list[tuple[StepEvent, Sequence]]:
-        active, engine = self.sequences, self.engine
+        active, engine, absorbed = self.sequences, self.engine, len(self.faults)
         prefilling = self._prefilling()
         trees, depths = self._shapes(prefilling)
         t0 = time.perf_counter()
         forced = self._forced(prefilling)  # row -> tokens its constraint forces: drafted for free
         depths_before, depths = depths, [0 if b in forced else d for b, d in enumerate(depths)]
-        drafts = [EMPTY_DRAFT] * len(active)
         # a drafter with a cache of its own reads each prompt in the row's first step even when nothing is drafted
         # then (the tuner's K is 0): a later probe then costs a step's catch-up, not the whole prompt after the first
         # output
         first = any(s.num_generated == 0 and not pre for s, pre in zip(active, prefilling))
-        if self.drafter is not None and (any(depths) or (first and self.drafter.reads_prompt)):
-            try:
-                drafts = self.drafter.propose(active, depths, trees)
-            except Exception as err:  # the drafter is off now: this step decodes plainly
-                self._drafter_fault("propose", err)
-                drafts = [EMPTY_DRAFT] * len(active)
+        drafts = self.draft_rows.propose(active, depths, trees, first)
         for b, tokens in forced.items():  # the forced run, then a lookup's guess of what follows it
             drafts[b] = Draft(torch.tensor(self._after_forced(b, tokens, depths_before[b]), dtype=torch.long))
         drafts = [self._within_constraint(s, d) for s, d in zip(active, drafts)]
         t1 = time.perf_counter()
         # One pass: each row's pending tokens, then its draft's nodes; logits after the last pending token and
-        # after each node (none for a row still reading its prompt).
+        # after each node (none for a row still reading its prompt). Rows the target cannot read end before it.
         pending = [self._pending(s, pre) for s, pre in zip(active, prefilling)]
-        inputs = [p + d.tokens.tolist() for p, d in zip(pending, drafts)]
-        wanted = [0 if pre else len(d) + 1 for d, pre in zip(drafts, prefilling)]
+        nodes = [d.tokens.tolist() for d in drafts]
+        failed = self._check(pending, drafts, nodes)
+        inputs = [[] if b in failed else p + n for b, (p, n) in enumerate(zip(pending, nodes))]
+        wanted = [0 if pre or b in failed else len(d) + 1 for b, (d, pre) in enumerate(zip(drafts, prefilling))]
         parents = [d.tree.parents.tolist() for d in drafts]
-        logits = self._target("forward", lambda: engine.target.forward(self.state, inputs, wanted, parents))  # (B, M, V)
+        logits = self._forward(inputs, wanted, parents, failed)  # per row: (>= len(d) + 1, V)
         t2 = time.perf_counter()
-        if self.tuner is not None and not any(prefilling):  # costs measured while decoding (prompt passes aside)
+        calm = len(self.faults) == absorbed  # (a step that recovered from a fault is not timed)
+        if self.tuner is not None and calm and not any(prefilling):  # costs measured while decoding, prompts aside
             self.tuner.observe_pass(sum(len(i) for i in inputs), t2 - t1)
             if self._drafted and any(depths) and not first:
                 # a drafting step's cost, timed only where the step before drafted too: after steps with speculation
@@ -263,12 +267,15 @@ class DecodeBatch:
                 # draft token look 8x its cost and kept speculation off for good
                 self.tuner.observe_draft(max(depths), t1 - t0)
         self._drafted = any(depths)
-        verdicts = [None if pre else self._row(s, "verify", lambda b=b, s=s, d=d: engine._verify(s, d, logits[b, : len(d) + 1]))
+        verdicts = [None if pre or b in failed else
+                    self._row(s, "verify", lambda b=b, s=s, d=d: engine._verify(s, d, logits[b][: len(d) + 1]))
                     for b, (s, d, pre) in enumerate(zip(active, drafts, prefilling))]
         paths = [v.path if v is not None else () for v in verdicts]
         self._target("commit", lambda: engine.target.commit(self.state, [list(p) for p in paths]))
         events = []
         for b, (s, d, v, pre, read) in enumerate(zip(active, drafts, verdicts, prefilling, pending)):
+            if b in failed:  # ended before or in the pass: nothing of it is in the cache, and it leaves below
+                continue
             if pre:
                 s.target_cached += len(read)
                 continue
@@ -285,42 +292,79 @@ class DecodeBatch:
                 event = replace(event, forced=True)
             if event is not None:
                 events.append((event, s))
-        if self.drafter is not None:
-            try:
-                # the drafts verified, forced and cut ones included: a head keeps the target's features at the
-                # accepted path's positions, and a draft model keeps only the nodes it fed itself (none for a forced row)
-                self.drafter.commit(active, drafts, paths)
-            except Exception as err:
-                self._drafter_fault("commit", err)
+        # the drafts verified, forced and cut ones included: a head keeps the target's features at the accepted path's
+        # positions, and a draft model keeps only the nodes it fed itself (none for a forced row)
+        self.draft_rows.commit(active, drafts, paths)
         return self._finish_step(events, t1 - t0, t2 - t1)
+
+    def _check(self, pending: list[list[int]], drafts: list[Draft], nodes: list[list[int]]) -> set[int]:
+        """Rows the target cannot read end now ("inputs"); drafts it cannot read are dropped (`drafts` and `nodes`
+        changed in place) and their rows stop drafting. Returns the rows that ended."""
+        target = self.engine.target
+        window = getattr(target, "context_window", None) or self.engine.context_window
+        bad_rows, bad_drafts = check_inputs(target.vocab_size, window, self.sequences, pending, drafts, nodes)
+        for b, err in bad_drafts.items():
+            drafts[b], nodes[b] = EMPTY_DRAFT, []
+            self.draft_rows.stop(self.sequences[b], "propose", err)
+        for b, err in bad_rows.items():
+            self._ended(self.sequences[b], "inputs", err)
+            drafts[b], nodes[b] = EMPTY_DRAFT, []
+        return set(bad_rows)
+
+    def _forward(self, inputs: list[list[int]], wanted: list[int], parents: list[list[int]], failed: set[int]):
+        """The target's pass; per row, its logits. If it raises where the state can be brought back to before it, it
+        runs again by halves of its rows, and rows that fail alone end ("forward", added to `failed`)."""
+        target = self.engine.target
+        point = checkpoint(self.state)
+        try:
+            return target.forward(self.state, inputs, wanted, parents)  # (B, M, V): row b at [b]
+        except BaseException as err:
+            if not is_fault(err):
+                raise
+            if point is None:
+                raise _TargetFault("forward", err) from err
+            log.warning("the target's pass failed (%s: %s); it runs again by parts", type(err).__name__, err)
+            self.faults.append(("target.forward", err))
+            error = err
+        try:
+            logits, alone = split_forward(target, self.state, point, error, inputs, wanted, parents)
+        except BaseException as err:
+            if not is_fault(err):
+                raise
+            raise _TargetFault("forward", err) from err
+        self.draft_rows.lost()  # drafters that read the pass's features got only its last part's
+        for b, err in alone.items():
+            self._ended(self.sequences[b], "forward", err)
+            failed.add(b)
+        return logits
 
     # --- faults --------------------------------------------------------------------------------------
     def _row(self, seq: Sequence, stage: str, work):
         """Run one row's own work; a fault ends that row alone (finish_reason "error") and returns None."""
         try:
             return work()
-        except Exception as err:
-            log.warning("sequence %d failed in %s: %s: %s", seq.index, stage, type(err).__name__, err)
-            self.faults.append((stage, err))
-            seq.finish_reason, seq.error = "error", err
+        except BaseException as err:
+            if not is_fault(err):
+                raise
+            self._ended(seq, stage, err)
             return None
+
+    def _ended(self, seq: Sequence, stage: str, err: BaseException) -> None:
+        """This row ends with a fault of its own (it leaves the batch at the end of the step)."""
+        log.warning("sequence %d failed in %s: %s: %s", seq.index, stage, type(err).__name__, err)
+        self.faults.append((stage, err))
+        seq.finish_reason, seq.error = "error", err
 
     def _target(self, stage: str, work):
         """Run the target's batched work; a fault there ends the whole batch (its cache is in no known state)."""
         try:
             return work()
-        except Exception as err:
+        except BaseException as err:
+            if not is_fault(err):
+                raise
             raise _TargetFault(stage, err) from err
 
-    def _drafter_fault(self, stage: str, err: Exception) -> None:
-        """The drafter failed: the rows in the batch now decode plainly (exactly), and the drafter rests until the
-        batch has emptied (its state for these rows may be half-updated)."""
-        log.warning("the drafter failed in %s (%s: %s); this batch's rows decode without drafts", stage,
-                    type(err).__name__, err)
-        self.faults.append((f"drafter.{stage}", err))
-        self.drafter = None
-
-    def _fail_all(self, stage: str, err: Exception) -> list[tuple[StepEvent, Sequence]]:
+    def _fail_all(self, stage: str, err: BaseException) -> list[tuple[StepEvent, Sequence]]:
         """End every sequence of the batch with this error and start afresh."""
         log.error("the target failed in %s (%s: %s); the %d sequences of the batch are ended", stage,
                   type(err).__name__, err, len(self.sequences))
@@ -346,7 +390,9 @@ class DecodeBatch:
                   if s.finish_reason == "error" and id(s) not in reported]
         try:
             self._drop([b for b, s in enumerate(active) if s.finish_reason is not None])
-        except Exception as err:  # the cache could not drop the rows: start afresh
+        except BaseException as err:  # the cache could not drop the rows: start afresh
+            if not is_fault(err):
+                raise
             return [*events, *failed, *self._fail_all("select", err)]
         order = {id(s): b for b, s in enumerate(active)}
         return sorted([*events, *failed], key=lambda pair: order[id(pair[1])])
@@ -359,21 +405,17 @@ class DecodeBatch:
         for b in gone:
             del self._joined[id(self.sequences[b])]
         keep = [b for b in range(len(self.sequences)) if b not in gone]
-        self.sequences = [self.sequences[b] for b in keep]
+        before, self.sequences = self.sequences, [self.sequences[b] for b in keep]
         if not self.sequences:
             self.state = None  # frees the whole cache; the next add starts a fresh one
         else:
             self.state.select(torch.tensor(keep, dtype=torch.long))
-        if self.drafter is not None:  # the drafter frees its rows too
-            try:
-                self.drafter.keep(keep)
-            except Exception as err:
-                self._drafter_fault("keep", err)
+        self.draft_rows.leave(before, keep)  # the drafter frees its rows too
 
 
 class _TargetFault(Exception):
     """The target's batched work failed at `stage` with `error`."""
 
-    def __init__(self, stage: str, error: Exception) -> None:
+    def __init__(self, stage: str, error: BaseException) -> None:
         super().__init__(f"{stage}: {error}")
         self.stage, self.error = stage, error

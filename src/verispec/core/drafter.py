@@ -49,6 +49,18 @@ class Drafter(ABC):
     # Draft positions a drafting step computes beyond the K it proposes: the tuner charges a step (K + held_back)
     # positions' cost (a cross-tokenizer string draft writes until its text holds K + 1 target tokens).
     held_back: int = 0
+    # Whether `start` brings the drafter to a known state for any rows, rows already decoding included (their tokens
+    # then hold the prompt and the output so far), in any subset and order of the batch's rows. Then the batch confines
+    # a fault in the drafter to the row that causes it (`verispec.faults.DraftRows`): it starts the drafter afresh for
+    # each row alone to find the row that fails, keeps that row out of it, and starts it afresh for the others. True
+    # for drafters whose state is a function of the rows' tokens (draft models with caches of their own, lookups,
+    # suffix decoding, corpus n-grams, the cross-tokenizer draft). False for drafters whose rows are the target's rows
+    # and whose state comes from the target's own passes or cache (draft heads; self-speculation on the native runner):
+    # a fault there turns drafting off for the rows present, and the drafter is started afresh when rows join.
+    restartable: bool = True
+    # Token ids the drafter's own model reads (a draft model whose vocabulary is smaller than the target's): a row whose
+    # tokens hold an id at or past it never reaches the drafter and decodes without drafts. None: any target id.
+    input_vocab: int | None = None
 
     @property
     def supports_trees(self) -> bool:
@@ -106,6 +118,17 @@ class Drafter(ABC):
 
     def keep(self, rows: list[int]) -> None:
         """Only these batch rows continue (the others finished); later calls see them in this order."""
+
+    def retire_all(self) -> None:
+        """Every current row is done, as if `keep` dropped it, for drafters that learn from finished outputs (the
+        suffix store): a server calls it before it discards a batch without `keep` (at shutdown). The rows stay;
+        a later `keep` or `start` does not count them again."""
+
+    def flush_store(self, timeout: float) -> bool:
+        """Write what a drafter keeps in a file (the suffix store) and has not written yet, waiting up to `timeout`
+        seconds (a server's shutdown, a one-shot command's end); True when nothing is left unwritten, as for every
+        drafter without such a file."""
+        return True
 
 
     def check_adaptable(self, config=None) -> None:

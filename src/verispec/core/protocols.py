@@ -37,6 +37,18 @@ class RunnerState(Protocol):
 
 
 @runtime_checkable
+class RestorableState(RunnerState, Protocol):
+    """A state that can be brought back to where it was before a pass that raised part-way (`verispec.faults`: the
+    batch then runs the pass again by parts, to confine the fault to the row that causes it)."""
+
+    def checkpoint(self):
+        """What `restore` needs to bring the state back to now, between passes (None: it cannot be, here)."""
+
+    def restore(self, point) -> None:
+        """Back to `checkpoint`'s moment: what a pass since then wrote is dropped, whether it finished or not."""
+
+
+@runtime_checkable
 class Runner(Protocol):
     """A model that decodes chains. `vocab_size` is the target's vocabulary (a reduced-vocabulary draft maps back)."""
 

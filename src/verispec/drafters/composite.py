@@ -135,6 +135,15 @@ class CompositeDrafter(Drafter):
         return all(m.chunked_prefill for m in self.members)
 
     @property
+    def restartable(self) -> bool:
+        return all(m.restartable for m in self.members)
+
+    @property
+    def input_vocab(self) -> int | None:
+        limits = [m.input_vocab for m in self.members if m.input_vocab is not None]
+        return min(limits) if limits else None
+
+    @property
     def prefill_chunk(self) -> int | None:
         return self.members[0].prefill_chunk
 
@@ -198,6 +207,14 @@ class CompositeDrafter(Drafter):
     def keep(self, rows: list[int]) -> None:
         for m in self.members:
             m.keep(rows)
+
+    def retire_all(self) -> None:
+        for m in self.members:
+            m.retire_all()
+
+    def flush_store(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all([m.flush_store(max(0.0, deadline - time.monotonic())) for m in self.members])
 
     # --- the choice ------------------------------------------------------------------------------------
     def _profile(self, member: int) -> CostProfile | None:

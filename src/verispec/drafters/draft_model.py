@@ -88,6 +88,12 @@ class DraftModelDrafter(Drafter):
     def supports_trees(self) -> bool:
         return True
 
+    @property
+    def input_vocab(self) -> int | None:
+        """Ids the draft's model reads: its own vocabulary (a smaller one than the target's keeps rows out, see
+        `Drafter.input_vocab`; a reduced vocabulary mapped to the target's reads every target id)."""
+        return self.runner.vocab_size
+
     def cache_bytes(self, tokens: int) -> int:
         return self.runner.cache_bytes(tokens)
 

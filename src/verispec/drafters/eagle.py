@@ -78,6 +78,7 @@ class EagleDrafter(AdaptiveHead, Drafter):
     """
 
     name = "eagle"
+    restartable = False  # its rows hold the target's features of every position: not rebuilt mid-answer
 
     def __init__(self, target, head: Eagle3Head, argmax: bool = False, native: bool | None = None,
                  lookup: PromptLookupConfig | None = None) -> None:

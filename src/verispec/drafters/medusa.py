@@ -43,6 +43,7 @@ class MedusaDrafter(AdaptiveHead, Drafter):
     """
 
     name = "medusa"
+    restartable = False  # its rows are the target's, read from the target's own passes
     head_attribute = "heads"
 
     def __init__(self, target, heads: MedusaHeads) -> None:

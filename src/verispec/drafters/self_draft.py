@@ -88,6 +88,12 @@ class SelfDrafter(DraftModelDrafter):
     def bind_target(self, state) -> None:
         self.target_state = state
 
+    @property
+    def restartable(self) -> bool:
+        """On the native runner its rows are views of the target's own rows (`Drafter.restartable`); the torch draft
+        keeps a cache of its own, read from the rows' tokens like a draft model's."""
+        return not self.shared
+
     # ------------------------------------------------------------------ rows
 
     def start(self, sequences: list[Sequence]) -> None:

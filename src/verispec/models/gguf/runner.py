@@ -91,6 +91,17 @@ class NativeState:
     def extend(self, num_rows: int) -> None:
         self.rows += [self.runner.new_row() for _ in range(num_rows)]
 
+    def checkpoint(self):
+        """What `restore` needs (`core.protocols.RestorableState`): each row's committed length and draft nodes (a pass
+        writes only past a row's committed length, so the columns there need no copy)."""
+        return [(row, row.length, list(row.spec_parents), list(row.spec_depths)) for row in self.rows]
+
+    def restore(self, point) -> None:
+        """Back to `checkpoint`'s moment, whatever a pass since then wrote past the rows' committed lengths."""
+        self.rows = [row for row, *_ in point]
+        for row, length, parents, depths in point:
+            row.length, row.spec_parents, row.spec_depths = length, parents, depths
+
 
 @dataclass
 class _Query:

@@ -81,6 +81,26 @@ class KVState:
         self.valid = torch.cat([self.valid, torch.zeros(num_rows, self.valid.shape[1], dtype=torch.bool)])
         self.lengths = torch.cat([self.lengths, torch.zeros(num_rows, dtype=torch.long)])
 
+    def checkpoint(self):
+        """What `restore` needs (`core.protocols.RestorableState`): the columns, lengths and draft nodes now."""
+        return (self.valid.shape[1], self.valid.clone(), self.lengths.clone(),
+                [list(c) for c in self.spec_columns], [list(p) for p in self.spec_parents])
+
+    @torch.inference_mode()
+    def restore(self, point) -> None:
+        """Back to `checkpoint`'s moment: the columns a pass appended since (in every layer it reached before it
+        raised) are cut, and the masks, lengths and draft nodes are those of then."""
+        width, valid, lengths, columns, parents = point
+        for layer in self.cache.layers:
+            keys = getattr(layer, "keys", None)
+            if keys is None or keys.dim() != 4 or keys.shape[-2] <= width:
+                continue
+            if width == 0 and hasattr(layer, "reset"):
+                layer.reset()  # as before the first pass: not yet initialized
+            else:
+                layer.keys, layer.values = keys[..., :width, :], layer.values[..., :width, :]
+        self.valid, self.lengths, self.spec_columns, self.spec_parents = valid, lengths, columns, parents
+
     def _layers(self) -> list:
         """The cache layers that hold tensors (none before the first forward pass)."""
         if self.valid.shape[1] == 0:

@@ -48,6 +48,17 @@ class RowStates:
     def extend(self, num_rows: int) -> None:
         self.rows += [self.runner.new_state(1) for _ in range(num_rows)]
 
+    def checkpoint(self):
+        """Each row's checkpoint (`core.protocols.RestorableState`); None where a row's cannot be taken."""
+        points = [row.checkpoint() for row in self.rows]
+        return None if any(p is None for p in points) else (list(self.rows), points)
+
+    def restore(self, point) -> None:
+        rows, points = point
+        self.rows = rows
+        for row, p in zip(rows, points):
+            row.restore(p)
+
 
 class RowwiseRunner:
     """A ModelRunner's interface over RowStates: each call runs the inner runner once per row with work."""

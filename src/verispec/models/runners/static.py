@@ -44,6 +44,11 @@ class StaticKVState(KVState):
     def _layers(self) -> list:
         return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
 
+    def checkpoint(self):
+        """None: a pass may first compact the cache (`StaticRunner._make_room`), so it is not brought back after a
+        pass that raised (a fault in the pass ends its rows)."""
+        return None
+
     @torch.inference_mode()
     def set_length(self, length: int) -> None:
         """Move the cache's write position to `length` (columns past it are free)."""
