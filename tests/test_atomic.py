@@ -59,6 +59,29 @@ def test_writes_replace_the_whole_file_and_leave_no_temporary_file(tmp_path):
     assert names(tmp_path) == ["arr.npy", "sub"] and names(tmp_path / "sub") == ["f.json"]
 
 
+def test_a_mode_is_set_exactly_from_the_temporary_file_on_and_the_default_is_unchanged(tmp_path):
+    target = tmp_path / "private.bin"
+    target.write_bytes(b"old")
+    os.chmod(target, 0o644)
+    umask = os.umask(0o022)
+    try:
+        with atomic_path(target, mode=0o600) as tmp:
+            assert os.stat(tmp).st_mode & 0o777 == 0o600  # before a byte is written
+            tmp.write_bytes(b"new")  # a writer that opens the name keeps its mode
+        assert target.read_bytes() == b"new" and os.stat(target).st_mode & 0o777 == 0o600
+        os.umask(0)
+        atomic_write_bytes(target, b"again", mode=0o600)  # exactly, whatever the umask
+        assert os.stat(target).st_mode & 0o777 == 0o600
+        atomic_write_bytes(tmp_path / "public.bin", b"x")
+        assert os.stat(tmp_path / "public.bin").st_mode & 0o777 == 0o644  # the default, as before
+        os.umask(0o022)
+        atomic_write_bytes(tmp_path / "public.bin", b"x")
+        assert os.stat(tmp_path / "public.bin").st_mode & 0o777 == 0o644
+    finally:
+        os.umask(umask)
+    assert names(tmp_path) == ["private.bin", "public.bin"]
+
+
 def test_temporary_names_are_unique_per_call_and_carry_the_pid(tmp_path):
     made = {atomic.temp_path(tmp_path / "f.pt") for _ in range(100)}
     assert len(made) == 100

@@ -9,6 +9,9 @@ the new one, and a reader never sees a mix of two writers (the last rename wins)
   hidden and ends in `.tmp`, so a reader listing `*.safetensors` or `*.json` never picks up a write in
   progress. `atomic_path(..., keep_suffix=True)` ends it with the target's suffix instead, for libraries
   that choose a format by it (`np.save` appends `.npy` to a name without it; matplotlib reads the suffix).
+- The temporary file, and so the target after the rename, is created 0644 less the umask; `mode=0o600`
+  (any explicit mode) sets those bits exactly, from before anything is written to it, for files only their
+  owner may read (the suffix store's earlier outputs). The rename replaces an existing target's mode too.
 - Any exception (KeyboardInterrupt included) removes the temporary file and leaves the target untouched.
   A writer killed outright (SIGKILL, power loss) leaves its temporary file: the next write to that target
   removes the ones whose process is gone and which are older than `STALE_SECONDS`.
@@ -112,11 +115,11 @@ def _remove(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path, keep_suffix: bool = False) -> Iterator[Path]:
+def atomic_path(path: str | Path, keep_suffix: bool = False, mode: int | None = None) -> Iterator[Path]:
     """A temporary path to write `path`'s new content to, for libraries that write by name (torch.save,
     safetensors' save_file; np.save and savefig with keep_suffix=True, as they read or add the suffix).
     On a normal exit it is fsynced and renamed over `path`; on any exception it is removed and `path` keeps
-    its old content.
+    its old content. `mode`: the new file's permission bits, set exactly (None: 0o644 less the umask).
 
         with atomic_path(folder / "checkpoint.pt") as tmp:
             torch.save(state, tmp)
@@ -125,7 +128,15 @@ def atomic_path(path: str | Path, keep_suffix: bool = False) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(path)
     tmp = temp_path(path, keep_suffix=keep_suffix)
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))  # reserve the name: no other writer has it
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644 if mode is None else mode & 0o600)  # reserve the name
+    try:
+        if mode is not None:  # exactly these bits, whatever the umask (created with at most 0600 until then)
+            os.fchmod(fd, mode) if hasattr(os, "fchmod") else os.chmod(tmp, mode)
+    except BaseException:
+        _remove(tmp)
+        raise
+    finally:
+        os.close(fd)
     try:
         yield tmp
         fsync_file(tmp)
@@ -136,9 +147,9 @@ def atomic_path(path: str | Path, keep_suffix: bool = False) -> Iterator[Path]:
     fsync_dir(path.parent)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` as the whole content of `path`, atomically (see the module docstring)."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> None:
+    """Write `data` as the whole content of `path`, atomically (see the module docstring; `mode` as in atomic_path)."""
+    with atomic_path(path, mode=mode) as tmp, open(tmp, "wb") as f:
         f.write(data)
         f.flush()
 

@@ -90,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
                 steps.append(tracer.step(event, seq, pieces))
             if adapter is not None:
                 adapter.poke()  # between steps: the stream is paused here
+    if decoder.drafter is not None:
+        decoder.drafter.flush_store(30.0)  # a store file (suffix:FILE) holds this output when the command returns
     result = decoder.result(seq)
     if tracer:
         save_trace(args.trace, trace_document(steps, result.to_dict(), prompt, dataclasses.asdict(sampling),

@@ -33,7 +33,7 @@ SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "to
 SPEC_OPTIONS = {"num_draft_tokens": "num_draft_tokens", "max_new_tokens": "max_new_tokens", "stop": "stop",
                 "draft_stop": "draft_stop"}
 LOOKUP_OPTIONS = {"max_ngram": "ngram_max", "min_ngram": "ngram_min"}
-SUFFIX_OPTIONS = {"capacity": "suffix_capacity"}
+SUFFIX_OPTIONS = {"capacity": "suffix_capacity", "scope": "suffix_scope"}  # --suffix-scope: `verispec serve` only
 CROSS_OPTIONS = {"scheme": "cross_scheme"}
 TREE_OPTIONS = {"budget": "tree_budget", "top_k": "tree_top_k", "children": "tree_children"}
 SERVE_OPTIONS = {name: name for name in ServeConfig.__dataclass_fields__}
@@ -189,11 +189,18 @@ def read_prompt(args: argparse.Namespace) -> str:
         raise VerispecError(f"cannot read --prompt-file {args.prompt_file}: {err.strerror}") from None
 
 
-def decoder_kwargs(args: argparse.Namespace) -> dict:
-    """The arguments of `SpeculativeDecoder.load` the model options ask for."""
+def suffix_config(args: argparse.Namespace, scope: str | None = None) -> SuffixConfig:
+    """The SuffixConfig the --suffix-* options ask for; `scope` ("shared" or "key"), where given, overrides
+    --suffix-scope (a caller holding the setting elsewhere, a server's config)."""
+    config = build_config(SuffixConfig, args, SUFFIX_OPTIONS)
+    return config if scope is None else dataclasses.replace(config, scope=scope)
+
+
+def decoder_kwargs(args: argparse.Namespace, suffix_scope: str | None = None) -> dict:
+    """The arguments of `SpeculativeDecoder.load` the model options ask for (`suffix_scope`: see `suffix_config`)."""
     return dict(target=args.target, draft=args.draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
                 prompt_lookup=build_config(PromptLookupConfig, args, LOOKUP_OPTIONS),
-                suffix=build_config(SuffixConfig, args, SUFFIX_OPTIONS),
+                suffix=suffix_config(args, suffix_scope),
                 target_weights=args.target_weights, draft_weights=args.draft_weights, backend=args.backend,
                 draft_lookup=getattr(args, "draft_lookup", None), draft_context=getattr(args, "draft_context", None),
                 draft_vocab=getattr(args, "draft_vocab", None), cross=build_config(CrossTokenizerConfig, args, CROSS_OPTIONS),
@@ -201,11 +208,12 @@ def decoder_kwargs(args: argparse.Namespace) -> dict:
                 compile=args.compile)
 
 
-def load_decoder(args: argparse.Namespace):
+def load_decoder(args: argparse.Namespace, suffix_scope: str | None = None):
+    """The decoder the model options ask for (`suffix_scope`: see `suffix_config`)."""
     from verispec.api import SpeculativeDecoder, set_threads
 
     set_threads(args.threads)
-    decoder = SpeculativeDecoder.load(**decoder_kwargs(args))
+    decoder = SpeculativeDecoder.load(**decoder_kwargs(args, suffix_scope))
     if decoder.skip_source == "default":
         notice(f"self-speculation with the untuned default skip set {decoder.draft_name}: "
                f"`verispec self-tune --target {args.target}` searches a faster one for this model")

@@ -101,6 +101,13 @@ class DrafterOptions:
     compile: bool = False
 
 
+def with_suffix_scope(options: DrafterOptions, scope: str | None) -> DrafterOptions:
+    """`options` with suffix decoding's store scope set (`SuffixConfig.scope`: "shared", or "key" for one store per
+    `Sequence.scope`; None keeps it): how a caller's setting (a server's) reaches every suffix drafter it builds,
+    a composite's suffix part included."""
+    return options if scope is None else replace(options, suffix=replace(options.suffix, scope=scope))
+
+
 @dataclass
 class Built:
     """A kind's product: the drafter (None: plain decoding), the name it is reported by, and notes for the CLI

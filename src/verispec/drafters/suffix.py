@@ -11,152 +11,42 @@ highest share (count / candidates), best first. Drafts are at most `spec_factor`
 context repeating itself (an edit, an agent loop), a short one drafts little.
 
 Two sources: the row's own context (prompt and accepted tokens, indexed as they are committed), and a store of
-earlier requests' outputs shared by every row of this drafter (a server's requests), bounded by `capacity`
-tokens, the oldest output dropped first, kept in a file across processes where one is named (`suffix:FILE`:
-read at start, written again each time a request's output joins it). Deterministic: q is one-hot, so the output
-is exactly the target's at any temperature (the verifier accepts draft x with probability p(x)).
+earlier requests' outputs (`OutputStore`). With `scope="shared"` every row of this drafter (a server's requests)
+reads and joins one store; with `scope="key"` a row reads and joins only the outputs of its own `Sequence.scope`
+(a server's tenant; rows of no scope share one), so no tenant's drafts, and no acceptance count a response
+reports, depend on another tenant's text. The store is bounded by `capacity` tokens over all scopes together, the
+oldest output dropped first whichever scope holds it, and kept in a file across processes where one is named
+(`suffix:FILE`: read at start; written by a background thread, `StoreWriter`, after outputs join it, never on the
+decoding thread; readable by its owner only). Deterministic: q is one-hot, so the output is exactly the target's
+at any temperature (the verifier accepts draft x with probability p(x)).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+import logging
+from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from verispec.config import SuffixConfig, TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.sequence import Sequence
+from verispec.drafters.suffix_store import (  # noqa: F401 - SEPARATOR, WRITE_INTERVAL and the rest, named here too
+    SEPARATOR, STORE_FORMAT, STORE_MODE, STORE_VERSION, WRITE_INTERVAL, OutputStore, StoreWriter, SuffixIndex)
 from verispec.errors import VerispecError
 from verispec.tree import breadth_first, tree_from_parents
 
-SEPARATOR = -1  # between documents of one index: never equal to a token, so no match crosses it
-STORE_FORMAT, STORE_VERSION = "verispec-suffix-store", "1"  # a store file's header
+log = logging.getLogger("verispec.suffix")
 
+class _Row:
+    """A row of the batch: its sequence, the index of its own context, and whether its output joined the store."""
 
-class SuffixIndex:
-    """Token text (documents one after another) with, for every `key`-token window, the positions that follow it."""
+    __slots__ = ("seq", "index", "retired")
 
-    def __init__(self, key: int) -> None:
-        self.key = key
-        self.buffer = np.empty(1024, dtype=np.int64)  # (capacity,) the text; self.size of it used
-        self.size = 0
-        self.after: dict[tuple[int, ...], list[int]] = {}  # key window -> positions right after its occurrences
-
-    def append(self, tokens: list[int]) -> None:
-        """Add tokens at the end of the last document."""
-        if self.size + len(tokens) > self.buffer.size:
-            grown = np.empty(max(2 * self.buffer.size, self.size + len(tokens)), dtype=np.int64)
-            grown[: self.size] = self.buffer[: self.size]
-            self.buffer = grown
-        for token in tokens:
-            self.buffer[self.size] = token
-            self.size += 1
-            if self.size >= self.key:
-                window = tuple(self.buffer[self.size - self.key : self.size].tolist())
-                if SEPARATOR not in window:
-                    self.after.setdefault(window, []).append(self.size)
-
-    def add_document(self, tokens: list[int]) -> None:
-        """Add a whole document (closed by the separator)."""
-        self.append(tokens)
-        self.append([SEPARATOR])
-
-    def candidates(self, context: list[int], config: SuffixConfig) -> tuple[np.ndarray, np.ndarray]:
-        """(positions, match lengths): where text follows an occurrence of the context's last `key` tokens (the most
-        recent `max_candidates`), and how many tokens before each agree with the context's end (<= max_match)."""
-        if len(context) < self.key:
-            return np.empty(0, np.int64), np.empty(0, np.int64)
-        found = self.after.get(tuple(context[-self.key :]))
-        if not found:
-            return np.empty(0, np.int64), np.empty(0, np.int64)
-        positions = np.asarray(found[-config.max_candidates :], dtype=np.int64)  # (P,)
-        positions = positions[positions < self.size]  # a continuation must exist
-        positions = positions[self.buffer[positions] != SEPARATOR] if positions.size else positions
-        if not positions.size:
-            return positions, positions
-        tail = np.asarray(context[-config.max_match :][::-1], dtype=np.int64)  # (M,) the context's end, last first
-        back = positions[:, None] - 1 - np.arange(tail.size)[None, :]  # (P, M) the tokens before each position
-        before = np.where(back >= 0, self.buffer[np.clip(back, 0, None)], SEPARATOR - 1)
-        agree = before == tail[None, :]  # (P, M)
-        lengths = np.where(agree.all(1), tail.size, agree.argmin(1))  # (P,) up to the first disagreement
-        return positions, lengths
-
-    def continuation(self, position: int, depth: int) -> list[int]:
-        """Up to `depth` tokens from `position`, stopping at the document's end."""
-        out = self.buffer[position : min(position + depth, self.size)].tolist()
-        return out[: out.index(SEPARATOR)] if SEPARATOR in out else out
-
-
-class OutputStore:
-    """Earlier requests' outputs, one document each, at most `capacity` tokens: over it, the oldest are dropped
-    and the index rebuilt from the rest (down to three quarters, so a rebuild is paid once per many outputs)."""
-
-    def __init__(self, config: SuffixConfig) -> None:
-        self.config = config
-        self.documents: deque[list[int]] = deque()
-        self.tokens = 0
-        self.index = SuffixIndex(config.min_match)
-
-    def add(self, output: list[int]) -> None:
-        output = list(output[-self.config.capacity :])
-        if not output:
-            return
-        self.documents.append(output)
-        self.tokens += len(output)
-        if self.tokens <= self.config.capacity:
-            self.index.add_document(output)
-            return
-        while self.tokens > 3 * self.config.capacity // 4 and len(self.documents) > 1:
-            self.tokens -= len(self.documents.popleft())
-        self.index = SuffixIndex(self.config.min_match)
-        for document in self.documents:
-            self.index.add_document(document)
-
-    def save(self, path: Path, tokenizer: dict) -> None:
-        """Write the outputs atomically (a kill leaves the previous file): their tokens end to end, their lengths,
-        and a header naming the tokenizer (`tokenizer`: its "name" and "sha256") they are ids of."""
-        from safetensors.numpy import save_file
-
-        from verispec.atomic import atomic_path
-
-        tokens = np.fromiter((t for d in self.documents for t in d), dtype=np.int32, count=self.tokens)  # (T,)
-        lengths = np.array([len(d) for d in self.documents], dtype=np.int64)  # (D,)
-        header = {"format": STORE_FORMAT, "version": STORE_VERSION, "tokenizer": tokenizer["name"],
-                  "tokenizer_sha256": tokenizer["sha256"]}
-        with atomic_path(path) as tmp:
-            save_file({"tokens": tokens, "lengths": lengths}, str(tmp), metadata=header)
-
-    @classmethod
-    def load(cls, path: Path, config: SuffixConfig, tokenizer: dict, vocab_size: int) -> OutputStore:
-        """A store read from `path`, refused in one line where the file is not one, is damaged or holds ids of
-        another tokenizer; outputs past the capacity are dropped oldest first, as they are while decoding."""
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                header = f.metadata() or {}
-                if header.get("format") != STORE_FORMAT:
-                    raise VerispecError(f"{path} is not a suffix store (no '{STORE_FORMAT}' header)")
-                tokens, lengths = f.get_tensor("tokens"), f.get_tensor("lengths")
-        except (SafetensorError, OSError, ValueError, KeyError) as err:
-            raise VerispecError(f"{path} is not a readable suffix store ({type(err).__name__}: {err})") from None
-        if header.get("version") != STORE_VERSION:
-            raise VerispecError(f"{path} is a suffix store of format version {header.get('version')}, this verispec "
-                                f"reads version {STORE_VERSION}: delete it to start a new one")
-        if header.get("tokenizer_sha256") != tokenizer["sha256"]:
-            raise VerispecError(f"{path} holds token ids of another tokenizer ('{header.get('tokenizer', '?')}') "
-                                f"than the target's ('{tokenizer['name']}'): name another file, or delete it")
-        if (tokens.ndim != 1 or lengths.ndim != 1 or (lengths < 1).any() or int(lengths.sum()) != tokens.size
-                or (tokens.size and not (0 <= int(tokens.min()) and int(tokens.max()) < vocab_size))):
-            raise VerispecError(f"{path} is a damaged suffix store (its lengths and tokens disagree, or ids lie "
-                                f"outside the vocabulary of {vocab_size}): delete it to start a new one")
-        store = cls(config)
-        for document in np.split(tokens, np.cumsum(lengths)[:-1]) if lengths.size else []:
-            store.add(document.tolist())
-        return store
+    def __init__(self, seq: Sequence, index: SuffixIndex) -> None:
+        self.seq, self.index, self.retired = seq, index, False
 
 
 class SuffixDrafter(Drafter):
@@ -167,12 +57,14 @@ class SuffixDrafter(Drafter):
 
     def __init__(self, config: SuffixConfig = SuffixConfig(), store_path: str | Path | None = None,
                  tokenizer: dict | None = None, vocab_size: int | None = None) -> None:
-        """`store_path`: a file keeping the store across processes (read now if it exists, written as outputs join);
-        `tokenizer` ({"name", "sha256"}) and `vocab_size` then say whose token ids it may hold."""
+        """`store_path`: a file keeping the store across processes (read now if it exists, written in the
+        background as outputs join); `tokenizer` ({"name", "sha256"}) and `vocab_size` then say whose token ids it
+        may hold."""
         self.config = config
         self.store_path = None if store_path is None else Path(store_path)
         self.tokenizer = tokenizer
         self.store = OutputStore(config)
+        self.writer: StoreWriter | None = None
         if self.store_path is not None:
             if tokenizer is None or vocab_size is None:
                 raise VerispecError("a suffix store file needs the target's tokenizer and vocabulary size")
@@ -182,20 +74,34 @@ class SuffixDrafter(Drafter):
                 raise VerispecError(f"the suffix store's folder {self.store_path.parent} does not exist")
             if self.store_path.exists():
                 self.store = OutputStore.load(self.store_path, config, tokenizer, vocab_size)
-        self.rows: list[tuple[Sequence, SuffixIndex]] = []
+            self.writer = StoreWriter(self.store_path, self._save)
+        self.rows: list[_Row] = []
 
     @property
     def supports_trees(self) -> bool:
         return True
 
+    def scope(self, seq: Sequence) -> str | None:
+        """The store scope a row reads and joins: its own with scope="key", else the shared one (None)."""
+        return getattr(seq, "scope", None) if self.config.scope == "key" else None
+
     # --- rows ---------------------------------------------------------------------------------------------
     def start(self, sequences: list[Sequence]) -> None:
-        self._retire(range(len(self.rows)))
-        self.rows = []
+        """A new batch, or rows started afresh (a fault's restart, `verispec.faults`, may start rows still running,
+        alone or in any subset). The rows held before that finished (`finish_reason` set) join the store; those still
+        running do not (they join once, when `keep` drops them or `retire_all` is called): a restart never adds an
+        output so far, nor one already added (a row held again keeps its "retired" mark)."""
+        previous, self.rows = self.rows, []
+        again = {id(seq) for seq in sequences}
+        self._retire([row for row in previous
+                      if id(row.seq) not in again and getattr(row.seq, "finish_reason", None) is not None])
+        retired = {id(row.seq) for row in previous if row.retired}
         self.extend(sequences)
+        for row in self.rows:
+            row.retired = id(row.seq) in retired
 
     def extend(self, sequences: list[Sequence]) -> None:
-        self.rows += [(seq, self._index(seq)) for seq in sequences]
+        self.rows += [_Row(seq, self._index(seq)) for seq in sequences]
 
     def _index(self, seq: Sequence) -> SuffixIndex:
         """A new index of the row's context so far."""
@@ -205,19 +111,38 @@ class SuffixDrafter(Drafter):
 
     def keep(self, rows: list[int]) -> None:
         kept = set(rows)
-        self._retire([r for r in range(len(self.rows)) if r not in kept])
+        leaving = [row for r, row in enumerate(self.rows) if r not in kept]
         self.rows = [self.rows[r] for r in rows]
+        self._retire(leaving)
 
-    def _retire(self, rows) -> None:
-        """Rows leaving: their outputs join the store for later requests (and its file, if it has one)."""
+    def retire_all(self) -> None:
+        """Every current row's output joins its scope's store now (a server cutting its batch at shutdown, without
+        `keep`); the rows stay (they may still draft) but never join again, whatever `keep` or `start` follows."""
+        self._retire(self.rows)
+
+    def _retire(self, rows: Iterable[_Row]) -> None:
+        """Rows leaving: their outputs join their scopes' stores for later requests, each once (a row is marked
+        retired before its output is added), and the file's writer is told (it writes in the background)."""
         added = False
-        for r in rows:
-            seq, _ = self.rows[r]
-            if seq.generated:
-                self.store.add(seq.generated)
-                added = True
-        if added and self.store_path is not None:
-            self.store.save(self.store_path, self.tokenizer)
+        try:
+            for row in rows:
+                if row.retired:
+                    continue
+                row.retired = True
+                if row.seq.generated:
+                    self.store.add(row.seq.generated, self.scope(row.seq))
+                    added = True
+        finally:
+            if added and self.writer is not None:
+                self.writer.mark()
+
+    def _save(self) -> None:
+        self.store.save(self.store_path, self.tokenizer)
+
+    def flush_store(self, timeout: float) -> bool:
+        """Write the store's pending outputs to its file now and wait up to `timeout` seconds (a server's shutdown,
+        after `retire_all`); True when the file holds them all, or there is no file."""
+        return True if self.writer is None else self.writer.flush(timeout)
 
     # --- drafting -------------------------------------------------------------------------------------------
     def propose(self, sequences: list[Sequence], depths: list[int],
@@ -225,7 +150,7 @@ class SuffixDrafter(Drafter):
         drafts = []
         for b, (seq, depth) in enumerate(zip(sequences, depths)):
             index = self._own(b, seq)
-            continuations = self._continuations(seq.tokens, index, depth) if depth > 0 else []
+            continuations = self._continuations(seq.tokens, index, self.scope(seq), depth) if depth > 0 else []
             if not continuations:
                 drafts.append(EMPTY_DRAFT)
                 continue
@@ -236,29 +161,31 @@ class SuffixDrafter(Drafter):
         return drafts
 
     def continuation(self, b: int, seq: Sequence, after: list[int], depth: int) -> list[int]:
-        if depth <= 0 or b >= len(self.rows) or self.rows[b][0] is not seq:
+        if depth <= 0 or b >= len(self.rows) or self.rows[b].seq is not seq:
             return []
-        continuations = self._continuations(seq.tokens + after, self._own(b, seq), depth)
+        continuations = self._continuations(seq.tokens + after, self._own(b, seq), self.scope(seq), depth)
         return frequency_tree(continuations, None, self.config.min_share)[0] if continuations else []
 
     def _own(self, b: int, seq: Sequence) -> SuffixIndex:
         """Row b's index of its own context, brought up to the tokens it has committed."""
-        if b >= len(self.rows) or self.rows[b][0] is not seq:  # a row the batch did not announce: index it now
-            index = self._index(seq)
+        if b >= len(self.rows) or self.rows[b].seq is not seq:  # a row the batch did not announce: index it now
+            row = _Row(seq, self._index(seq))
             if b < len(self.rows):
-                self.rows[b] = (seq, index)
+                self.rows[b] = row
             else:
-                self.rows.append((seq, index))
-            return index
-        index = self.rows[b][1]
+                self.rows.append(row)
+            return row.index
+        index = self.rows[b].index
         if index.size < len(seq.tokens):
             index.append(list(seq.tokens[index.size :]))
         return index
 
-    def _continuations(self, context: list[int], own: SuffixIndex, depth: int) -> list[list[int]]:
-        """The continuations of the longest match's occurrences (own context first, most recent first), cut to
-        the draft length the match allows."""
-        found = [(index, *index.candidates(context, self.config)) for index in (own, self.store.index)]
+    def _continuations(self, context: list[int], own: SuffixIndex, scope: str | None,
+                       depth: int) -> list[list[int]]:
+        """The continuations of the longest match's occurrences (own context first, then the row's scope's earlier
+        outputs; most recent first), cut to the draft length the match allows."""
+        indexes = [own] + [index for index in (self.store.index(scope),) if index is not None]
+        found = [(index, *index.candidates(context, self.config)) for index in indexes]
         longest = max((int(lengths.max()) for _, _, lengths in found if lengths.size), default=0)
         if longest < self.config.min_match:
             return []
