@@ -35,6 +35,49 @@ class Constraint:
 
 
 @dataclass(frozen=True)
+class ConstraintLimits:
+    """Bounds on a structured-output constraint, checked before it is compiled (`verispec.constraint_bounds`) and
+    while it is used. The grammar compiler recurses natively over rule and reference chains and a chain a few
+    thousand deep overflows its thread's stack (measured with llguidance 1.9.1: a JSON-schema property -> $ref chain
+    of 1,000 objects ends the process on an 8 MiB stack, one of 700 does not); the bounds keep every constraint a
+    request can send an order of magnitude below that, and its compile and masks short.
+
+    Attributes:
+        max_chars: longest source (schema text, regex, grammar), in characters. Default 131072.
+        max_depth: the longest chain the compiler follows: nested subschemas and `$ref`s of a JSON schema, rule
+            and terminal references of a grammar, nested groups of a regex. Default 128 (a $ref chain of 128
+            objects, about a sixth of what crashes an 8 MiB stack).
+        max_nodes: most subschemas, rules or terminals (or values of one enum) in one constraint. Default 20000.
+        max_alternatives: most branches of one choice (an anyOf or oneOf, a grammar rule's `|`s). Default 1024
+            (llguidance refuses a parser row of over 2,000 items, and only while decoding).
+        max_literal_chars: longest single literal, regex or pattern inside a constraint. Default 8192 (a literal's
+            first mask costs time linear in its length: 1 s at 900,000 characters).
+        max_repetition: largest product of nested counted repetitions (`(a{100}){100}` is 10,000). Default 10000.
+        compile_seconds: the server answers 400 when compiling (and the first mask) takes longer. Default 10.
+        mask_ms_per_step: most milliseconds one row's constraint may spend on masks and forced tokens in one
+            decoding step; a row over it fails alone (400). Default 250 (a nested JSON schema's mask costs 0.016 ms
+            a token, 1.7 ms at worst; a step masks at most 1 + 32 forced + the draft's nodes).
+    """
+
+    max_chars: int = 131072
+    max_depth: int = 128
+    max_nodes: int = 20000
+    max_alternatives: int = 1024
+    max_literal_chars: int = 8192
+    max_repetition: int = 10000
+    compile_seconds: float = 10.0
+    mask_ms_per_step: float = 250.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_chars", "max_depth", "max_nodes", "max_alternatives", "max_literal_chars", "max_repetition"):
+            if not _is_count(getattr(self, name), 1):
+                raise VerispecError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+        for name in ("compile_seconds", "mask_ms_per_step"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                raise VerispecError(f"{name} must be a positive number, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class SamplingConfig:
     """How a distribution over the vocabulary is made from logits.
 
@@ -235,6 +278,9 @@ class PromptLookupConfig:
             )
 
 
+SUFFIX_SCOPES = ("shared", "key")  # SuffixConfig.scope
+
+
 @dataclass(frozen=True)
 class SuffixConfig:
     """Suffix decoding (`drafters.suffix`): drafts from every earlier occurrence of the context's longest suffix.
@@ -247,6 +293,11 @@ class SuffixConfig:
             occurrences it extends. Default 0.1.
         capacity: tokens of earlier requests' outputs kept (the oldest dropped first). Default 262144.
         max_candidates: the most recent occurrences read per step, per source. Default 256.
+        scope: whose earlier outputs a row drafts from and adds to: "shared" (one store for every row) or "key"
+            (one store per `Sequence.scope`, a server's tenant: a row reads and joins only its own scope's
+            outputs; rows of no scope share one). `capacity` bounds all scopes together. Default "key": who sets
+            `Sequence.scope` decides (a server sets it per API key under its `suffix_scope`; the CLI and the API set
+            none, so every row shares the one store), and "shared" overrides that.
     """
 
     min_match: int = 2
@@ -255,6 +306,7 @@ class SuffixConfig:
     min_share: float = 0.1
     capacity: int = 262_144
     max_candidates: int = 256
+    scope: str = "key"
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_match <= self.max_match:
@@ -264,6 +316,8 @@ class SuffixConfig:
             raise VerispecError(f"suffix decoding's capacity must be at least 1 token, got {self.capacity}")
         if not self.spec_factor > 0 or not 0 <= self.min_share <= 1 or self.max_candidates < 1:
             raise VerispecError("suffix decoding needs spec_factor > 0, 0 <= min_share <= 1 and max_candidates >= 1")
+        if self.scope not in SUFFIX_SCOPES:
+            raise VerispecError(f"unknown suffix store scope '{self.scope}'; choose one of {', '.join(SUFFIX_SCOPES)}")
 
 
 CROSS_SCHEMES = ("string", "intersection")
@@ -301,6 +355,20 @@ class ServeConfig:
         host: interface to bind; the default serves this machine only. Default "127.0.0.1".
         port: TCP port. Default 8000.
         api_key: if set, every /v1 and /metrics request needs `Authorization: Bearer <api_key>`.
+        api_keys: more keys, each "KEY" or "NAME:KEY" (NAME: letters, digits, '_', '.', '-'); each key is a tenant,
+            known by its name (never the key: `serve.tenants`). Default none.
+        key_share: with two keys or more, the most of the batch's rows, of the queue and of the cache budget one key
+            may hold at once, so that a flood from one key leaves room for the others. Default 0.75.
+        suffix_scope: whose earlier outputs the suffix drafter drafts from: "shared" (every client's) or "key"
+            (each key's own; rows of no key share one store). None: "key" when keys are set, else "shared".
+        allowed_hosts: with no key, the Host (and any Origin) a request may name; a web page cannot then drive a
+            local server through DNS rebinding. Always allowed: localhost, loopback addresses and the bound host.
+            "*" allows any. Default none more.
+        constraint_limits: what a structured-output constraint may cost (`ConstraintLimits`): its size and the
+            chains its compiler would follow, checked before compiling (400 past them); its compile time; its mask
+            work per step.
+        compile_workers: threads that compile constraints (each with a stack the bounds leave far from full); a
+            request waits for one, and gets a 503 when more than max_queue wait. Default 1.
         served_model_name: the model id clients name (None: the target's name).
         max_batch_size: sequences decoded together; 1 turns continuous batching off. Default 8.
         max_queue: requests waiting for a batch slot; more get HTTP 429. Default 64.
@@ -360,6 +428,12 @@ class ServeConfig:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     auto_k: bool = True
+    api_keys: tuple[str, ...] = ()
+    key_share: float = 0.75
+    suffix_scope: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    constraint_limits: ConstraintLimits = ConstraintLimits()
+    compile_workers: int = 1
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -367,7 +441,7 @@ class ServeConfig:
         if self.api_key is not None and not self.api_key.strip():
             raise VerispecError("the API key is empty")
         for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_draft_tokens", "max_tree_nodes",
-                     "max_stop_strings", "max_stop_length", "prefill_chunk", "limit_concurrency"):
+                     "max_stop_strings", "max_stop_length", "prefill_chunk", "limit_concurrency", "compile_workers"):
             if not _is_count(getattr(self, name), 1):
                 raise VerispecError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
         for name in ("max_prompt_tokens", "max_tokens_limit", "max_request_tokens", "max_cache_bytes"):
@@ -377,6 +451,24 @@ class ServeConfig:
                      "body_timeout"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
                 raise VerispecError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if not (isinstance(self.key_share, (int, float)) and 0 < self.key_share <= 1):
+            raise VerispecError(f"key_share must be in (0, 1], got {self.key_share}")
+        if self.suffix_scope not in (None, "shared", "key"):
+            raise VerispecError(f"suffix_scope is 'shared' or 'key', got '{self.suffix_scope}'")
+        if not isinstance(self.constraint_limits, ConstraintLimits):
+            raise VerispecError("constraint_limits must be a ConstraintLimits")
+        if isinstance(self.api_keys, str) or isinstance(self.allowed_hosts, str):
+            raise VerispecError("api_keys and allowed_hosts are tuples of strings")
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every API key entry (`api_key` first)."""
+        return ((self.api_key,) if self.api_key else ()) + tuple(self.api_keys)
+
+    @property
+    def scope_by_key(self) -> bool:
+        """Whether the suffix store keeps each key's outputs apart (`suffix_scope`, or keys set and no choice)."""
+        return self.suffix_scope == "key" or (self.suffix_scope is None and bool(self.keys))
 
 
 @dataclass(frozen=True)

@@ -22,18 +22,26 @@ for xgrammar and 6.6 ms for outlines-core (which builds its index over the vocab
 llguidance and xgrammar are far below 5% of a 50 ms decoding step; llguidance ships with no dependencies (xgrammar
 needs triton and a torch of its own choosing), reads JSON schemas, regexes, Lark and (converted) GBNF grammars, and
 computes forced tokens and rollbacks itself. `benchmarks/structured.py` reproduces the measurement.
+
+What a constraint may cost is bounded (`ConstraintLimits`): before compiling, its size and the chains the compiler
+would recurse over are measured (`verispec.constraint_bounds`; llguidance's compiler recurses natively and a chain of
+a few thousand references overflows its stack, ending the process); each content is compiled once and copied per
+answer; and each answer's mask work per decoding step is timed against a budget (a row over it fails alone).
 """
 
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+import threading
+import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import torch
 
-from verispec.config import Constraint
-from verispec.errors import VerispecError
+from verispec.config import Constraint, ConstraintLimits
+from verispec.constraint_bounds import check_constraint
+from verispec.errors import ConstraintError, VerispecError
 
 if TYPE_CHECKING:
     import llguidance
@@ -64,13 +72,15 @@ def grammar_text(constraint: Constraint) -> str:
         try:
             schema = json.loads(source)
         except json.JSONDecodeError as err:
-            raise VerispecError(f"the JSON schema is not valid JSON: {err}") from None
+            raise ConstraintError(f"the JSON schema is not valid JSON: {err}") from None
+        except RecursionError:
+            raise ConstraintError("the JSON schema is nested too deeply to read") from None
         if not isinstance(schema, (dict, bool)):
-            raise VerispecError(f"a JSON schema is an object, got {type(schema).__name__}")
+            raise ConstraintError(f"a JSON schema is an object, got {type(schema).__name__}")
         try:
             return ll.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
         except (ValueError, TypeError) as err:
-            raise VerispecError(f"invalid JSON schema: {err}") from None
+            raise ConstraintError(f"invalid JSON schema: {_first_line(str(err))}") from None
     if kind == "regex":
         return ll.LLMatcher.grammar_from_regex(source)
     if "::=" in source:  # GBNF, llama.cpp's grammar format
@@ -78,7 +88,7 @@ def grammar_text(constraint: Constraint) -> str:
         try:
             source = gbnf_to_lark(source)
         except Exception as err:
-            raise VerispecError(f"invalid GBNF grammar: {err}") from None
+            raise ConstraintError(f"invalid GBNF grammar: {_first_line(str(err))}") from None
     return ll.LLMatcher.grammar_from_lark(source)
 
 
@@ -95,14 +105,23 @@ def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class Grammars:
     """Compiles constraints against one tokenizer (the target's) into per-sequence states.
 
+    Each constraint is measured against `limits` before it is compiled (`verispec.constraint_bounds`: a chain deep
+    enough to overflow the compiler's stack is refused in one line, never compiled) and compiled once per content:
+    the compiled matcher, its first mask computed, is kept (the `cache_size` most recent) and every sequence gets a
+    copy of it (`LLMatcher.deep_copy`, microseconds).
+
     Args:
         tokenizer: the target's Hugging Face tokenizer.
         vocab_size: the target's vocabulary (its logits' width; ids past the tokenizer's are never allowed).
         eos_token_id: the token that ends a constrained answer (allowed where the constraint is satisfied).
+        limits: the bounds every constraint is checked against, and each state's mask budget per step.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int) -> None:
+    cache_size = 64
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int, limits: ConstraintLimits = ConstraintLimits()) -> None:
         self.vocab_size = vocab_size
+        self.limits = limits
         ll = _llguidance()
         import llguidance.hf
         try:  # the tokenizer's own pre-tokenizer and decoder, read by llguidance (byte-level BPE, SentencePiece)
@@ -115,36 +134,64 @@ class Grammars:
             except Exception as err:
                 raise VerispecError(f"structured output cannot use this tokenizer: {err}") from None
         self._ll = ll
-        self._grammar = lru_cache(maxsize=64)(self._checked)
+        self._compiled: OrderedDict[tuple[Constraint, ConstraintLimits], llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
 
-    def _checked(self, constraint: Constraint) -> str:
-        grammar = grammar_text(constraint)
-        failed, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self.lltokenizer)
-        if failed:
-            what = {"json_schema": "JSON schema", "json_object": "JSON", "regex": "regex", "grammar": "grammar"}
-            first = _first_line(messages[0]) if messages else "rejected"
-            raise VerispecError(f"invalid {what[constraint.kind]} constraint: {first}")
-        return grammar
+    def compile(self, constraint: Constraint, limits: ConstraintLimits | None = None):
+        """The compiled matcher of `constraint` at the start of an answer (kept; never consume from it: `start` hands
+        out copies). Raises a ConstraintError past the bounds, for an invalid constraint, or one that allows no
+        output at all. The first call for a content compiles it (and computes its first mask, which for a long
+        literal is most of the cost); later ones are a lookup."""
+        limits = limits or self.limits
+        key = (constraint, limits)
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
+        check_constraint(constraint, limits)
+        matcher = self._build(constraint, limits)
+        with self._lock:
+            self._compiled[key] = matcher
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
+        return matcher
 
-    def start(self, constraint: Constraint) -> ConstraintState:
-        """A fresh state at the start of an answer; raises a VerispecError for an invalid constraint or one that
-        allows no output at all."""
-        matcher = self._ll.LLMatcher(self.lltokenizer, self._grammar(constraint), log_level=0)
+    def _build(self, constraint: Constraint, limits: ConstraintLimits):
+        what = {"json_schema": "JSON schema", "json_object": "JSON", "regex": "regex", "grammar": "grammar"}[constraint.kind]
+        try:
+            grammar = grammar_text(constraint)
+            matcher = self._ll.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=parser_limits(limits))
+        except (ValueError, TypeError, UnicodeError) as err:
+            raise ConstraintError(f"invalid {what} constraint: {_first_line(str(err))}") from None
         if matcher.is_error():
-            raise VerispecError(f"invalid {constraint.kind.replace('_', ' ')} constraint: {_first_line(matcher.get_error())}")
+            raise ConstraintError(f"invalid {what} constraint: {_first_line(matcher.get_error())}")
         state = ConstraintState(matcher, self.vocab_size)
         first = state.allowed().nonzero().view(-1)[:64].tolist()  # (where nothing fits, a mask may hold a stray id)
-        if not any(matcher.validate_tokens([t]) == 1 for t in first):
-            raise VerispecError(f"the {constraint.kind.replace('_', ' ')} constraint allows no output with this "
-                                "tokenizer")
-        return state
+        if matcher.is_error() or not any(matcher.validate_tokens([t]) == 1 for t in first):
+            raise ConstraintError(f"the {constraint.kind.replace('_', ' ')} constraint allows no output with this "
+                                  "tokenizer")
+        return matcher
+
+    def start(self, constraint: Constraint, limits: ConstraintLimits | None = None) -> ConstraintState:
+        """A fresh state at the start of an answer (a copy of the compiled matcher); raises a ConstraintError for a
+        constraint past the bounds, an invalid one, or one that allows no output at all."""
+        limits = limits or self.limits
+        return ConstraintState(self.compile(constraint, limits).deep_copy(), self.vocab_size,
+                               limits.mask_ms_per_step / 1000)
 
 
-def grammars_for(tokenizer, vocab_size: int, eos_token_ids: set[int]) -> Grammars:
+def parser_limits(limits: ConstraintLimits):
+    """llguidance's own limits for a constraint: the library's defaults (its fuel bounds each mask's work), with the
+    grammar's size tied to ours."""
+    return _llguidance().LLParserLimits(max_grammar_size=max(500_000, 4 * limits.max_chars))
+
+
+def grammars_for(tokenizer, vocab_size: int, eos_token_ids: set[int],
+                 limits: ConstraintLimits = ConstraintLimits()) -> Grammars:
     """The Grammars of a model's tokenizer; a constrained answer ends with the tokenizer's end-of-sequence token where
     it is one of the model's, else with the smallest of the model's."""
     eos = getattr(tokenizer, "eos_token_id", None)
-    return Grammars(tokenizer, vocab_size, eos if eos in eos_token_ids else min(eos_token_ids))
+    return Grammars(tokenizer, vocab_size, eos if eos in eos_token_ids else min(eos_token_ids), limits)
 
 
 class _TokenBytes:
@@ -171,13 +218,29 @@ class ConstraintState:
     node's path and rolling it back.
     """
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    def __init__(self, matcher, vocab_size: int, step_budget_s: float | None = None) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.step_budget_s = step_budget_s  # most seconds of mask work between two commits (None: unbounded)
+        self.spent_s = 0.0  # seconds of mask work since the last commit (`advance`)
+        self.total_s = 0.0  # seconds of mask work over the whole answer
+
+    def _spend(self, since: float) -> None:
+        """Count the work since `since` (time.perf_counter()) against this step's budget: past it, the row fails
+        alone (a ConstraintError ends its sequence; the batch goes on)."""
+        spent = time.perf_counter() - since
+        self.spent_s += spent
+        self.total_s += spent
+        if self.step_budget_s is not None and self.spent_s > self.step_budget_s:
+            raise ConstraintError(f"the constraint's masks took {1000 * self.spent_s:.0f} ms in one decoding step, "
+                                  f"more than the {1000 * self.step_budget_s:.0f} ms allowed: simplify the schema or "
+                                  "grammar")
 
     def allowed(self) -> torch.Tensor:
         """(V,) bool: the tokens allowed next."""
+        since = time.perf_counter()
         bits = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)  # (W,)
+        self._spend(since)
         return unpack_bitmask(bits, self.vocab_size)
 
     def node_masks(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
@@ -225,18 +288,29 @@ class ConstraintState:
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of these tokens, after the committed answer, the constraint allows in a row (state unchanged)."""
-        return self.matcher.validate_tokens(list(tokens)) if tokens else 0
+        if not tokens:
+            return 0
+        since = time.perf_counter()
+        try:
+            return self.matcher.validate_tokens(list(tokens))
+        finally:
+            self._spend(since)
 
     def forced(self, limit: int) -> list[int]:
         """The tokens the constraint forces next (at most `limit`): free drafts."""
         if limit <= 0 or self.matcher.is_stopped():
             return []
-        return list(self.matcher.compute_ff_tokens()[:limit])
+        since = time.perf_counter()
+        try:
+            return list(self.matcher.compute_ff_tokens()[:limit])
+        finally:
+            self._spend(since)
 
     def advance(self, tokens: tuple[int, ...] | list[int]) -> None:
         """Consume committed tokens (each was drawn from the constrained p, so each is allowed)."""
+        self.spent_s = 0.0  # a commit ends the step's mask work
         if tokens and not self.matcher.consume_tokens(list(tokens)):
-            raise VerispecError(f"the constraint refused a committed token: {_first_line(self.matcher.get_error())}")
+            raise ConstraintError(f"the constraint refused a committed token: {_first_line(self.matcher.get_error())}")
 
     def end_token(self) -> int | None:
         """Once `finished`: the one token still allowed (the end-of-sequence token), which constrained decoding then
@@ -253,5 +327,5 @@ class ConstraintState:
 def apply_constraint(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Forbidden tokens' logits at -inf. logits: (N, V) any float dtype; allowed: (N, V) bool -> (N, V) float32."""
     if not bool(allowed.any(dim=-1).all()):
-        raise VerispecError("the constraint allows no token here: it dead-ends")
+        raise ConstraintError("the constraint allows no token here: it dead-ends")
     return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))

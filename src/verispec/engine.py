@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from verispec.batch import DecodeBatch
-from verispec.config import SamplingConfig, SpecConfig
+from verispec.config import ConstraintLimits, SamplingConfig, SpecConfig
 from verispec.constraints import Grammars, apply_constraint
 from verispec.core.drafter import Draft, Drafter
 from verispec.core.protocols import Runner
@@ -68,6 +68,7 @@ class SpeculativeEngine:
         self._make_grammars = grammars
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()  # the server compiles constraints on worker threads
+        self.constraint_limits = ConstraintLimits()  # what a constraint may cost (a server sets its own)
         # Observers of every verification, called as observer(seq, draft, p, verdict, uniforms) with the
         # Draft, its Verdict, p (N + 1 rows of (V,): a (N + 1, V) tensor for a chain, rows made on demand for
         # a tree; one-hot at the argmax at temperature 0) and the N uniforms `verify` drew (None at
@@ -87,6 +88,10 @@ class SpeculativeEngine:
         seeds: list[int | None] | int | None,
     ) -> list[Sequence]:
         """Check prompts against the vocabulary and context window and make one Sequence per prompt.
+
+        The target's vocabulary: an id outside it is refused (a VerispecError). An id inside it that the drafter's own
+        model cannot read (a draft with a smaller vocabulary) is not: the batch keeps that row away from the drafter,
+        and it decodes without drafts (`verispec.faults.DraftRows`), as does a row that later commits such an id.
 
         `sampling`: one config for all prompts or one per prompt; `seeds` as in `stream`.
         """
@@ -125,6 +130,7 @@ class SpeculativeEngine:
                 if self._make_grammars is None:
                     raise VerispecError("structured output needs the target's tokenizer: this engine was built without one")
                 self._grammars = self._make_grammars()
+            self._grammars.limits = self.constraint_limits
             return self._grammars
 
     def cache_bytes(self, tokens: int) -> int:
