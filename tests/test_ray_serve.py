@@ -200,7 +200,7 @@ def test_a_bad_key_or_an_oversized_body_is_refused_before_the_body_is_sent(clust
     host, port = cluster.url.removeprefix("http://").split(":")
     for auth, length, status in ((b"Bearer wrong", 100, 401), (f"Bearer {KEY}".encode(), 50_000_000, 413)):
         with socket.create_connection((host, int(port)), timeout=30) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                          b"Authorization: %s\r\nContent-Length: %d\r\n\r\n" % (auth, length))  # and no body
             code, _, answer = read_response(sock)  # answered though no byte of the body was ever sent
             assert code == status and b'"error"' in answer

@@ -89,7 +89,7 @@ def test_a_client_that_vanishes_at_the_socket_level_frees_its_row(decoder):
         host, port = s.url.removeprefix("http://").split(":")
         body = b'{"prompt": "abc", "max_tokens": 100, "stream": true}'
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             assert b"200 OK" in sock.recv(4096)
         scheduler = s.app.state.scheduler
@@ -105,7 +105,9 @@ def test_a_flood_past_the_queue_gets_429_and_the_rest_complete(decoder):
     with BackgroundServer(decoder, ServeConfig(port=0, max_batch_size=1, max_queue=2)) as s:
         responses = asyncio.run(flood(s.url, 24))
         codes = [r.status_code for r in responses]
-        assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= 3
+        # at least the queue's two places are answered (a third when the decoding thread takes the first from the
+        # queue before the others arrive: they are read and tokenized off the event loop, so they arrive together)
+        assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= 2
         for r in responses:
             if r.status_code == 429:
                 assert r.json()["error"]["type"] == "rate_limit_error"

@@ -131,7 +131,7 @@ def test_the_live_view_decodes_under_a_constraint_and_shows_forced_tokens(decode
 
     from verispec.viz.server import create_app
 
-    with TestClient(create_app(decoder)) as client:
+    with TestClient(create_app(decoder), base_url="http://localhost") as client:
         start = client.post("/api/live/start", json={"prompt": "hi", "drafter": decoder.draft_name, "k": 3,
                                                      "temperature": 0, "max_new_tokens": 60,
                                                      "constraint": {"kind": "json_schema", "source": json.dumps(SCHEMA)}})

@@ -22,7 +22,7 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(model_dirs):
-    return TestClient(create_app(SpeculativeDecoder.load(*model_dirs)))
+    return TestClient(create_app(SpeculativeDecoder.load(*model_dirs)), base_url="http://localhost")
 
 
 def run_live(client, body):

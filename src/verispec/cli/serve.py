@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from verispec.cli.options import (API_KEY_ENV, SERVE_OPTIONS, add_model_options, build_config, decoder_kwargs, default_of,
                                   load_decoder)
-from verispec.config import AdaptConfig, ServeConfig
+from verispec.config import AdaptConfig, ConstraintLimits, ServeConfig
 from verispec.errors import VerispecError
 from verispec.models.registry import DEFAULT_DRAFTER
 
@@ -17,6 +18,23 @@ def add_parser(sub) -> None:
     s.add_argument("--host", help=f"interface to bind (default: {default_of(ServeConfig, 'host')}, this machine only)")
     s.add_argument("--port", type=int, help=f"(default: {default_of(ServeConfig, 'port')})")
     s.add_argument("--api-key", help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV} if set, else none)")
+    s.add_argument("--api-keys-file", metavar="FILE",
+                   help="more API keys, one per line, each KEY or NAME:KEY ('#' starts a comment); each key is a tenant "
+                        "with its own share of the server (--key-share) and, by default, its own suffix store")
+    s.add_argument("--key-share", type=float,
+                   help=f"with two keys or more, the most of the rows, queue and cache one key may hold at once "
+                        f"(default: {default_of(ServeConfig, 'key_share')})")
+    s.add_argument("--suffix-scope", choices=("shared", "key"),
+                   help="whose earlier outputs suffix decoding drafts from: every client's, or each API key's own "
+                        "(default: key when API keys are set, else shared)")
+    s.add_argument("--allowed-hosts", type=_names, metavar="NAME[,NAME...]",
+                   help="with no API key, host names (besides IP addresses and localhost) a request's Host and Origin "
+                        "may name; '*' allows any (default: none)")
+    s.add_argument("--constraint-limits", type=_limits, metavar="NAME=VALUE[,...]",
+                   help="bounds on structured-output constraints, e.g. max_depth=64,compile_seconds=5 (fields of "
+                        "ConstraintLimits: " + ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(ConstraintLimits)) + ")")
+    s.add_argument("--compile-workers", type=int,
+                   help=f"threads compiling constraints (default: {default_of(ServeConfig, 'compile_workers')})")
     s.add_argument("--served-model-name", help="the model id clients send (default: the target's name)")
     s.add_argument("--max-batch-size", type=int,
                    help=f"sequences decoded together, 1 turns batching off (default: {default_of(ServeConfig, 'max_batch_size')})")
@@ -79,16 +97,51 @@ def run(args: argparse.Namespace) -> int:
 
     if args.api_key is None:
         args.api_key = os.environ.get(API_KEY_ENV) or None
+    args.api_keys = _read_keys(args.api_keys_file) if args.api_keys_file else None
     config = build_config(ServeConfig, args, SERVE_OPTIONS)
     if args.backend == "llama.cpp" and config.max_batch_size != 1:
         raise VerispecError("the llama.cpp backend decodes one sequence at a time: add --max-batch-size 1")
     if args.ray:
         return _run_on_ray(args, config)
-    decoder = load_decoder(args)
+    decoder = load_decoder(args, suffix_scope="key" if config.scope_by_key else "shared")
     if args.adapt:
         decoder.enable_adaptation(AdaptConfig())
     run_server(decoder, config)
     return 0
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _limits(text: str) -> ConstraintLimits:
+    """NAME=VALUE,... -> ConstraintLimits (an unknown name or a bad value is one line)."""
+    fields = {f.name: f.type for f in dataclasses.fields(ConstraintLimits)}
+    values = {}
+    for item in _names(text):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise argparse.ArgumentTypeError(f"unknown constraint limit '{name}' (known: {', '.join(fields)})")
+        try:
+            values[name] = float(value) if fields[name] == "float" else int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"constraint limit {name} takes a number, got '{value}'") from None
+    try:
+        return ConstraintLimits(**values)
+    except VerispecError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _read_keys(path: str) -> tuple[str, ...]:
+    """The keys of an --api-keys-file: one per line, comments and blank lines skipped."""
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise VerispecError(f"cannot read --api-keys-file {path}: {err}") from None
+    keys = tuple(line.strip() for line in lines if line.strip() and not line.strip().startswith("#"))
+    if not keys:
+        raise VerispecError(f"--api-keys-file {path} holds no key")
+    return keys
 
 
 def _run_on_ray(args: argparse.Namespace, config: ServeConfig) -> int:
@@ -103,6 +156,7 @@ def _run_on_ray(args: argparse.Namespace, config: ServeConfig) -> int:
         if not 1 <= low <= high:
             raise VerispecError(f"--autoscale needs 1 <= MIN <= MAX, got {low},{high}")
         autoscaling = {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": config.max_batch_size}
-    ray_serve.run(decoder_kwargs(args), config, args.replicas, args.ray_address, args.adapt, args.threads,
+    kwargs = decoder_kwargs(args, "key" if config.scope_by_key else "shared")
+    ray_serve.run(kwargs, config, args.replicas, args.ray_address, args.adapt, args.threads,
                   autoscaling, args.cpus_per_replica, blocking=True)
     return 0

@@ -20,7 +20,8 @@ from verispec.core.sequence import Sequence
 from verispec.serve import protocol as wire
 from verispec.serve.metrics import Metrics
 from verispec.serve.protocol import APIError, GenerationRequest
-from verispec.serve.scheduler import QueueFull, Scheduler, ShuttingDown, Ticket, TooLarge, Unavailable, Update
+from verispec.serve.scheduler import Scheduler
+from verispec.serve.tickets import QueueFull, ShuttingDown, Ticket, TooLarge, Unavailable, Update
 from verispec.serve.streaming import TextStream, TimedStreamingResponse
 
 POLL_S = 0.5  # how often a waiting request checks its client, its deadline and the decoding thread
@@ -29,6 +30,9 @@ DEADLINE_GRACE_S = 5.0  # past the request timeout, the scheduler has this long 
 
 def refusal(err: Exception, config: ServeConfig) -> APIError:
     """The answer to a request the scheduler would not take (`Scheduler.submit`'s exceptions)."""
+    if isinstance(err, QueueFull) and err.tenant_share is not None:
+        return APIError(429, f"this API key has {err.tenant_share} requests waiting already, its share of the queue; "
+                        "retry later", "rate_limit_error", code="key_queue_full")
     if isinstance(err, QueueFull):
         return APIError(429, f"the server is busy ({config.max_queue} requests waiting); retry later",
                         "rate_limit_error", code="queue_full")
@@ -38,8 +42,9 @@ def refusal(err: Exception, config: ServeConfig) -> APIError:
         return APIError(503, "the server is not decoding (its decoding thread stopped); see its log",
                         "server_unavailable")
     if isinstance(err, TooLarge):
+        whose = "this API key's share of this server's budget" if err.per_key else "this server's budget"
         return APIError(400, f"this request's prompt and max_tokens need {err.needed / 2**20:.0f} MiB of key/value "
-                        f"cache, more than this server's budget of {err.budget / 2**20:.0f} MiB; ask for fewer tokens",
+                        f"cache, more than {whose} of {err.budget / 2**20:.0f} MiB; ask for fewer tokens",
                         param="max_tokens", code="context_length_exceeded")
     raise err
 
@@ -55,17 +60,19 @@ class Answers:
                  model_name: str) -> None:
         self.decoder, self.scheduler, self.metrics = decoder, scheduler, metrics
         self.config, self.model_name = config, model_name
+        self.drafter_name = wire.public_drafter_name(decoder.draft_name)
 
-    def submit(self, seq: Sequence, streaming: bool) -> Ticket:
+    def submit(self, seq: Sequence, streaming: bool, tenant: str = "") -> Ticket:
         try:
-            return self.scheduler.submit(seq, self.config.request_timeout, streaming)
+            return self.scheduler.submit(seq, self.config.request_timeout, streaming, tenant)
         except (QueueFull, ShuttingDown, Unavailable, TooLarge) as err:
             raise refusal(err, self.config) from None
 
-    async def respond(self, request: Request, body: GenerationRequest, seq: Sequence, chat: bool) -> Response:
-        """Submit `seq` (built from `body`) and answer: JSON when it is done, or a stream of events."""
+    async def respond(self, request: Request, body: GenerationRequest, seq: Sequence, chat: bool,
+                      tenant: str = "") -> Response:
+        """Submit `seq` (built from `body`, for this tenant) and answer: JSON when it is done, or a stream of events."""
         arrival, prompt_len = time.monotonic(), seq.prompt_len
-        ticket = self.submit(seq, body.stream)
+        ticket = self.submit(seq, body.stream, tenant)
         rid = wire.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -86,7 +93,7 @@ class Answers:
         return JSONResponse(make(rid, self.model_name, text, update.finish_reason, use))
 
     def _drafter(self, ticket: Ticket) -> str:
-        return self.decoder.draft_name if ticket.sequence.drafting else "none"
+        return self.drafter_name if ticket.sequence.drafting else "none"
 
     async def next_update(self, ticket: Ticket) -> Update | None:
         """The ticket's next update, or None after POLL_S; raises the answer a request gets when the decoding
@@ -111,7 +118,7 @@ class Answers:
                     return None
                 continue
             if update.error is not None:
-                raise APIError(update.error.status, update.error.message, update.error.type)
+                raise APIError(update.error.status, update.error.message, update.error.type, update.error.param)
             generated.extend(update.tokens)
             if update.done:
                 if ticket.first_token_at is not None:
@@ -144,7 +151,8 @@ class Answers:
                 if update is None:
                     continue
                 if update.error is not None:
-                    yield sse(APIError(update.error.status, update.error.message, update.error.type).body())
+                    error = update.error
+                    yield sse(APIError(error.status, error.message, error.type, error.param).body())
                     break
                 if first:
                     self.metrics.first_token.observe(time.monotonic() - arrival)

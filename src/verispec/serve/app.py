@@ -7,11 +7,16 @@ Every request is checked (fields, limits, context window, cache budget: `serve.r
 one Sequence; the Scheduler's thread decodes all running sequences together; `serve.answers` answers each request
 (bounded waits, streaming). Errors are OpenAI-style JSON ({"error": {...}}) with 4xx codes; an unexpected failure is
 a 500 with a one-line message, never a traceback.
+
+A request's work is done cheapest first and never on the event loop when it can be large: its fields and whether its
+tenant's queue has room (event loop), then its prompt templated and tokenized (a worker thread, after a size check),
+then its constraint compiled (the compile pool, `serve.compile`, within a time budget), then its place in the queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -22,12 +27,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.api import SpeculativeDecoder
 from verispec.config import ServeConfig
-from verispec.serve.answers import Answers
+from verispec.serve.answers import Answers, refusal
+from verispec.serve.compile import Busy, CompilePool, CompileTimeout
 from verispec.serve.gate import Gate
 from verispec.serve.metrics import Metrics
+from verispec.serve import protocol as wire
 from verispec.serve.protocol import APIError, ChatRequest, CompletionRequest
 from verispec.serve.requests import RequestBuilder
 from verispec.serve.scheduler import Scheduler
+from verispec.serve.tickets import QueueFull, ShuttingDown, TooLarge, Unavailable
+from verispec.serve.tenants import Keys
 
 
 def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig(), scheduler_thread: bool = True) -> FastAPI:
@@ -35,54 +44,85 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig(),
     (gracefully) at shutdown; without, the caller runs `app.state.scheduler.run()` itself (on the main thread:
     `serve.server.run_server`) and stops it."""
     engine = decoder.engine
+    engine.constraint_limits = config.constraint_limits
+    keys = Keys(config.keys)
     adapter = decoder.adapter  # online adaptation (`serve --adapt`): updates run while the scheduler idles
     tuner = decoder.auto_tuner() if config.auto_k and decoder.drafter is not None else None  # costs measured now
     scheduler = Scheduler(engine, config.max_batch_size, config.max_queue,
                           on_idle=adapter.poke if adapter is not None else None, prefill_chunk=config.prefill_chunk,
-                          max_cache_bytes=config.max_cache_bytes, tuner=tuner)
+                          max_cache_bytes=config.max_cache_bytes, tuner=tuner,
+                          key_share=config.key_share if len(keys.keys) > 1 else None)
     metrics = Metrics(scheduler, adapter)
-    model_name = config.served_model_name or decoder.target.name
+    model_name = config.served_model_name or wire.public_drafter_name(decoder.target.name)  # no paths shown
     requests = RequestBuilder(decoder, config, model_name)
     answers = Answers(decoder, scheduler, metrics, config, model_name)
+    compiler = CompilePool(config.compile_workers, config.max_queue)
+    # templating and tokenizing (up to a MiB of text): off the event loop, on a few threads of their own
+    prep = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="verispec-prep")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         if not scheduler_thread:  # the caller runs the loop and stops it
             yield
+            prep.shutdown(wait=False)
+            compiler.close()
             return
         scheduler.start()
         yield
         await asyncio.to_thread(scheduler.stop, config.shutdown_timeout)
+        prep.shutdown(wait=False)
+        compiler.close()
         if adapter is not None:
             await asyncio.to_thread(adapter.close)
 
     app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.scheduler, app.state.metrics = scheduler, metrics
-    app.add_middleware(Gate, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
+    app.state.scheduler, app.state.metrics, app.state.compiler = scheduler, metrics, compiler
+    app.add_middleware(Gate, keys=keys, max_body_bytes=config.max_body_bytes, metrics=metrics,
+                       allowed_hosts=config.allowed_hosts)
     add_error_handlers(app, config)
 
-    async def sequence(body, prompt: list[int], max_tokens: int | None):
-        """The request's Sequence; a structured-output constraint is compiled off the event loop (the first one also
-        reads the tokenizer's vocabulary, ~1 s for Qwen's)."""
-        if body.response_format is None or body.response_format.type == "text":
-            return requests.sequence(body, prompt, max_tokens)
-        return await asyncio.to_thread(requests.sequence, body, prompt, max_tokens)
+    async def answer(request: Request, body, max_tokens: int | None, chat: bool) -> Response:
+        """Check, read the prompt, compile, submit and answer: cheapest first (see the module doc)."""
+        tenant = request.scope.get("state", {}).get("tenant", "")
+        requests.check(body, max_tokens)
+        try:
+            scheduler.check_room(tenant)  # a full server refuses before reading the prompt or compiling anything
+        except (QueueFull, ShuttingDown, Unavailable) as err:
+            raise refusal(err, config) from None
+        read = requests.chat_prompt if chat else requests.completion_prompt
+        prompt = await asyncio.get_running_loop().run_in_executor(prep, read, body)
+        constraint = body.response_format is not None and body.response_format.type != "text"
+        try:  # its worst case against the cache budget and its key's share, before anything is compiled
+            scheduler.check_fits(requests.worst_case_tokens(body, len(prompt), max_tokens), tenant)
+        except TooLarge as err:
+            raise refusal(err, config) from None
+        if not constraint:
+            seq = requests.sequence(body, prompt, max_tokens, tenant)
+        else:  # compiled once per content, on the compile pool, within the time budget
+            seconds = config.constraint_limits.compile_seconds
+            try:
+                seq = await compiler.run(lambda: requests.sequence(body, prompt, max_tokens, tenant), seconds)
+            except CompileTimeout:
+                raise APIError(400, f"compiling the constraint took longer than {seconds:g} s: simplify the schema "
+                               "or grammar", param="response_format") from None
+            except Busy:
+                raise APIError(503, "too many constraints are being compiled; retry later", "server_overloaded",
+                               code="compile_queue_full") from None
+        return await answers.respond(request, body, seq, chat=chat, tenant=tenant)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        seq = await sequence(body, requests.completion_prompt(body), body.max_tokens)
-        return await answers.respond(request, body, seq, chat=False)
+        return await answer(request, body, body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest) -> Response:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        seq = await sequence(body, requests.chat_prompt(body), max_tokens)
-        return await answers.respond(request, body, seq, chat=True)
+        return await answer(request, body, max_tokens, chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "verispec",
-                                            "drafter": decoder.draft_name, "context_window": engine.context_window}]}
+                                            "drafter": requests.drafter_name, "context_window": engine.context_window}]}
 
     @app.get("/health")
     async def health() -> JSONResponse:

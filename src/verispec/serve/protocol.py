@@ -22,15 +22,40 @@ TREE_FIELDS = ("shape", "budget", "top_k", "children")
 
 
 class APIError(Exception):
-    """An OpenAI-style error answer: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+    """An OpenAI-style error answer: {"error": {"message", "type", "param", "code"}} with an HTTP status.
+
+    Its text may quote what the client sent; lone surrogates there (which JSON cannot encode as UTF-8) are written as
+    escapes, so the answer can always be sent."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None) -> None:
+        message = printable(message)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def printable(text: str) -> str:
+    """`text` with lone surrogates as backslash escapes (valid UTF-8 whatever a client sent)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def public_drafter_name(name: str) -> str:
+    """A drafter's (or a model's) name as clients see it: no file paths (`suffix:/srv/store.st` is "suffix", a model
+    named by its file or folder is that file's or folder's name), so a response never tells a client where the server
+    keeps its files."""
+    parts = []
+    for part in name.split("+"):
+        kind, sep, _ = part.partition(":")
+        if sep:
+            parts.append(kind)
+        elif "/" in part or "\\" in part:
+            parts.append(part.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1])
+        else:
+            parts.append(part)
+    return "+".join(parts)
 
 
 class Strict(BaseModel):

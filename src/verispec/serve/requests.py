@@ -6,6 +6,11 @@ in count and length, its speculation (K, tree nodes and depth; a tree's top_k is
 its sampling settings in ranges (`protocol`; sampling is NaN-safe for any of them anyway), and what its key/value
 cache will cost against the running requests' budget (checked by the scheduler at submission). Whatever fails is
 a 4xx naming the field, never a traceback.
+
+The work is ordered cheapest first, so a request that will be refused costs little: `check` (fields alone, on the
+event loop), then the prompt (`completion_prompt`, `chat_prompt`: its size in characters first, then templating and
+tokenizing, on a worker thread), then `sequence` (lengths against the window; a structured-output constraint measured
+against the bounds and compiled, on the compile pool: `serve.compile`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from verispec.chat import chat_text, chat_text_ids
 from verispec.config import SamplingConfig, ServeConfig, SpecConfig
 from verispec.core.sequence import Sequence
 from verispec.drafters.registry import NO_DRAFT
-from verispec.errors import VerispecError
+from verispec.errors import ConstraintError, VerispecError
 from verispec.serve import protocol as wire
 from verispec.serve.protocol import APIError, ChatRequest, CompletionRequest, GenerationRequest
 
@@ -30,7 +35,30 @@ class RequestBuilder:
         self.context_window = window
         self.max_prompt = min(config.max_prompt_tokens or window - 1, window - 1)
         self.max_request = min(config.max_request_tokens or window, window)
-        self.drafter_names = {decoder.draft_name} | ({decoder.drafter.name} if decoder.drafter is not None else set())
+        self.drafter_name = wire.public_drafter_name(decoder.draft_name)
+        self.drafter_names = {decoder.draft_name, self.drafter_name} | (
+            {decoder.drafter.name} if decoder.drafter is not None else set())
+        self._longest_token: int | None = None
+
+    # --- sizes -----------------------------------------------------------------------------------------
+    def longest_token(self) -> int:
+        """Characters of the longest token text (so a prompt of more than max_prompt times this many characters has
+        too many tokens, without tokenizing it); 0 where the vocabulary cannot be read."""
+        if self._longest_token is None:
+            try:
+                vocab = self.decoder.target.tokenizer.get_vocab()
+                self._longest_token = max((len(t) for t in vocab), default=0)
+            except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary: no early check
+                self._longest_token = 0
+        return self._longest_token
+
+    def check_chars(self, chars: int, param: str) -> None:
+        """Refuse text that has more characters than the longest prompt could, before tokenizing it."""
+        longest = self.longest_token()
+        if longest and chars > self.max_prompt * longest:
+            raise APIError(400, f"the prompt has {chars} characters, more than {self.max_prompt} tokens could hold; "
+                           f"this server accepts at most {self.max_prompt} tokens", param=param,
+                           code="context_length_exceeded")
 
     # --- prompts -------------------------------------------------------------------------------------
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
@@ -41,6 +69,7 @@ class RequestBuilder:
                                param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
+            self.check_chars(len(prompt), "prompt")
             try:
                 return self.decoder.encode(prompt, chat=False)
             except VerispecError as err:
@@ -54,6 +83,7 @@ class RequestBuilder:
             raise APIError(400, f"model '{self.model_name}' has no chat template; use /v1/completions", param="messages")
         tok = self.decoder.target.tokenizer
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self.check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             text = chat_text(tok, messages)
         except Exception as err:  # the template's own checks (e.g. role order) fail with its own errors
@@ -64,9 +94,10 @@ class RequestBuilder:
             raise APIError(400, f"the messages cannot be tokenized: {type(err).__name__}", param="messages") from None
 
     # --- the sequence --------------------------------------------------------------------------------
-    def sequence(self, body: GenerationRequest, prompt: list[int], max_tokens: int | None) -> Sequence:
+    def check(self, body: GenerationRequest, max_tokens: int | None) -> None:
+        """The checks a request's fields allow alone (no prompt read, nothing compiled): cheap, on the event loop."""
         config = self.config
-        if body.model is not None and body.model != self.model_name:
+        if body.model is not None and body.model not in (self.model_name, self.decoder.target.name):
             raise APIError(404, f"model '{body.model}' is not served here; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
         if body.n != 1:
@@ -77,10 +108,23 @@ class RequestBuilder:
         if any(len(s) > config.max_stop_length for s in stops):
             raise APIError(400, f"a stop string may be at most {config.max_stop_length} characters", param="stop")
         spec_options = body.speculative or wire.SpeculativeOptions()
-        drafting = self._drafting(spec_options)
-        tree = self._tree(spec_options, drafting)
+        self._tree(spec_options, self._drafting(spec_options))
         if spec_options.K is not None and spec_options.K > config.max_draft_tokens:
             raise APIError(400, f"speculative.K may be at most {config.max_draft_tokens}", param="speculative.K")
+        if max_tokens is not None and config.max_tokens_limit is not None and max_tokens > config.max_tokens_limit:
+            raise APIError(400, f"max_tokens may be at most {config.max_tokens_limit}", param="max_tokens")
+        if body.response_format is not None:
+            body.response_format.constraint()  # a missing or misplaced part is a 400 now
+
+    def sequence(self, body: GenerationRequest, prompt: list[int], max_tokens: int | None, tenant: str = "") -> Sequence:
+        """The request's Sequence (after `check`): its lengths checked, its constraint compiled (once per content:
+        `Grammars.compile`), its tenant's scope set where the server keeps keys' outputs apart. (It runs `check` again:
+        microseconds, and a caller that skipped it gets the same answers.)"""
+        self.check(body, max_tokens)
+        stops = body.stop_strings()
+        spec_options = body.speculative or wire.SpeculativeOptions()
+        drafting = self._drafting(spec_options)
+        tree = self._tree(spec_options, drafting)
         self._check_length(len(prompt), max_tokens)
         spec_fields = {"stop": stops, "stop_at_eos": not body.ignore_eos}
         if max_tokens is not None:
@@ -96,12 +140,15 @@ class RequestBuilder:
             sampling = SamplingConfig(**body.sampling_fields(), constraint=constraint)
             spec = SpecConfig(**spec_fields)
             seq = self.engine.make_sequences([prompt], sampling, spec, [body.seed])[0]
+        except ConstraintError as err:
+            raise APIError(400, str(err), param="response_format") from None
         except VerispecError as err:
             field = str(err).split(" ", 1)[0]
             if constraint is not None and ("constraint" in str(err) or "schema" in str(err)):
                 field = "response_format"
             raise APIError(400, str(err), param=field if field in GenerationRequest.model_fields else None) from None
         seq.drafting = drafting
+        seq.scope = tenant if self.config.scope_by_key else None
         # the server's tuner (ServeConfig.auto_k) sizes a request's drafts unless it names K or a tree (a seeded
         # sampled request's draws follow K: naming K is how it gets the same tokens alone or batched)
         seq.tuned = spec_options.K is None and tree is None
@@ -113,8 +160,8 @@ class RequestBuilder:
         if options.drafter in NO_DRAFT:
             return False
         if options.drafter not in self.drafter_names:
-            raise APIError(400, f"this server drafts with '{self.decoder.draft_name}'; speculative.drafter may be "
-                           f"'{self.decoder.draft_name}' or 'none'", param="speculative.drafter")
+            raise APIError(400, f"this server drafts with '{self.drafter_name}'; speculative.drafter may be "
+                           f"'{self.drafter_name}' or 'none'", param="speculative.drafter")
         return self.decoder.drafter is not None
 
     def _tree(self, options: wire.SpeculativeOptions, drafting: bool):
@@ -133,6 +180,17 @@ class RequestBuilder:
             raise APIError(400, f"speculative.tree may have at most {config.max_tree_nodes} nodes and depth "
                            f"{config.max_draft_tokens}", param="speculative.tree")
         return tree
+
+    def worst_case_tokens(self, body: GenerationRequest, prompt: int, max_tokens: int | None) -> int:
+        """Positions the request may hold at once: its prompt, max_tokens and one step's drafts (a tree's upper bound),
+        as the scheduler reserves them (checked against the budget and the key's share before compiling anything)."""
+        self._check_length(prompt, max_tokens)
+        options = body.speculative or wire.SpeculativeOptions()
+        k = options.K or SpecConfig().num_draft_tokens
+        tree = wire.tree_config(options.tree)
+        drafts = tree.size_upper_bound(tree.depth(k)) if tree is not None else k
+        new = max_tokens if max_tokens is not None else min(SpecConfig().max_new_tokens, self.context_window - prompt)
+        return prompt + new + drafts + 1
 
     def _check_length(self, prompt: int, max_tokens: int | None) -> None:
         config = self.config

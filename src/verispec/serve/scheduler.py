@@ -6,9 +6,12 @@ running batch between steps while it has free rows and the key/value cache they 
 wait instead of running the machine out of memory), and leave it when they finish, are cancelled (the client went
 away), run past their deadline, or fail. A leaving sequence's cache rows are freed before the next step.
 
-Each step's new tokens go back to the request as an `Update`, through a mailbox (`Ticket`) that merges what the
-reader has not taken yet: a stalled reader costs one pending update, never a growing queue, and posting costs the
-decoding thread an append and at most one wake-up of the event loop per request.
+Each step's new tokens go back to the request as an `Update`, through a mailbox (`Ticket`, `serve.tickets`) that
+merges what the reader has not taken yet.
+
+With several tenants (API keys, `serve.tenants`) each may hold a share of the rows, the queue and the cache budget,
+and the next free row goes to the waiting tenant holding the fewest. Once the server is stopping nobody joins: the
+waiting requests are answered 503 at once and the running ones get the drain's time.
 
 Faults stay where they belong (see `verispec.batch` for those inside a step): a request whose admission fails is
 answered with an error and the batch goes on; every other part of the loop (reaping, idling, posting) is guarded
@@ -26,137 +29,18 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from verispec.batch import DecodeBatch
 from verispec.core.sequence import Sequence
 from verispec.engine import SpeculativeEngine
-from verispec.stats import GenerationStats
+from verispec.errors import is_fault
+from verispec.serve.tenants import Ledger, share_of
+from verispec.serve.tickets import (  # noqa: F401 - the names a caller of the scheduler meets, importable here too
+    QueueFull, ServeError, ShuttingDown, Ticket, TooLarge, Unavailable, Update, error_for)
 from verispec.tuning import AdaptiveK
 
 log = logging.getLogger("verispec.serve")
-
-
-class QueueFull(Exception):
-    """The waiting queue holds max_queue requests already (HTTP 429)."""
-
-
-class ShuttingDown(Exception):
-    """The server is stopping and admits no new requests (HTTP 503)."""
-
-
-class Unavailable(Exception):
-    """The decoding thread is not running (HTTP 503)."""
-
-
-class TooLarge(Exception):
-    """The request alone would need more key/value cache than the server's budget (HTTP 400)."""
-
-    def __init__(self, needed: int, budget: int) -> None:
-        super().__init__(f"needs {needed} bytes of cache, budget {budget}")
-        self.needed, self.budget = needed, budget
-
-
-@dataclass(frozen=True)
-class ServeError:
-    """Why a request was cut: HTTP status, OpenAI error type and message."""
-
-    status: int
-    type: str
-    message: str
-
-
-@dataclass(frozen=True)
-class Update:
-    """What a request gained since the last update its reader took.
-
-    tokens: the tokens generated since then (after any stop-string cut).
-    finish_reason: None while running, else "eos", "stop" or "length".
-    text_end: where a stop string cut the text, if one did.
-    stats: the sequence's counters, on the last update only.
-    error: set when the request was cut (tokens may still hold what came before).
-    """
-
-    tokens: tuple[int, ...] = ()
-    finish_reason: str | None = None
-    text_end: int | None = None
-    stats: GenerationStats | None = None
-    error: ServeError | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-    def then(self, later: Update) -> Update:
-        """This update followed by a later one, as one."""
-        return replace(later, tokens=self.tokens + later.tokens)
-
-
-class Ticket:
-    """One submitted request: the scheduler posts Updates into its mailbox; the reader takes them with `next`.
-
-    Args:
-        sequence: the request's sequence.
-        loop: the event loop its reader runs on.
-        deadline: time.monotonic() after which the request is cut.
-        scheduler: to wake on `cancel`.
-        reserved: bytes of key/value cache the request reserves while it runs.
-        streaming: wake the reader at every post (a stream sends each step's text); False wakes it only at the
-            end, so a request answered in one piece costs the event loop nothing while it decodes.
-    """
-
-    def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop, deadline: float, scheduler: Scheduler,
-                 reserved: int = 0, streaming: bool = True) -> None:
-        self.sequence = sequence
-        self.loop = loop
-        self.deadline = deadline
-        self.reserved = reserved
-        self.cancelled = False
-        self.finished = False
-        self.posted = 0  # tokens of sequence.generated posted so far (scheduler thread)
-        self.first_token_at: float | None = None  # time.monotonic() when its first token was posted
-        self.streaming = streaming
-        self._scheduler = scheduler
-        self._lock = threading.Lock()
-        self._pending: Update | None = None
-        self._woken = False  # a wake-up is on its way to the reader, or it has not taken the mail since
-        self._ready = asyncio.Event()
-
-    def cancel(self) -> None:
-        """The client is gone: free the request's row (or queue place) now. No-op once finished."""
-        if not self.finished and not self.cancelled:
-            self.cancelled = True
-            self._scheduler.wake()
-
-    def post(self, update: Update) -> None:
-        """Called from the scheduler thread: merge into the mailbox; wake the reader unless a wake-up is already
-        on its way (or, when not streaming, until the request is done)."""
-        with self._lock:
-            self._pending = update if self._pending is None else self._pending.then(update)
-            if update.done:
-                self.finished = True
-            wake = not self._woken and (self.streaming or update.done)
-            self._woken = self._woken or wake
-        if wake:
-            try:
-                self.loop.call_soon_threadsafe(self._ready.set)
-            except RuntimeError:  # the event loop has closed: nobody is listening any more
-                pass
-
-    async def next(self, timeout: float | None = None) -> Update | None:
-        """The updates posted since the last call, merged (waiting up to `timeout` s for one; None if none came)."""
-        if timeout is None:
-            await self._ready.wait()
-        else:
-            try:
-                await asyncio.wait_for(self._ready.wait(), timeout)
-            except asyncio.TimeoutError:
-                return None
-        with self._lock:
-            update, self._pending = self._pending, None
-            self._ready.clear()
-            self._woken = False
-        return update
 
 
 def default_cache_budget() -> int:
@@ -190,13 +74,17 @@ class Scheduler:
         prefill_chunk: prompt tokens a joining request reads per step (None: a whole prompt in one step).
         max_cache_bytes: key/value cache the running requests may reserve together (None: `default_cache_budget`).
         tuner: chooses K each step for every row from measured costs (None: each request's own K).
+        key_share: with several tenants, the most of the rows, the queue and the cache budget one may hold at once
+            (`serve.tenants`); None: no per-tenant limit.
     """
 
     IDLE_WAIT_S = 0.5  # how long the idle thread sleeps between checks when nothing wakes it
+    FLUSH_S = 5.0  # how long the loop's end waits for the drafter's store to reach its file
 
     def __init__(self, engine: SpeculativeEngine, max_batch_size: int, max_queue: int,
                  on_idle: Callable[[], None] | None = None, prefill_chunk: int | None = None,
-                 max_cache_bytes: int | None = None, tuner: AdaptiveK | None = None) -> None:
+                 max_cache_bytes: int | None = None, tuner: AdaptiveK | None = None,
+                 key_share: float | None = None) -> None:
         self.engine = engine
         self.on_idle = on_idle
         self.max_batch_size = max_batch_size
@@ -207,6 +95,7 @@ class Scheduler:
         self.batch = DecodeBatch(engine, tuner, prefill_chunk=prefill_chunk)
         self.faults = _Faults()
         self.reserved = 0  # bytes reserved by the running requests
+        self.tenants = Ledger(share_of(key_share, max_batch_size, max_queue, self.max_cache_bytes))
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._running: dict[int, Ticket] = {}  # id(sequence) -> ticket
         self._lock = threading.Lock()
@@ -237,20 +126,41 @@ class Scheduler:
         drafts = spec.tree.size_upper_bound(spec.tree.depth(spec.num_draft_tokens)) if spec.tree else spec.num_draft_tokens
         return self.engine.cache_bytes(len(sequence.tokens) + sequence.max_new_tokens + drafts + 1)
 
-    def submit(self, sequence: Sequence, timeout_s: float, streaming: bool = True) -> Ticket:
-        """Queue a sequence (from `engine.make_sequences`); must be called on the running event loop."""
+    def check_fits(self, tokens: int, tenant: str = "") -> None:
+        """Raise TooLarge where a request holding `tokens` positions (prompt, max_tokens, one step's drafts and tree
+        nodes) could never run: over the cache budget, or its tenant's share of it. Cheap: before its constraint is
+        compiled."""
+        needed = self.engine.cache_bytes(tokens)
+        if needed > self.max_cache_bytes:
+            raise TooLarge(needed, self.max_cache_bytes)
+        if self.tenants.over_cache(tenant, needed):
+            raise TooLarge(needed, self.tenants.share.cache_bytes, per_key=True)
+
+    def check_room(self, tenant: str = "") -> None:
+        """Raise what `submit` would for a request of this tenant now, before any work is spent on it (its prompt read,
+        its constraint compiled): ShuttingDown, Unavailable or QueueFull."""
+        if self._stopping:
+            raise ShuttingDown()
+        if not self.alive:
+            raise Unavailable()
+        if len(self._waiting) >= self.max_queue:
+            raise QueueFull()
+        if self.tenants.over_queue(tenant):
+            raise QueueFull(self.tenants.share.queue)
+
+    def submit(self, sequence: Sequence, timeout_s: float, streaming: bool = True, tenant: str = "") -> Ticket:
+        """Queue a sequence (from `engine.make_sequences`) of this tenant; must be called on the running event loop."""
         reserved = self.reservation(sequence)
         if reserved > self.max_cache_bytes:
             raise TooLarge(reserved, self.max_cache_bytes)
-        ticket = Ticket(sequence, asyncio.get_running_loop(), time.monotonic() + timeout_s, self, reserved, streaming)
+        if self.tenants.over_cache(tenant, reserved):
+            raise TooLarge(reserved, self.tenants.share.cache_bytes, per_key=True)
+        ticket = Ticket(sequence, asyncio.get_running_loop(), time.monotonic() + timeout_s, self, reserved, streaming,
+                        tenant)
         with self._lock:
-            if self._stopping:
-                raise ShuttingDown()
-            if not self.alive:
-                raise Unavailable()
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull()
+            self.check_room(tenant)
             self._waiting.append(ticket)
+            self.tenants.waiting[tenant] += 1
         self.wake()
         return ticket
 
@@ -313,6 +223,8 @@ class Scheduler:
             except BaseException:  # noqa: BLE001
                 pass
         finally:
+            if self.engine.drafter is not None:  # what finished or was cut reaches the drafter's file (suffix:FILE)
+                self._guarded("flush", lambda: self.engine.drafter.flush_store(self.FLUSH_S))
             self._ended = True
 
     def _iterate(self) -> bool:
@@ -334,7 +246,9 @@ class Scheduler:
             return True
         try:
             results = self.batch.step()
-        except Exception as err:  # a bug outside the step's own guards: cut this batch, keep serving
+        except BaseException as err:  # a bug outside the step's own guards: cut this batch, keep serving
+            if not is_fault(err):
+                raise
             self.faults.add("step", err)
             log.exception("decoding step failed; the requests in the batch are cut")
             self._cut_running(ServeError(500, "internal_error", "decoding failed on the server; see its log"))
@@ -349,7 +263,9 @@ class Scheduler:
     def _guarded(self, stage: str, work: Callable[[], None]) -> None:
         try:
             work()
-        except Exception as err:
+        except BaseException as err:  # a native panic too (`is_fault`), never an interrupt
+            if not is_fault(err):
+                raise
             self.faults.add(stage, err)
 
     def _post(self, seq: Sequence) -> None:
@@ -372,24 +288,49 @@ class Scheduler:
     def _release(self, ticket: Ticket) -> None:
         if self._running.pop(id(ticket.sequence), None) is not None:
             self.reserved -= ticket.reserved
+            self.tenants.ended(ticket.tenant, ticket.reserved)
+
+    def _unqueue(self, tickets: list[Ticket]) -> None:
+        """These tickets leave the waiting queue (under the lock)."""
+        gone = {id(t) for t in tickets}
+        self._waiting = collections.deque(t for t in self._waiting if id(t) not in gone)
+        for ticket in tickets:
+            self.tenants.waiting[ticket.tenant] -= 1
+            if self.tenants.waiting[ticket.tenant] <= 0:
+                del self.tenants.waiting[ticket.tenant]
 
     def _admit(self) -> None:
+        """Let waiting requests join while rows are free: the tenant holding the fewest rows first (within its share,
+        `serve.tenants`), first come first served within a tenant; nobody overtakes a request waiting for cache room.
+        Once the server is stopping, nobody joins: the waiting requests are answered 503."""
+        if self._stopping:
+            with self._lock:
+                waiting = list(self._waiting)
+                self._unqueue(waiting)
+            for ticket in waiting:
+                ticket.post(Update(error=ServeError(503, "server_shutting_down", "the server is shutting down")))
+            return
         joining: list[Ticket] = []
         with self._lock:
             while self._waiting and len(self.batch) + len(joining) < self.max_batch_size:
-                head = self._waiting[0]
-                if (self.batch or joining) and self.reserved + head.reserved > self.max_cache_bytes:
-                    break  # wait for room (first come, first served: nobody overtakes the head)
-                self._waiting.popleft()
-                self.reserved += head.reserved
-                joining.append(head)
+                ticket = self.tenants.pick(_first_of_each_tenant(self._waiting))
+                if ticket is None:
+                    break  # every waiting tenant is at its share
+                if (self.batch or joining) and self.reserved + ticket.reserved > self.max_cache_bytes:
+                    break  # wait for room (nobody overtakes the request chosen)
+                self._unqueue([ticket])
+                self.reserved += ticket.reserved
+                self.tenants.started(ticket.tenant, ticket.reserved)
+                joining.append(ticket)
         if not joining:
             return
         for ticket in joining:
             self._running[id(ticket.sequence)] = ticket
         try:
             self.batch.add([t.sequence for t in joining])
-        except Exception as err:
+        except BaseException as err:
+            if not is_fault(err):
+                raise
             self.faults.add("admit", err)
             for ticket in joining:
                 self._release(ticket)
@@ -408,14 +349,19 @@ class Scheduler:
                 if not ticket.cancelled:
                     ticket.post(Update(error=timeout))
         with self._lock:
-            waiting = list(self._waiting)
-            self._waiting = collections.deque(t for t in waiting if not t.cancelled and now <= t.deadline)
-        for ticket in waiting:
-            if not ticket.cancelled and now > ticket.deadline:
+            gone = [t for t in self._waiting if t.cancelled or now > t.deadline]
+            self._unqueue(gone)
+        for ticket in gone:
+            if not ticket.cancelled:
                 ticket.post(Update(error=timeout))
 
     def _cut_running(self, error: ServeError) -> None:
+        """End every running request with `error` and start a fresh batch; what the cut rows wrote so far still
+        reaches the drafter's store (their rows leave it as finished ones do)."""
+        if len(self.batch) and self.engine.drafter is not None:
+            self._guarded("retire", self.engine.drafter.retire_all)
         for ticket in list(self._running.values()):
+            self._release(ticket)
             ticket.post(Update(error=error))
         self._running.clear()
         self.reserved = 0
@@ -423,14 +369,18 @@ class Scheduler:
 
     def _cut_all(self, error: ServeError) -> None:
         with self._lock:
-            waiting, self._waiting = list(self._waiting), collections.deque()
+            waiting = list(self._waiting)
+            self._unqueue(waiting)
         for ticket in waiting:
             ticket.post(Update(error=error))
         self._cut_running(error)
 
 
-def error_for(err: BaseException) -> ServeError:
-    """The answer to a request that a fault ended."""
-    if isinstance(err, MemoryError):
-        return ServeError(503, "server_overloaded", "the server ran out of memory for this request; retry later")
-    return ServeError(500, "internal_error", f"decoding this request failed ({type(err).__name__}); see the server log")
+def _first_of_each_tenant(waiting) -> list[Ticket]:
+    """Each waiting tenant's first ticket, in arrival order."""
+    heads, seen = [], set()
+    for ticket in waiting:
+        if ticket.tenant not in seen:
+            seen.add(ticket.tenant)
+            heads.append(ticket)
+    return heads

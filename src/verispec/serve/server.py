@@ -10,9 +10,11 @@ rest, per connection:
 - a body clock: once the headers are in, the body must be complete within body_timeout, or the client gets a 408
   (when nothing was answered yet) and the connection is closed. It runs whether or not the app reads the body: a
   body the app never reads (a 404, a refusal) is still received to its end before the connection is reused;
-- a concurrency limit: while more than limit_concurrency connections are open or requests running, this one
-  included, a request gets an OpenAI-style 503 (uvicorn's own limit counts the asking connection against itself,
-  serving one fewer than asked, and answers in plain text).
+- a concurrency limit that idle sockets cannot exhaust: when more than limit_concurrency connections are open, the
+  idle ones (no request on them: waiting for a first request's headers, or kept alive between requests) are closed,
+  the oldest first, so sockets opened and left silent never lock others out; a request gets an OpenAI-style 503 only
+  while more than limit_concurrency connections are busy or requests running (uvicorn's own limit counts idle
+  sockets and the asking connection against itself, and answers in plain text).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from verispec.serve.gate import refuse
 from verispec.serve.protocol import APIError
 
 log = logging.getLogger("verispec.serve")
+SHUTDOWN_GRACE_S = 5.0  # uvicorn's grace period beyond the drain (`shutdown_timeout`), for the last answers to go out
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -54,7 +57,10 @@ class GuardedH11Protocol(H11Protocol):
     # --- the clocks ---------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._opened = self.loop.time()
         self._start("headers")
+        if len(self.connections) > self.concurrency:
+            self._close_idle()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -109,8 +115,23 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
     # --- the concurrency limit ----------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        """No request on this connection now (none yet, or the last one answered)."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def _close_idle(self) -> None:
+        """Close idle connections, oldest first, until at most limit_concurrency are open (this one is kept)."""
+        idle = sorted((c for c in self.connections if c is not self and getattr(c, "idle", False)),
+                      key=lambda c: c._opened)
+        for other in idle[: len(self.connections) - self.concurrency]:
+            other._stop()
+            other.transport.close()
+
     async def _admit(self, app, scope, receive, send) -> None:
         """The app as this connection runs it. `connections` and `tasks` include this connection and request."""
+        if len(self.connections) > self.concurrency:
+            self._close_idle()
         if len(self.connections) > self.concurrency or len(self.tasks) > self.concurrency:
             log.warning("more than %d connections or requests at once: answered 503", self.concurrency)
             error = APIError(503, f"the server is at its limit of {self.concurrency} connections; retry later",
@@ -142,9 +163,11 @@ def uvicorn_config(app, config: ServeConfig, log_level: str = "info") -> uvicorn
     warn_if_public(config)
     protocol = functools.partial(GuardedH11Protocol, header_timeout=config.header_timeout,
                                  body_timeout=config.body_timeout, limit_concurrency=config.limit_concurrency)
+    # uvicorn closes what is still open past its grace period; it is longer than the scheduler's drain, so a request
+    # cut at the drain's end still gets its 503 instead of a closed connection
     return uvicorn.Config(app, host=config.host, port=config.port, http=protocol, log_level=log_level,
                           timeout_keep_alive=config.timeout_keep_alive,
-                          timeout_graceful_shutdown=config.shutdown_timeout)
+                          timeout_graceful_shutdown=config.shutdown_timeout + SHUTDOWN_GRACE_S)
 
 
 def run_server(decoder: SpeculativeDecoder, config: ServeConfig) -> None:
@@ -172,7 +195,7 @@ def run_server(decoder: SpeculativeDecoder, config: ServeConfig) -> None:
         web.start()
         threading.Thread(target=watch_web, name="verispec-http-watch", daemon=True).start()
         scheduler.run()  # until shut down
-        web.join(config.shutdown_timeout + 5)
+        web.join(config.shutdown_timeout + SHUTDOWN_GRACE_S + 5)
         if scheduler.died is not None:
             raise VerispecError(f"the decoding loop died ({type(scheduler.died).__name__}: {scheduler.died}); "
                                 "see the log above")

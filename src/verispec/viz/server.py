@@ -12,16 +12,24 @@ JSON API over the library.
     POST /api/speedup/bench              alpha and c measured in an uploaded `verispec bench` JSON
 
 Bad input answers 400 with {"error": message}.
+
+Like the server, the visualizer is guarded before any handler runs (`serve.gate.Gate`): with an API key
+(`verispec viz --api-key`, or $VERISPEC_API_KEY) every /api call needs it (the pages send the key their URL's
+fragment holds: `http://host:port/#key=KEY`); without one, a request's Host and Origin must name this machine, so a
+web page elsewhere cannot drive it. Bodies are limited to MAX_BODY_BYTES; a live decoding's session id is random
+(`secrets`), so one client cannot step or follow another's; its constraint is measured against the same bounds as
+the server's before it is compiled (`verispec.constraint_bounds`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import secrets
 import threading
 import webbrowser
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
@@ -35,9 +43,12 @@ from verispec.drafters.registry import NGRAM
 from verispec.errors import VerispecError
 from verispec.render import StreamPrinter
 from verispec.trace import Tracer, tracing
+from verispec.serve.gate import Gate
+from verispec.serve.tenants import Keys
 from verispec.viz.lossless import demo_chunk
 
 STATIC = Path(__file__).parent / "static"
+MAX_BODY_BYTES = 1 << 20  # the largest request body (a live prompt and constraint are 100,000 characters at most)
 PAGES = {"/": "index.html", "/live": "live.html", "/lossless": "lossless.html", "/speedup": "speedup.html"}
 
 
@@ -102,7 +113,7 @@ def live_tree_config(value: Any, k: int) -> TreeConfig | None:
 
 
 class StepRequest(BaseModel):
-    session: int
+    session: str = Field(max_length=64)
 
 
 class LosslessRequest(BaseModel):
@@ -117,7 +128,7 @@ class LosslessRequest(BaseModel):
 class LiveDecoding:
     """One prompt being decoded step by step, with a Tracer recording each verification."""
 
-    def __init__(self, session: int, decoder: SpeculativeDecoder, request: LiveRequest) -> None:
+    def __init__(self, session: str, decoder: SpeculativeDecoder, request: LiveRequest) -> None:
         self.session = session
         self.decoder = decoder
         constraint = request.constraint
@@ -170,31 +181,33 @@ class VizState:
                 self.decoders[name] = SpeculativeDecoder(decoder.target, name)
         self.lock = threading.Lock()
         self.live: LiveDecoding | None = None
-        self.sessions = itertools.count(1)
 
     def start(self, request: LiveRequest) -> dict:
         if request.drafter not in self.decoders:
             raise VerispecError(f"unknown drafter '{request.drafter}'; choose from {', '.join(self.decoders)}")
         with self.lock:  # drafters keep per-batch state: one live decoding at a time
-            self.live = LiveDecoding(next(self.sessions), self.decoders[request.drafter], request)
+            self.live = LiveDecoding(secrets.token_urlsafe(16), self.decoders[request.drafter], request)
             tokenizer = self.live.decoder.target.tokenizer
             tree = self.live.tree
             return {"session": self.live.session, "prompt_token_ids": self.live.prompt_ids,
                     "prompt_text": tokenizer.decode(self.live.prompt_ids),
                     "tree": None if tree is None else dataclasses.asdict(tree)}
 
-    def step(self, session: int) -> dict:
+    def step(self, session: str) -> dict:
         with self.lock:
-            if self.live is None or self.live.session != session:
+            if self.live is None or not secrets.compare_digest(self.live.session, session):
                 raise VerispecError("this decoding was replaced by a newer one; press start again")
             record = self.live.step()
             return {"done": self.live.done, "record": record}
 
 
-def create_app(decoder: SpeculativeDecoder) -> FastAPI:
-    """The FastAPI app serving the pages and the API for `decoder` (see the module docstring)."""
+def create_app(decoder: SpeculativeDecoder, api_key: str | None = None, allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
+    """The FastAPI app serving the pages and the API for `decoder` (see the module docstring); `api_key` guards the
+    API, and without one `allowed_hosts` names the host names besides IP addresses and localhost it answers."""
     state = VizState(decoder)
-    app = FastAPI(title="verispec viz", docs_url=None, redoc_url=None)
+    app = FastAPI(title="verispec viz", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Gate, keys=Keys((api_key,) if api_key else ()), max_body_bytes=MAX_BODY_BYTES, metrics=None,
+                       allowed_hosts=allowed_hosts, public=(*PAGES, "/static/"))
 
     @app.exception_handler(VerispecError)
     async def bad_input(_: Request, err: VerispecError) -> JSONResponse:
@@ -249,12 +262,13 @@ def create_app(decoder: SpeculativeDecoder) -> FastAPI:
     return app
 
 
-def serve(decoder: SpeculativeDecoder, host: str, port: int, open_browser: bool = True) -> None:
+def serve(decoder: SpeculativeDecoder, host: str, port: int, open_browser: bool = True,
+          api_key: str | None = None) -> None:
     """Serve the visualizer until interrupted; open the default browser at it unless told not to."""
     import uvicorn
 
-    app = create_app(decoder)
-    url = f"http://{host}:{port}/"
+    app = create_app(decoder, api_key)
+    url = f"http://{host}:{port}/" + (f"#key={quote(api_key)}" if api_key else "")
     print(f"verispec viz: {url}  (Ctrl+C to stop)")
     if open_browser:
         threading.Timer(1.0, webbrowser.open, args=(url,)).start()

@@ -2,11 +2,23 @@
 "use strict";
 const SVG_NS = "http://www.w3.org/2000/svg";
 
+// The server's API key, when it has one: given once in the page's URL fragment (#key=..., never sent to the
+// server in a URL) and kept for this tab's pages.
+const VIZ_KEY = (() => {
+  const given = location.hash.match(/(?:^#|&)key=([^&]*)/);
+  if (given) sessionStorage.setItem("verispec-key", decodeURIComponent(given[1]));
+  return sessionStorage.getItem("verispec-key");
+})();
+
 async function api(path, body) {
-  const init = body === undefined ? {} : { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) };
+  const headers = body === undefined ? {} : { "Content-Type": "application/json" };
+  if (VIZ_KEY) headers["Authorization"] = "Bearer " + VIZ_KEY;
+  const init = body === undefined ? { headers } : { method: "POST", headers, body: JSON.stringify(body) };
   const res = await fetch(path, init);
   const data = await res.json();
-  if (!res.ok) throw new Error(data.error || data.detail && JSON.stringify(data.detail) || res.statusText);
+  if (res.status === 401) throw new Error("this visualizer needs its API key: open it as " + location.origin + "/#key=<key>");
+  const error = data.error && (data.error.message || data.error);
+  if (!res.ok) throw new Error(error || data.detail && JSON.stringify(data.detail) || res.statusText);
   return data;
 }
 
