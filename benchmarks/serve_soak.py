@@ -93,7 +93,7 @@ async def disconnect(host: str, port: int, stage: int, kinds: Counter) -> None:
     """Open a raw connection and leave at `stage`: 0 before anything, 1 inside the headers, 2 inside the body,
     3 after the request, 4 inside a streamed answer."""
     body = b'{"prompt": "abc", "max_tokens": 30, "stream": true}'
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body))
     try:
         reader, writer = await asyncio.open_connection(host, port)
@@ -112,7 +112,7 @@ async def disconnect(host: str, port: int, stage: int, kinds: Counter) -> None:
 
 async def trickler(host: str, port: int, kinds: Counter, seconds: float) -> None:
     """Send the headers one byte at a time, a byte every 0.5 s, until the server closes the connection."""
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 10\r\n\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 10\r\n\r\n"
     reader, writer = await asyncio.open_connection(host, port)
     started = time.monotonic()
     try:
