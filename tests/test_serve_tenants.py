@@ -39,10 +39,10 @@ def test_keys_name_their_tenants_without_showing_the_key():
         parse_keys(("a:x", "a:y"))
 
 
-async def flood_and_one(url: str, flood: int, scheduler) -> tuple[list[tuple[float, httpx.Response]],
-                                                                  tuple[float, httpx.Response]]:
-    """`flood` long requests from alice, then (once they run and wait) one short one from bob: each answer with when
-    it arrived."""
+async def flood_and_one(url: str, flood: int, scheduler, rows: int) -> tuple[list[tuple[float, httpx.Response]],
+                                                                             tuple[float, httpx.Response]]:
+    """`flood` long requests from alice, then (once `rows` of them run and two more wait) one short one from bob: each
+    answer with when it arrived."""
     started = time.monotonic()
 
     async def post(c, headers, body):
@@ -53,7 +53,7 @@ async def flood_and_one(url: str, flood: int, scheduler) -> tuple[list[tuple[flo
     short = {"prompt": "hello", "max_tokens": 4, "temperature": 0, "speculative": {"drafter": "none"}}
     async with httpx.AsyncClient(base_url=url, timeout=120) as c:
         floods = [asyncio.create_task(post(c, ALICE, long)) for _ in range(flood)]
-        while scheduler.running < 2 or scheduler.queue_depth < 2:  # alice's requests hold rows and queue places
+        while scheduler.running < rows or scheduler.queue_depth < 2:  # alice holds her rows and queue places
             await asyncio.sleep(0.01)
         bob = await post(c, BOB, short)
         return list(await asyncio.gather(*floods)), bob
@@ -68,17 +68,18 @@ def test_a_flood_from_one_key_leaves_room_for_another(target, monkeypatch):
     config = ServeConfig(port=0, api_keys=KEYS, max_batch_size=4, max_queue=8, key_share=0.5, auto_k=False)
     with BackgroundServer(decoder, config) as s:
         scheduler = s.app.state.scheduler
-        floods, (bob_at, bob) = asyncio.run(flood_and_one(s.url, 12, scheduler))
+        floods, (bob_at, bob) = asyncio.run(flood_and_one(s.url, 12, scheduler, 2))
         assert bob.status_code == 200, bob.text
         done = [at for at, r in floods if r.status_code == 200]
         refused = [r for _, r in floods if r.status_code == 429]
         assert refused and {r.json()["error"]["code"] for r in refused} == {"key_queue_full"}
         assert len(done) >= 2 and bob_at < min(done)  # bob was not queued behind alice's flood
         assert scheduler.tenants.share.rows == 2 and not scheduler.tenants.rows and not scheduler.tenants.waiting
-    # the same flood on the plain first-come queue (one tenant): the short request waits behind it
-    unfair = ServeConfig(port=0, api_keys=KEYS, max_batch_size=4, max_queue=16, key_share=1.0, auto_k=False)
+    # the same flood where everyone is one tenant (no keys): the plain first-come queue, the short request waits
+    # behind the flood
+    unfair = ServeConfig(port=0, max_batch_size=4, max_queue=16, auto_k=False)
     with BackgroundServer(decoder, unfair) as s:
-        floods, (bob_at, bob) = asyncio.run(flood_and_one(s.url, 12, s.app.state.scheduler))
+        floods, (bob_at, bob) = asyncio.run(flood_and_one(s.url, 12, s.app.state.scheduler, 4))
         assert bob.status_code == 200 and bob_at > min(at for at, r in floods if r.status_code == 200)
 
 
