@@ -60,8 +60,10 @@ def test_simd_and_portable_paths_give_the_same_bits(qtype):
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
 def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
     """The AMX kernel (emulated tiles on every machine, the real ones where the CPU has them) against the portable
-    path and the other SIMD paths, bit for bit, for every width from 1 to 35 tokens (tiles of 16: full, partial and
-    several; the real path sends fewer than 5 tokens (10 for Q6_K) to the VNNI kernel) and rows that end mid-group."""
+    path and the other SIMD paths, bit for bit, for widths from 1 to 35 tokens (AMX tiles of 16: full, partial and
+    several; the real path sends fewer than 5 tokens (10 for Q6_K) to the VNNI kernel; the VNNI kernel's tiles of
+    up to 6 and AVX2's of up to 4, split evenly: 5 and 6 in one tile, 7 as 4 + 3, 11 as 6 + 5, 13 as 5 + 4 + 4)
+    and rows that end mid-group."""
     raw, weight = make(qtype, 40, 512, seed=6)
     x = np.random.default_rng(7).standard_normal((35, 512)).astype(np.float32) * 3
     native.set_path("portable")
@@ -73,7 +75,7 @@ def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
             native.set_threads(threads)
             for path in PATHS:
                 assert native.set_path(path) == path
-                for n in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 35):
+                for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 15, 16, 17, 24, 31, 32, 33, 35):
                     assert np.array_equal(weight(Activations(x[:n].copy())), expected[:n]), (path, n, threads)
     finally:
         native.set_threads(1)
@@ -101,11 +103,11 @@ def test_the_real_tiles_are_used_where_the_cpu_and_os_allow_them():
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_a_tokens_matmul_row_is_the_same_bits_in_any_batch(qtype):
     raw, weight = make(qtype, 40, 512, seed=4)
-    x = np.random.default_rng(5).standard_normal((9, 512)).astype(np.float32)
+    x = np.random.default_rng(5).standard_normal((13, 512)).astype(np.float32)
     for path in PATHS:
         native.set_path(path)
-        alone = np.concatenate([weight(Activations(x[i : i + 1].copy())) for i in range(9)])
-        for n in (2, 3, 4, 5, 8, 9):  # tiles of 4 tokens: full, partial and several
+        alone = np.concatenate([weight(Activations(x[i : i + 1].copy())) for i in range(13)])
+        for n in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13):  # tiles of up to 4 (6 on AVX-512), split evenly, one or several
             assert np.array_equal(weight(Activations(x[:n].copy())), alone[:n]), (path, n)
 
 

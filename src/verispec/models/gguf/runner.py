@@ -440,13 +440,15 @@ class NativeRunner:
                       layers: range, skips: np.ndarray) -> None:
         """These layers on x (N, E) in place, one C call each (vs_layer_forward)."""
         columns = np.array([q.column for q in queries], np.int32)  # (N,)
-        forward, a = lib().vs_layer_forward, attend
+        forward, a, dims, n, kv_dim = lib().vs_layer_forward, attend, ctypes.byref(self._dims), len(queries), self.config.kv_dim
+        # the arrays' addresses once, not once a layer (a draft model's pass is short enough for it to show)
+        xp, anglep, keys, values, layer_bytes = ptr(x), ptr(angles), ptr(a.key_base), ptr(a.value_base), ptr(a.layer_bytes)
+        columnp, prefix, extra_off, extra = ptr(columns), ptr(a.prefix), ptr(a.extra_off), ptr(a.extra)
         for i in layers:
-            status = forward(ctypes.byref(self._dims), ctypes.byref(self._layers_c[i]), ptr(x), len(queries),
-                             ptr(angles), ptr(a.key_base), ptr(a.value_base), ptr(a.layer_bytes), i,
-                             self.config.kv_dim, ptr(columns), ptr(a.prefix), ptr(a.extra_off), ptr(a.extra),
-                             int(skips[i]))
-            check(status, f"layer {i}")
+            status = forward(dims, ctypes.byref(self._layers_c[i]), xp, n, anglep, keys, values, layer_bytes, i,
+                             kv_dim, columnp, prefix, extra_off, extra, int(skips[i]))
+            if status:
+                check(status, f"layer {i}")
 
     def _layers_per_op(self, x: np.ndarray, queries: list[_Query], rows: list[RowCache], angles: np.ndarray,
                        attend: "_Attend", layers: range, skips: np.ndarray) -> np.ndarray:
