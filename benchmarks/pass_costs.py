@@ -9,7 +9,9 @@ for a model on a backend (the same measurement `--auto-k` makes before decoding)
 
 --profile (native backend) also says where each width's pass goes: the matmuls by weight type, the activations'
 quantization, attention, the layers' row ops (norms, rope, SiLU, residuals, cache writes), the output head and the
-rest (Python), each in ms per pass, from the kernels' own timers (`native.profile`):
+rest (Python), each in ms per pass, from the kernels' own timers (`native.profile`), then the GB/s each weight
+type's matmuls stream (its packed bytes over its ms), all matmuls and the whole pass, each as a share of the
+memory bandwidth the bench's probe reads, so that a kernel change is judged against the limit:
 
     .venv/bin/python benchmarks/pass_costs.py --backend native --threads 2 --max-tokens 32 --profile \
         --widths 1,2,4,8,16,32 --plot-profile artifacts/pass_costs/profile.png
@@ -26,6 +28,7 @@ import json
 from pathlib import Path
 
 from verispec.api import set_threads
+from verispec.bench.runner import memory_bandwidth_gbs
 from verispec.models import load_model
 from verispec.models.loading import BACKENDS, WEIGHT_FORMATS
 from verispec.tree import chain_parents
@@ -60,9 +63,12 @@ def main() -> None:
         if args.backend != "native":
             parser.error("--profile reads the native kernels' timers: use --backend native")
         widths = [int(w) for w in args.widths.split(",")]
-        rows = profile_passes(model.make_runner(), widths, args.context, args.repeats)
+        runner = model.make_runner()
+        rows = profile_passes(runner, widths, args.context, args.repeats)
+        probe = memory_bandwidth_gbs()
+        rates = bandwidth_report(weight_bytes(runner), rows, probe)
         result = {"model": args.model, "kernel_path": native.path(), "threads": args.threads, "context": args.context,
-                  "ms_per_pass": rows}
+                  "ms_per_pass": rows, "memory_bandwidth_gbs": round(probe, 2), "gb_per_s": rates}
         print(json.dumps(result))
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -123,6 +129,38 @@ def profile_passes(runner, widths: list[int], context: int, repeats: int) -> dic
         parts_text = ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "total")
         print(f"{width:3d} tokens: {row['total']:7.1f} ms = {parts_text}")
     return rows
+
+
+def weight_bytes(runner) -> dict[str, int]:
+    """Bytes of packed weights one pass reads, under the profile's names: "matmul <type>" for the layers'
+    matmuls of each weight type, "output head" for the head."""
+    from verispec.models.gguf.ops import type_name
+
+    sizes: dict[str, int] = {}
+    for layer in runner.gguf.layers:
+        for weight in (layer.q, layer.k, layer.v, layer.out, layer.gate, layer.up, layer.down):
+            name = f"matmul {type_name(weight.qtype)}"
+            sizes[name] = sizes.get(name, 0) + weight.data.nbytes
+    sizes["output head"] = runner.gguf.head.data.nbytes
+    return sizes
+
+
+def bandwidth_report(sizes: dict[str, int], rows: dict[int, dict[str, float]], probe: float) -> dict[int, dict]:
+    """Per width: GB/s each weight type's matmuls stream (its bytes over its ms per pass), all matmuls together,
+    and the whole pass, against the probe's bandwidth; printed as one line a width."""
+    print(f"memory bandwidth (probe) {probe:.1f} GB/s; weights per pass: "
+          + ", ".join(f"{name.removeprefix('matmul ')} {size / 1e6:.0f} MB" for name, size in sizes.items()))
+    report = {}
+    for width, row in rows.items():
+        rates = {name: size / row[name] / 1e6 for name, size in sizes.items() if row.get(name)}
+        matmul_ms = sum(row.get(name, 0.0) for name in sizes)
+        total = sum(sizes.values())
+        rates["all matmuls"] = total / matmul_ms / 1e6 if matmul_ms else 0.0
+        rates["whole pass"] = total / row["total"] / 1e6
+        report[width] = {name: round(rate, 2) for name, rate in rates.items()}
+        print(f"{width:3d} tokens: " + ", ".join(f"{name.removeprefix('matmul ')} {rate:.1f} GB/s ({rate / probe:.0%})"
+                                              for name, rate in rates.items()))
+    return report
 
 
 def plot_profile(result: dict, path: Path) -> None:

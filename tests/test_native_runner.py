@@ -3,6 +3,7 @@ its logits are the same bits whatever the pass (width, ragged batch, tree, threa
 round-trip, and greedy speculative decoding equals plain decoding for every drafter."""
 
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -400,6 +401,29 @@ def test_the_kernel_profile_names_each_part_of_a_pass_and_changes_no_bits(mixed)
     before = slots()
     mixed.forward(state, [tokens], [4])  # outside any profile block
     assert np.array_equal(slots(), before)
+
+
+def test_the_bandwidth_report_divides_each_weight_types_bytes_by_its_time(mixed, capsys):
+    """`pass_costs.py --profile`'s GB/s: every weight type the layers have and the head, their packed bytes (what
+    the kernels stream), each over its own ms per pass; all matmuls together and the whole pass over their sums."""
+    spec = importlib.util.spec_from_file_location("pass_costs", Path(__file__).parent.parent / "benchmarks/pass_costs.py")
+    pass_costs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pass_costs)
+    sizes = pass_costs.weight_bytes(mixed)
+    layers = mixed.gguf.layers
+    packed = sum(w.data.nbytes for layer in layers for w in (layer.q, layer.k, layer.v, layer.out, layer.gate,
+                                                              layer.up, layer.down))
+    assert sizes["output head"] == mixed.gguf.head.data.nbytes
+    assert sum(size for name, size in sizes.items() if name.startswith("matmul ")) == packed
+    assert sum(1 for name in sizes if name.startswith("matmul ")) >= 2  # the mixed model's several types
+    row = {name: 0.002 for name in sizes} | {"attention": 0.001, "total": 0.02}  # ms: GB/s well above rounding
+    rates = pass_costs.bandwidth_report(sizes, {4: row}, probe=10.0)[4]
+    for name, size in sizes.items():
+        assert rates[name] == pytest.approx(size / 0.002 / 1e6, rel=1e-3)
+    assert rates["all matmuls"] == pytest.approx(sum(sizes.values()) / (0.002 * len(sizes)) / 1e6, rel=1e-3)
+    assert rates["whole pass"] == pytest.approx(sum(sizes.values()) / 0.02 / 1e6, rel=1e-3)
+    assert min(rates.values()) > 1.0
+    assert "memory bandwidth (probe) 10.0 GB/s" in capsys.readouterr().out
     with native.profile() as empty:
         pass
     assert empty == {}  # a new block starts from zero
