@@ -62,7 +62,7 @@ def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
     """The AMX kernel (emulated tiles on every machine, the real ones where the CPU has them) against the portable
     path and the other SIMD paths, bit for bit, for widths from 1 to 35 tokens (AMX tiles of 16: full, partial and
     several; the real path sends fewer than 5 tokens (10 for Q6_K) to the VNNI kernel; the VNNI kernel's tiles of
-    up to 6 and AVX2's of up to 4, split evenly: 5 and 6 in one tile, 7 as 4 + 3, 11 as 6 + 5, 13 as 5 + 4 + 4)
+    up to 6 and AVX2's of up to 4, split evenly: 5 and 6 in one tile, 7 as 3 + 4, 11 as 5 + 6, 13 as 4 + 4 + 5)
     and rows that end mid-group."""
     raw, weight = make(qtype, 40, 512, seed=6)
     x = np.random.default_rng(7).standard_normal((35, 512)).astype(np.float32) * 3

@@ -914,7 +914,7 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
         for (int64_t g = 0; g < ngroups; g++) {
             const uint8_t *grp = packed + g * nsb * SB;
             int full = (g + 1) * GROUP <= rows;
-            /* but on AMX, tiles of equal size within one token: on AVX2 (tiles of 4) 5 tokens are 3 + 2, not 4 + 1
+            /* but on AMX, tiles of equal size within one token: on AVX2 (tiles of 4) 5 tokens are 2 + 3, not 4 + 1
              * (a whole unpacking of the weights for one token) */
             const int64_t ntiles = (n + tile - 1) / tile;
             for (int64_t k = 0, t0 = 0; k < ntiles; k++, t0 += tile) {
