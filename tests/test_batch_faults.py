@@ -25,6 +25,7 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
+from verispec.step import StepRules
 from verispec.models.runners.hf import KVState, ModelRunner
 
 GREEDY = SamplingConfig(temperature=0)
@@ -55,7 +56,7 @@ def run(batch, done=None, steps=None):
 
 def test_a_fault_in_one_rows_verification_ends_that_row_alone(engine, monkeypatch):
     expected = {i: alone(engine, p) for i, p in enumerate(PROMPTS)}
-    verify = SpeculativeEngine._verify
+    verify = StepRules.verify_one
     calls = {"n": 0}
 
     def faulty(self, seq, draft, logits):
@@ -65,7 +66,8 @@ def test_a_fault_in_one_rows_verification_ends_that_row_alone(engine, monkeypatc
                 raise RuntimeError("injected: row 1's sampling broke")
         return verify(self, seq, draft, logits)
 
-    monkeypatch.setattr(SpeculativeEngine, "_verify", faulty)
+    monkeypatch.setattr(StepRules, "verify_one", faulty)
+    monkeypatch.setattr(StepRules, "batched", lambda *_: False)  # every row verified alone, where the fault is
     batch = DecodeBatch(engine)
     batch.add(engine.make_sequences(PROMPTS, GREEDY, SPEC, None))
     done = run(batch)
@@ -79,14 +81,14 @@ def test_a_fault_in_one_rows_verification_ends_that_row_alone(engine, monkeypatc
 
 def test_a_fault_in_one_rows_commit_ends_that_row_alone(engine, monkeypatch):
     expected = {i: alone(engine, p, SPEC) for i, p in enumerate(PROMPTS)}
-    commit = SpeculativeEngine._commit
+    commit = StepRules.commit
 
     def faulty(self, seq, accepted, verdict):
         if seq.index == 2 and seq.num_generated >= 4:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
         return commit(self, seq, accepted, verdict)
 
-    monkeypatch.setattr(SpeculativeEngine, "_commit", faulty)
+    monkeypatch.setattr(StepRules, "commit", faulty)
     batch = DecodeBatch(engine)
     batch.add(engine.make_sequences(PROMPTS, GREEDY, SPEC, None))
     done = run(batch)
@@ -199,7 +201,7 @@ class PanicException(BaseException):
 
 def test_a_native_panic_is_absorbed_like_an_exception_and_an_interrupt_is_not(engine, monkeypatch):
     expected = {i: alone(engine, p, LONGER) for i, p in enumerate(PROMPTS)}
-    propose, verify = DraftModelDrafter.propose, SpeculativeEngine._verify
+    propose, verify = DraftModelDrafter.propose, StepRules.verify_one
 
     def panicking_propose(self, sequences, *args):
         if marked(sequences):
@@ -212,7 +214,8 @@ def test_a_native_panic_is_absorbed_like_an_exception_and_an_interrupt_is_not(en
         return verify(self, seq, draft, logits)
 
     monkeypatch.setattr(DraftModelDrafter, "propose", panicking_propose)
-    monkeypatch.setattr(SpeculativeEngine, "_verify", panicking_verify)
+    monkeypatch.setattr(StepRules, "verify_one", panicking_verify)
+    monkeypatch.setattr(StepRules, "batched", lambda *_: False)
     batch = DecodeBatch(engine)
     batch.add(indexed(engine, dict(enumerate(PROMPTS))))
     done = run(batch)
@@ -221,11 +224,11 @@ def test_a_native_panic_is_absorbed_like_an_exception_and_an_interrupt_is_not(en
     assert [stage for stage, _ in batch.faults] == ["drafter.propose", "verify"]
     assert done[MARKED].stats.draft_tokens == 0 and done[0].stats.draft_tokens > 0
 
-    for where in ("propose", "_verify"):  # an interrupt is no fault: it leaves the batch
+    for where in ("propose", "verify_one"):  # an interrupt is no fault: it leaves the batch
         def interrupted(*args, **kwargs):
             raise KeyboardInterrupt
 
-        owner = DraftModelDrafter if where == "propose" else SpeculativeEngine
+        owner = DraftModelDrafter if where == "propose" else StepRules
         monkeypatch.setattr(owner, where, interrupted)
         batch = DecodeBatch(engine)
         batch.add(indexed(engine, {0: PROMPTS[0]}))

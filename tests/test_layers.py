@@ -20,7 +20,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("verispec.core",)),
     ("models", ("verispec.models", "verispec.ngram.table", "verispec.ngram")),
     ("drafters", ("verispec.drafters", "verispec.tuning")),
-    ("engine", ("verispec.engine", "verispec.batch", "verispec.faults", "verispec.adapt")),
+    ("engine", ("verispec.engine", "verispec.step", "verispec.batch", "verispec.faults", "verispec.adapt")),
     ("api", ("verispec.api", "verispec.audit", "verispec.render", "verispec")),
     ("front ends and pipelines", ("verispec.cli", "verispec.__main__", "verispec.serve", "verispec.viz",
                                   "verispec.bench", "verispec.analyze", "verispec.distill", "verispec.heads",

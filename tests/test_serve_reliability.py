@@ -27,10 +27,10 @@ from verispec import SpeculativeDecoder
 from verispec.batch import DecodeBatch
 from verispec.config import ServeConfig
 from verispec.drafters.draft_model import DraftModelDrafter
-from verispec.engine import SpeculativeEngine
 from verispec.models.runners.hf import KVState, ModelRunner
 from verispec.serve import answers as answers_module
 from verispec.serve.scheduler import Ticket
+from verispec.step import StepRules
 from verispec.serve.server import BackgroundServer
 
 SENTINEL = {"prompt": "hello there", "max_tokens": 24, "temperature": 0}
@@ -262,14 +262,15 @@ def test_a_drafter_fault_fails_no_request_and_answers_stay_exact(fresh, solo, mo
 
 
 def test_a_fault_in_one_rows_sampling_fails_that_request_alone(fresh, solo, monkeypatch):
-    verify = SpeculativeEngine._verify
+    verify = StepRules.verify_one
 
     def faulty(self, seq, draft, logits):
         if seq.max_new_tokens == 23:  # the marked request
             raise FloatingPointError("injected into one row's sampling")
         return verify(self, seq, draft, logits)
 
-    monkeypatch.setattr(SpeculativeEngine, "_verify", faulty)
+    monkeypatch.setattr(StepRules, "verify_one", faulty)
+    monkeypatch.setattr(StepRules, "batched", lambda *_: False)  # every row verified alone, where the fault is
     rs = post_many(fresh.url, [SENTINEL, {**SENTINEL, "max_tokens": 23}, SENTINEL, SENTINEL])
     assert answers(rs) == [(200, solo), (500, "internal_error"), (200, solo), (200, solo)]
     assert faults_metric(fresh.url) == {"verify": 1.0}

@@ -79,10 +79,9 @@ class OnlineAdapter:
 
     def __init__(self, engine, config: AdaptConfig = AdaptConfig()) -> None:
         drafter = engine.drafter
-        if drafter is None or not drafter.adaptive:
-            name = "none" if drafter is None else drafter.name
+        if not drafter.adaptive:
             raise VerispecError(f"--adapt needs a drafter that can adapt (ngram-corpus, a draft model, Medusa or EAGLE "
-                                f"heads); '{name}' cannot")
+                                f"heads); '{drafter.name}' cannot")
         drafter.check_adaptable(config)
         self.engine, self.drafter, self.config = engine, drafter, config
         own = drafter.adaptation_buffer()  # heads log their own windows (drafters.head_adapt)

@@ -103,7 +103,7 @@ class SpeculativeDecoder:
         else:
             options = options or DrafterOptions(prompt_lookup=prompt_lookup, ngram=ngram, self_spec=self_spec)
             built = build_drafter(draft, target, self.runner, options)
-        self.drafter: Drafter | None = built.drafter
+        self.drafter: Drafter = built.drafter
         self.draft_name = built.name
         self.draft_weights: str | None = built.draft_weights
         self.skip_source: str | None = built.skip_source  # the self drafter's skip set: a file, "given" or "default"
@@ -230,12 +230,12 @@ class SpeculativeDecoder:
         `cache`: take the costs measured by an earlier process on this machine for the same models, threads and CPU
         (`tuning.cached_costs`, kept under the cache directory), measuring only the first time: a one-shot
         `verispec generate` then starts at once. The tuner corrects them from every pass either way."""
-        draft_runner = self.drafter.runner if self.drafter is not None else None
+        draft_runner = self.drafter.runner
         measure = lambda: measure_costs(self.runner, draft_runner, k_max=k_max)  # noqa: E731
         profile = cached_costs(self._cost_key(k_max), measure, cache_dir() / "pass_costs") if cache else measure()
-        head_cost = self.drafter.token_cost() if self.drafter is not None and draft_runner is None else None
+        head_cost = self.drafter.token_cost() if draft_runner is None else None
         profile = replace(profile, draft_token=head_cost) if head_cost else profile
-        held_back = self.drafter.held_back if self.drafter is not None else 0
+        held_back = self.drafter.held_back
         return AdaptiveK(replace(profile, draft_extra=float(held_back)) if held_back else profile)
 
     def _cost_key(self, k_max: int) -> str:

@@ -42,14 +42,14 @@ import torch
 
 from verispec.config import TreeConfig
 from verispec.constraints import MAX_FORCED
-from verispec.core.drafter import EMPTY_DRAFT, Draft
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.sequence import Sequence, StepEvent
 from verispec.core.stopping import DraftStop
 from verispec.errors import VerispecError, is_fault
 from verispec.faults import DraftRows, check_inputs, checkpoint, split_forward
 
 if TYPE_CHECKING:
-    from verispec.engine import SpeculativeEngine
+    from verispec.step import StepParts
     from verispec.tuning import AdaptiveK
 
 log = logging.getLogger("verispec.batch")
@@ -66,12 +66,12 @@ class DecodeBatch:
     DecodeBatch per engine is live at a time.
 
     Args:
-        engine: supplies the target, the drafter and the stopping rules.
+        engine: supplies the target, the drafter and the step's rules (`step.StepParts`: a `SpeculativeEngine`).
         tuner: if given, chooses K each step for every drafting sequence instead of `seq.spec`.
         prefill_chunk: prompt tokens a row reads per step while others decode (None: a prompt in one step).
     """
 
-    def __init__(self, engine: SpeculativeEngine, tuner: AdaptiveK | None = None,
+    def __init__(self, engine: StepParts, tuner: AdaptiveK | None = None,
                  prefill_chunk: int | None = None) -> None:
         if prefill_chunk is not None and prefill_chunk < 1:
             raise VerispecError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
@@ -89,8 +89,9 @@ class DecodeBatch:
         return len(self.sequences)
 
     @property
-    def drafter(self):
-        """The engine's drafter while it drafts in this batch (None: plain decoding, or until it is started afresh)."""
+    def drafter(self) -> Drafter:
+        """The engine's drafter while it drafts in this batch (`PLAIN`: plain decoding, or until it is started
+        afresh)."""
         return self.draft_rows.active
 
     # --- membership --------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ class DecodeBatch:
     def _prefilling(self) -> list[bool]:
         """Rows that still have more prompt to read than one chunk."""
         chunk = self.prefill_chunk
-        if chunk is None or (self.drafter is not None and not self.drafter.chunked_prefill):
+        if chunk is None or not self.drafter.chunked_prefill:
             return [False] * len(self.sequences)
         return [len(s.tokens) - s.target_cached > chunk for s in self.sequences]
 
@@ -162,12 +163,12 @@ class DecodeBatch:
         drafter = self.drafter
         drafts = self.draft_rows.drafting(active)
         drafting = [s.drafting and d and not pre for s, d, pre in zip(active, drafts, prefilling)]
-        if drafter is None or not any(d and s.spec.tree is not None for s, d in zip(active, drafting)):
+        if drafter.plain or not any(d and s.spec.tree is not None for s, d in zip(active, drafting)):
             rows = len(active)
             k = None
             if self.tuner is not None:  # a drafter that sizes its own drafts gets the costs and the longest K
-                sizes = drafter is not None and drafter.size_drafts(self.tuner.costs(rows))
-                k = self.tuner.profile.k_max if sizes else self.tuner.k(drafter is not None and drafter.stops_chains, rows)
+                sizes = not drafter.plain and drafter.size_drafts(self.tuner.costs(rows))
+                k = self.tuner.profile.k_max if sizes else self.tuner.k(drafter.stops_chains, rows)
             tuned_stop = None if self.tuner is None else self.tuner.draft_stop(rows)  # from measured costs
             for s in active:
                 s.draft_stop = tuned_stop or (DraftStop.fixed(s.spec.draft_stop) if s.spec.draft_stop > 0 else None)
@@ -178,8 +179,7 @@ class DecodeBatch:
                   for s, t, n, d in zip(active, trees, left, drafting)]
         if self.tuner is not None:  # dynamic trees keep only the nodes that pay for their share of the pass
             profile = self.tuner.costs(len(active))
-            if drafter is not None:
-                drafter.size_drafts(profile)
+            drafter.size_drafts(profile)
             costs = profile.pass_costs()  # measured widths bound the tree: wider passes were never timed
             trees = [replace(t, budget=min(t.budget, len(costs) - 1), pass_costs=costs, draft_cost=d * profile.c)
                      if t.budget is not None and s.tuned else t for t, d, s in zip(trees, depths, active)]
@@ -188,7 +188,7 @@ class DecodeBatch:
     def _forced(self, prefilling: list[bool]) -> dict[int, list[int]]:
         """Rows whose constraint forces their next tokens, with those tokens (at most MAX_FORCED, and never past the
         tokens left after this step's own). Only while speculating: with no drafter a row decodes plainly."""
-        if self.drafter is None:
+        if self.drafter.plain:
             return {}
         forced = {}
         drafting = self.draft_rows.drafting(self.sequences)
@@ -209,7 +209,7 @@ class DecodeBatch:
         """A row's forced tokens, followed (where the drafter has deterministic continuations and the row drafts this
         step) by the drafter's guess of what follows them: one chain verified in one pass. The guess is optional: a
         fault in it leaves the forced run alone."""
-        if self.drafter is None or depth <= 0:
+        if self.drafter.plain or depth <= 0:
             return tokens
         left = self.sequences[b].max_new_tokens - self.sequences[b].num_generated - 1 - len(tokens)
         return tokens + self.draft_rows.continuation(b, self.sequences[b], tokens, min(depth, left))[: max(left, 0)]
@@ -232,7 +232,7 @@ class DecodeBatch:
         return draft if keep == len(draft) else Draft(draft.tokens[:keep]) if keep else EMPTY_DRAFT
 
     def _step(self) -> list[tuple[StepEvent, Sequence]]:
-        active, engine, absorbed = self.sequences, self.engine, len(self.faults)
+        active, rules, absorbed = self.sequences, self.engine.rules, len(self.faults)
         prefilling = self._prefilling()
         trees, depths = self._shapes(prefilling)
         t0 = time.perf_counter()
@@ -267,11 +267,9 @@ class DecodeBatch:
                 # draft token look 8x its cost and kept speculation off for good
                 self.tuner.observe_draft(max(depths), t1 - t0)
         self._drafted = any(depths)
-        verdicts = [None if pre or b in failed else
-                    self._row(s, "verify", lambda b=b, s=s, d=d: engine._verify(s, d, logits[b][: len(d) + 1]))
-                    for b, (s, d, pre) in enumerate(zip(active, drafts, prefilling))]
+        verdicts = self._verify(drafts, logits, prefilling, failed)
         paths = [v.path if v is not None else () for v in verdicts]
-        self._target("commit", lambda: engine.target.commit(self.state, [list(p) for p in paths]))
+        self._target("commit", lambda: self.engine.target.commit(self.state, [list(p) for p in paths]))
         events = []
         for b, (s, d, v, pre, read) in enumerate(zip(active, drafts, verdicts, prefilling, pending)):
             if b in failed:  # ended before or in the pass: nothing of it is in the cache, and it leaves below
@@ -287,7 +285,7 @@ class DecodeBatch:
                 s.stats.forced_tokens += min(v.num_accepted, len(forced[b]))
             elif self.tuner is not None and trees is None and len(d):
                 self.tuner.observe(len(d), v.num_accepted)
-            event = self._row(s, "commit", lambda s=s, d=d, v=v: engine._commit(s, d.path_tokens(v.path), v))
+            event = self._row(s, "commit", lambda s=s, d=d, v=v: rules.commit(s, d.path_tokens(v.path), v))
             if event is not None and b in forced:
                 event = replace(event, forced=True)
             if event is not None:
@@ -296,6 +294,22 @@ class DecodeBatch:
         # positions, and a draft model keeps only the nodes it fed itself (none for a forced row)
         self.draft_rows.commit(active, drafts, paths)
         return self._finish_step(events, t1 - t0, t2 - t1)
+
+    def _verify(self, drafts: list[Draft], logits, prefilling: list[bool], failed: set[int]) -> list:
+        """Each row's Verdict (None for a row reading its prompt, or ended): the greedy chain rows from one argmax over
+        the pass, the others one by one (`step.StepRules`); a fault in a row's own verification ends that row alone."""
+        rules, active = self.engine.rules, self.sequences
+        rows = [b for b, (s, d, pre) in enumerate(zip(active, drafts, prefilling))
+                if not pre and b not in failed and rules.batched(s, d)]
+        try:
+            together = rules.verify_rows(rows, active, drafts, logits)
+        except BaseException as err:  # the rows are verified one by one, where a fault finds its row
+            if not is_fault(err):
+                raise
+            together = {}
+        return [None if pre or b in failed else together[b] if b in together else
+                self._row(s, "verify", lambda b=b, s=s, d=d: rules.verify_one(s, d, logits[b][: len(d) + 1]))
+                for b, (s, d, pre) in enumerate(zip(active, drafts, prefilling))]
 
     def _check(self, pending: list[list[int]], drafts: list[Draft], nodes: list[list[int]]) -> set[int]:
         """Rows the target cannot read end now ("inputs"); drafts it cannot read are dropped (`drafts` and `nodes`

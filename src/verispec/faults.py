@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.drafter import EMPTY_DRAFT, PLAIN, Draft, Drafter
 from verispec.core.protocols import RestorableState
 from verispec.core.sequence import Sequence
 from verispec.errors import VerispecError, is_fault
@@ -59,7 +59,7 @@ class DraftRows:
     `held` (False: it is started afresh before its next use, when rows join).
     """
 
-    def __init__(self, drafter: Drafter | None, faults: list) -> None:
+    def __init__(self, drafter: Drafter, faults: list) -> None:
         self.drafter, self.faults = drafter, faults
         self.held: list[Sequence] = []
         self.off: set[int] = set()
@@ -68,13 +68,13 @@ class DraftRows:
         self.target_state = None
 
     @property
-    def active(self) -> Drafter | None:
-        """The drafter while its state is known (None: no drafter, or none until it is started afresh)."""
-        return self.drafter if self.known else None
+    def active(self) -> Drafter:
+        """The drafter while its state is known (`PLAIN`: plain decoding, or until it is started afresh)."""
+        return self.drafter if self.known else PLAIN
 
     @property
     def aligned(self) -> bool:
-        return self.drafter is not None and not self.drafter.restartable
+        return not self.drafter.restartable
 
     def drafting(self, sequences: list[Sequence]) -> list[bool]:
         """Per batch row: whether it may draft now."""
@@ -87,7 +87,7 @@ class DraftRows:
     def begin(self, sequences: list[Sequence], target_state, prefill_chunk: int | None) -> None:
         """A fresh batch: these rows, the target's new state."""
         self.held, self.off, self.checked, self.known = [], set(), {}, False
-        if self.drafter is None:
+        if self.drafter.plain:
             return
         self.drafter.prefill_chunk = prefill_chunk
         try:
@@ -102,7 +102,7 @@ class DraftRows:
 
     def join(self, present: list[Sequence], joining: list[Sequence]) -> None:
         """Rows join at the end of the batch (`present`: the rows before them)."""
-        if self.drafter is None:
+        if self.drafter.plain:
             return
         self._screen(joining)
         if not self.known:  # started afresh for every row it can take; an aligned drafter's present rows stay off
@@ -126,7 +126,7 @@ class DraftRows:
 
     def leave(self, before: list[Sequence], kept: list[int]) -> None:
         """The batch keeps rows `kept` of `before`; the drafter frees the others' rows."""
-        if self.drafter is None:
+        if self.drafter.plain:
             return
         stay = {id(before[b]) for b in kept}
         for s in before:

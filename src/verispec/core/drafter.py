@@ -25,13 +25,14 @@ from verispec.tree import EMPTY_DRAFT, Draft
 if TYPE_CHECKING:
     from verispec.core.adaptation import AdaptExample
 
-__all__ = ["EMPTY_DRAFT", "Draft", "Drafter"]
+__all__ = ["EMPTY_DRAFT", "PLAIN", "Draft", "Drafter", "PlainDrafter"]
 
 
 class Drafter(ABC):
     """Base class for drafters. Sequences are passed in batch order on every call."""
 
     name: str = "drafter"
+    plain: bool = False  # True only for `PlainDrafter`: no drafts, one token per target pass
     adaptive: bool = False  # True for drafters that implement `adapt` (online adaptation, verispec.adapt)
     stops_chains: bool = False  # True for drafters whose chains honour a sequence's `draft_stop` (core.stopping)
     # True for drafters that follow a prompt the target reads over several steps (chunked prefill, verispec.batch):
@@ -147,3 +148,20 @@ class Drafter(ABC):
         at the start of a later `propose`, so that every q a step reports is the distribution its
         draft tokens were drawn from."""
         raise VerispecError(f"the '{self.name}' drafter cannot adapt online (ngram-corpus, draft models and Medusa / EAGLE heads can)")
+
+
+class PlainDrafter(Drafter):
+    """The drafter of plain decoding: it proposes nothing, so every step commits the target's one token. An engine
+    built without a drafter holds `PLAIN`, so the step never asks whether there is one; the batch gives it no rows
+    (`plain`), and a row decodes exactly as the target alone would."""
+
+    name = "none"
+    plain = True
+    chunked_prefill = True  # it reads nothing: a long prompt is read in chunks
+
+    def propose(self, sequences: list[Sequence], depths: list[int],
+                trees: list[TreeConfig | None] | None = None) -> list[Draft]:
+        return [EMPTY_DRAFT] * len(sequences)
+
+
+PLAIN = PlainDrafter()

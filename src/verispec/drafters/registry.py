@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from verispec.config import CrossTokenizerConfig, NGramConfig, PromptLookupConfig, SelfSpecConfig, SuffixConfig
 from verispec.console import notice
-from verispec.core.drafter import Drafter
+from verispec.core.drafter import PLAIN, Drafter
 from verispec.errors import VerispecError
 
 NONE, NGRAM, CORPUS, SELF, MEDUSA, EAGLE, MODEL = "none", "ngram", "ngram-corpus", "self", "medusa", "eagle", "model"
@@ -110,10 +110,10 @@ def with_suffix_scope(options: DrafterOptions, scope: str | None) -> DrafterOpti
 
 @dataclass
 class Built:
-    """A kind's product: the drafter (None: plain decoding), the name it is reported by, and notes for the CLI
+    """A kind's product: the drafter (`PLAIN`: plain decoding), the name it is reported by, and notes for the CLI
     (`skip_source`: where the self drafter's skip set came from; `draft_weights`: a draft model's weights)."""
 
-    drafter: Drafter | None
+    drafter: Drafter
     name: str
     skip_source: str | None = None
     draft_weights: str | None = None
@@ -143,7 +143,7 @@ def lookup_first(n: int) -> PromptLookupConfig | None:
 
 # --- the kinds' builders ---------------------------------------------------------------------------
 def _none(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
-    return Built(None, NONE)
+    return Built(PLAIN, NONE)
 
 
 def _ngram(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
@@ -262,7 +262,7 @@ def _cross_tokenizer(loaded, target, runner, config: CrossTokenizerConfig) -> Bu
             f"({of_draft:.0%} of the draft's, {of_target:.0%} of the target's)")
     if of_draft < config.min_shared:
         notice(f"[yellow]{said}, under the {config.min_shared:.0%} it needs to help; decoding without a draft[/yellow]")
-        return Built(None, "none")
+        return Built(PLAIN, NONE)
     notice(f"[dim]{said}; it drafts text ({config.scheme} scheme)[/dim]")
     drafter = CrossTokenizerDrafter(draft_runner, bridge, runner.vocab_size, config)
     return Built(drafter, loaded.name, draft_weights=loaded.weights)

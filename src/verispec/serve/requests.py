@@ -37,7 +37,7 @@ class RequestBuilder:
         self.max_request = min(config.max_request_tokens or window, window)
         self.drafter_name = wire.public_drafter_name(decoder.draft_name)
         self.drafter_names = {decoder.draft_name, self.drafter_name} | (
-            {decoder.drafter.name} if decoder.drafter is not None else set())
+            {decoder.drafter.name} if not decoder.drafter.plain else set())
         self._longest_token: int | None = None
 
     # --- sizes -----------------------------------------------------------------------------------------
@@ -139,7 +139,11 @@ class RequestBuilder:
         try:
             sampling = SamplingConfig(**body.sampling_fields(), constraint=constraint)
             spec = SpecConfig(**spec_fields)
-            seq = self.engine.make_sequences([prompt], sampling, spec, [body.seed])[0]
+            # the server's tuner (ServeConfig.auto_k) sizes a request's drafts unless it names K or a tree (a seeded
+            # sampled request's draws follow K: naming K is how it gets the same tokens alone or batched)
+            seq = self.engine.make_sequences([prompt], sampling, spec, [body.seed], drafting=drafting,
+                                             tuned=spec_options.K is None and tree is None,
+                                             scope=tenant if self.config.scope_by_key else None)[0]
         except ConstraintError as err:
             raise APIError(400, str(err), param="response_format") from None
         except VerispecError as err:
@@ -147,32 +151,25 @@ class RequestBuilder:
             if constraint is not None and ("constraint" in str(err) or "schema" in str(err)):
                 field = "response_format"
             raise APIError(400, str(err), param=field if field in GenerationRequest.model_fields else None) from None
-        seq.drafting = drafting
-        seq.scope = tenant if self.config.scope_by_key else None
-        # the server's tuner (ServeConfig.auto_k) sizes a request's drafts unless it names K or a tree (a seeded
-        # sampled request's draws follow K: naming K is how it gets the same tokens alone or batched)
-        seq.tuned = spec_options.K is None and tree is None
         return seq
 
     def _drafting(self, options: wire.SpeculativeOptions) -> bool:
         if options.drafter is None:
-            return self.decoder.drafter is not None
+            return not self.decoder.drafter.plain
         if options.drafter in NO_DRAFT:
             return False
         if options.drafter not in self.drafter_names:
             raise APIError(400, f"this server drafts with '{self.drafter_name}'; speculative.drafter may be "
                            f"'{self.drafter_name}' or 'none'", param="speculative.drafter")
-        return self.decoder.drafter is not None
+        return not self.decoder.drafter.plain
 
     def _tree(self, options: wire.SpeculativeOptions, drafting: bool):
         tree = wire.tree_config(options.tree)
         if tree is None:
             return None
         config = self.config
-        if not drafting:
-            raise APIError(400, "speculative.tree needs a drafter; this request decodes plainly", param="speculative.tree")
         try:
-            self.engine.check_tree_support()
+            self.engine.check_tree_request(drafting)
         except VerispecError as err:
             raise APIError(400, str(err), param="speculative.tree") from None
         depth = tree.depth(options.K or SpecConfig().num_draft_tokens)

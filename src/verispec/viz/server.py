@@ -137,14 +137,14 @@ class LiveDecoding:
         tree = live_tree_config(request.tree, request.k)
         spec = SpecConfig(num_draft_tokens=request.k, max_new_tokens=request.max_new_tokens, tree=tree)
         if tree is not None:
-            decoder.engine.check_tree_support()  # now, not at the first step
+            decoder.engine.check_tree_request()  # now, not at the first step
         if sampling.constraint is not None:
             decoder.engine.grammars().start(sampling.constraint)  # a bad constraint answers 400 now
         self.tree = tree
         self.prompt_ids = decoder.encode(request.prompt, request.chat)
         tokenizer = decoder.target.tokenizer
         self.tracer = Tracer(top=8, token_text=lambda t: tokenizer.decode([t]))
-        self.printer = StreamPrinter(None, decoder.decode, plain_decoding=decoder.drafter is None)
+        self.printer = StreamPrinter(None, decoder.decode, plain_decoding=decoder.drafter.plain)
         self.stream = decoder.stream(self.prompt_ids, sampling, spec, request.seed)
         self.done = False
 

@@ -1,0 +1,203 @@
+"""Verify and commit: what one step does with a batch's drafts once the target's pass has scored them.
+
+`StepRules` holds what a step needs besides the models: the tokens that end a sequence, the detokenizer for stop
+strings, and the observers of every verification (the tracer, online adaptation). `verispec.batch.DecodeBatch`
+runs the step (draft, one target pass, `verify_rows`, the target's commit, `commit`); `verispec.engine` builds the
+rules and drives the batch. Neither imports the other: the batch knows the engine only as `StepParts`.
+
+Verification of a batch (`verify_rows`): the rows that decode greedily with a chain draft and nothing between the
+logits and the argmax (no repetition penalty, no constraint, no observer) are verified together, from one argmax over
+the whole pass and one read of the device for every such row; every other row goes through `verify_one`, the rule of
+`verispec.rejection` with the row's own generator. Both give the verdict `rejection.verify_greedy` gives the row
+alone (tests/test_step.py checks them against each other), and a row whose logits cannot be read (NaN, +inf) is left
+to `verify_one`, which fails that row alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from verispec.config import SamplingConfig
+from verispec.constraints import apply_constraint
+from verispec.core.drafter import Draft, Drafter
+from verispec.core.protocols import Runner
+from verispec.core.sequence import Sequence, StepEvent
+from verispec.detokenize import IncrementalText
+from verispec.rejection import Verdict, verify, verify_greedy
+from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks, tree_seen_masks
+
+
+class StepRules:
+    """How a step verifies a row's draft and commits its tokens.
+
+    Args:
+        eos_token_ids: tokens that end a sequence.
+        decode: token ids -> text, used for stop strings (None: stop strings are not scanned).
+    """
+
+    def __init__(self, eos_token_ids: set[int], decode: Callable[[list[int]], str] | None = None) -> None:
+        self.eos_token_ids = set(eos_token_ids)
+        self.decode = decode
+        # Observers of every verification, called as observer(seq, draft, p, verdict, uniforms) with the
+        # Draft, its Verdict, p (N + 1 rows of (V,): a (N + 1, V) tensor for a chain, rows made on demand for
+        # a tree; one-hot at the argmax at temperature 0) and the N uniforms `verify` drew (None at
+        # temperature 0). `tracer` is the slot of verispec.trace; `observers` holds the others (online
+        # adaptation). With none set the step stays bare. Observers only read: they never draw from seq.rng.
+        self.tracer: Callable | None = None
+        self.observers: list[Callable] = []
+
+    def _watchers(self) -> list[Callable]:
+        return self.observers if self.tracer is None else [self.tracer, *self.observers]
+
+    # --- verification ------------------------------------------------------------------------------
+    def batched(self, seq: Sequence, draft: Draft) -> bool:
+        """Whether this row's verdict comes from the batch's one argmax: greedy, a chain, nothing processing its
+        logits, no observer."""
+        cfg = seq.sampling
+        return (cfg.greedy and draft.is_chain and cfg.repetition_penalty == 1.0 and seq.constraint is None
+                and self.tracer is None and not self.observers)
+
+    def verify_rows(self, rows: list[int], sequences: list[Sequence], drafts: list[Draft],
+                    logits: torch.Tensor) -> dict[int, Verdict]:
+        """The verdicts of the batched rows among `rows` (`batched`), from one argmax over the pass.
+
+        logits: (B, M, V) the target's pass, row b's logits at [b, : len(drafts[b]) + 1]. Rows left out of the answer
+        (not batched, or with logits no argmax can be taken of) are verified by `verify_one`."""
+        if not rows or not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+            return {}
+        width = max(len(drafts[b]) for b in rows) + 1
+        chosen = logits[:, :width]  # (B, W, V) a view: every row of the pass is read once, no copy
+        if len(rows) < logits.shape[0]:
+            chosen = chosen[torch.tensor(rows, dtype=torch.long, device=logits.device)]  # (R, W, V)
+        top, best = chosen.float().max(dim=-1)  # (R, W) each: the largest logit and its first id, in one sweep
+        finite, best_of = torch.isfinite(top).tolist(), best.tolist()  # the step's one read of the device for these
+        verdicts = {}
+        for r, b in enumerate(rows):
+            n = len(drafts[b])
+            if not all(finite[r][: n + 1]):  # NaN or +inf: `verify_one` refuses it for this row alone
+                continue
+            tokens = drafts[b].tokens.tolist()
+            accepted = next((i for i in range(n) if tokens[i] != best_of[r][i]), n)
+            verdicts[b] = Verdict(tuple(range(accepted)), best_of[r][accepted], bonus=accepted == n)
+        return verdicts
+
+    def verify_one(self, seq: Sequence, draft: Draft, logits: torch.Tensor) -> Verdict:
+        """One row's verdict. logits: (N + 1, V) target logits at the root and after each node."""
+        cfg = seq.sampling
+        seen = None
+        if cfg.repetition_penalty != 1.0:
+            context = torch.tensor(seq.tokens, dtype=torch.long)
+            seen = (seen_masks(context, draft.tokens, logits.shape[-1]) if draft.is_chain else
+                    tree_seen_masks(context, draft.tokens, draft.tree.parents, logits.shape[-1]))  # (N + 1, V)
+        if seq.constraint is not None:  # p restricted to what the constraint allows after each node's path
+            allowed = seq.constraint.node_masks(draft.tokens.tolist(), draft.tree.parents.tolist())  # (N + 1, V)
+            logits = apply_constraint(logits, allowed)  # (N + 1, V)
+        watchers = self._watchers()
+        if cfg.greedy:
+            target_argmax = greedy_tokens(logits, cfg, seen)  # (N + 1,)
+            verdict = verify_greedy(target_argmax, draft)
+            if watchers:  # at temperature 0, p is one-hot at the target's argmax
+                p = (torch.nn.functional.one_hot(target_argmax, logits.shape[-1]).float() if draft.is_chain else
+                     _OneHotRows(target_argmax, logits.shape[-1]))  # (N + 1, V); a tree's made row by row
+                for watch in watchers:
+                    watch(seq, draft, p, verdict, None)
+            return verdict
+        # a chain's rows all at once; a tree's when the walk reaches them (it reads the root and its path only)
+        p = logits_to_probs(logits, cfg, seen) if draft.is_chain else _ProbabilityRows(logits, cfg, seen)  # (N+1, V)
+        if not watchers:
+            return verify(p, draft, seq.rng)
+        verdict, u = verify(p, draft, seq.rng, return_uniforms=True)
+        for watch in watchers:
+            watch(seq, draft, p, verdict, u)
+        return verdict
+
+    # --- commit --------------------------------------------------------------------------------------
+    def commit(self, seq: Sequence, accepted: tuple[int, ...], verdict: Verdict) -> StepEvent:
+        """Append the accepted tokens and the recovered / bonus token, stopping at EOS, a stop string or the length."""
+        spec = seq.spec
+        scan = bool(spec.stop) and self.decode is not None
+        committed: list[int] = []
+        for token in (*accepted, verdict.token):
+            seq.tokens.append(token)
+            committed.append(token)
+            if seq.constraint is not None:
+                seq.constraint.advance((token,))
+            if scan and self._hit_stop_string(seq):
+                break
+            if spec.stop_at_eos and token in self.eos_token_ids:
+                seq.finish_reason = "eos"
+                break
+            if seq.constraint is not None and seq.constraint.finished:
+                # complete: only the end-of-sequence token is allowed, so the constrained p is one-hot there and
+                # plain decoding would draw it next; it is committed now, without a pass
+                end = seq.constraint.end_token()
+                if end is not None and seq.num_generated < seq.max_new_tokens:
+                    seq.tokens.append(end)
+                    committed.append(end)  # (the matcher, stopped, takes nothing more)
+                seq.finish_reason = "eos" if end in self.eos_token_ids and committed[-1] == end else "stop"
+                break
+            if seq.num_generated >= seq.max_new_tokens:
+                seq.finish_reason = "length"
+                break
+        seq.stats.new_tokens = seq.num_generated
+        return StepEvent(seq.index, accepted, verdict.token, verdict.bonus, tuple(committed), seq.finish_reason)
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        """After one more token: does the text now hold a stop string? Then the sequence ends there, its text cut
+        before the first one (`text_end`). Only the text the token added is scanned (with the longest stop string's
+        length less one before it, where a match may have begun), and it is decoded incrementally, so a step costs
+        the same however long the answer (`verispec.detokenize`)."""
+        assert self.decode is not None
+        if seq.text is None:
+            seq.text = IncrementalText(self.decode)
+        text = seq.text
+        before = len(text.text)
+        if not text.update(seq.generated):
+            return False
+        stops = seq.spec.stop
+        start = max(0, before - max(len(s) for s in stops) + 1)
+        found = [i for i in (text.text.find(s, start) for s in stops) if i >= 0]
+        if not found:
+            return False
+        seq.finish_reason, seq.text_end = "stop", min(found)
+        return True
+
+
+class StepParts(Protocol):
+    """What a batch needs of the engine that drives it (`verispec.engine.SpeculativeEngine`)."""
+
+    target: Runner
+    drafter: Drafter
+    context_window: int
+    rules: StepRules
+
+
+class _ProbabilityRows:
+    """p = logits_to_probs(logits) row by row, on demand: a tree walk reads the root and its accepted
+    path only, so the other rows (a top-p sort over the vocabulary each) are never made.
+
+    logits: (N + 1, V); seen: (N + 1, V) or None. p[i] -> (V,).
+    """
+
+    def __init__(self, logits: torch.Tensor, config: SamplingConfig, seen: torch.Tensor | None) -> None:
+        self.logits, self.config, self.seen = logits, config, seen
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        seen = None if self.seen is None else self.seen[i : i + 1]
+        return logits_to_probs(self.logits[i : i + 1], self.config, seen)[0]
+
+
+class _OneHotRows:
+    """p at temperature 0 for a tracer, row by row: one-hot at the target's argmax (a tree's full
+    (N + 1, V) one-hot matrix would be large). target_argmax: (N + 1,). p[i] -> (V,)."""
+
+    def __init__(self, target_argmax: torch.Tensor, vocab: int) -> None:
+        self.target_argmax, self.vocab = target_argmax, vocab
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        row = torch.zeros(self.vocab)  # (V,)
+        row[int(self.target_argmax[i])] = 1.0
+        return row

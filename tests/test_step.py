@@ -1,0 +1,97 @@
+"""The step's batched verification (`verispec.step`): the greedy chain rows of a batch verified from one argmax over
+the pass give the verdicts `rejection.verify_greedy` gives each row alone, a row whose logits cannot be read fails
+alone, and the engine and the batch do not import each other, not even for types."""
+
+import torch
+
+from test_layers import cycles, package_graph
+from verispec.batch import DecodeBatch
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.core.drafter import PLAIN, Draft, PlainDrafter
+from verispec.core.sequence import Sequence
+from verispec.drafters.draft_model import DraftModelDrafter
+from verispec.engine import SpeculativeEngine
+from verispec.models.runners.hf import ModelRunner
+from verispec.rejection import verify_greedy
+from verispec.sampling import greedy_tokens
+from verispec.step import StepRules
+
+GREEDY = SamplingConfig(temperature=0)
+SPEC = SpecConfig(num_draft_tokens=3, max_new_tokens=16, stop_at_eos=False)
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 11, 12], [3], [20, 21, 22, 20, 21]]
+
+
+def test_batched_verdicts_equal_each_rows_own_verdict_ties_included():
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab, width = 6, 40, 6
+    # small integer logits: many rows hold ties, which both paths must break the same way (the first largest id)
+    logits = torch.randint(-3, 3, (rows, width, vocab), generator=gen).float()  # (B, M, V)
+    drafts, sequences = [], []
+    for b in range(rows):
+        n = b % width  # drafts of 0 .. 5 tokens
+        best = logits[b, :n].argmax(-1)  # (n,) the target's argmax: drafts that match it for a while
+        tokens = best.clone()
+        if n and b % 2:
+            tokens[n // 2] = (tokens[n // 2] + 1) % vocab  # a rejection half way
+        drafts.append(Draft(tokens))
+        sequences.append(Sequence(b, [1], 1, GREEDY, torch.Generator(), 16, SPEC))
+    rules = StepRules(set())
+    assert all(rules.batched(s, d) for s, d in zip(sequences, drafts))
+    together = rules.verify_rows(list(range(rows)), sequences, drafts, logits)
+    for b in range(rows):
+        alone = verify_greedy(greedy_tokens(logits[b, : len(drafts[b]) + 1], GREEDY), drafts[b])
+        assert together[b] == alone
+        assert rules.verify_one(sequences[b], drafts[b], logits[b, : len(drafts[b]) + 1]) == alone
+    assert {together[b].num_accepted for b in range(rows)} != {0}  # the check saw acceptances
+
+
+def test_a_row_whose_logits_hold_nan_is_left_out_and_fails_alone_in_a_batch(greedy_pair, monkeypatch):
+    target, draft = greedy_pair
+    engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), 64), set())
+    expected = {i: engine.generate([p], GREEDY, SPEC)[0].generated for i, p in enumerate(PROMPTS)}
+    rows = [0, 1]
+    logits = torch.zeros(2, 3, 8)
+    logits[1, 1, 2] = float("nan")
+    seqs = [Sequence(b, [1], 1, GREEDY, torch.Generator(), 16, SPEC) for b in rows]
+    verdicts = engine.rules.verify_rows(rows, seqs, [Draft(torch.tensor([0, 0]))] * 2, logits)
+    assert set(verdicts) == {0}  # row 1 goes to `verify_one`, which refuses its NaN
+
+    forward = ModelRunner.forward
+    calls = {"n": 0}
+
+    def poisoned(self, state, tokens, num_logits, parents=None):
+        out = forward(self, state, tokens, num_logits, parents)
+        if self is not engine.target:  # (the draft's runner)
+            return out
+        calls["n"] += 1
+        if calls["n"] == 3:
+            out = out.clone()
+            out[2, 0, 5] = float("nan")  # row 2's logits in its third step
+        return out
+
+    monkeypatch.setattr(ModelRunner, "forward", poisoned)
+    batch = DecodeBatch(engine)
+    batch.add(engine.make_sequences(PROMPTS, GREEDY, SPEC, None))
+    done = {}
+    while batch:
+        for _, seq in batch.step():
+            if seq.finish_reason is not None:
+                done[seq.index] = seq
+    assert done[2].finish_reason == "error" and "NaN" in str(done[2].error)
+    assert {i: s.generated for i, s in done.items() if i != 2} == {i: t for i, t in expected.items() if i != 2}
+    assert [stage for stage, _ in batch.faults] == ["verify"]
+
+
+def test_an_engine_without_a_drafter_holds_the_plain_drafter(greedy_pair):
+    target, _ = greedy_pair
+    engine = SpeculativeEngine(ModelRunner(target), None, set())
+    assert engine.drafter is PLAIN and isinstance(PLAIN, PlainDrafter) and PLAIN.plain and PLAIN.name == "none"
+    out = engine.generate(PROMPTS, GREEDY, SPEC)
+    assert all(s.stats.draft_tokens == 0 and s.num_generated == SPEC.max_new_tokens for s in out)
+    assert [s.stats.target_forward_passes for s in out] == [SPEC.max_new_tokens] * len(PROMPTS)  # one token a pass
+
+
+def test_the_engine_and_the_batch_do_not_import_each_other_even_for_types():
+    graph = package_graph()
+    typed = {name: [(t, False) for t, _ in imports] for name, imports in graph.items()}  # type-only edges count
+    assert not [group for group in cycles(typed) if "verispec.engine" in group or "verispec.batch" in group]
