@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
 
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.errors import VerispecError
-from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks
+from verispec.sampling import Processors, greedy_tokens, logits_to_probs, sample, seen_masks, tree_seen_masks
 
 
 def hf_probs(logits, context, cfg):
@@ -115,3 +115,32 @@ def test_nan_logits_are_refused_not_sampled():
         logits_to_probs(torch.tensor([[0.0, float("nan")]]), SamplingConfig())
     with pytest.raises(ValueError, match="NaN"):
         greedy_tokens(torch.tensor([[0.0, float("nan")]]), SamplingConfig(temperature=0))
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(temperature=0), SamplingConfig(temperature=0, repetition_penalty=1.3),
+                                    SamplingConfig(temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.2),
+                                    SamplingConfig(temperature=1.0, min_p=0.05)])
+def test_a_sequences_processor_chain_is_the_functions_it_is_built_from(config):
+    """`Processors` (the chain the verifier and the drafters call) gives what the functions give: the seen-masks,
+    the target's argmax or p, and a draft's argmax or its q and the draw from it with the same generator."""
+    chain, vocab = Processors(config), 32
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, vocab, generator=gen)  # (N + 1, V)
+    context, drafts = [1, 2, 5, 2], torch.tensor([7, 1, 9])
+    seen = chain.seen_rows(context, drafts, None, vocab)
+    if config.repetition_penalty == 1.0:
+        assert seen is None and chain.seen(context, vocab) is None
+    else:
+        assert torch.equal(seen, seen_masks(torch.tensor(context), drafts, vocab))
+        assert torch.equal(chain.seen(context + [7], vocab)[0], seen[1])
+        tree = chain.seen_rows(context, drafts, torch.tensor([-1, 0, 0]), vocab)
+        assert torch.equal(tree, tree_seen_masks(torch.tensor(context), drafts, torch.tensor([-1, 0, 0]), vocab))
+    expected = greedy_tokens(logits, config, seen) if config.greedy else logits_to_probs(logits, config, seen)
+    assert torch.equal(chain.target(logits, seen), expected)
+    row_seen = None if seen is None else seen[:1]
+    token, q = chain.draw(logits[:1], row_seen, torch.Generator().manual_seed(11))
+    if config.greedy:
+        assert q is None and token == int(greedy_tokens(logits[:1], config, row_seen)[0]) == chain.propose(logits[:1], row_seen)[0]
+    else:
+        assert torch.equal(q, logits_to_probs(logits[:1], config, row_seen)[0])
+        assert token == sample(q, torch.Generator().manual_seed(11))

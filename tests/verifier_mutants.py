@@ -1,7 +1,7 @@
 """The standard wrong verification rules, as drop-in replacements of the engine's verifiers.
 
 Each mutant is `verispec.rejection.verify` (its chain rule and its tree walk) with one rule changed, installed
-where the engine looks it up (`verispec.engine.verify`) by `installed(name)`. An exactness test
+where the engine looks it up (`verispec.step.verify`) by `installed(name)`. An exactness test
 that passes under a mutant has no power against that mistake: `tests/test_exactness_grid.py` requires every
 mutant to fail the grid of every drafter family on every backend, and `benchmarks/exactness_mutants.py` prints
 the table.
@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-from verispec import engine as engine_module
+from verispec import step as step_module
 from verispec import rejection
 from verispec.rejection import Verdict, residual_distribution
 from verispec.sampling import sample
@@ -131,7 +131,7 @@ def installed(mutant: str):
     one chains)."""
     if mutant not in MUTANTS:
         raise ValueError(f"unknown mutant {mutant!r}")
-    original = engine_module.verify
+    original = step_module.verify
     chain = _chain(mutant) if mutant not in TREE_ONLY else None
     tree = _tree(mutant) if mutant not in CHAIN_ONLY else None
 
@@ -142,8 +142,8 @@ def installed(mutant: str):
             return tree(p, draft.tree, draft.tokens, draft.q, draft.siblings, rng, return_uniforms)
         return original(p, draft, rng, return_uniforms)
 
-    engine_module.verify = verify
+    step_module.verify = verify
     try:
         yield
     finally:
-        engine_module.verify = original
+        step_module.verify = original

@@ -166,3 +166,52 @@ def _first_above(cdf: torch.Tensor, x: float) -> int:
         return i
     mass = torch.diff(cdf, prepend=cdf.new_zeros(1))  # (K,)
     return int((mass > 0).nonzero().max())
+
+
+class Processors:
+    """One sequence's processor chain, built once from its `SamplingConfig` (`Sequence.processors`): repetition
+    penalty -> temperature / top-k / top-p / min-p -> a greedy or a sampled draw. (A structured-output constraint
+    masks the logits before the chain: `constraints.apply_constraint` for p, `drafters.drawing.constrained_logits`
+    for q.) The verifier (for p) and every drafter that draws from logits (for q) go through it, so the greedy
+    branch and the penalty's seen-mask are decided here, once.
+    """
+
+    def __init__(self, config: SamplingConfig) -> None:
+        self.config = config
+        self.greedy = config.greedy  # temperature 0: argmax on both sides, q None
+        self.penalised = config.repetition_penalty != 1.0
+
+    def seen(self, tokens: list[int], vocab: int) -> torch.Tensor | None:
+        """(1, V) the tokens the penalty applies to after `tokens` (a context, with drafts after it); None without a
+        penalty."""
+        if not self.penalised:
+            return None
+        context = torch.tensor(tokens, dtype=torch.long)  # (T,)
+        return seen_masks(context, context[:0], vocab)
+
+    def seen_rows(self, context: list[int], tokens: torch.Tensor, parents: torch.Tensor | None,
+                  vocab: int) -> torch.Tensor | None:
+        """(N + 1, V) the penalty's tokens at the root and after each of a draft's N nodes (`parents` None: a chain);
+        None without a penalty."""
+        if not self.penalised:
+            return None
+        committed = torch.tensor(context, dtype=torch.long)  # (T,)
+        return (seen_masks(committed, tokens, vocab) if parents is None else
+                tree_seen_masks(committed, tokens, parents, vocab))
+
+    def target(self, logits: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
+        """The target's rows as verification reads them: (N, V) logits -> (N,) argmax when greedy, else (N, V) p."""
+        return greedy_tokens(logits, self.config, seen) if self.greedy else logits_to_probs(logits, self.config, seen)
+
+    def propose(self, logits: torch.Tensor, seen: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
+        """A draft position from (1, V) logits: (the argmax, None) when greedy, else (-1, q) with q (V,) the
+        distribution to draw it from (`draw`, or `sample` once the drafter decides to go on)."""
+        if self.greedy:
+            return int(greedy_tokens(logits, self.config, seen)[0]), None
+        return -1, logits_to_probs(logits, self.config, seen)[0]
+
+    def draw(self, logits: torch.Tensor, seen: torch.Tensor | None,
+             rng: torch.Generator) -> tuple[int, torch.Tensor | None]:
+        """A draft token from (1, V) logits: the argmax when greedy (q None), else a sample from q and q (V,)."""
+        token, q = self.propose(logits, seen)
+        return (token, None) if q is None else (sample(q, rng), q)

@@ -20,14 +20,13 @@ from typing import Protocol
 
 import torch
 
-from verispec.config import SamplingConfig
 from verispec.constraints import apply_constraint
 from verispec.core.drafter import Draft, Drafter
 from verispec.core.protocols import Runner
 from verispec.core.sequence import Sequence, StepEvent
 from verispec.detokenize import IncrementalText
 from verispec.rejection import Verdict, verify, verify_greedy
-from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks, tree_seen_masks
+from verispec.sampling import Processors
 
 
 class StepRules:
@@ -56,8 +55,8 @@ class StepRules:
     def batched(self, seq: Sequence, draft: Draft) -> bool:
         """Whether this row's verdict comes from the batch's one argmax: greedy, a chain, nothing processing its
         logits, no observer."""
-        cfg = seq.sampling
-        return (cfg.greedy and draft.is_chain and cfg.repetition_penalty == 1.0 and seq.constraint is None
+        chain = seq.processors
+        return (chain.greedy and draft.is_chain and not chain.penalised and seq.constraint is None
                 and self.tracer is None and not self.observers)
 
     def verify_rows(self, rows: list[int], sequences: list[Sequence], drafts: list[Draft],
@@ -86,18 +85,15 @@ class StepRules:
 
     def verify_one(self, seq: Sequence, draft: Draft, logits: torch.Tensor) -> Verdict:
         """One row's verdict. logits: (N + 1, V) target logits at the root and after each node."""
-        cfg = seq.sampling
-        seen = None
-        if cfg.repetition_penalty != 1.0:
-            context = torch.tensor(seq.tokens, dtype=torch.long)
-            seen = (seen_masks(context, draft.tokens, logits.shape[-1]) if draft.is_chain else
-                    tree_seen_masks(context, draft.tokens, draft.tree.parents, logits.shape[-1]))  # (N + 1, V)
+        chain = seq.processors
+        seen = chain.seen_rows(seq.tokens, draft.tokens, None if draft.is_chain else draft.tree.parents,
+                               logits.shape[-1])  # (N + 1, V) or None
         if seq.constraint is not None:  # p restricted to what the constraint allows after each node's path
             allowed = seq.constraint.node_masks(draft.tokens.tolist(), draft.tree.parents.tolist())  # (N + 1, V)
             logits = apply_constraint(logits, allowed)  # (N + 1, V)
         watchers = self._watchers()
-        if cfg.greedy:
-            target_argmax = greedy_tokens(logits, cfg, seen)  # (N + 1,)
+        if chain.greedy:
+            target_argmax = chain.target(logits, seen)  # (N + 1,)
             verdict = verify_greedy(target_argmax, draft)
             if watchers:  # at temperature 0, p is one-hot at the target's argmax
                 p = (torch.nn.functional.one_hot(target_argmax, logits.shape[-1]).float() if draft.is_chain else
@@ -106,7 +102,7 @@ class StepRules:
                     watch(seq, draft, p, verdict, None)
             return verdict
         # a chain's rows all at once; a tree's when the walk reaches them (it reads the root and its path only)
-        p = logits_to_probs(logits, cfg, seen) if draft.is_chain else _ProbabilityRows(logits, cfg, seen)  # (N+1, V)
+        p = chain.target(logits, seen) if draft.is_chain else _ProbabilityRows(logits, chain, seen)  # (N + 1, V)
         if not watchers:
             return verify(p, draft, seq.rng)
         verdict, u = verify(p, draft, seq.rng, return_uniforms=True)
@@ -176,18 +172,18 @@ class StepParts(Protocol):
 
 
 class _ProbabilityRows:
-    """p = logits_to_probs(logits) row by row, on demand: a tree walk reads the root and its accepted
+    """p = the chain's target rows, row by row, on demand: a tree walk reads the root and its accepted
     path only, so the other rows (a top-p sort over the vocabulary each) are never made.
 
     logits: (N + 1, V); seen: (N + 1, V) or None. p[i] -> (V,).
     """
 
-    def __init__(self, logits: torch.Tensor, config: SamplingConfig, seen: torch.Tensor | None) -> None:
-        self.logits, self.config, self.seen = logits, config, seen
+    def __init__(self, logits: torch.Tensor, chain: Processors, seen: torch.Tensor | None) -> None:
+        self.logits, self.chain, self.seen = logits, chain, seen
 
     def __getitem__(self, i: int) -> torch.Tensor:
         seen = None if self.seen is None else self.seen[i : i + 1]
-        return logits_to_probs(self.logits[i : i + 1], self.config, seen)[0]
+        return self.chain.target(self.logits[i : i + 1], seen)[0]
 
 
 class _OneHotRows:

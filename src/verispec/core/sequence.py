@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from verispec.config import SamplingConfig, SpecConfig
+from verispec.sampling import Processors
 from verispec.stats import GenerationStats
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ class Sequence:
     constraint: where the answer stands in its structured-output constraint (sampling.constraint; None: none).
     scope: whose shared drafter state this sequence may read and add to (a server's tenant, named by its API key
         under `--suffix-scope key`: the suffix store keeps each scope's outputs apart); None: the shared state.
+    processors: the processor chain of `sampling`, built with the sequence (`sampling.Processors`): the verifier and
+        the drafters process p and q and take the greedy branch through it.
     """
 
     index: int
@@ -59,6 +62,10 @@ class Sequence:
     constraint: ConstraintState | None = None
     scope: str | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
+    processors: Processors = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.processors = Processors(self.sampling)
 
     @property
     def num_generated(self) -> int:

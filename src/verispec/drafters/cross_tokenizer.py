@@ -45,7 +45,6 @@ from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.protocols import Runner, RunnerState
 from verispec.core.sequence import Sequence
 from verispec.drafters.token_text import VocabBridge
-from verispec.sampling import logits_to_probs, sample
 
 
 @dataclass
@@ -201,11 +200,8 @@ class CrossTokenizerDrafter(Drafter):
         """Intersection scheme: a draw from the draft's q on the shared ids; True when the row has k drafts."""
         width = min(logits.shape[-1], self.shared.numel())
         row = logits[:width].float().masked_fill(~self.shared[:width], float("-inf")).unsqueeze(0)  # (1, Vd)
-        if seq.sampling.greedy:
-            token = int(row[0].argmax())
-        else:
-            q_d = logits_to_probs(row, seq.sampling)[0]  # (Vd,): zero off the shared ids
-            token = sample(q_d, seq.rng)
+        token, q_d = seq.processors.draw(row, None, seq.rng)  # q_d (Vd,): zero off the shared ids; None when greedy
+        if q_d is not None:
             q = torch.zeros(self.target_vocab_size, dtype=q_d.dtype)  # (Vt,)
             q[self.bridge.shared_target] = q_d[self.bridge.shared_draft]
             q_rows[b].append(q)

@@ -41,7 +41,7 @@ from verispec.drafters.drawing import constrained_logits
 from verispec.drafters.prompt_lookup import lookup, lookup_match
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
-from verispec.sampling import greedy_tokens, logits_to_probs, sample, seen_masks
+from verispec.sampling import sample
 
 
 class DraftModelDrafter(Drafter):
@@ -155,24 +155,17 @@ class DraftModelDrafter(Drafter):
             for b, seq in enumerate(sequences):
                 if step >= limits[b]:
                     continue
-                seen = None
-                if seq.sampling.repetition_penalty != 1.0:
-                    context = torch.tensor(seq.tokens + drafted[b], dtype=torch.long)
-                    seen = seen_masks(context, context[:0], logits.shape[-1])  # (1, V)
+                seen = seq.processors.seen(seq.tokens + drafted[b], logits.shape[-1])  # (1, V) or None
                 copied, match = lookup_match(seq.tokens + drafted[b], 1, self.lookup) if self.lookup else ([], 0)
                 row = constrained_logits(logits[b : b + 1], seq, drafted[b])  # (1, V): q masked like the target's p
                 if row is None or (copied and seq.constraint is not None and copied[0] < row.shape[-1]
                                    and row[0, copied[0]] == float("-inf")):
                     limits[b] = step  # the constraint allows no draft here (or not the copy): the chain ends
                     continue
-                q = None
                 if copied:  # deterministic: q is one-hot at the copied token
-                    token = copied[0]
-                elif seq.sampling.greedy:
-                    token = int(greedy_tokens(row, seq.sampling, seen)[0])
-                else:
-                    q = logits_to_probs(row, seq.sampling, seen)[0]  # (V,)
-                    token = -1  # drawn below, once the chain goes on
+                    token, q = copied[0], None
+                else:  # the argmax when greedy; else q (V,), the token drawn below once the chain goes on
+                    token, q = seq.processors.propose(row, seen)
                 stop, key = seq.draft_stop, None
                 if stop is not None:
                     key = self._stop_key(seq, logits[b], None, token, match) if q is None else None
@@ -187,7 +180,7 @@ class DraftModelDrafter(Drafter):
                     self.stop_keys[b].append(key)
                     if p_all[b] < stop.go_on_at(step + 1):
                         limits[b] = step + 1  # no next draft could pay for its draft pass and its width
-                if not seq.sampling.greedy:
+                if not seq.processors.greedy:
                     q_rows[b].append(self._pad_q(q) if q is not None else
                                      torch.nn.functional.one_hot(torch.tensor(token), self.target_vocab_size).float()
                                      .to(logits.device))
@@ -263,10 +256,7 @@ class DraftModelDrafter(Drafter):
     @staticmethod
     def _seen(seq: Sequence, growth: TreeGrowth, node: int, vocab: int) -> torch.Tensor | None:
         """(1, V) tokens the repetition penalty applies to after `node`: the context and the path to it."""
-        if seq.sampling.repetition_penalty == 1.0:
-            return None
-        context = torch.tensor(seq.tokens + growth.path(node), dtype=torch.long)
-        return seen_masks(context, context[:0], vocab)
+        return seq.processors.seen(seq.tokens + growth.path(node), vocab)
 
     def _commit_tree(self, drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
         keep = []

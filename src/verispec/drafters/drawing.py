@@ -5,15 +5,11 @@ from __future__ import annotations
 import torch
 
 from verispec.core.sequence import Sequence
-from verispec.sampling import greedy_tokens, logits_to_probs, sample, seen_masks
 
 
 def penalty_seen(seq: Sequence, drafted: list[int], vocab: int) -> torch.Tensor | None:
     """(1, V) tokens the repetition penalty applies to after the context and these drafts; None without one."""
-    if seq.sampling.repetition_penalty == 1.0:
-        return None
-    context = torch.tensor(seq.tokens + drafted, dtype=torch.long)
-    return seen_masks(context, context[:0], vocab)
+    return seq.processors.seen(seq.tokens + drafted, vocab)
 
 
 def constrained_logits(logits: torch.Tensor, seq: Sequence, drafted: list[int]) -> torch.Tensor | None:
@@ -36,8 +32,4 @@ def draw_token(logits: torch.Tensor, seq: Sequence, drafted: list[int]) -> tuple
     """A chain's next draft token from a head's (1, V) logits after `drafted`, processed like the target's
     (temperature, top-k, top-p, repetition penalty): the argmax when greedy (q None), else a sample and its q (V,).
     Callers restrict the logits to a constraint first (`constrained_logits`)."""
-    seen = penalty_seen(seq, drafted, logits.shape[-1])
-    if seq.sampling.greedy:
-        return int(greedy_tokens(logits, seq.sampling, seen)[0]), None
-    q = logits_to_probs(logits, seq.sampling, seen)[0]  # (V,)
-    return sample(q, seq.rng), q
+    return seq.processors.draw(logits, penalty_seen(seq, drafted, logits.shape[-1]), seq.rng)

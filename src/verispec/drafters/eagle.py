@@ -203,7 +203,7 @@ class EagleDrafter(AdaptiveHead, Drafter):
                         break
                 if copied is not None:
                     tokens.append(copied)
-                    if not seq.sampling.greedy and not self.argmax:
+                    if not seq.processors.greedy and not self.argmax:
                         q_rows.append(torch.nn.functional.one_hot(torch.tensor(copied), self.vocab_size).float())
                     continue
                 logits = constrained_logits(self.head.logits(h[None]), seq, tokens)  # (1, V)
