@@ -315,7 +315,7 @@ class DecodeBatch:
         """Rows the target cannot read end now ("inputs"); drafts it cannot read are dropped (`drafts` and `nodes`
         changed in place) and their rows stop drafting. Returns the rows that ended."""
         target = self.engine.target
-        window = getattr(target, "context_window", None) or self.engine.context_window
+        window = target.context_window or self.engine.context_window
         bad_rows, bad_drafts = check_inputs(target.vocab_size, window, self.sequences, pending, drafts, nodes)
         for b, err in bad_drafts.items():
             drafts[b], nodes[b] = EMPTY_DRAFT, []

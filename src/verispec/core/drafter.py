@@ -41,6 +41,9 @@ class Drafter(ABC):
     # True for drafters with a cache of their own (a draft model): `propose` is called in a row's first step even
     # when no row drafts (all depths 0), so that the drafter reads the prompt then, before the first output.
     reads_prompt: bool = False
+    # True for drafters that read a row's tokens into a cache of their own before drafting after them (a draft model,
+    # self-speculation): `unread` counts what a row has not read yet (a composite charges that reading to its choice).
+    catches_up: bool = False
     # Set by the batch: a row given no drafts reads at most this many of its pending tokens per call (None: all),
     # so a drafter with a cache of its own reads a long prompt in chunks alongside the target.
     prefill_chunk: int | None = None
@@ -84,6 +87,10 @@ class Drafter(ABC):
 
     def extend(self, sequences: list[Sequence]) -> None:
         """These new sequences join the running batch as its last rows (prompts only in `tokens`)."""
+
+    def unread(self, b: int, seq: Sequence) -> int:
+        """Tokens of row b (`seq`) a drafter that `catches_up` has not read into its own cache yet; 0 for the others."""
+        return 0
 
     def cache_bytes(self, tokens: int) -> int:
         """Bytes of state this drafter holds for one sequence of `tokens` tokens (its model's cache; 0 where it

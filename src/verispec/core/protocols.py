@@ -17,7 +17,7 @@ The native and torch runners are `FeatureRunner`s as well.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -86,3 +86,21 @@ class FeatureRunner(Runner, Protocol):
 
     def head_logits(self, hidden: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """(n, V) float32: the target's LM head applied to final hidden states."""
+
+
+@runtime_checkable
+class NativeWeights(Protocol):
+    """The weights view of a runner over verispec's native quantized GGUF weights (`models.gguf`: the native runner,
+    and the views that run it, as a draft with its LM head cut to ranked ids): `gguf` is the model (its config,
+    layers, head and embedding). What reads weights (skip sets, self-speculation's costs, an EAGLE head's backend)
+    asks with `isinstance`, never `getattr`."""
+
+    gguf: Any
+
+
+@runtime_checkable
+class TorchWeights(Protocol):
+    """The weights view of a runner over a torch module (`models.runners`: the dynamic and static caches, row by row,
+    a reduced vocabulary): `model` is the transformers model it runs (online adaptation swaps in new weights)."""
+
+    model: torch.nn.Module

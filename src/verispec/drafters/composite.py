@@ -168,8 +168,8 @@ class CompositeDrafter(Drafter):
         cache of their own (a draft model); 0 for the others, and where the member's runner cannot be timed alone
         (self-speculation reads the target's cache)."""
         member = self.members[self.costly] if self.costly is not None else None
-        runner = getattr(member, "runner", None)
-        if runner is None or not hasattr(member, "cached"):
+        runner = None if member is None else member.runner
+        if runner is None or not member.catches_up:
             return 0.0
         tokens = [[(i * 7919) % runner.vocab_size for i in range(READ_TOKENS)]]
 
@@ -184,8 +184,7 @@ class CompositeDrafter(Drafter):
 
     def _lag(self, b: int, seq: Sequence) -> int:
         """Tokens of row b the costly member has not read yet (0 for members that read the target's own pass)."""
-        cached = getattr(self.members[self.costly], "cached", None)
-        return max(0, len(seq.tokens) - cached[b]) if cached is not None and b < len(cached) else 0
+        return self.members[self.costly].unread(b, seq)
 
     # --- rows ------------------------------------------------------------------------------------------
     def start(self, sequences: list[Sequence]) -> None:

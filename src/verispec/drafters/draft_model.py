@@ -34,7 +34,7 @@ import torch
 
 from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
-from verispec.core.protocols import Runner, RunnerState
+from verispec.core.protocols import Runner, RunnerState, TorchWeights
 from verispec.core.sequence import Sequence
 from verispec.core.stopping import AcceptanceCalibration
 from verispec.drafters.drawing import constrained_logits
@@ -63,6 +63,7 @@ class DraftModelDrafter(Drafter):
     stops_chains = True
     chunked_prefill = True
     reads_prompt = True
+    catches_up = True
 
     def __init__(self, runner: Runner, target_vocab_size: int, lookup: PromptLookupConfig | None = None,
                  context: int | None = None) -> None:
@@ -93,6 +94,9 @@ class DraftModelDrafter(Drafter):
         """Ids the draft's model reads: its own vocabulary (a smaller one than the target's keeps rows out, see
         `Drafter.input_vocab`; a reduced vocabulary mapped to the target's reads every target id)."""
         return self.runner.vocab_size
+
+    def unread(self, b: int, seq: Sequence) -> int:
+        return max(0, len(seq.tokens) - self.cached[b]) if b < len(self.cached) else 0
 
     def cache_bytes(self, tokens: int) -> int:
         return self.runner.cache_bytes(tokens)
@@ -299,7 +303,7 @@ class DraftModelDrafter(Drafter):
         """Refuse draft weights that cannot be trained (packed, llama.cpp) before any request runs."""
         from verispec.drafters.draft_adapt import check_trainable
 
-        check_trainable(getattr(self.runner, "model", None))
+        check_trainable(self.runner.model if isinstance(self.runner, TorchWeights) else None)
         if config is not None:
             self.adapt_config = config
 

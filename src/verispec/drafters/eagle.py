@@ -36,7 +36,7 @@ import torch
 
 from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
-from verispec.core.protocols import FeatureRunner
+from verispec.core.protocols import FeatureRunner, NativeWeights
 from verispec.core.sequence import Sequence
 from verispec.drafters.drawing import constrained_logits, draw_token, penalty_seen
 from verispec.drafters.head_adapt import AdaptiveHead, HeadAdaptation, HeadTrainer, eagle_loss
@@ -91,7 +91,7 @@ class EagleDrafter(AdaptiveHead, Drafter):
         if any(not 0 <= i < layers for i in head.config.aux_layers or ()):
             raise VerispecError(f"the EAGLE head reads the target's layers {head.config.aux_layers}; this target has "
                                 f"{layers}")
-        self.source, self.native = head, native if native is not None else getattr(target, "gguf", None) is not None
+        self.source, self.native = head, native if native is not None else isinstance(target, NativeWeights)
         self.target, self.head, self.argmax, self.lookup = target, self._serving(head), argmax, lookup
         self.vocab_size = target.vocab_size
         self.rows: list[_Row] = []

@@ -19,6 +19,7 @@ import random
 from dataclasses import dataclass
 
 from verispec.config import SelfSpecConfig
+from verispec.core.protocols import NativeWeights
 from verispec.models.skip import SkipSet
 from verispec.tuning import expected_tokens
 
@@ -42,8 +43,8 @@ class SublayerCosts:
 
     @classmethod
     def of(cls, runner) -> SublayerCosts:
-        gguf = getattr(runner, "gguf", None)
-        if gguf is not None:
+        if isinstance(runner, NativeWeights):
+            gguf = runner.gguf
             attention = tuple(float(sum(w.data.nbytes for w in (l.q, l.k, l.v, l.out))) for l in gguf.layers)
             mlp = tuple(float(sum(w.data.nbytes for w in (l.gate, l.up, l.down))) for l in gguf.layers)
             return cls(attention, mlp, float(gguf.head.data.nbytes), int(gguf.config.vocab))

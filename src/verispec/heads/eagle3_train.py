@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from verispec.console import progress
+from verispec.core.protocols import NativeWeights
 from verispec.errors import VerispecError
 from verispec.models.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
 from verispec.models.heads.eagle3_ttt import Sample, tau, training_batch, unrolled
@@ -155,10 +156,13 @@ def new_head(runner, config: EagleTrainConfig, aux_layers: tuple[int, ...], targ
     from verispec.models.heads.shipped import hidden_size
 
     hidden = hidden_size(runner)
-    c = getattr(runner, "config", None)
-    head_dim = int(c.head_dim) if hasattr(c, "head_dim") else int(runner.model.config.hidden_size // runner.model.config.num_attention_heads)
-    rope_theta = float(c.rope_theta) if hasattr(c, "rope_theta") else float(getattr(runner.model.config, "rope_theta", 10000.0))
-    eps = float(c.rms_eps) if hasattr(c, "rms_eps") else float(getattr(runner.model.config, "rms_norm_eps", 1e-6))
+    if isinstance(runner, NativeWeights):  # the GGUF's config
+        c = runner.gguf.config
+        head_dim, rope_theta, eps = int(c.head_dim), float(c.rope_theta), float(c.rms_eps)
+    else:  # the transformers model's
+        c = runner.model.config
+        head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        rope_theta, eps = float(getattr(c, "rope_theta", 10000.0)), float(getattr(c, "rms_norm_eps", 1e-6))
     shape = Eagle3Config(hidden=hidden, intermediate=config.intermediate, heads=config.heads, kv_heads=config.kv_heads,
                          head_dim=head_dim, vocab=runner.vocab_size, draft_vocab=int(target_ids.numel()),
                          target_hidden=hidden, rms_eps=eps, rope_theta=rope_theta, aux_layers=tuple(aux_layers))

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from verispec.core.protocols import NativeWeights, TorchWeights
 from verispec.errors import VerispecError
 
 SKIP_FORMAT = "verispec-skip/1"
@@ -167,14 +168,12 @@ def fingerprint(runner) -> dict:
     """What identifies the target's weights across formats (a GGUF file, its Hugging Face original): its
     shape and a probe of its token embedding (rows 0..7, first 32 columns), compared by cosine similarity
     (`same_model`): quantization moves the values a little, another model moves them entirely."""
-    gguf = getattr(runner, "gguf", None)
-    if gguf is not None:
-        c = gguf.config
-        probe = gguf.embed.take_rows(np.arange(8, dtype=np.int64))[:, :32]
+    if isinstance(runner, NativeWeights):
+        c = runner.gguf.config
+        probe = runner.gguf.embed.take_rows(np.arange(8, dtype=np.int64))[:, :32]
         shape = (c.layers, c.hidden, c.vocab)
     else:
-        model = getattr(runner, "model", None)
-        embedding = model.get_input_embeddings().weight.detach()
+        embedding = _torch_model(runner).get_input_embeddings().weight.detach()
         probe = embedding[:8, :32].float().numpy()
         shape = (num_layers(runner), int(embedding.shape[1]), int(embedding.shape[0]))
     return {"layers": shape[0], "hidden": shape[1], "vocab": shape[2],
@@ -191,10 +190,15 @@ def same_model(a: dict, b: dict) -> bool:
 
 
 def num_layers(runner) -> int:
-    gguf = getattr(runner, "gguf", None)
-    if gguf is not None:
-        return int(gguf.config.layers)
-    return len(decoder_layers(getattr(runner, "model", None)))
+    if isinstance(runner, NativeWeights):
+        return int(runner.gguf.config.layers)
+    return len(decoder_layers(runner.model if isinstance(runner, TorchWeights) else None))
+
+
+def _torch_model(runner) -> torch.nn.Module:
+    if not isinstance(runner, TorchWeights):
+        raise VerispecError(f"the '{type(runner).__name__}' runner shows no weights to read here (native or torch)")
+    return runner.model
 
 
 @dataclass(frozen=True)
@@ -296,7 +300,7 @@ def check_skippable(runner) -> str:
 
     if isinstance(runner, NativeRunner):
         return "native"
-    if hasattr(getattr(runner, "model", None), "get_output_embeddings"):
+    if isinstance(runner, TorchWeights) and hasattr(runner.model, "get_output_embeddings"):
         return "torch"
     raise VerispecError("self-speculation skips sublayers inside the target's forward pass; the "
                         f"'{type(runner).__name__}' runner cannot (use --backend native or torch)")
