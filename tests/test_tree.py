@@ -292,7 +292,7 @@ def test_trees_need_a_tree_capable_drafter_and_backend(pair):
 
     class ChainRunner:  # a runner without tree passes
         def __init__(self, runner):
-            self.vocab_size, self.context_window = runner.vocab_size, runner.context_window
+            self.vocab_size, self.context_window, self.device = runner.vocab_size, runner.context_window, runner.device
 
     with pytest.raises(VerispecError, match="tree passes"):
         SpeculativeEngine(ChainRunner(ModelRunner(target)), PromptLookupDrafter(), set()).make_sequences(

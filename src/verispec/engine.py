@@ -71,7 +71,7 @@ class SpeculativeEngine:
         self.constraint_limits = ConstraintLimits()  # what a constraint may cost (a server sets its own)
         # Where the target's logits are (a GPU for the static runner on CUDA): sampling and verification run there,
         # from per-sequence generators made there. Seeded draws on a GPU differ from the CPU's (another generator).
-        self.device: torch.device = getattr(target, "device", torch.device("cpu"))
+        self.device: torch.device = target.device
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -54,6 +54,7 @@ class Runner(Protocol):
 
     vocab_size: int
     context_window: int
+    device: torch.device  # where its logits are: a GPU for the static runner on CUDA, the host otherwise
 
     def cache_bytes(self, tokens: int) -> int:
         """Bytes of cache one row of `tokens` tokens takes."""

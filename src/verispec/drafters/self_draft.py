@@ -72,7 +72,7 @@ class SelfDrafter(DraftModelDrafter):
                                     "(--backend native): the torch draft keeps its own cache for one fixed set")
             from verispec.models.runners.hf import ModelRunner
 
-            if getattr(target, "device", torch.device("cpu")).type != "cpu":
+            if target.device.type != "cpu":
                 raise VerispecError("self-speculation runs on the CPU runners; this target is on "
                                     f"{target.device}: use --device cpu")
             runner = ModelRunner(skipping_module(target.model, skip))

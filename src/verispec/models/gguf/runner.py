@@ -118,6 +118,8 @@ class _Query:
 class NativeRunner:
     """verispec's quantized CPU runner over a GGUF model."""
 
+    device = torch.device("cpu")  # where its logits are (core.protocols.Runner)
+
     def __init__(self, model: GGUFModel, threads: int | None = None, initial_capacity: int = 256,
                  source: torch.nn.Module | None = None, fused: bool = True) -> None:
         """source: the torch module a converted draft came from (`convert.model_from_torch`): online

@@ -128,6 +128,8 @@ class KVState:
 class ModelRunner:
     """Wraps a causal LM for speculative decoding: ragged forward with logits at chosen positions."""
 
+    device = torch.device("cpu")  # where its logits are (core.protocols.Runner)
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
         self.keep_features = False  # keep each pass's final hidden states (`features`) for draft heads

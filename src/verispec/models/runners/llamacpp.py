@@ -75,6 +75,8 @@ class LlamaCppState:
 class LlamaCppRunner:
     """ModelRunner-compatible wrapper of a `llama_cpp.Llama` built with logits for every position."""
 
+    device = torch.device("cpu")  # where its logits are (core.protocols.Runner)
+
     def __init__(self, gguf: Path, context_window: int = 8192, threads: int | None = None,
                  flash_attention: bool = False) -> None:
         """flash_attention: use llama.cpp's flash attention kernel instead of its default on a CPU (the

@@ -28,6 +28,10 @@ class MappedVocabRunner:
         self.dtype = self.runner.dtype
 
     @property
+    def device(self) -> torch.device:  # where its logits are: the inner runner's
+        return self.runner.device
+
+    @property
     def model(self):
         return self.runner.model
 

@@ -68,6 +68,10 @@ class RowwiseRunner:
         self.vocab_size, self.context_window, self.dtype = runner.vocab_size, runner.context_window, runner.dtype
 
     @property
+    def device(self) -> torch.device:  # where its logits are: the inner runner's
+        return self.runner.device
+
+    @property
     def model(self) -> torch.nn.Module:
         return self.runner.model
 

@@ -26,6 +26,8 @@ class SkipRunner:
     one target pass with those sublayers skipped (one group, one pass, in the usual case).
     """
 
+    device = torch.device("cpu")  # where its logits are (core.protocols.Runner)
+
     def __init__(self, target, skip: SkipSet) -> None:
         self.target = target
         self.skip = skip
