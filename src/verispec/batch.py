@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from verispec.config import TreeConfig
+from verispec.config import TreeConfig, check_tree_request
 from verispec.constraints import MAX_FORCED
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.sequence import Sequence, StepEvent
@@ -102,10 +102,9 @@ class DecodeBatch:
         (or, if even that fails, emptied with its sequences ended by the error) and the exception is raised."""
         if not sequences:
             return
-        if self.tuner is not None and any(s.tuned and s.spec.tree is not None and s.spec.tree.budget is None
-                                          for s in sequences):
-            raise VerispecError("auto-tuning sizes chains and dynamic trees (--tree-budget) from measured costs; "
-                                "a static tree shape cannot be auto-tuned")
+        if self.tuner is not None:
+            for s in sequences:
+                check_tree_request(s.spec.tree, True, auto_k=s.tuned)
         if not self.sequences:
             if self.tuner is not None:
                 self.tuner.restart()  # new text: the last request's ending does not decide this start

@@ -215,6 +215,21 @@ class TreeConfig:
         return total
 
 
+
+def check_tree_request(tree: TreeConfig | None, drafting: bool, auto_k: bool = False) -> None:
+    """The rules a request's tree follows, wherever it is asked for: the CLI (before it loads any model), the engine
+    (`make_sequences`), the server and a batch with an auto-tuner. A tree needs a drafter, and measured costs size
+    chains and dynamic trees (a budget), not a static shape. Raises a VerispecError naming the rule broken."""
+    if tree is None:
+        return
+    if not drafting:
+        raise VerispecError("tree speculation needs a drafter that builds trees (a draft model or 'ngram'); "
+                            "this request decodes plainly")
+    if auto_k and tree.budget is None:
+        raise VerispecError("auto-tuning (--auto-k) sizes chains and dynamic trees (--tree-budget) from measured costs, "
+                            "not a static tree shape (--tree-shape)")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """How a speculative generation runs.

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from verispec.batch import DecodeBatch
-from verispec.config import ConstraintLimits, SamplingConfig, SpecConfig
+from verispec.config import ConstraintLimits, SamplingConfig, SpecConfig, TreeConfig, check_tree_request
 from verispec.constraints import Grammars
 from verispec.core.drafter import PLAIN, Drafter
 from verispec.core.protocols import Runner
@@ -119,7 +119,7 @@ class SpeculativeEngine:
         if not prompts:
             raise VerispecError("no prompts given")
         if spec.tree is not None:
-            self.check_tree_request(drafting)
+            self.check_tree_request(spec.tree, drafting)
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if seeds is None or isinstance(seeds, int):
             seeds = [None if seeds is None else seeds + i for i in range(len(prompts))]
@@ -159,11 +159,11 @@ class SpeculativeEngine:
         """Bytes of key/value cache one sequence of `tokens` tokens holds, in the target and the drafter."""
         return self.target.cache_bytes(tokens) + self.drafter.cache_bytes(tokens)
 
-    def check_tree_request(self, drafting: bool = True) -> None:
-        """Raise a VerispecError unless a request that drafts (`drafting`) or not can ask for a tree here: the one
-        place the rule lives (`make_sequences` applies it; the server and the live view ask early)."""
-        if not drafting:
-            raise VerispecError("tree speculation needs a drafter; this request decodes plainly")
+    def check_tree_request(self, tree: TreeConfig, drafting: bool = True) -> None:
+        """Raise a VerispecError unless a request that drafts (`drafting`) or not can ask for this tree here: the
+        request's rules (`config.check_tree_request`), then this engine's target and drafter (`make_sequences`
+        applies it; the server and the live view ask early)."""
+        check_tree_request(tree, drafting)
         self.check_tree_support()
 
     def check_tree_support(self) -> None:

@@ -18,9 +18,8 @@ from verispec.cli.options import (
     sampling_config,
     tree_config,
 )
-from verispec.config import AdaptConfig, SpecConfig
+from verispec.config import AdaptConfig, SpecConfig, check_tree_request
 from verispec.models.registry import DEFAULT_DRAFTER
-from verispec.errors import VerispecError
 
 
 def add_parser(sub) -> None:
@@ -59,14 +58,10 @@ def run(args: argparse.Namespace) -> int:
         args.stop = tuple(args.stop)
     tree = tree_config(args)
     spec = dataclasses.replace(build_config(SpecConfig, args, SPEC_OPTIONS), tree=tree)
-    if tree is not None:
+    if tree is not None:  # refused before any model is loaded
         from verispec.drafters.registry import NO_DRAFT
 
-        if args.draft in NO_DRAFT:
-            raise VerispecError("tree speculation needs a drafter that builds trees (a draft model or ngram), not --draft none")
-        if args.auto_k and tree.budget is None:
-            raise VerispecError("--auto-k sizes chains and dynamic trees (--tree-budget) from measured costs; "
-                                "it cannot tune a static --tree-shape")
+        check_tree_request(tree, args.draft not in NO_DRAFT, auto_k=bool(args.auto_k))
     auto_k = args.auto_k if args.auto_k is not None else default_auto_k(args, sampling, tree)
     prompt = read_prompt(args)
     decoder = load_decoder(args)

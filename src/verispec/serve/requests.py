@@ -169,7 +169,7 @@ class RequestBuilder:
             return None
         config = self.config
         try:
-            self.engine.check_tree_request(drafting)
+            self.engine.check_tree_request(tree, drafting)
         except VerispecError as err:
             raise APIError(400, str(err), param="speculative.tree") from None
         depth = tree.depth(options.K or SpecConfig().num_draft_tokens)

@@ -137,7 +137,7 @@ class LiveDecoding:
         tree = live_tree_config(request.tree, request.k)
         spec = SpecConfig(num_draft_tokens=request.k, max_new_tokens=request.max_new_tokens, tree=tree)
         if tree is not None:
-            decoder.engine.check_tree_request()  # now, not at the first step
+            decoder.engine.check_tree_request(tree)  # now, not at the first step
         if sampling.constraint is not None:
             decoder.engine.grammars().start(sampling.constraint)  # a bad constraint answers 400 now
         self.tree = tree
