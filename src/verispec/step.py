@@ -72,11 +72,11 @@ class StepRules:
         if len(rows) < logits.shape[0]:
             chosen = chosen[torch.tensor(rows, dtype=torch.long, device=logits.device)]  # (R, W, V)
         top, best = chosen.float().max(dim=-1)  # (R, W) each: the largest logit and its first id, in one sweep
-        finite, best_of = torch.isfinite(top).tolist(), best.tolist()  # the step's one read of the device for these
+        best_of = torch.where(torch.isfinite(top), best, -1).tolist()  # the one read of the device; -1: NaN or inf
         verdicts = {}
         for r, b in enumerate(rows):
             n = len(drafts[b])
-            if not all(finite[r][: n + 1]):  # NaN or +inf: `verify_one` refuses it for this row alone
+            if min(best_of[r][: n + 1]) < 0:  # NaN or +inf: `verify_one` refuses it for this row alone
                 continue
             tokens = drafts[b].tokens.tolist()
             accepted = next((i for i in range(n) if tokens[i] != best_of[r][i]), n)
