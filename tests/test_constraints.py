@@ -151,9 +151,9 @@ def test_constrained_speculative_sampling_passes_the_chi_square_audit(decoders, 
 def test_a_target_left_unconstrained_never_passes_off_as_constrained(decoders, monkeypatch):
     """A mutant: the engine forgets the mask in verification. The first token outside the constraint is refused when
     it is committed, and the request fails loudly instead of returning unconstrained text."""
-    import verispec.engine
+    import verispec.step
 
-    monkeypatch.setattr(verispec.engine, "apply_constraint", lambda logits, allowed: logits)
+    monkeypatch.setattr(verispec.step, "apply_constraint", lambda logits, allowed: logits)
     dec = decoders["draft"]
     with pytest.raises(VerispecError, match="refused a committed token"):
         run_audit(dec, dec.encode("the cat", chat=False), SamplingConfig(temperature=1.5, constraint=HALF),
