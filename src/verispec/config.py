@@ -215,7 +215,6 @@ class TreeConfig:
         return total
 
 
-
 def check_tree_request(tree: TreeConfig | None, drafting: bool, auto_k: bool = False) -> None:
     """The rules a request's tree follows, wherever it is asked for: the CLI (before it loads any model), the engine
     (`make_sequences`), the server and a batch with an auto-tuner. A tree needs a drafter, and measured costs size

@@ -37,7 +37,7 @@ from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.protocols import Runner, RunnerState, TorchWeights
 from verispec.core.sequence import Sequence
 from verispec.core.stopping import AcceptanceCalibration
-from verispec.drafters.drawing import constrained_logits
+from verispec.drafters.drawing import constrained_logits, penalty_seen
 from verispec.drafters.prompt_lookup import lookup, lookup_match
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
@@ -159,7 +159,7 @@ class DraftModelDrafter(Drafter):
             for b, seq in enumerate(sequences):
                 if step >= limits[b]:
                     continue
-                seen = seq.processors.seen(seq.tokens + drafted[b], logits.shape[-1])  # (1, V) or None
+                seen = penalty_seen(seq, drafted[b], logits.shape[-1])  # (1, V) or None
                 copied, match = lookup_match(seq.tokens + drafted[b], 1, self.lookup) if self.lookup else ([], 0)
                 row = constrained_logits(logits[b : b + 1], seq, drafted[b])  # (1, V): q masked like the target's p
                 if row is None or (copied and seq.constraint is not None and copied[0] < row.shape[-1]
@@ -220,7 +220,7 @@ class DraftModelDrafter(Drafter):
                    else None for b, seq in enumerate(sequences)]
         for b, growth in enumerate(growths):
             if growth is not None:
-                growth.add_children(-1, logits[b], self._seen(sequences[b], growth, -1, logits.shape[-1]),
+                growth.add_children(-1, logits[b], penalty_seen(sequences[b], [], logits.shape[-1]),
                                     self._copied(sequences[b], growth, -1))
         slots: list[dict[int, int]] = [{} for _ in range(B)]  # node -> slot in the draft's tree entries
         for depth in range(1, max(depths, default=0)):
@@ -236,7 +236,7 @@ class DraftModelDrafter(Drafter):
             out = self._fit_vocab(self.runner.forward(self.state, tokens, [len(row) for row in tokens], parents))
             for b, nodes in enumerate(expand):
                 for j, n in enumerate(nodes):
-                    growths[b].add_children(n, out[b, j], self._seen(sequences[b], growths[b], n, out.shape[-1]),
+                    growths[b].add_children(n, out[b, j], penalty_seen(sequences[b], growths[b].path(n), out.shape[-1]),
                                             self._copied(sequences[b], growths[b], n))
         drafts: list[Draft] = []
         self.tree_slots = []
@@ -256,11 +256,6 @@ class DraftModelDrafter(Drafter):
             return None
         found = lookup(seq.tokens + growth.path(node), 1, self.lookup)
         return found[0] if found else None
-
-    @staticmethod
-    def _seen(seq: Sequence, growth: TreeGrowth, node: int, vocab: int) -> torch.Tensor | None:
-        """(1, V) tokens the repetition penalty applies to after `node`: the context and the path to it."""
-        return seq.processors.seen(seq.tokens + growth.path(node), vocab)
 
     def _commit_tree(self, drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
         keep = []
