@@ -98,7 +98,6 @@ static void amx_mins_portable(const layout_t *L, const uint8_t *sb, amx_mins_t *
 /* A token's unit sums of one super-block (bs: its sums over 16) as the pairs vpdpwssd multiplies with the
  * super-block's min pairs: pairs[j] = sum of unit 2j | sum of unit 2j + 1 << 16 (units of 32, or 16 for Q6_K;
  * |sum| < 2^12: int16). They depend on the token only, so vs_matmul makes them once a call, not once a group. */
-enum { AMX_PAIRS = 8 }; /* pairs kept per super-block and token (4 used for Q4_K / Q5_K) */
 static void amx_sum_pairs(const layout_t *L, const int32_t *bs, int32_t *pairs) {
     for (int j = 0; j < amx_npairs(L); j++) {
         const int32_t u0 = L->scsub == 16 ? bs[2 * j] : bs[4 * j] + bs[4 * j + 1];

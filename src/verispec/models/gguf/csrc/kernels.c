@@ -57,6 +57,9 @@ enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q
 /* TILE: the most tokens one AVX2 / generic tile kernel call takes; TILE_AVX512 the AVX-512 one's (its
  * per-token operations do not depend on the tile, so any tiling gives the same bits). */
 enum { GROUP = 16, TILE = 4, TILE_AVX512 = 6 };
+/* AMX_PAIRS: a token's unit sum pairs kept per super-block (amx_sum_pairs; 4 used for Q4_K / Q5_K, 8 for Q6_K), read
+ * by the AVX-512 and AMX kernels' min terms */
+enum { AMX_PAIRS = 8 };
 enum { PATH_GENERIC = 0, PATH_AVX512 = 1, PATH_AVX2 = 2, PATH_AMX = 3, PATH_AMX_EMULATED = 4 };
 
 typedef struct {
@@ -477,7 +480,7 @@ typedef struct {
     const float *d;      /* its scales (k / q) */
     const int32_t *bsum; /* its sums over 16 (k / 16) */
     float *out;          /* its 16 outputs of this group */
-    const int32_t *pairs; /* the AMX path's unit sum pairs, AMX_PAIRS a super-block (amx_sum_pairs), or NULL */
+    const int32_t *pairs; /* unit sum pairs, AMX_PAIRS a super-block (amx_sum_pairs; AVX-512 and AMX paths), or NULL */
 } token_t;
 
 /* One group, any number of tokens: exactly the arithmetic of the SIMD path (integers exact; the float
@@ -525,12 +528,37 @@ static void group_generic(const layout_t *L, const uint8_t *grp, int64_t nsb, co
 #define VS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 #define VS_INLINE static inline __attribute__((always_inline))
 
-VS_INLINE VS_AVX512 void unpack8(const uint8_t *pl, const int bits, __m512i v[8]) {
+/* A sub-block's 8 slots (see the layout above) as bytes. hi16 (4-bit types only): slots 4-7 are left as 16 times
+ * their values (the high nibble in place, one and instead of a shift and an and); the caller divides those slots'
+ * dot by 16 (exact: 16 divides it). Bits 4-5 of the 6-bit values: h shifted so they land on bits 4-5 of each
+ * byte (16-bit lane shifts by at most 4 keep them within their byte), masked, and merged in one ternary op. */
+VS_INLINE VS_AVX512 void unpack8_as(const uint8_t *pl, const int bits, __m512i v[8], const int hi16) {
     if (bits == 8) {
         for (int i = 0; i < 8; i++) v[i] = _mm512_loadu_si512(pl + 64 * i);
         return;
     }
     const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (bits == 4 && hi16) {
+        const __m512i h4 = _mm512_set1_epi8((char)0xF0);
+        for (int t = 0; t < 4; t++) {
+            __m512i p = _mm512_loadu_si512(pl + 64 * t);
+            v[t] = _mm512_and_si512(p, m4);
+            v[t + 4] = _mm512_and_si512(p, h4);
+        }
+        return;
+    }
+    if (bits == 6) { /* v = low4 | (h bits 2s, 2s + 1 at bits 4-5): (low4 & 0x0F) | x, as ternlog 0xEA = (A & B) | C */
+        const __m512i m30 = _mm512_set1_epi8(0x30);
+        const __m512i h0 = _mm512_loadu_si512(pl + 256), h1 = _mm512_loadu_si512(pl + 320);
+        for (int t = 0; t < 4; t++) {
+            __m512i p = _mm512_loadu_si512(pl + 64 * t);
+            __m512i x0 = t == 2 ? h0 : t < 2 ? _mm512_slli_epi16(h0, 4 - 2 * t) : _mm512_srli_epi16(h0, 2);
+            __m512i x1 = t == 2 ? h1 : t < 2 ? _mm512_slli_epi16(h1, 4 - 2 * t) : _mm512_srli_epi16(h1, 2);
+            v[t] = _mm512_ternarylogic_epi32(p, m4, _mm512_and_si512(x0, m30), 0xEA);
+            v[t + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(p, 4), m4, _mm512_and_si512(x1, m30), 0xEA);
+        }
+        return;
+    }
     for (int t = 0; t < 4; t++) {
         __m512i p = _mm512_loadu_si512(pl + 64 * t);
         v[t] = _mm512_and_si512(p, m4);
@@ -541,16 +569,12 @@ VS_INLINE VS_AVX512 void unpack8(const uint8_t *pl, const int bits, __m512i v[8]
         __m512i h = _mm512_loadu_si512(pl + 256);
         for (int i = 0; i < 8; i++)
             v[i] = _mm512_or_si512(v[i], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, i), one), 4));
-    } else if (bits == 6) {
-        const __m512i three = _mm512_set1_epi8(3);
-        __m512i h0 = _mm512_loadu_si512(pl + 256), h1 = _mm512_loadu_si512(pl + 320);
-        for (int i = 0; i < 8; i++) {
-            __m512i h = i < 4 ? h0 : h1;
-            v[i] = _mm512_or_si512(v[i], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * (i % 4)), three), 4));
-        }
     }
 }
+VS_INLINE VS_AVX512 void unpack8(const uint8_t *pl, const int bits, __m512i v[8]) { unpack8_as(pl, bits, v, 0); }
 
+/* sum over slots first..first+3 of vpdpbusd(v[i], 4 activation bytes): one chain of 4 (two chains per sub-block
+ * run side by side; integer sums, so their order changes no bit). */
 VS_INLINE VS_AVX512 __m512i dot_slots(const __m512i v[8], const int8_t *a, int first, int count) {
     __m512i p = _mm512_setzero_si512();
     for (int i = first; i < first + count; i++) {
@@ -572,58 +596,83 @@ VS_INLINE VS_AVX512 void sb_scales_avx512(const layout_t *L, const uint8_t *sb, 
                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
 }
 
+/* The min factors of a super-block as int16 pairs per row for vpdpwssd (m of Q4_K / Q5_K: 4 pairs; Q6_K's 16 scales:
+ * 8), and PF_BYTES: how far ahead of the super-block being read the kernels ask for the weights (a 2-core Xeon read
+ * a pass's 1 GB at 15.4 GB/s without it, 22.8 with 2-8 KB: the hardware prefetcher alone left the cores waiting). */
+enum { PF_BYTES = 4096 };
+VS_INLINE VS_AVX512 void min_pairs_avx512(const layout_t *L, const uint8_t *sb, __m512i *pair) {
+    const uint8_t *m = sb + header_bytes(L) + (L->has_m ? nscales(L) * GROUP : 0);
+    for (int j = 0; j < nscales(L) / 2; j++)
+        pair[j] = _mm512_or_si512(_mm512_and_si512(load_i8x16(m + 2 * j * GROUP), _mm512_set1_epi32(0xFFFF)),
+                                  _mm512_slli_epi32(load_i8x16(m + (2 * j + 1) * GROUP), 16));
+}
+
 /* One group, a tile of T <= TILE_AVX512 tokens; each token's operations do not depend on T. Six: on a 2-core
  * Zen 4 (1536 x 8960 Q4_K, weights in L3, one thread) a tile of 5 cost 0.455 ms against 0.472 as 4 + 1, 6 0.520
- * against 0.550; a tile of 8 was slower than 4 + 4 (0.745 against 0.710 ms: registers spill). */
+ * against 0.550; a tile of 8 was slower than 4 + 4 (0.745 against 0.710 ms: registers spill).
+ * Per sub-block and token: two vpdpbusd chains of 4 (slots 0-3, 4-7); for the K-quants the min terms once per
+ * super-block in vpdpwssd over the token's unit sum pairs (tok.pairs), not a multiply per sub-block. */
 VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const uint8_t *grp, int64_t nsb, const token_t *tok) {
     layout_t L;
     get_layout(type, &L);
     const int64_t SB = sb_bytes(&L), poff = planes_offset(&L);
-    const int hdr = header_bytes(&L), nsc = nscales(&L), pb = plane_bytes(L.bits);
+    const int hdr = header_bytes(&L), nsc = nscales(&L), pb = plane_bytes(L.bits), hi16 = L.bits == 4;
     __m512 acc[TILE_AVX512];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *sb = grp + s * SB;
+        for (int64_t o = 0; o < SB; o += 64) _mm_prefetch((const char *)sb + PF_BYTES + o, _MM_HINT_T0);
         __m512 d, dmin;
         sb_scales_avx512(&L, sb, &d, &dmin);
-        __m512i isum[TILE_AVX512], imin[TILE_AVX512];
-        for (int t = 0; t < T; t++) { isum[t] = _mm512_setzero_si512(); imin[t] = _mm512_setzero_si512(); }
+        __m512i isum[TILE_AVX512];
+        for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
         for (int u = 0; u < L.q / 32; u++) {
             __m512i v[8];
-            unpack8(sb + poff + u * pb, L.bits, v);
-            if (L.scsub == 32) {
-                __m512i sc = load_i8x16(sb + hdr + u * GROUP), m = load_i8x16(sb + hdr + (nsc + u) * GROUP);
-                for (int t = 0; t < T; t++) {
-                    const int8_t *a = tok[t].q + s * L.q + 32 * u;
-                    const int32_t *bs = tok[t].bsum + (s * L.q + 32 * u) / 16;
-                    __m512i p = dot_slots(v, a, 0, 8);
-                    isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sc, p));
-                    imin[t] = _mm512_add_epi32(imin[t], _mm512_mullo_epi32(m, _mm512_set1_epi32(bs[0] + bs[1])));
-                }
-            } else if (L.scsub == 16) {
+            unpack8_as(sb + poff + u * pb, L.bits, v, hi16);
+            if (L.scsub == 16) {
                 __m512i sc0 = load_i8x16(sb + hdr + (2 * u) * GROUP), sc1 = load_i8x16(sb + hdr + (2 * u + 1) * GROUP);
                 for (int t = 0; t < T; t++) {
                     const int8_t *a = tok[t].q + s * L.q + 32 * u;
-                    const int32_t *bs = tok[t].bsum + (s * L.q + 32 * u) / 16;
                     __m512i p0 = dot_slots(v, a, 0, 4), p1 = dot_slots(v, a, 4, 4);
                     isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sc0, p0));
                     isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sc1, p1));
-                    imin[t] = _mm512_add_epi32(imin[t], _mm512_mullo_epi32(sc0, _mm512_set1_epi32(bs[0])));
-                    imin[t] = _mm512_add_epi32(imin[t], _mm512_mullo_epi32(sc1, _mm512_set1_epi32(bs[1])));
+                }
+            } else if (L.scsub == 32 && hi16) {
+                /* 4-bit K-quants: each half's dot fits 16 bits (16 x 15 x 128 < 2^15), so both halves go in one
+                 * lane as an int16 pair and vpdpwssd multiplies them by (sc, sc) and adds them to isum */
+                const __m512i sc = load_i8x16(sb + hdr + u * GROUP), sc2 = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
+                const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+                for (int t = 0; t < T; t++) {
+                    const int8_t *a = tok[t].q + s * L.q + 32 * u;
+                    __m512i p0 = dot_slots(v, a, 0, 4), p1 = dot_slots(v, a, 4, 4); /* p1: 16 times the dot */
+                    __m512i both = _mm512_ternarylogic_epi32(p0, low16, _mm512_slli_epi32(p1, 12), 0xEA);
+                    isum[t] = _mm512_dpwssd_epi32(isum[t], both, sc2);
                 }
             } else {
+                __m512i sc = L.scsub == 32 ? load_i8x16(sb + hdr + u * GROUP) : _mm512_setzero_si512();
                 for (int t = 0; t < T; t++) {
-                    const int8_t *a = tok[t].q + s * L.q;
-                    const int32_t *bs = tok[t].bsum + (s * L.q) / 16;
-                    isum[t] = dot_slots(v, a, 0, 8);
-                    imin[t] = _mm512_set1_epi32(bs[0] + bs[1]);
+                    const int8_t *a = tok[t].q + s * L.q + 32 * u;
+                    __m512i p0 = dot_slots(v, a, 0, 4), p1 = dot_slots(v, a, 4, 4);
+                    __m512i p = _mm512_add_epi32(p0, hi16 ? _mm512_srai_epi32(p1, 4) : p1);
+                    isum[t] = L.scsub == 32 ? _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sc, p)) : p;
                 }
             }
         }
+        __m512i pair[8];
+        if (L.scsub) min_pairs_avx512(&L, sb, pair);
         for (int t = 0; t < T; t++) {
+            __m512i imin;
+            if (L.scsub) {
+                const int32_t *tp = tok[t].pairs + AMX_PAIRS * s;
+                imin = _mm512_setzero_si512();
+                for (int j = 0; j < nsc / 2; j++) imin = _mm512_dpwssd_epi32(imin, pair[j], _mm512_set1_epi32(tp[j]));
+            } else {
+                const int32_t *bs = tok[t].bsum + (s * L.q) / 16;
+                imin = _mm512_set1_epi32(bs[0] + bs[1]);
+            }
             __m512 da = _mm512_set1_ps(tok[t].d[s]);
             acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[t]), acc[t]);
-            acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(imin[t]), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(imin), acc[t]);
         }
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(tok[t].out, acc[t]);
@@ -723,6 +772,8 @@ VS_INLINE VS_AVX2 void half_tile_avx2(const int type, const int T, const uint8_t
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *sb = grp + s * SB;
+        if (!half) /* the first half's reading brings the super-block in for the second (PF_BYTES) */
+            for (int64_t o = 0; o < SB; o += 64) _mm_prefetch((const char *)sb + PF_BYTES + o, _MM_HINT_T0);
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 2 * r0)));
         __m256 dmin = L.dmin_kind ? _mm256_mul_ps(d, _mm256_set1_ps((float)L.dmin_kind))
                                   : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 32 + 2 * r0)));
@@ -899,7 +950,7 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
     const int amx = path == PATH_AMX || path == PATH_AMX_EMULATED;
     const int tile = amx ? AMX_TOKENS : path == PATH_AVX512 ? TILE_AVX512 : TILE, amx_min = type == T_Q6_K ? AMX_MIN_UNIT_TOKENS : AMX_MIN_TOKENS;
     int32_t *pairs = NULL; /* the tile kernel's sub-block sum pairs of each token and super-block */
-    if (amx && L.scsub && n > 0) {
+    if ((amx || path == PATH_AVX512) && L.scsub && n > 0) {
         if (!(pairs = malloc(sizeof(int32_t) * AMX_PAIRS * (size_t)(n * nsb)))) return VS_ENOMEM;
         for (int64_t i = 0; i < n * nsb; i++) amx_sum_pairs(&L, bsum + i * (L.q / 16), pairs + AMX_PAIRS * i);
     }
