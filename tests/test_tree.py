@@ -14,7 +14,7 @@ from verispec.drafters.tree_growth import TreeGrowth
 from verispec.engine import DecodeBatch, SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.models.runners.hf import ModelRunner
-from verispec.tree import breadth_first, static_parents, static_size, tree_from_parents
+from verispec.tree import TreeCosts, breadth_first, static_parents, static_size, tree_from_parents
 from verispec.tuning import AdaptiveK, CostProfile
 
 GREEDY = SamplingConfig(temperature=0)
@@ -58,9 +58,9 @@ def test_tree_config_validation():
         SpecConfig(tree={"shape": [3, 2]})
 
 
-def grow(config, logits, seed, depth=3, sampling=SamplingConfig(temperature=1.0)):
+def grow(config, logits, seed, depth=3, sampling=SamplingConfig(temperature=1.0), costs=None):
     """Grow a tree where every node's draft logits are `logits` (V,), whatever its tokens."""
-    growth = TreeGrowth(config, depth, sampling, torch.Generator().manual_seed(seed), logits.numel())
+    growth = TreeGrowth(config, depth, sampling, torch.Generator().manual_seed(seed), logits.numel(), costs=costs)
     growth.add_children(-1, logits, None)
     for d in range(1, depth):
         for node in growth.to_expand(d):
@@ -94,30 +94,31 @@ def test_measured_costs_keep_only_the_nodes_that_pay():
     costs = (1.0, 1.2, 1.4, 2.0)
     # node 1: (1 + 0.5) * v(0) = 1.5 > 1 * v(1) = 1.2, kept; node 2: 1.8 * 1.2 = 2.16 > 1.5 * 1.4 = 2.1, kept;
     # node 3: 1.9 * 1.4 = 2.66 < 1.8 * 2.0 = 3.6: stop.
-    growth = grow(TreeConfig(budget=3, top_k=3, pass_costs=costs), logits, seed=0, depth=1)
+    tree = TreeConfig(budget=3, top_k=3)
+    growth = grow(tree, logits, seed=0, depth=1, costs=TreeCosts(3, costs))
     assert len(growth.select()) == 2
-    assert len(grow(TreeConfig(budget=3, top_k=3), logits, seed=0, depth=1).select()) == 3  # no costs: the budget
-    flat = TreeConfig(budget=3, top_k=3, pass_costs=(1.0,) * 4)
-    assert len(grow(flat, logits, seed=0, depth=1).select()) == 3  # a free node always pays
+    assert len(grow(tree, logits, seed=0, depth=1).select()) == 3  # no costs: the budget
+    assert len(grow(tree, logits, seed=0, depth=1, costs=TreeCosts(3, (1.0,) * 4)).select()) == 3  # a free node pays
     # A large draft cost makes width relatively cheap: with draft_cost 12, node 3 pays (1.9 * 13.4 > 1.8 * 14.0).
-    assert len(grow(TreeConfig(budget=3, top_k=3, pass_costs=costs, draft_cost=12.0), logits, 0, depth=1).select()) == 3
-    steep = TreeConfig(budget=3, top_k=3, pass_costs=(1.0, 2.0, 3.0, 4.0))
-    assert grow(steep, logits, seed=0, depth=1).select() == []  # no node pays: the step decodes plainly
-    for bad in [dict(shape=(2,), pass_costs=(1.0, 1.0)), dict(budget=4, pass_costs=()), dict(budget=2, pass_costs=(1, -1, 1)),
-                dict(budget=4, pass_costs=(1.0, 1.1, 1.2)), dict(budget=4, draft_cost=-1.0)]:
+    assert len(grow(tree, logits, 0, depth=1, costs=TreeCosts(3, costs, draft_cost=12.0)).select()) == 3
+    steep = TreeCosts(3, (1.0, 2.0, 3.0, 4.0))
+    assert grow(tree, logits, seed=0, depth=1, costs=steep).select() == []  # no node pays: the step decodes plainly
+    assert len(grow(tree, logits, seed=0, depth=1, costs=TreeCosts(2, (1.0,) * 4)).select()) == 2  # the step's cap
+    for bad in [dict(nodes=4, pass_costs=()), dict(nodes=2, pass_costs=(1, -1, 1)), dict(nodes=4, pass_costs=(1.0, 1.1, 1.2)),
+                dict(nodes=0, pass_costs=(1.0,)), dict(nodes=2, pass_costs=(1.0,) * 3, draft_cost=-1.0)]:
         with pytest.raises(VerispecError):
-            TreeConfig(**bad)
+            TreeCosts(**bad)
 
 
 @pytest.mark.parametrize("children", ["top", "without_replacement"])
 def test_costs_skip_expanding_nodes_whose_children_cannot_pay_and_keep_the_same_tree(children, monkeypatch):
     logits = torch.tensor([3.0, 1.5, 1.0, 0.5, 0.0, -1.0, -2.0, -3.0])
     costs = (1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 1.7, 1.9, 2.1, 2.3, 2.5, 2.7, 2.9)
-    config = TreeConfig(budget=12, top_k=3, children=children, pass_costs=costs, draft_cost=0.3)
-    pruned = grow(config, logits, seed=3, depth=4)
+    config, measured = TreeConfig(budget=12, top_k=3, children=children), TreeCosts(12, costs, draft_cost=0.3)
+    pruned = grow(config, logits, seed=3, depth=4, costs=measured)
     with monkeypatch.context() as m:
         m.setattr(TreeGrowth, "_children_could_pay", lambda self, node: True)
-        full = grow(config, logits, seed=3, depth=4)
+        full = grow(config, logits, seed=3, depth=4, costs=measured)
     assert len(pruned.tokens) < len(full.tokens)  # fewer nodes were evaluated by the draft
 
     def slots(g, node):  # a node's place in the tree: its rank among siblings at every depth

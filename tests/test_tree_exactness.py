@@ -26,6 +26,7 @@ from verispec.models.runners.hf import ModelRunner
 from verispec.rejection import Verdict, verify, walk_tree
 from verispec.sampling import sample as draw
 from verispec.tree import Draft, static_parents, tree_from_parents
+from verispec.tuning import AdaptiveK, CostProfile
 
 # --- layer 1: toy distributions -------------------------------------------------------------------
 TOY_V = 5
@@ -140,10 +141,29 @@ def draft(sampling_pair):
     return sampling_pair[1]
 
 
-def sample(engine, sampling, tree, k=3, n=N, seed=0):
+def sample(engine, sampling, tree, k=3, n=N, seed=0, tuner=None):
     spec = SpecConfig(num_draft_tokens=k, max_new_tokens=3, stop_at_eos=False, tree=tree)
-    seqs = engine.generate([PROMPT] * n, sampling, spec, seeds=seed)
+    seqs = engine.generate([PROMPT] * n, sampling, spec, seeds=seed, tuner=tuner)
     return [tuple(s.generated[:3]) for s in seqs], seqs
+
+
+SIZED = TreeConfig(budget=6, top_k=3)  # the one case decoded with measured costs (`sized_by`)
+
+
+class FixedCosts(AdaptiveK):
+    """A tuner whose costs are its profile whatever the batch's rows (these tests decode N rows at once, which a real
+    tuner prices as one pass over all of them)."""
+
+    def costs(self, rows: int = 1) -> CostProfile:
+        return self.profile
+
+
+def sized_by(tree):
+    """A tuner with fixed pass costs for the SIZED case (its trees keep only the nodes that pay), else None."""
+    if tree is not SIZED:
+        return None
+    costs = CostProfile(dict(enumerate((1.0, 1.02, 1.05, 1.1, 1.14, 1.18, 1.22), start=1)), draft_token=0.03)
+    return FixedCosts(costs, learn_costs=False)
 
 
 CASES = [
@@ -152,9 +172,8 @@ CASES = [
     (TreeConfig(shape=(3, 1), children="iid"), SamplingConfig(temperature=1.2, top_p=0.7)),
     (TreeConfig(budget=6, top_k=3), SamplingConfig(temperature=1.0, min_p=0.15)),
     (TreeConfig(budget=6, top_k=3, children="top"), SamplingConfig(temperature=1.2, top_p=0.7)),
-    # sized from costs: which nodes are kept changes from step to step with the draft's scores
-    (TreeConfig(budget=6, top_k=3, pass_costs=(1.0, 1.02, 1.05, 1.1, 1.14, 1.18, 1.22), draft_cost=0.1),
-     SamplingConfig(temperature=1.0)),
+    # sized from costs (a tuner's fixed profile): which nodes are kept changes from step to step with the draft's scores
+    (SIZED, SamplingConfig(temperature=1.0)),
     (TreeConfig(budget=5, top_k=2, children="iid"),
      SamplingConfig(temperature=0.9, top_k=6, top_p=0.9, min_p=0.05, repetition_penalty=1.5)),
 ]
@@ -167,8 +186,8 @@ def test_draft_model_trees_match_the_target_distribution(target, draft, tree, sa
     select = TreeGrowth.select
     monkeypatch.setattr(TreeGrowth, "select", lambda self: sizes.append(len(kept := select(self))) or kept)
     engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), V), set())
-    samples, seqs = sample(engine, sampling, tree)
-    if tree.pass_costs is not None:  # the cost rule really chose different trees from step to step
+    samples, seqs = sample(engine, sampling, tree, tuner=sized_by(tree))
+    if tree is SIZED:  # the cost rule really chose different trees from step to step
         assert len(set(sizes)) > 2, __import__("collections").Counter(sizes)
     accepted = sum(s.stats.accepted_tokens for s in seqs)
     assert 0 < accepted < sum(s.stats.draft_tokens for s in seqs)

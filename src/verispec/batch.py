@@ -47,6 +47,7 @@ from verispec.core.sequence import Sequence, StepEvent
 from verispec.core.stopping import DraftStop
 from verispec.errors import VerispecError, is_fault
 from verispec.faults import DraftRows, check_inputs, checkpoint, split_forward
+from verispec.tree import TreeCosts
 
 if TYPE_CHECKING:
     from verispec.step import StepParts
@@ -176,12 +177,14 @@ class DecodeBatch:
         trees = [s.spec.tree_or_chain for s in active]
         depths = [min(t.depth(s.spec.num_draft_tokens), n) if d else 0
                   for s, t, n, d in zip(active, trees, left, drafting)]
+        costs = None
         if self.tuner is not None:  # dynamic trees keep only the nodes that pay for their share of the pass
             profile = self.tuner.costs(len(active))
             drafter.size_drafts(profile)
             costs = profile.pass_costs()  # measured widths bound the tree: wider passes were never timed
-            trees = [replace(t, budget=min(t.budget, len(costs) - 1), pass_costs=costs, draft_cost=d * profile.c)
-                     if t.budget is not None and s.tuned else t for t, d, s in zip(trees, depths, active)]
+        for s, t, d in zip(active, trees, depths):
+            s.tree_costs = (TreeCosts(min(t.budget, len(costs) - 1), costs, d * profile.c)
+                            if costs is not None and t.budget is not None and s.tuned else None)
         return trees, depths
 
     def _forced(self, prefilling: list[bool]) -> dict[int, list[int]]:

@@ -143,16 +143,12 @@ class TreeConfig:
         shape: static tree, a branching factor per depth: (3, 2, 1) gives the root 3 children, each of
             them 2 and each of those 1 (3 + 6 + 6 = 15 nodes, depth 3).
         budget: dynamic tree (EAGLE-2 style): at most this many nodes, grown where the draft is most
-            confident; its depth is the spec's K (num_draft_tokens), so it costs a chain's draft passes.
+            confident; its depth is the spec's K (num_draft_tokens), so it costs a chain's draft passes. With
+            `--auto-k` each step's measured costs (`tree.TreeCosts`, given beside this configuration) keep only
+            the nodes that pay for their share of the pass; the budget stays the upper bound.
         top_k: dynamic trees: nodes the draft model expands per depth, and children per expanded node; at most
             the budget (a tree keeps no more children of one node, nor needs more nodes of one depth, than its
             budget), so a dynamic tree's draft work is bounded by budget x budget candidates per depth. Default 4.
-        pass_costs: dynamic trees sized from measured costs (set by the engine from an auto-tuner's
-            `CostProfile`, see `verispec.tuning`): pass_costs[n] is the cost of a target pass over n + 1
-            tokens relative to one token. Nodes are then kept best first only while each raises the
-            expected tokens per step cost, (1 + sum of kept scores) / (draft_cost + pass_costs[n]);
-            the budget stays the upper bound. None: keep the budget's nodes.
-        draft_cost: the step's draft cost in the same unit (used with pass_costs). Default 0.
         children: how a sampling draft model picks a node's children from its distribution q:
             "without_replacement" (distinct samples, recursive rejection sampling), "iid" (independent
             samples, SpecInfer's rule) or "top" (the k most probable tokens, deterministic). Greedy
@@ -164,18 +160,8 @@ class TreeConfig:
     budget: int | None = None
     top_k: int = 4
     children: str = "without_replacement"
-    pass_costs: tuple[float, ...] | None = None
-    draft_cost: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.pass_costs is not None:
-            costs = tuple(float(c) for c in self.pass_costs)
-            if self.budget is None or not all(math.isfinite(c) and c > 0 for c in costs) or len(costs) <= self.budget:
-                raise VerispecError("pass_costs size a dynamic tree (a budget): positive relative costs of target "
-                                    "passes over 1, 2, ..., budget + 1 tokens")
-            object.__setattr__(self, "pass_costs", costs)
-        if not (math.isfinite(self.draft_cost) and self.draft_cost >= 0):
-            raise VerispecError(f"draft_cost must be >= 0, got {self.draft_cost}")
         if (self.shape is None) == (self.budget is None):
             raise VerispecError("a tree needs either a shape (branching factors per depth, e.g. 3,2,1) or a budget "
                                 "(nodes per tree), not both and not neither")

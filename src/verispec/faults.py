@@ -89,9 +89,8 @@ class DraftRows:
         self.held, self.off, self.checked, self.known = [], set(), {}, False
         if self.drafter.plain:
             return
-        self.drafter.prefill_chunk = prefill_chunk
         try:
-            self.drafter.restart()
+            self.drafter.restart(prefill_chunk)
         except BaseException as err:
             if not is_fault(err):
                 raise

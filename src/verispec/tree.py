@@ -17,12 +17,44 @@ shape (`tree_from_parents` is cached).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 import torch
 
+from verispec.errors import VerispecError
+
 SIBLINGS = ("iid", "without_replacement", "deterministic")
+
+
+@dataclass(frozen=True)
+class TreeCosts:
+    """One step's measured costs for a row's dynamic tree (from an auto-tuner's `tuning.CostProfile`), given to the
+    drafter with the row's `TreeConfig`, never written into it: the configuration is the user's, these change
+    every step.
+
+    Nodes are kept best first only while each raises the expected tokens per step cost,
+    (1 + sum of kept scores) / (draft_cost + pass_costs[n]) (`drafters.tree_growth`).
+
+    Attributes:
+        nodes: the most nodes this step: the tree's budget, cut to the widest pass that was measured.
+        pass_costs: pass_costs[n], the cost of a target pass over n + 1 tokens relative to one token (n = 0..nodes).
+        draft_cost: the step's draft cost in the same unit. Default 0.
+    """
+
+    nodes: int
+    pass_costs: tuple[float, ...]
+    draft_cost: float = 0.0
+
+    def __post_init__(self) -> None:
+        costs = tuple(float(c) for c in self.pass_costs)
+        if not all(math.isfinite(c) and c > 0 for c in costs) or self.nodes < 1 or len(costs) <= self.nodes:
+            raise VerispecError("tree costs need positive relative costs of target passes over 1, 2, ..., nodes + 1 "
+                                f"tokens (nodes >= 1), got {self.nodes} nodes and {len(costs)} costs")
+        if not (math.isfinite(self.draft_cost) and self.draft_cost >= 0):
+            raise VerispecError(f"draft_cost must be >= 0, got {self.draft_cost}")
+        object.__setattr__(self, "pass_costs", costs)
 
 
 @dataclass(frozen=True, eq=False)

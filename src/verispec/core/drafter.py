@@ -44,8 +44,8 @@ class Drafter(ABC):
     # True for drafters that read a row's tokens into a cache of their own before drafting after them (a draft model,
     # self-speculation): `unread` counts what a row has not read yet (a composite charges that reading to its choice).
     catches_up: bool = False
-    # Set by the batch: a row given no drafts reads at most this many of its pending tokens per call (None: all),
-    # so a drafter with a cache of its own reads a long prompt in chunks alongside the target.
+    # A row given no drafts reads at most this many of its pending tokens per call (None: all), so a drafter with a
+    # cache of its own reads a long prompt in chunks alongside the target: the batch's, passed to `restart`.
     prefill_chunk: int | None = None
     # The drafter's own model runner where it has one (a draft model, self-speculation's skip set): `--auto-k` times
     # its passes (`tuning.measure_costs`). None: no runner of its own (lookups, heads: see `token_cost`).
@@ -71,10 +71,12 @@ class Drafter(ABC):
         """Whether `propose` builds trees here (a chain-only drafter is never asked for one)."""
         return False
 
-    def restart(self) -> None:
-        """Decoding starts afresh: a batch that was empty takes new requests, just before `start`. A drafter that
-        estimates its own acceptance (the composite) starts those estimates again from its averages
-        (see `tuning.AdaptiveK.restart`)."""
+    def restart(self, prefill_chunk: int | None = None) -> None:
+        """Decoding starts afresh: a batch that was empty takes new requests, just before `start`, reading joining
+        prompts `prefill_chunk` tokens a step (None: whole). A drafter that estimates its own acceptance (the
+        composite) starts those estimates again from its averages (see `tuning.AdaptiveK.restart`); one that
+        overrides this calls it."""
+        self.prefill_chunk = prefill_chunk
 
     def start(self, sequences: list[Sequence]) -> None:
         """A new batch begins (prompts only in `tokens`).

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from verispec.constraints import ConstraintState
     from verispec.core.stopping import DraftStop
     from verispec.detokenize import IncrementalText
+    from verispec.tree import TreeCosts
 
 
 @dataclass
@@ -33,6 +34,8 @@ class Sequence:
     target_cached: how many of `tokens` the target's KV cache holds.
     draft_stop: where this step's draft chain stops early (set by the engine each step from
         spec.draft_stop or an auto-tuner's costs; None: the drafter drafts its budget). See core.stopping.
+    tree_costs: this step's measured costs for the row's dynamic tree (set by the engine each step from an
+        auto-tuner's costs; None: the tree keeps its budget's nodes). See tree.TreeCosts.
     finish_reason: None while running, then "eos", "stop" or "length" ("cancelled" when removed early, "error"
         when a fault in this sequence's own work ended it: see `error`).
     error: the exception that ended the sequence (finish_reason "error"), else None.
@@ -55,6 +58,7 @@ class Sequence:
     tuned: bool = True
     target_cached: int = 0
     draft_stop: DraftStop | None = None
+    tree_costs: TreeCosts | None = None
     finish_reason: str | None = None
     text_end: int | None = None  # where a stop string cut the text, if one did
     error: BaseException | None = None

@@ -143,15 +143,6 @@ class CompositeDrafter(Drafter):
         limits = [m.input_vocab for m in self.members if m.input_vocab is not None]
         return min(limits) if limits else None
 
-    @property
-    def prefill_chunk(self) -> int | None:
-        return self.members[0].prefill_chunk
-
-    @prefill_chunk.setter
-    def prefill_chunk(self, value: int | None) -> None:
-        for m in self.members:
-            m.prefill_chunk = value
-
     def cache_bytes(self, tokens: int) -> int:
         return sum(m.cache_bytes(tokens) for m in self.members)
 
@@ -191,7 +182,10 @@ class CompositeDrafter(Drafter):
         for m in self.members:
             m.start(sequences)
 
-    def restart(self) -> None:
+    def restart(self, prefill_chunk: int | None = None) -> None:
+        super().restart(prefill_chunk)
+        for m in self.members:
+            m.restart(prefill_chunk)
         for record in self.records:  # new text: see `tuning.AdaptiveK.restart`
             record.restart()
 

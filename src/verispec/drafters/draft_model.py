@@ -215,7 +215,8 @@ class DraftModelDrafter(Drafter):
         pending = [self._catch_up(seq, b, depths[b]) for b, seq in enumerate(sequences)]
         logits = self._fit_vocab(self.runner.forward(self.state, pending, [1 if row else 0 for row in pending])[:, 0])
         self.cached = [cached + len(row) for cached, row in zip(self.cached, pending)]
-        growths = [TreeGrowth(trees[b], depths[b], seq.sampling, seq.rng, self.target_vocab_size, seq.constraint)
+        growths = [TreeGrowth(trees[b], depths[b], seq.sampling, seq.rng, self.target_vocab_size, seq.constraint,
+                              seq.tree_costs)
                    if depths[b] > 0
                    else None for b, seq in enumerate(sequences)]
         for b, growth in enumerate(growths):

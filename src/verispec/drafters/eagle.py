@@ -228,7 +228,8 @@ class EagleDrafter(AdaptiveHead, Drafter):
             if h is None:
                 drafts.append(EMPTY_DRAFT)
                 continue
-            growth = TreeGrowth(trees[b], depths[b], seq.sampling, seq.rng, self.vocab_size, seq.constraint)
+            growth = TreeGrowth(trees[b], depths[b], seq.sampling, seq.rng, self.vocab_size, seq.constraint,
+                                seq.tree_costs)
             growth.add_children(-1, self.head.logits(h[None])[0], penalty_seen(seq, [], self.vocab_size),
                                 self._copied(seq, []))
             outputs = {-1: h}  # node -> the head's output after it (E,)

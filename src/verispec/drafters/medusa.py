@@ -156,7 +156,8 @@ class MedusaDrafter(AdaptiveHead, Drafter):
             if not depths[b]:
                 drafts.append(EMPTY_DRAFT)
                 continue
-            growth = TreeGrowth(trees[b], depths[b], seq.sampling, seq.rng, self.vocab_size, seq.constraint)
+            growth = TreeGrowth(trees[b], depths[b], seq.sampling, seq.rng, self.vocab_size, seq.constraint,
+                                seq.tree_costs)
             growth.add_children(-1, logits[b][0], penalty_seen(seq, [], logits[b].shape[-1]))
             for depth in range(1, depths[b]):
                 for node in growth.to_expand(depth):

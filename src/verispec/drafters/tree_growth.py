@@ -20,7 +20,7 @@ for the slot, *not* the drawn token's own probability. This matters for exactnes
 draws, and best-first selection makes a node eligible only after its parent and its previous
 sibling are kept, so kept siblings are always the first ones drawn.
 
-With measured costs (`TreeConfig.pass_costs`), selection stops at the first node, in best-first
+With measured costs (`tree.TreeCosts`, one step's), selection stops at the first node, in best-first
 order, that does not raise the expected tokens per cost (the scores standing in for acceptance
 probabilities, as in EAGLE-2): whether a node is kept then depends only on nodes popped before it
 and on its own slot score, never on its drawn token or on later draws, so the argument above holds.
@@ -35,7 +35,7 @@ import torch
 
 from verispec.config import SamplingConfig, TreeConfig
 from verispec.sampling import apply_repetition_penalty, logits_to_probs, sample
-from verispec.tree import Draft, breadth_first, tree_from_parents
+from verispec.tree import Draft, TreeCosts, breadth_first, tree_from_parents
 
 
 def draw_children(probs: torch.Tensor, k: int, mode: str, rng: torch.Generator) -> list[int]:
@@ -73,15 +73,17 @@ class TreeGrowth:
     """
 
     def __init__(self, config: TreeConfig, depth: int, sampling: SamplingConfig, rng: torch.Generator,
-                 vocab_size: int, constraint=None) -> None:
+                 vocab_size: int, constraint=None, costs: TreeCosts | None = None) -> None:
         self.config, self.max_depth, self.sampling, self.rng = config, depth, sampling, rng
         self.constraint = constraint
         self.vocab_size = vocab_size
         self.mode = "top" if sampling.greedy else config.children
+        # a dynamic tree's most nodes: its budget, or this step's (cut to the widest pass measured)
+        self.budget = config.budget if costs is None else min(config.budget, costs.nodes)
         # with measured costs: the step's cost with n nodes, draft + target pass over n + 1 tokens, never
         # taken cheaper than a narrower pass (measurements are noisy); computed once per tree
-        costs = config.pass_costs
-        self.step_costs = None if costs is None else [config.draft_cost + c for c in itertools.accumulate(costs, max)]
+        self.step_costs = (None if costs is None
+                           else [costs.draft_cost + c for c in itertools.accumulate(costs.pass_costs, max)])
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.depths: list[int] = []
@@ -170,7 +172,7 @@ class TreeGrowth:
         heap = [(-self.scores[c], c) for c in children.get(-1, [])[:1]]  # the root's first child
         kept: list[int] = []
         gain = 1.0  # expected tokens of the step: the recovered or bonus token, plus each kept node's score
-        while heap and len(kept) < self.config.budget:
+        while heap and len(kept) < self.budget:
             _, node = heapq.heappop(heap)
             if not self._pays(node, gain, len(kept)):
                 break
@@ -184,13 +186,13 @@ class TreeGrowth:
         return sorted(kept)
 
     def _cost(self, n: int) -> float:
-        """The step's cost with n tree nodes (`step_costs`; pass_costs cover the budget)."""
+        """The step's cost with n tree nodes (`step_costs`; the costs cover `budget`)."""
         return self.step_costs[min(n, len(self.step_costs) - 1)]
 
     def _pays(self, node: int, gain: float, kept: int) -> bool:
         """With measured costs: does keeping `node` (the kept + 1-th) raise expected tokens per cost?
         That is (gain + s) * cost(kept) > gain * cost(kept + 1), s the node's score."""
-        if self.config.pass_costs is None:
+        if self.step_costs is None:
             return True
         return (gain + self.scores[node]) * self._cost(kept) > gain * self._cost(kept + 1)
 
@@ -199,14 +201,14 @@ class TreeGrowth:
         before it selection keeps (or stops at) every node scored above the node and the node itself: at
         least that many nodes and that much gain, so `_pays` needs a score above a bound known now.
         Not expanding such a node saves the draft the rows; the kept tree is the same."""
-        if self.config.pass_costs is None:
+        if self.step_costs is None:
             return True
         score = self.scores[node]
         above = [s for i, s in enumerate(self.scores) if s > score or i == node]
         least_kept, least_gain = len(above), 1.0 + sum(above)
-        if least_kept >= self.config.budget:
+        if least_kept >= self.budget:
             return False
-        need = min((self._cost(n + 1) - self._cost(n)) / self._cost(n) for n in range(least_kept, self.config.budget))
+        need = min((self._cost(n + 1) - self._cost(n)) / self._cost(n) for n in range(least_kept, self.budget))
         return score > least_gain * need
 
     def finish(self) -> tuple[Draft, list[int]]:
