@@ -32,7 +32,7 @@ import time
 import httpx
 
 from verispec.api import SpeculativeDecoder
-from verispec.config import ServeConfig
+from verispec.serve.config import ServeConfig
 from verispec.serve.server import BackgroundServer
 
 PROMPTS = [

@@ -26,7 +26,8 @@ from contextlib import contextmanager
 import httpx
 
 from verispec.api import SpeculativeDecoder, set_threads
-from verispec.config import SamplingConfig, ServeConfig, SpecConfig
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.serve.config import ServeConfig
 from verispec.serve.server import BackgroundServer
 
 PROMPT = '''from typing import List

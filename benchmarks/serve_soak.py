@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from verispec.api import SpeculativeDecoder, set_threads
-from verispec.config import ServeConfig
+from verispec.serve.config import ServeConfig
 from verispec.serve.server import BackgroundServer
 
 SHORT = ["def fib(n):", "Write a short note about caches.", "import os\n\ndef walk(path):", "The quick brown fox"]

@@ -76,7 +76,7 @@ def main(folder: Path) -> None:
     from tiny_hf import save_tiny_model_dir
 
     from verispec import SpeculativeDecoder
-    from verispec.config import ServeConfig
+    from verispec.serve.config import ServeConfig
     from verispec.serve.server import BackgroundServer
 
     target = save_tiny_model_dir(folder / "target", "llama", seed=0, vocab_chars=bombs.JSON_CHARS)

@@ -308,7 +308,7 @@ def test_the_server_batches_requests_on_the_native_runner_as_it_answers_them_alo
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verispec import SpeculativeDecoder
-    from verispec.config import ServeConfig
+    from verispec.serve.config import ServeConfig
     from verispec.models.loading import LoadedModel
     from verispec.serve.server import BackgroundServer
 

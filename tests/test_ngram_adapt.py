@@ -19,7 +19,8 @@ from tiny_hf import save_tiny_model_dir
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
 from verispec.adapt import AdaptationBuffer, AdaptExample, OnlineAdapter
 from verispec.cli import main
-from verispec.config import AdaptConfig, NGramConfig, PromptLookupConfig, ServeConfig, TreeConfig
+from verispec.config import AdaptConfig, NGramConfig, PromptLookupConfig, TreeConfig
+from verispec.serve.config import ServeConfig
 from verispec.core.drafter import Draft
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram_corpus import CorpusNGramDrafter

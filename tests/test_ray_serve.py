@@ -25,7 +25,7 @@ from test_serve_http import read_response  # noqa: E402
 from tiny_hf import save_tiny_model_dir  # noqa: E402
 
 from verispec import SpeculativeDecoder  # noqa: E402
-from verispec.config import ServeConfig  # noqa: E402
+from verispec.serve.config import ServeConfig  # noqa: E402
 from verispec.serve import ray_serve  # noqa: E402
 from verispec.serve.server import BackgroundServer  # noqa: E402
 

@@ -11,7 +11,7 @@ import pytest
 from tiny_hf import save_tiny_model_dir
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
 from verispec.cli import main
-from verispec.config import ServeConfig
+from verispec.serve.config import ServeConfig
 from verispec.serve.server import BackgroundServer
 
 KEY = "test-key-123"
@@ -297,11 +297,44 @@ def test_serve_cli_builds_the_config_with_safe_defaults(model_dirs, monkeypatch)
     assert main(["serve", "--target", model_dirs[0], "--max-queue", "0"]) == 2
 
 
+def test_every_server_setting_is_a_serve_option_generated_from_its_field(model_dirs, monkeypatch, capsys):
+    """`verispec serve` writes no option by hand: each ServeConfig field but the keys file's is --its-name, typed by
+    its field or its parser, its help ending with the field's default."""
+    import dataclasses
+
+    from verispec.cli import build_parser
+
+    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("serve"))
+    flags = {opt: action for action in serve._actions for opt in action.option_strings}
+    for f in dataclasses.fields(ServeConfig):
+        if f.name == "api_keys":  # read from --api-keys-file
+            assert "option" not in f.metadata and "--api-keys-file" in flags
+            continue
+        action = flags["--" + f.name.replace("_", "-")]
+        assert action.dest == f.name and action.help.endswith(")") and "(default: " in action.help
+    seen = {}
+    monkeypatch.setattr("verispec.serve.server.run_server", lambda decoder, config: seen.update(config=config))
+    assert main(["serve", "--target", model_dirs[0], "--draft", "none", "--no-auto-k", "--request-timeout", "2.5",
+                 "--allowed-hosts", "a.example, b.example", "--constraint-limits", "max_depth=7,compile_seconds=1.5",
+                 "--suffix-scope", "key", "--served-model-name", "m"]) == 0
+    config = seen["config"]
+    assert (config.auto_k, config.request_timeout, config.allowed_hosts, config.suffix_scope, config.served_model_name) \
+        == (False, 2.5, ("a.example", "b.example"), "key", "m")
+    assert (config.constraint_limits.max_depth, config.constraint_limits.compile_seconds) == (7, 1.5)
+    assert dataclasses.replace(config, auto_k=True, request_timeout=300.0, allowed_hosts=(), suffix_scope=None,
+                               served_model_name=None, constraint_limits=ServeConfig().constraint_limits) == ServeConfig()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:  # argparse's usage error: one line naming the option
+        main(["serve", "--target", model_dirs[0], "--constraint-limits", "depth=3"])
+    assert stopped.value.code == 2
+    assert "--constraint-limits: unknown constraint limit 'depth'" in capsys.readouterr().err
+
+
 def assert_served_together_as_alone(decoder, bodies: list[dict] | None = None) -> None:
     """Requests answered together (continuous batching) get the texts they get alone, greedy and seeded."""
     import httpx
 
-    from verispec.config import ServeConfig
+    from verispec.serve.config import ServeConfig
     from verispec.serve.server import BackgroundServer
 
     bodies = bodies or [{"prompt": "hello there", "max_tokens": 20, "temperature": 0},

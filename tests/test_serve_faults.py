@@ -14,7 +14,8 @@ import pytest
 
 from tiny_hf import save_tiny_model_dir
 from verispec import SpeculativeDecoder
-from verispec.config import SamplingConfig, ServeConfig, SpecConfig
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.serve.config import ServeConfig
 from verispec.serve.scheduler import Scheduler, ShuttingDown
 from verispec.serve.server import BackgroundServer
 
@@ -208,7 +209,7 @@ def test_load_script_reports_percentiles_and_finds_no_mismatch(decoder, capsys):
 def test_the_server_sizes_speculation_from_costs_it_measures_and_stays_exact(decoder):
     """ServeConfig.auto_k (the default): the scheduler's batch gets a tuner fed by every pass; batched and
     one-at-a-time runs still give every greedy request the same text."""
-    from verispec.config import ServeConfig
+    from verispec.serve.config import ServeConfig
     from verispec.serve.app import create_app
 
     app = create_app(decoder, ServeConfig(), scheduler_thread=False)  # on by default

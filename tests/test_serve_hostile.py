@@ -24,7 +24,8 @@ import constraint_bombs as bombs
 from serve_hostile import SENTINEL, formatted
 from tiny_hf import save_tiny_model_dir
 from verispec import SpeculativeDecoder
-from verispec.config import ConstraintLimits, ServeConfig
+from verispec.config import ConstraintLimits
+from verispec.serve.config import ServeConfig
 from verispec.serve.server import BackgroundServer
 
 HERE = Path(__file__).parent

@@ -14,7 +14,7 @@ import pytest
 
 from tiny_hf import save_tiny_model_dir
 from verispec import SpeculativeDecoder
-from verispec.config import ServeConfig
+from verispec.serve.config import ServeConfig
 from verispec.serve.server import BackgroundServer, uvicorn_config
 
 KEY = "test-key-123"

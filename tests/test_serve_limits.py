@@ -11,7 +11,7 @@ import pytest
 
 from tiny_hf import save_tiny_model_dir
 from verispec import SpeculativeDecoder
-from verispec.config import ServeConfig
+from verispec.serve.config import ServeConfig
 from verispec.serve.scheduler import Scheduler, Ticket, Update
 from verispec.serve.server import BackgroundServer
 from verispec.serve.streaming import TextStream, TimedStreamingResponse

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from tiny_hf import save_tiny_model_dir
 from verispec import SpeculativeDecoder
 from verispec.batch import DecodeBatch
-from verispec.config import ServeConfig
+from verispec.serve.config import ServeConfig
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.models.runners.hf import KVState, ModelRunner
 from verispec.serve import answers as answers_module

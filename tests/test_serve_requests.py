@@ -7,7 +7,7 @@ import pytest
 from tiny_hf import save_tiny_model_dir
 
 from verispec import SpeculativeDecoder
-from verispec.config import ServeConfig
+from verispec.serve.config import ServeConfig
 from verispec.serve.protocol import APIError, ChatRequest, CompletionRequest
 from verispec.serve.requests import RequestBuilder
 

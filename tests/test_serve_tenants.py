@@ -14,7 +14,8 @@ import pytest
 
 from tiny_hf import save_tiny_model_dir
 from verispec import SpeculativeDecoder
-from verispec.config import ServeConfig, SuffixConfig
+from verispec.config import SuffixConfig
+from verispec.serve.config import ServeConfig
 from verispec.drafters.suffix import OutputStore
 from verispec.serve.server import BackgroundServer
 from verispec.serve.tenants import Keys, key_name, parse_keys

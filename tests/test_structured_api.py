@@ -12,7 +12,8 @@ import pytest
 from tiny_hf import CHARS, save_tiny_model_dir
 from verispec import SpeculativeDecoder
 from verispec.cli import main
-from verispec.config import Constraint, SamplingConfig, ServeConfig, SpecConfig
+from verispec.config import Constraint, SamplingConfig, SpecConfig
+from verispec.serve.config import ServeConfig
 from verispec.serve.server import BackgroundServer
 
 JSON_CHARS = CHARS + list('{}[]"-')

@@ -15,6 +15,16 @@ from verispec.errors import VerispecError
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar")
 
 
+def option(default, help: str, *, default_text: str | None = None, switch: bool = False, parse=None,
+           choices: tuple[str, ...] | None = None, metavar: str | None = None):
+    """A config field that a front end exposes as a command-line option (`--field-name`): its default here, and in
+    its metadata what the option needs: `help`; `default_text`, the default as the help shows it (else the value);
+    `switch`, an on / off option (`--x` / `--no-x`); `parse`, how the option's text becomes the value (raising
+    VerispecError; else the field's int or float); `choices`; `metavar`. Read by `cli.options.add_config_options`."""
+    return field(default=default, metadata={"option": {"help": help, "default_text": default_text, "switch": switch,
+                                                       "parse": parse, "choices": choices, "metavar": metavar}})
+
+
 @dataclass(frozen=True)
 class Constraint:
     """Structured output: what the answer must match (see `verispec.constraints`).
@@ -70,7 +80,7 @@ class ConstraintLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_chars", "max_depth", "max_nodes", "max_alternatives", "max_literal_chars", "max_repetition"):
-            if not _is_count(getattr(self, name), 1):
+            if not is_count(getattr(self, name), 1):
                 raise VerispecError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
         for name in ("compile_seconds", "mask_ms_per_step"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
@@ -126,7 +136,7 @@ MAX_TEMPERATURE = 100.0
 PENALTY_RANGE = (0.01, 100.0)
 
 
-def _is_count(value, minimum: int) -> bool:
+def is_count(value, minimum: int) -> bool:
     """An integer (or integral float) >= minimum; bools and strings are not counts."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             and float(value).is_integer() and value >= minimum)
@@ -167,16 +177,16 @@ class TreeConfig:
                                 "(nodes per tree), not both and not neither")
         if self.shape is not None:
             shape = tuple(self.shape) if not isinstance(self.shape, (str, bytes)) else ()
-            if not shape or not all(_is_count(b, 1) for b in shape):
+            if not shape or not all(is_count(b, 1) for b in shape):
                 raise VerispecError(f"a tree shape is one or more branching factors >= 1 (e.g. 3,2,1), got {self.shape}")
             shape = tuple(int(b) for b in shape)
             object.__setattr__(self, "shape", shape)
             size = self.size_upper_bound(len(shape))
             if size > MAX_TREE_NODES:
                 raise VerispecError(f"tree shape {','.join(map(str, shape))} has {size} nodes; at most {MAX_TREE_NODES}")
-        if self.budget is not None and not (_is_count(self.budget, 1) and self.budget <= MAX_TREE_NODES):
+        if self.budget is not None and not (is_count(self.budget, 1) and self.budget <= MAX_TREE_NODES):
             raise VerispecError(f"a tree budget is a number of nodes in 1..{MAX_TREE_NODES}, got {self.budget}")
-        if not _is_count(self.top_k, 1):
+        if not is_count(self.top_k, 1):
             raise VerispecError(f"tree top_k must be an integer >= 1, got {self.top_k}")
         if self.budget is not None and self.top_k > self.budget:
             object.__setattr__(self, "top_k", int(self.budget))
@@ -345,130 +355,6 @@ class CrossTokenizerConfig:
             raise VerispecError(f"unknown cross-tokenizer scheme '{self.scheme}'; choose one of {', '.join(CROSS_SCHEMES)}")
         if not self.passes_per_token >= 1 or not 0 <= self.min_shared <= 1:
             raise VerispecError("a cross-tokenizer draft needs passes_per_token >= 1 and 0 <= min_shared <= 1")
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """`verispec serve`: where the server listens and the limits that keep it safe.
-
-    Attributes:
-        host: interface to bind; the default serves this machine only. Default "127.0.0.1".
-        port: TCP port. Default 8000.
-        api_key: if set, every /v1 and /metrics request needs `Authorization: Bearer <api_key>`.
-        api_keys: more keys, each "KEY" or "NAME:KEY" (NAME: letters, digits, '_', '.', '-'); each key is a tenant,
-            known by its name (never the key: `serve.tenants`). Default none.
-        key_share: with two keys or more, the most of the batch's rows, of the queue and of the cache budget one key
-            may hold at once, so that a flood from one key leaves room for the others. Default 0.75.
-        suffix_scope: whose earlier outputs the suffix drafter drafts from: "shared" (every client's) or "key"
-            (each key's own; rows of no key share one store). None: "key" when keys are set, else "shared".
-        allowed_hosts: with no key, the Host (and any Origin) a request may name; a web page cannot then drive a
-            local server through DNS rebinding. Always allowed: localhost, loopback addresses and the bound host.
-            "*" allows any. Default none more.
-        constraint_limits: what a structured-output constraint may cost (`ConstraintLimits`): its size and the
-            chains its compiler would follow, checked before compiling (400 past them); its compile time; its mask
-            work per step.
-        compile_workers: threads that compile constraints (each with a stack the bounds leave far from full); a
-            request waits for one, and gets a 503 when more than max_queue wait. Default 1.
-        served_model_name: the model id clients name (None: the target's name).
-        max_batch_size: sequences decoded together; 1 turns continuous batching off. Default 8.
-        max_queue: requests waiting for a batch slot; more get HTTP 429. Default 64.
-        request_timeout: seconds from arrival to the last token before a request is cut. Default 300.
-        max_body_bytes: largest request body; larger gets HTTP 413. Default 1 MiB.
-        max_prompt_tokens: longest prompt in tokens (None: the context window less one token).
-        max_tokens_limit: largest max_tokens a request may ask (None: up to the context window).
-        max_draft_tokens: largest per-request K (`speculative.K`), and deepest tree. Default 16.
-        max_tree_nodes: most nodes a request's draft tree (`speculative.tree`) may have. Default 64.
-        shutdown_timeout: seconds in-flight requests get to finish on shutdown before being cut. Default 10.
-        max_stop_strings: most stop strings a request may send (OpenAI's limit). Default 4.
-        max_stop_length: longest stop string, in characters. Default 128.
-        max_request_tokens: most tokens one request may hold, prompt plus max_tokens (None: the context window).
-        max_cache_bytes: key/value cache the running requests may hold together, reserved at admission for each
-            request's prompt plus max_tokens; a request that would not fit waits in the queue, one that could
-            never fit is refused (400). None: a quarter of this machine's memory.
-        prefill_chunk: prompt tokens a joining request reads per step, so a long prompt is read over several
-            steps interleaved with the other rows' decoding instead of stalling them. Default 64 (measured with
-            the default target: a 1,500-token prompt arriving beside three decoding streams made them wait at
-            most 0.7 s between tokens, against 16 s when read in one step, and got its own first token sooner).
-        send_timeout: seconds a streamed chunk may wait for a client that reads nothing before the request is
-            cut. Default 30.
-        limit_concurrency: open connections and requests at once; more get HTTP 503. Default 128.
-        timeout_keep_alive: seconds an idle keep-alive connection stays open. Default 5.
-        header_timeout: seconds a client has to send a request's headers before its connection is closed
-            (clients that trickle headers byte by byte hold no connection for long). Default 10.
-        body_timeout: seconds a client has to send a request's body once its headers arrived. Default 30.
-        auto_k: choose K every step from costs measured while serving (`tuning.AdaptiveK`), for the batch's rows
-            together: the pass over every row's drafts against the plain pass over the rows, so speculation
-            shrinks, then stops, as concurrency fills the machine, and returns as it falls. A request that names
-            its K or a tree keeps it (a seeded sampled request's draws follow K: naming K keeps its tokens the same
-            alone or batched). Default True (measured with the 0.5B draft at 8 clients: 40.3 tok/s against 26.1 with
-            each request's fixed K; plain decoding 42.8).
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    max_batch_size: int = 8
-    max_queue: int = 64
-    request_timeout: float = 300.0
-    max_body_bytes: int = 1 << 20
-    max_prompt_tokens: int | None = None
-    max_tokens_limit: int | None = None
-    max_draft_tokens: int = 16
-    max_tree_nodes: int = 64
-    shutdown_timeout: float = 10.0
-    max_stop_strings: int = 4
-    max_stop_length: int = 128
-    max_request_tokens: int | None = None
-    max_cache_bytes: int | None = None
-    prefill_chunk: int = 64
-    send_timeout: float = 30.0
-    limit_concurrency: int = 128
-    timeout_keep_alive: float = 5.0
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    auto_k: bool = True
-    api_keys: tuple[str, ...] = ()
-    key_share: float = 0.75
-    suffix_scope: str | None = None
-    allowed_hosts: tuple[str, ...] = ()
-    constraint_limits: ConstraintLimits = ConstraintLimits()
-    compile_workers: int = 1
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.port <= 65535):
-            raise VerispecError(f"port must be in 0..65535, got {self.port}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise VerispecError("the API key is empty")
-        for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_draft_tokens", "max_tree_nodes",
-                     "max_stop_strings", "max_stop_length", "prefill_chunk", "limit_concurrency", "compile_workers"):
-            if not _is_count(getattr(self, name), 1):
-                raise VerispecError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
-        for name in ("max_prompt_tokens", "max_tokens_limit", "max_request_tokens", "max_cache_bytes"):
-            if getattr(self, name) is not None and not _is_count(getattr(self, name), 1):
-                raise VerispecError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
-        for name in ("request_timeout", "shutdown_timeout", "send_timeout", "timeout_keep_alive", "header_timeout",
-                     "body_timeout"):
-            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
-                raise VerispecError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
-        if not (isinstance(self.key_share, (int, float)) and 0 < self.key_share <= 1):
-            raise VerispecError(f"key_share must be in (0, 1], got {self.key_share}")
-        if self.suffix_scope not in (None, "shared", "key"):
-            raise VerispecError(f"suffix_scope is 'shared' or 'key', got '{self.suffix_scope}'")
-        if not isinstance(self.constraint_limits, ConstraintLimits):
-            raise VerispecError("constraint_limits must be a ConstraintLimits")
-        if isinstance(self.api_keys, str) or isinstance(self.allowed_hosts, str):
-            raise VerispecError("api_keys and allowed_hosts are tuples of strings")
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        """Every API key entry (`api_key` first)."""
-        return ((self.api_key,) if self.api_key else ()) + tuple(self.api_keys)
-
-    @property
-    def scope_by_key(self) -> bool:
-        """Whether the suffix store keeps each key's outputs apart (`suffix_scope`, or keys set and no choice)."""
-        return self.suffix_scope == "key" or (self.suffix_scope is None and bool(self.keys))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from verispec.config import CROSS_SCHEMES, TREE_CHILDREN, Constraint, CrossTokenizerConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, ServeConfig, SpecConfig, SuffixConfig, TreeConfig
+from verispec.config import CROSS_SCHEMES, TREE_CHILDREN, Constraint, CrossTokenizerConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, SpecConfig, SuffixConfig, TreeConfig
+from verispec.serve.config import ServeConfig
 from verispec.console import notice
 from verispec.errors import VerispecError
 from verispec.models.loading import BACKENDS, DEFAULT_BACKEND, DEFAULT_DRAFT_WEIGHTS, DEFAULT_DTYPE, DEFAULT_TARGET_WEIGHTS, DTYPES, WEIGHT_FORMATS
@@ -20,6 +21,42 @@ from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, NAMED_MODELS
 def default_of(cls, name: str):
     f = cls.__dataclass_fields__[name]
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def add_config_options(p, cls) -> dict[str, str]:
+    """One option per field of config dataclass `cls` that carries option metadata (`config.option`): --field-name,
+    typed by the field (or its `parse`), its help ending with the default. -> {field: dest} for `build_config`; an
+    option left unset keeps the dataclass default."""
+    mapping = {}
+    for f in dataclasses.fields(cls):
+        meta = f.metadata.get("option")
+        if meta is None:
+            continue
+        shown = meta["default_text"] or (("on" if f.default else "off") if meta["switch"] else f.default)
+        kwargs = {"dest": f.name, "help": f"{meta['help']} (default: {shown})".replace("%", "%%")}
+        if meta["switch"]:
+            kwargs.update(action=argparse.BooleanOptionalAction, default=None)
+        elif meta["parse"] is not None:
+            kwargs["type"] = _argument_type(meta["parse"])
+        elif meta["choices"] is None:
+            kwargs["type"] = {"int": int, "float": float, "str": str}[str(f.type).split()[0]]
+        for key in ("choices", "metavar"):
+            if meta[key] is not None:
+                kwargs[key] = meta[key]
+        p.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        mapping[f.name] = f.name
+    return mapping
+
+
+def _argument_type(parse):
+    """A field's `parse` as an argparse type: its one-line VerispecError becomes argparse's usage error."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except VerispecError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    convert.__name__ = parse.__name__  # argparse names the type in its message
+    return convert
 
 
 def build_config(cls, args: argparse.Namespace, mapping: dict[str, str]):

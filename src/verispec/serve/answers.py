@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from verispec.api import SpeculativeDecoder
-from verispec.config import ServeConfig
+from verispec.serve.config import ServeConfig
 from verispec.core.sequence import Sequence
 from verispec.serve import protocol as wire
 from verispec.serve.metrics import Metrics

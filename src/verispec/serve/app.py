@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.api import SpeculativeDecoder
-from verispec.config import ServeConfig
+from verispec.serve.config import ServeConfig
 from verispec.serve.answers import Answers, refusal
 from verispec.serve.compile import Busy, CompilePool, CompileTimeout
 from verispec.serve.gate import Gate

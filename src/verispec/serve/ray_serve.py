@@ -29,7 +29,8 @@ from dataclasses import replace
 
 from starlette.responses import Response
 
-from verispec.config import AdaptConfig, ServeConfig
+from verispec.config import AdaptConfig
+from verispec.serve.config import ServeConfig
 from verispec.errors import VerispecError
 
 DEPLOYMENT = "verispec"

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from verispec.api import SpeculativeDecoder
 from verispec.chat import chat_text, chat_text_ids
-from verispec.config import SamplingConfig, ServeConfig, SpecConfig
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.serve.config import ServeConfig
 from verispec.core.sequence import Sequence
 from verispec.drafters.registry import NO_DRAFT
 from verispec.errors import ConstraintError, VerispecError

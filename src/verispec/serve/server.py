@@ -32,7 +32,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from verispec.api import SpeculativeDecoder
-from verispec.config import ServeConfig
+from verispec.serve.config import ServeConfig
 from verispec.errors import VerispecError
 from verispec.serve.app import create_app
 from verispec.serve.gate import refuse

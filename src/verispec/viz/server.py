@@ -38,7 +38,8 @@ from pydantic import BaseModel, Field
 
 from verispec.analyze import AnalyzeConfig, measured_from_bench, speedup_table
 from verispec.api import SpeculativeDecoder
-from verispec.config import MAX_TEMPERATURE, TREE_CHILDREN, Constraint, SamplingConfig, ServeConfig, SpecConfig, TreeConfig
+from verispec.config import MAX_TEMPERATURE, TREE_CHILDREN, Constraint, SamplingConfig, SpecConfig, TreeConfig
+from verispec.serve.config import ServeConfig
 from verispec.drafters.registry import NGRAM
 from verispec.errors import VerispecError
 from verispec.render import StreamPrinter
