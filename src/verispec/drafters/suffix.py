@@ -83,7 +83,7 @@ class SuffixDrafter(Drafter):
 
     def scope(self, seq: Sequence) -> str | None:
         """The store scope a row reads and joins: its own with scope="key", else the shared one (None)."""
-        return getattr(seq, "scope", None) if self.config.scope == "key" else None
+        return seq.scope if self.config.scope == "key" else None
 
     # --- rows ---------------------------------------------------------------------------------------------
     def start(self, sequences: list[Sequence]) -> None:
@@ -94,7 +94,7 @@ class SuffixDrafter(Drafter):
         previous, self.rows = self.rows, []
         again = {id(seq) for seq in sequences}
         self._retire([row for row in previous
-                      if id(row.seq) not in again and getattr(row.seq, "finish_reason", None) is not None])
+                      if id(row.seq) not in again and row.seq.finish_reason is not None])
         retired = {id(row.seq) for row in previous if row.retired}
         self.extend(sequences)
         for row in self.rows:

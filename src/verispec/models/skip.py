@@ -192,7 +192,7 @@ def same_model(a: dict, b: dict) -> bool:
 def num_layers(runner) -> int:
     if isinstance(runner, NativeWeights):
         return int(runner.gguf.config.layers)
-    return len(decoder_layers(runner.model if isinstance(runner, TorchWeights) else None))
+    return len(decoder_layers(_torch_model(runner)))
 
 
 def _torch_model(runner) -> torch.nn.Module:

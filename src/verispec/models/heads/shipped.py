@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from verispec.atomic import atomic_write_json
+from verispec.core.protocols import NativeWeights, TorchWeights
 from verispec.errors import VerispecError
 from verispec.models.heads.eagle3 import EAGLE
 from verispec.models.heads.medusa import MEDUSA
@@ -56,21 +57,18 @@ def shipped_head(kind: str, runner) -> Path:
 
 def hidden_size(runner) -> int:
     """The width of the target's hidden states (what draft heads read)."""
-    config = getattr(runner, "config", None)
-    if hasattr(config, "hidden"):
-        return int(config.hidden)
-    model = getattr(runner, "model", None)
-    if model is None:
-        raise VerispecError(f"the '{type(runner).__name__}' runner gives no hidden states for draft heads "
-                            "(use --backend native or torch)")
-    return int(model.config.hidden_size)
+    if isinstance(runner, NativeWeights):
+        return int(runner.gguf.config.hidden)
+    if isinstance(runner, TorchWeights):
+        return int(runner.model.config.hidden_size)
+    raise VerispecError(f"the '{type(runner).__name__}' runner gives no hidden states for draft heads "
+                        "(use --backend native or torch)")
 
 
 def lm_head_rows(runner, ids: torch.Tensor) -> torch.Tensor:
     """(k, E) float32: the target's LM head rows for these token ids."""
-    gguf = getattr(runner, "gguf", None)
-    if gguf is not None:
-        return torch.from_numpy(gguf.head.take_rows(ids.numpy().astype(np.int64)))
+    if isinstance(runner, NativeWeights):
+        return torch.from_numpy(runner.gguf.head.take_rows(ids.numpy().astype(np.int64)))
     weight = runner.model.get_output_embeddings().weight
     if weight.device.type == "meta":
         raise VerispecError("train-heads reads the target's LM head: run it with --target-weights dense or on a GGUF")
@@ -79,7 +77,6 @@ def lm_head_rows(runner, ids: torch.Tensor) -> torch.Tensor:
 
 def final_norm(runner) -> torch.Tensor:
     """(E,) float32: the weight of the target's final norm."""
-    gguf = getattr(runner, "gguf", None)
-    if gguf is not None:
-        return torch.from_numpy(np.asarray(gguf.norm, np.float32))
+    if isinstance(runner, NativeWeights):
+        return torch.from_numpy(np.asarray(runner.gguf.norm, np.float32))
     return runner.model.model.norm.weight.detach().float()

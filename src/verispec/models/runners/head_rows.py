@@ -57,8 +57,9 @@ def head_weight(model, ids: np.ndarray):
 
 class HeadRowsRunner:
     """A native runner (`models.gguf.NativeRunner`) whose LM head keeps `rows` token ids (the first of
-    `token_ranks`, a multiple of 16); logits are the full head's at those ids, -inf elsewhere. Every other
-    attribute is that of a runner over the same layers with the cut head (`cut`), which runs every pass."""
+    `token_ranks`, a multiple of 16); logits are the full head's at those ids, -inf elsewhere. A `Runner` and a
+    `NativeWeights` view: each member is that of a runner over the same layers with the cut head (`cut`), which runs
+    every pass; nothing else is passed through."""
 
     def __init__(self, runner, rows: int, tokenizer=None) -> None:
         from verispec.models.gguf.runner import NativeRunner
@@ -75,8 +76,31 @@ class HeadRowsRunner:
         self.cut = NativeRunner(cut, threads=runner.threads, initial_capacity=runner.initial_capacity,
                                 source=runner._source, fused=runner.fused)  # the same layers, its own head
 
-    def __getattr__(self, name: str):
-        return getattr(self.cut, name)
+    @property
+    def vocab_size(self) -> int:
+        return self.cut.vocab_size
+
+    @property
+    def context_window(self) -> int:
+        return self.cut.context_window
+
+    @property
+    def device(self) -> torch.device:
+        return self.cut.device
+
+    @property
+    def gguf(self):
+        """The model with the cut head (`core.protocols.NativeWeights`)."""
+        return self.cut.gguf
+
+    def cache_bytes(self, tokens: int) -> int:
+        return self.cut.cache_bytes(tokens)
+
+    def new_state(self, batch_size: int):
+        return self.cut.new_state(batch_size)
+
+    def commit(self, state, paths: list[list[int]]) -> None:
+        self.cut.commit(state, paths)
 
     def forward(self, state, tokens: list[list[int]], num_logits: list[int],
                 parents: list[list[int]] | None = None) -> torch.Tensor:
