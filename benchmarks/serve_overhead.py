@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     set_threads(args.threads)
     decoder = SpeculativeDecoder.load(args.target, args.draft)
-    drafting = not decoder.drafter.plain
+    drafting = not decoder.drafter.traits.plain
     expected = decoder.generate(PROMPT, SamplingConfig(temperature=0), spec(args.tokens, args.k), chat=False).text
     rows: dict[str, list[dict]] = {"api": [], "server streamed": [], "server one piece": []}
     with (serve_thread(decoder) if args.in_process else serve_process(args)) as url:

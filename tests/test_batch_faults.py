@@ -242,7 +242,7 @@ def test_a_prompt_past_a_smaller_draft_vocabulary_decodes_without_drafts(greedy_
     small = copy.deepcopy(draft)
     small.resize_token_embeddings(48)  # a draft that reads ids 0 .. 47 of the target's 64
     engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(small), 64), set())
-    assert engine.drafter.input_vocab == 48
+    assert engine.drafter.traits.input_vocab == 48
     prompts = {0: PROMPTS[0], 1: [50, 51, 52, 50, 51], 2: PROMPTS[3]}
     plain = SpeculativeEngine(ModelRunner(target), None, set())
     expected = {i: alone(plain, p, LONGER) for i, p in prompts.items()}
@@ -372,7 +372,7 @@ def test_a_target_pass_that_fails_for_one_row_ends_that_row_alone(greedy_pair, r
 
 def test_a_fault_in_a_drafter_that_reads_the_targets_passes_stops_the_rows_present_and_later_rows_draft(
         greedy_pair, monkeypatch):
-    """Heads cannot be replayed for rows mid-answer (`Drafter.restartable` False): the rows present decode plainly,
+    """Heads cannot be replayed for rows mid-answer (`Traits.restartable` False): the rows present decode plainly,
     exactly, and a row that joins later drafts; the same after a target pass run by parts (the heads lost its
     features)."""
     from test_medusa import random_heads

@@ -85,7 +85,7 @@ def test_a_row_whose_logits_hold_nan_is_left_out_and_fails_alone_in_a_batch(gree
 def test_an_engine_without_a_drafter_holds_the_plain_drafter(greedy_pair):
     target, _ = greedy_pair
     engine = SpeculativeEngine(ModelRunner(target), None, set())
-    assert engine.drafter is PLAIN and isinstance(PLAIN, PlainDrafter) and PLAIN.plain and PLAIN.name == "none"
+    assert engine.drafter is PLAIN and isinstance(PLAIN, PlainDrafter) and PLAIN.traits.plain and PLAIN.name == "none"
     out = engine.generate(PROMPTS, GREEDY, SPEC)
     assert all(s.stats.draft_tokens == 0 and s.num_generated == SPEC.max_new_tokens for s in out)
     assert [s.stats.target_forward_passes for s in out] == [SPEC.max_new_tokens] * len(PROMPTS)  # one token a pass

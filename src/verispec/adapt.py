@@ -73,13 +73,13 @@ class OnlineAdapter:
     synchronously whatever the mode. `close()` detaches the buffer and stops the thread.
 
     Args:
-        engine: a SpeculativeEngine whose drafter can adapt (`drafter.adaptive`).
+        engine: a SpeculativeEngine whose drafter can adapt (`drafter.traits.adaptive`).
         config: buffer and update settings.
     """
 
     def __init__(self, engine, config: AdaptConfig = AdaptConfig()) -> None:
         drafter = engine.drafter
-        if not drafter.adaptive:
+        if not drafter.traits.adaptive:
             raise VerispecError(f"--adapt needs a drafter that can adapt (ngram-corpus, a draft model, Medusa or EAGLE "
                                 f"heads); '{drafter.name}' cannot")
         drafter.check_adaptable(config)

@@ -235,7 +235,7 @@ class SpeculativeDecoder:
         profile = cached_costs(self._cost_key(k_max), measure, cache_dir() / "pass_costs") if cache else measure()
         head_cost = self.drafter.token_cost() if draft_runner is None else None
         profile = replace(profile, draft_token=head_cost) if head_cost else profile
-        held_back = self.drafter.held_back
+        held_back = self.drafter.traits.held_back
         return AdaptiveK(replace(profile, draft_extra=float(held_back)) if held_back else profile)
 
     def _cost_key(self, k_max: int) -> str:

@@ -28,7 +28,7 @@ Chunked prefill (`prefill_chunk`). A joining sequence's prompt is read `prefill_
 pass as the other rows' drafts, so a long prompt delays the others' next token by one chunk's share of a pass
 rather than by the whole prompt. A row still reading its prompt drafts nothing and commits nothing; it yields no
 event until its first token. Drafters that read the target's own features or cache (heads, self-speculation) need
-the prompt's pass whole, so there the prompt is read in one step as before (`Drafter.chunked_prefill`).
+the prompt's pass whole, so there the prompt is read in one step as before (`Traits.chunked_prefill`).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class DecodeBatch:
     def _prefilling(self) -> list[bool]:
         """Rows that still have more prompt to read than one chunk."""
         chunk = self.prefill_chunk
-        if chunk is None or not self.drafter.chunked_prefill:
+        if chunk is None or not self.drafter.traits.chunked_prefill:
             return [False] * len(self.sequences)
         return [len(s.tokens) - s.target_cached > chunk for s in self.sequences]
 
@@ -163,12 +163,12 @@ class DecodeBatch:
         drafter = self.drafter
         drafts = self.draft_rows.drafting(active)
         drafting = [s.drafting and d and not pre for s, d, pre in zip(active, drafts, prefilling)]
-        if drafter.plain or not any(d and s.spec.tree is not None for s, d in zip(active, drafting)):
+        if drafter.traits.plain or not any(d and s.spec.tree is not None for s, d in zip(active, drafting)):
             rows = len(active)
             k = None
             if self.tuner is not None:  # a drafter that sizes its own drafts gets the costs and the longest K
-                sizes = not drafter.plain and drafter.size_drafts(self.tuner.costs(rows))
-                k = self.tuner.profile.k_max if sizes else self.tuner.k(drafter.stops_chains, rows)
+                sizes = not drafter.traits.plain and drafter.size_drafts(self.tuner.costs(rows))
+                k = self.tuner.profile.k_max if sizes else self.tuner.k(drafter.traits.stops_chains, rows)
             tuned_stop = None if self.tuner is None else self.tuner.draft_stop(rows)  # from measured costs
             for s in active:
                 s.draft_stop = tuned_stop or (DraftStop.fixed(s.spec.draft_stop) if s.spec.draft_stop > 0 else None)
@@ -190,7 +190,7 @@ class DecodeBatch:
     def _forced(self, prefilling: list[bool]) -> dict[int, list[int]]:
         """Rows whose constraint forces their next tokens, with those tokens (at most MAX_FORCED, and never past the
         tokens left after this step's own). Only while speculating: with no drafter a row decodes plainly."""
-        if self.drafter.plain:
+        if self.drafter.traits.plain:
             return {}
         forced = {}
         drafting = self.draft_rows.drafting(self.sequences)
@@ -211,7 +211,7 @@ class DecodeBatch:
         """A row's forced tokens, followed (where the drafter has deterministic continuations and the row drafts this
         step) by the drafter's guess of what follows them: one chain verified in one pass. The guess is optional: a
         fault in it leaves the forced run alone."""
-        if self.drafter.plain or depth <= 0:
+        if self.drafter.traits.plain or depth <= 0:
             return tokens
         left = self.sequences[b].max_new_tokens - self.sequences[b].num_generated - 1 - len(tokens)
         return tokens + self.draft_rows.continuation(b, self.sequences[b], tokens, min(depth, left))[: max(left, 0)]

@@ -168,13 +168,13 @@ class SpeculativeEngine:
 
     def check_tree_support(self) -> None:
         """Raise a VerispecError unless this engine's target and drafter can run tree speculation."""
-        if self.drafter.plain:
+        if self.drafter.traits.plain:
             raise VerispecError("tree speculation needs a drafter that builds trees (a draft model or 'ngram'); "
                                 "this decoder decodes plainly")
         if not isinstance(self.target, Runner):
             raise VerispecError("tree speculation needs a target backend with tree passes "
                                 "(`core.protocols.Runner`: forward with the nodes' parents, then commit)")
-        if not self.drafter.supports_trees:
+        if not self.drafter.traits.trees:
             raise VerispecError(f"the '{self.drafter.name}' drafter cannot draft trees here "
                                 "(a chain-only drafter)")
 

@@ -5,7 +5,7 @@ arrives without its row's name. This module finds the row where that can be done
 
 Drafter (`DraftRows`). Every guard catches any fault (`errors.is_fault`: an Exception, or a native panic; never an
 interrupt) and records it in the batch's `faults` as ("drafter.<stage>", error).
-  - Restartable drafters (`Drafter.restartable`: draft models with caches of their own, prompt lookup, suffix
+  - Restartable drafters (`Traits.restartable`: draft models with caches of their own, prompt lookup, suffix
     decoding, corpus n-grams, the cross-tokenizer draft, composites of these) hold only the rows that draft, a
     subsequence of the batch's rows in order. After a fault in start, propose or commit, the drafter is started
     afresh for each of its rows alone and run as far as the failed stage (start; start and propose; start, propose
@@ -21,7 +21,7 @@ interrupt) and records it in the batch's `faults` as ("drafter.<stage>", error).
     read its passes or cache, which cannot be replayed: a fault turns drafting off for every row present (they stay in
     the drafter, asked for nothing), and the drafter is started afresh for all rows when the next rows join, which
     draft. A target pass run in parts (below) leaves them the same way (their features came from one pass).
-  - A row whose tokens hold an id the drafter's own model cannot read (`Drafter.input_vocab`: a draft model with a
+  - A row whose tokens hold an id the drafter's own model cannot read (`Traits.input_vocab`: a draft model with a
     smaller vocabulary than the target's) never reaches the drafter: it decodes without drafts (not a fault).
 
 Target (`check_inputs`, `split_forward`). Before the pass each row's pending tokens and draft are checked against
@@ -74,7 +74,7 @@ class DraftRows:
 
     @property
     def aligned(self) -> bool:
-        return not self.drafter.restartable
+        return not self.drafter.traits.restartable
 
     def drafting(self, sequences: list[Sequence]) -> list[bool]:
         """Per batch row: whether it may draft now."""
@@ -87,7 +87,7 @@ class DraftRows:
     def begin(self, sequences: list[Sequence], target_state, prefill_chunk: int | None) -> None:
         """A fresh batch: these rows, the target's new state."""
         self.held, self.off, self.checked, self.known = [], set(), {}, False
-        if self.drafter.plain:
+        if self.drafter.traits.plain:
             return
         try:
             self.drafter.restart(prefill_chunk)
@@ -101,7 +101,7 @@ class DraftRows:
 
     def join(self, present: list[Sequence], joining: list[Sequence]) -> None:
         """Rows join at the end of the batch (`present`: the rows before them)."""
-        if self.drafter.plain:
+        if self.drafter.traits.plain:
             return
         self._screen(joining)
         if not self.known:  # started afresh for every row it can take; an aligned drafter's present rows stay off
@@ -125,7 +125,7 @@ class DraftRows:
 
     def leave(self, before: list[Sequence], kept: list[int]) -> None:
         """The batch keeps rows `kept` of `before`; the drafter frees the others' rows."""
-        if self.drafter.plain:
+        if self.drafter.traits.plain:
             return
         stay = {id(before[b]) for b in kept}
         for s in before:
@@ -160,7 +160,7 @@ class DraftRows:
         seqs = [sequences[b] for b in rows]
         wanted = [depths[b] if id(sequences[b]) not in self.off else 0 for b in rows]
         shapes = None if trees is None else [trees[b] for b in rows]
-        if not rows or not (any(wanted) or (first and self.drafter.reads_prompt)):
+        if not rows or not (any(wanted) or (first and self.drafter.traits.reads_prompt)):
             return drafts
         try:
             out = self.drafter.propose(seqs, wanted, shapes)
@@ -223,8 +223,8 @@ class DraftRows:
         return [where[id(s)] for s in self.held]
 
     def _screen(self, rows: list[Sequence]) -> None:
-        """Rows whose tokens hold ids the drafter's model cannot read draft no more (see `Drafter.input_vocab`)."""
-        vocab = self.drafter.input_vocab
+        """Rows whose tokens hold ids the drafter's model cannot read draft no more (see `Traits.input_vocab`)."""
+        vocab = self.drafter.traits.input_vocab
         if vocab is None:
             return
         for s in rows:

@@ -34,7 +34,7 @@ class CostProfile:
 
     target_pass: target pass time by number of new tokens (1 .. k_max + 1).
     draft_token: one draft forward pass over one token (0 for drafters that cost ~nothing).
-    draft_extra: draft positions a drafting step pays for beyond its K (`Drafter.held_back`; h above).
+    draft_extra: draft positions a drafting step pays for beyond its K (`Traits.held_back`; h above).
     """
 
     target_pass: dict[int, float]

@@ -164,7 +164,7 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
         adapters = {}  # one adapter per decoder (verispec-draft and verispec-auto share one)
         for system in systems:
             decoder = system.decoder if isinstance(system, VerispecSystem) else None
-            if decoder is not None and decoder.drafter.adaptive \
+            if decoder is not None and decoder.drafter.traits.adaptive \
                     and id(decoder) not in adapters:
                 adapters[id(decoder)] = decoder.enable_adaptation(AdaptConfig(background=False))
     return systems

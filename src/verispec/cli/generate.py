@@ -66,14 +66,14 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     decoder = load_decoder(args)
     k_max = max(8, spec.num_draft_tokens, (tree.budget or 0) if tree is not None else 0)  # a tree pass's widths
-    tuner = decoder.auto_tuner(k_max, cache=True) if auto_k and not decoder.drafter.plain else None
+    tuner = decoder.auto_tuner(k_max, cache=True) if auto_k and not decoder.drafter.traits.plain else None
     adapter = decoder.enable_adaptation(AdaptConfig(background=False)) if args.adapt else None
     console = Console(no_color=args.no_color, highlight=False)
     show = not args.json
-    printer = StreamPrinter(console if show else None, decoder.decode, plain_decoding=decoder.drafter.plain)
+    printer = StreamPrinter(console if show else None, decoder.decode, plain_decoding=decoder.drafter.traits.plain)
     tracer = Tracer(token_text=lambda t: decoder.target.tokenizer.decode([t])) if args.trace else None
     if show:
-        console.print(legend(decoder.drafter.plain, sampling.constraint is not None))
+        console.print(legend(decoder.drafter.traits.plain, sampling.constraint is not None))
     steps, seq = [], None
     with tracing(decoder.engine, tracer) if tracer else nullcontext():
         for event, seq in decoder.stream(prompt, sampling, spec, args.seed, args.chat, tuner):
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                 steps.append(tracer.step(event, seq, pieces))
             if adapter is not None:
                 adapter.poke()  # between steps: the stream is paused here
-    if not decoder.drafter.plain:
+    if not decoder.drafter.traits.plain:
         decoder.drafter.flush_store(30.0)  # a store file (suffix:FILE) holds this output when the command returns
     result = decoder.result(seq)
     if tracer:

@@ -6,7 +6,7 @@ verifier treats as one-hot (Leviathan et al. hold for any q, one-hot included).
 
 One `propose` and one `commit`: a draft is a tree (`verispec.tree.Draft`), a chain its degenerate case.
 A row asks for a chain (its `TreeConfig` is None) or a tree; drafters that can build trees say so
-(`supports_trees`), and after verification `commit` gets each row's accepted path (for a chain, its first
+(`Traits.trees`), and after verification `commit` gets each row's accepted path (for a chain, its first
 `len(path)` drafts). The verification math lives in `verispec.rejection`. The engine knows drafters only
 through this class; the drafters themselves live in `verispec.drafters`.
 """
@@ -14,6 +14,7 @@ through this class; the drafters themselves live in `verispec.drafters`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 
@@ -25,51 +26,66 @@ from verispec.tree import EMPTY_DRAFT, Draft
 if TYPE_CHECKING:
     from verispec.core.adaptation import AdaptExample
 
-__all__ = ["EMPTY_DRAFT", "PLAIN", "Draft", "Drafter", "PlainDrafter"]
+__all__ = ["EMPTY_DRAFT", "PLAIN", "Draft", "Drafter", "PlainDrafter", "Traits"]
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What a drafter can do and what it needs from the batch, read by the engine, the batch and the fault guards.
+
+    Attributes:
+        plain: no drafts, one token per target pass (only `PlainDrafter`).
+        trees: `propose` builds trees (a chain-only drafter is never asked for one).
+        adaptive: implements `adapt` (online adaptation, verispec.adapt).
+        stops_chains: its chains honour a sequence's `draft_stop` (core.stopping).
+        chunked_prefill: follows a prompt the target reads over several steps (chunked prefill, verispec.batch):
+            drafters that read only the sequence's tokens. Heads and self-speculation read the target's pass itself.
+        reads_prompt: has a cache of its own (a draft model): `propose` is called in a row's first step even when no
+            row drafts (all depths 0), so that it reads the prompt then, before the first output.
+        catches_up: reads a row's tokens into a cache of its own before drafting after them (a draft model,
+            self-speculation): `unread` counts what a row has not read yet (a composite charges that reading).
+        restartable: `start` brings it to a known state for any rows, rows already decoding included (their tokens
+            then hold the prompt and the output so far), in any subset and order of the batch's rows. Then the batch
+            confines a fault in the drafter to the row that causes it (`verispec.faults.DraftRows`): it starts the
+            drafter afresh for each row alone to find the row that fails, keeps that row out of it, and starts it
+            afresh for the others. True for drafters whose state is a function of the rows' tokens (draft models
+            with caches of their own, lookups, suffix decoding, corpus n-grams, the cross-tokenizer draft). False
+            for drafters whose rows are the target's rows and whose state comes from the target's own passes or
+            cache (draft heads; self-speculation on the native runner): a fault there turns drafting off for the
+            rows present, and the drafter is started afresh when rows join.
+        held_back: draft positions a drafting step computes beyond the K it proposes: the tuner charges a step
+            (K + held_back) positions' cost (a cross-tokenizer string draft writes until its text holds K + 1
+            target tokens).
+        input_vocab: token ids the drafter's own model reads (a draft model whose vocabulary is smaller than the
+            target's): a row whose tokens hold an id at or past it never reaches the drafter and decodes without
+            drafts. None: any target id.
+    """
+
+    plain: bool = False
+    trees: bool = False
+    adaptive: bool = False
+    stops_chains: bool = False
+    chunked_prefill: bool = False
+    reads_prompt: bool = False
+    catches_up: bool = False
+    restartable: bool = True
+    held_back: int = 0
+    input_vocab: int | None = None
 
 
 class Drafter(ABC):
     """Base class for drafters. Sequences are passed in batch order on every call."""
 
     name: str = "drafter"
-    plain: bool = False  # True only for `PlainDrafter`: no drafts, one token per target pass
-    adaptive: bool = False  # True for drafters that implement `adapt` (online adaptation, verispec.adapt)
-    stops_chains: bool = False  # True for drafters whose chains honour a sequence's `draft_stop` (core.stopping)
-    # True for drafters that follow a prompt the target reads over several steps (chunked prefill, verispec.batch):
-    # those that read only the sequence's tokens. Heads and self-speculation read the target's pass itself.
-    chunked_prefill: bool = False
-    # True for drafters with a cache of their own (a draft model): `propose` is called in a row's first step even
-    # when no row drafts (all depths 0), so that the drafter reads the prompt then, before the first output.
-    reads_prompt: bool = False
-    # True for drafters that read a row's tokens into a cache of their own before drafting after them (a draft model,
-    # self-speculation): `unread` counts what a row has not read yet (a composite charges that reading to its choice).
-    catches_up: bool = False
+    # What this drafter can do and needs from the batch (`Traits`): one value, stated once, as a class attribute or,
+    # where it depends on the drafter's models, in its constructor.
+    traits: Traits = Traits()
     # A row given no drafts reads at most this many of its pending tokens per call (None: all), so a drafter with a
     # cache of its own reads a long prompt in chunks alongside the target: the batch's, passed to `restart`.
     prefill_chunk: int | None = None
     # The drafter's own model runner where it has one (a draft model, self-speculation's skip set): `--auto-k` times
     # its passes (`tuning.measure_costs`). None: no runner of its own (lookups, heads: see `token_cost`).
     runner = None
-    # Draft positions a drafting step computes beyond the K it proposes: the tuner charges a step (K + held_back)
-    # positions' cost (a cross-tokenizer string draft writes until its text holds K + 1 target tokens).
-    held_back: int = 0
-    # Whether `start` brings the drafter to a known state for any rows, rows already decoding included (their tokens
-    # then hold the prompt and the output so far), in any subset and order of the batch's rows. Then the batch confines
-    # a fault in the drafter to the row that causes it (`verispec.faults.DraftRows`): it starts the drafter afresh for
-    # each row alone to find the row that fails, keeps that row out of it, and starts it afresh for the others. True
-    # for drafters whose state is a function of the rows' tokens (draft models with caches of their own, lookups,
-    # suffix decoding, corpus n-grams, the cross-tokenizer draft). False for drafters whose rows are the target's rows
-    # and whose state comes from the target's own passes or cache (draft heads; self-speculation on the native runner):
-    # a fault there turns drafting off for the rows present, and the drafter is started afresh when rows join.
-    restartable: bool = True
-    # Token ids the drafter's own model reads (a draft model whose vocabulary is smaller than the target's): a row whose
-    # tokens hold an id at or past it never reaches the drafter and decodes without drafts. None: any target id.
-    input_vocab: int | None = None
-
-    @property
-    def supports_trees(self) -> bool:
-        """Whether `propose` builds trees here (a chain-only drafter is never asked for one)."""
-        return False
 
     def restart(self, prefill_chunk: int | None = None) -> None:
         """Decoding starts afresh: a batch that was empty takes new requests, just before `start`, reading joining
@@ -165,8 +181,7 @@ class PlainDrafter(Drafter):
     (`plain`), and a row decodes exactly as the target alone would."""
 
     name = "none"
-    plain = True
-    chunked_prefill = True  # it reads nothing: a long prompt is read in chunks
+    traits = Traits(plain=True, chunked_prefill=True)  # it reads nothing: a long prompt is read in chunks
 
     def propose(self, sequences: list[Sequence], depths: list[int],
                 trees: list[TreeConfig | None] | None = None) -> list[Draft]:

@@ -40,7 +40,7 @@ import time
 from collections import deque
 
 from verispec.config import TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
 from verispec.core.sequence import Sequence
 from verispec.errors import VerispecError
 from verispec.tuning import Acceptance, CostProfile, _timed, next_probe_gap
@@ -109,6 +109,11 @@ class CompositeDrafter(Drafter):
         self.names = list(names) if names is not None else [m.name for m in members]
         self.free = [i for i, m in enumerate(members) if is_free(m)]
         self.costly = next((i for i, m in enumerate(members) if not is_free(m)), None)
+        limits = [m.traits.input_vocab for m in members if m.traits.input_vocab is not None]
+        self.traits = Traits(trees=all(m.traits.trees for m in members),
+                             chunked_prefill=all(m.traits.chunked_prefill for m in members),
+                             restartable=all(m.traits.restartable for m in members),
+                             input_vocab=min(limits) if limits else None)
         self.records = [MemberRecord() for _ in members]
         self.learn_costs = learn_costs
         self.costs: CostProfile | None = None  # the batch's measured costs this step (None: no --auto-k)
@@ -125,23 +130,6 @@ class CompositeDrafter(Drafter):
 
     def token_cost(self) -> float | None:
         return None if self.costly is None else self.members[self.costly].token_cost()
-
-    @property
-    def supports_trees(self) -> bool:
-        return all(m.supports_trees for m in self.members)
-
-    @property
-    def chunked_prefill(self) -> bool:
-        return all(m.chunked_prefill for m in self.members)
-
-    @property
-    def restartable(self) -> bool:
-        return all(m.restartable for m in self.members)
-
-    @property
-    def input_vocab(self) -> int | None:
-        limits = [m.input_vocab for m in self.members if m.input_vocab is not None]
-        return min(limits) if limits else None
 
     def cache_bytes(self, tokens: int) -> int:
         return sum(m.cache_bytes(tokens) for m in self.members)
@@ -160,7 +148,7 @@ class CompositeDrafter(Drafter):
         (self-speculation reads the target's cache)."""
         member = self.members[self.costly] if self.costly is not None else None
         runner = None if member is None else member.runner
-        if runner is None or not member.catches_up:
+        if runner is None or not member.traits.catches_up:
             return 0.0
         tokens = [[(i * 7919) % runner.vocab_size for i in range(READ_TOKENS)]]
 
@@ -218,7 +206,7 @@ class CompositeDrafter(Drafter):
         if member == self.costly:
             seconds = self.records[member].seconds
             draft = statistics.median(seconds) if seconds else (self.draft_token or 0.0)
-        extra = self.members[member].held_back if member == self.costly else 0
+        extra = self.members[member].traits.held_back if member == self.costly else 0
         return CostProfile(self.costs.target_pass, draft, float(extra))
 
     def _value(self, member: int, cap: int, catch_up: float = 0.0) -> tuple[float, int]:
@@ -315,7 +303,7 @@ class CompositeDrafter(Drafter):
 
     def _timed(self, seconds: float, positions: int) -> None:
         if self.learn_costs and positions > 0 and seconds > 0:
-            self.records[self.costly].seconds.append(seconds / (positions + self.members[self.costly].held_back))
+            self.records[self.costly].seconds.append(seconds / (positions + self.members[self.costly].traits.held_back))
 
     # --- after verification ------------------------------------------------------------------------------
     def commit(self, sequences: list[Sequence], drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
@@ -330,7 +318,7 @@ class CompositeDrafter(Drafter):
                 elif i == chosen[b] and len(draft):  # a tree: its verified outcome
                     self.records[i].observe(len(path), len(path) < draft.tree.depth)
         for i, member in enumerate(self.members):
-            if member.chunked_prefill:  # reads tokens only: it fed nothing of another member's draft
+            if member.traits.chunked_prefill:  # reads tokens only: it fed nothing of another member's draft
                 own = [d if c == i else EMPTY_DRAFT for d, c in zip(drafts, chosen)]
                 member.commit(sequences, own, [p if c == i else () for p, c in zip(paths, chosen)])
             else:

@@ -35,13 +35,13 @@ prompt. Rows under a structured-output constraint are not drafted (the target de
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import takewhile
 
 import torch
 
 from verispec.config import CrossTokenizerConfig, TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
 from verispec.core.protocols import Runner, RunnerState
 from verispec.core.sequence import Sequence
 from verispec.drafters.token_text import VocabBridge
@@ -71,14 +71,15 @@ class CrossTokenizerDrafter(Drafter):
     """
 
     name = "cross-tokenizer"
-    reads_prompt = True
-    chunked_prefill = True  # reads only committed tokens; a row given no drafts reads `prefill_chunk` ids a step
+    # reads only committed tokens; a row given no drafts reads `prefill_chunk` ids a step
+    traits = Traits(reads_prompt=True, chunked_prefill=True)
 
     def __init__(self, runner: Runner, bridge: VocabBridge, target_vocab_size: int,
                  config: CrossTokenizerConfig = CrossTokenizerConfig()) -> None:
         self.runner, self.bridge, self.config = runner, bridge, config
         self.target_vocab_size = target_vocab_size
-        self.held_back = 1 if config.scheme == "string" else 0  # the string scheme's K + 1st target token (tuning)
+        self.traits = replace(self.traits, held_back=1 if config.scheme == "string" else 0)  # the string scheme's K + 1st
+        # target token (tuning)
         self.state: RunnerState | None = None
         self.rows: list[_Row] = []
         # (Vd,) draft ids the string scheme may write: those with text. Intersection: only the shared ones.

@@ -29,11 +29,12 @@ which swaps them in and restarts the draft's cache (it holds keys and values of 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import torch
 
 from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
 from verispec.core.protocols import Runner, RunnerState, TorchWeights
 from verispec.core.sequence import Sequence
 from verispec.core.stopping import AcceptanceCalibration
@@ -59,11 +60,8 @@ class DraftModelDrafter(Drafter):
     """
 
     name = "draft-model"
-    adaptive = True
-    stops_chains = True
-    chunked_prefill = True
-    reads_prompt = True
-    catches_up = True
+    traits = Traits(trees=True, adaptive=True, stops_chains=True, chunked_prefill=True, reads_prompt=True,
+                    catches_up=True)  # and input_vocab, its model's (the constructor)
 
     def __init__(self, runner: Runner, target_vocab_size: int, lookup: PromptLookupConfig | None = None,
                  context: int | None = None) -> None:
@@ -84,16 +82,9 @@ class DraftModelDrafter(Drafter):
         self.trainer = None  # a DraftTrainer, made at the first update
         self._pending_model: torch.nn.Module | None = None
         self._lock = threading.Lock()
-
-    @property
-    def supports_trees(self) -> bool:
-        return True
-
-    @property
-    def input_vocab(self) -> int | None:
-        """Ids the draft's model reads: its own vocabulary (a smaller one than the target's keeps rows out, see
-        `Drafter.input_vocab`; a reduced vocabulary mapped to the target's reads every target id)."""
-        return self.runner.vocab_size
+        # ids the draft's model reads: its own vocabulary (a smaller one than the target's keeps rows out, see
+        # `Traits.input_vocab`; a reduced vocabulary mapped to the target's reads every target id)
+        self.traits = replace(type(self).traits, input_vocab=runner.vocab_size)
 
     def unread(self, b: int, seq: Sequence) -> int:
         return max(0, len(seq.tokens) - self.cached[b]) if b < len(self.cached) else 0

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
 from verispec.core.protocols import FeatureRunner, NativeWeights
 from verispec.core.sequence import Sequence
 from verispec.drafters.drawing import constrained_logits, draw_token, penalty_seen
@@ -78,7 +78,8 @@ class EagleDrafter(AdaptiveHead, Drafter):
     """
 
     name = "eagle"
-    restartable = False  # its rows hold the target's features of every position: not rebuilt mid-answer
+    # its rows hold the target's features of every position: not rebuilt mid-answer
+    traits = Traits(trees=True, adaptive=True, restartable=False)
 
     def __init__(self, target, head: Eagle3Head, argmax: bool = False, native: bool | None = None,
                  lookup: PromptLookupConfig | None = None) -> None:
@@ -107,9 +108,6 @@ class EagleDrafter(AdaptiveHead, Drafter):
         native_linears(head)
         return head
 
-    @property
-    def supports_trees(self) -> bool:
-        return not self.argmax
 
     def _new_row(self) -> _Row:
         c = self.head.config

@@ -177,8 +177,7 @@ class AdaptiveHead:
     """What head drafters share for online adaptation: `adaptation` (a HeadAdaptation once `check_adaptable` ran)
     and the attribute holding the head they draft with (`head_attribute`), which `_swap` replaces."""
 
-    adaptive = True
-    adaptation: HeadAdaptation | None = None
+    adaptation: HeadAdaptation | None = None  # (its drafters' traits say adaptive)
     head_attribute = "head"
 
     def adaptation_buffer(self) -> ExampleBuffer:

@@ -24,7 +24,7 @@ import time
 import torch
 
 from verispec.config import AdaptConfig, TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
 from verispec.core.protocols import FeatureRunner
 from verispec.core.sequence import Sequence
 from verispec.drafters.drawing import constrained_logits, draw_token, penalty_seen
@@ -43,7 +43,7 @@ class MedusaDrafter(AdaptiveHead, Drafter):
     """
 
     name = "medusa"
-    restartable = False  # its rows are the target's, read from the target's own passes
+    traits = Traits(trees=True, adaptive=True, restartable=False)  # its rows are the target's, from its own passes
     head_attribute = "heads"
 
     def __init__(self, target, heads: MedusaHeads) -> None:
@@ -55,9 +55,6 @@ class MedusaDrafter(AdaptiveHead, Drafter):
         self.hidden: list[torch.Tensor | None] = []  # per row: (E,) the last verified position's final state
         target.keep_features = True
 
-    @property
-    def supports_trees(self) -> bool:
-        return True
 
     def start(self, sequences: list[Sequence]) -> None:
         self.hidden = [None] * len(sequences)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from verispec.config import NGramConfig, TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
 from verispec.core.sequence import Sequence
 from verispec.errors import VerispecError
 from verispec.ngram.table import NGramCounts, NGramTable
@@ -140,8 +140,7 @@ class CorpusNGramDrafter(Drafter):
     """
 
     name = SPEC_PREFIX
-    chunked_prefill = True
-    adaptive = True
+    traits = Traits(trees=True, chunked_prefill=True, adaptive=True)
 
     def __init__(self, table: NGramTable | None, vocab_size: int, config: NGramConfig = NGramConfig()) -> None:
         if table is not None and table.vocab_size > vocab_size:
@@ -187,9 +186,6 @@ class CorpusNGramDrafter(Drafter):
         order = sorted(range(len(ids)), key=lambda i: -probs[i])[:k]  # stable: ties keep the mixture's order
         return [(ids[i], probs[i]) for i in order]
 
-    @property
-    def supports_trees(self) -> bool:
-        return True
 
     def propose(self, sequences: list[Sequence], depths: list[int],
                 trees: list[TreeConfig] | None = None) -> list[Draft]:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from verispec.config import PromptLookupConfig, TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
 from verispec.core.sequence import Sequence
 from verispec.core.stopping import AcceptanceCalibration, chain_length
 from verispec.tree import breadth_first, tree_from_parents
@@ -113,17 +113,13 @@ class PromptLookupDrafter(Drafter):
     """n-gram match in the sequence's own context (prompt and generated tokens)."""
 
     name = "ngram"
-    stops_chains = True
-    chunked_prefill = True
+    traits = Traits(trees=True, stops_chains=True, chunked_prefill=True)
 
     def __init__(self, config: PromptLookupConfig = PromptLookupConfig()) -> None:
         self.config = config
         self.calibration = AcceptanceCalibration()  # where chains stop (seq.draft_stop, see core.stopping)
         self.stop_keys: list[list[tuple]] = []  # per row, after propose: calibration keys of its drafts
 
-    @property
-    def supports_trees(self) -> bool:
-        return True
 
     def propose(self, sequences: list[Sequence], depths: list[int],
                 trees: list[TreeConfig] | None = None) -> list[Draft]:

@@ -36,6 +36,8 @@ different sets run as separate passes, so a row drafts the same whatever batch i
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from verispec.config import PromptLookupConfig, SelfSpecConfig, TreeConfig
@@ -59,7 +61,7 @@ class SelfDrafter(DraftModelDrafter):
     """
 
     name = "self"
-    adaptive = False  # online adaptation trains draft weights; this draft has none of its own
+    traits = replace(DraftModelDrafter.traits, adaptive=False)  # adaptation trains draft weights: it has none
 
     def __init__(self, target, skip: SkipSet, config: SelfSpecConfig = SelfSpecConfig(),
                  lookup: PromptLookupConfig | None = None) -> None:
@@ -84,15 +86,12 @@ class SelfDrafter(DraftModelDrafter):
         self.choosers: list[SkipChooser] = []  # per row, when adapting
         self.skips: list[SkipSet] = []  # per row: the set of the step being drafted
         self.target_state = None
+        # on the native runner its rows are views of the target's own rows (`Traits.restartable`); the torch draft
+        # keeps a cache of its own, read from the rows' tokens like a draft model's
+        self.traits = replace(self.traits, restartable=not self.shared)
 
     def bind_target(self, state) -> None:
         self.target_state = state
-
-    @property
-    def restartable(self) -> bool:
-        """On the native runner its rows are views of the target's own rows (`Drafter.restartable`); the torch draft
-        keeps a cache of its own, read from the rows' tokens like a draft model's."""
-        return not self.shared
 
     # ------------------------------------------------------------------ rows
 

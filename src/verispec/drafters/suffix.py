@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from verispec.config import SuffixConfig, TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
 from verispec.core.sequence import Sequence
 from verispec.drafters.suffix_store import (  # noqa: F401 - SEPARATOR, WRITE_INTERVAL and the rest, named here too
     SEPARATOR, STORE_FORMAT, STORE_MODE, STORE_VERSION, WRITE_INTERVAL, OutputStore, StoreWriter, SuffixIndex)
@@ -53,7 +53,7 @@ class SuffixDrafter(Drafter):
     """Suffix decoding over each row's own context and the outputs of earlier requests (see the module doc)."""
 
     name = "suffix"
-    chunked_prefill = True
+    traits = Traits(trees=True, chunked_prefill=True)
 
     def __init__(self, config: SuffixConfig = SuffixConfig(), store_path: str | Path | None = None,
                  tokenizer: dict | None = None, vocab_size: int | None = None) -> None:
@@ -77,9 +77,6 @@ class SuffixDrafter(Drafter):
             self.writer = StoreWriter(self.store_path, self._save)
         self.rows: list[_Row] = []
 
-    @property
-    def supports_trees(self) -> bool:
-        return True
 
     def scope(self, seq: Sequence) -> str | None:
         """The store scope a row reads and joins: its own with scope="key", else the shared one (None)."""

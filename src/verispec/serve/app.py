@@ -47,7 +47,7 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig(),
     engine.constraint_limits = config.constraint_limits
     keys = Keys(config.keys)
     adapter = decoder.adapter  # online adaptation (`serve --adapt`): updates run while the scheduler idles
-    tuner = decoder.auto_tuner() if config.auto_k and not decoder.drafter.plain else None  # costs measured now
+    tuner = decoder.auto_tuner() if config.auto_k and not decoder.drafter.traits.plain else None  # costs measured now
     scheduler = Scheduler(engine, config.max_batch_size, config.max_queue,
                           on_idle=adapter.poke if adapter is not None else None, prefill_chunk=config.prefill_chunk,
                           max_cache_bytes=config.max_cache_bytes, tuner=tuner,

@@ -38,7 +38,7 @@ class RequestBuilder:
         self.max_request = min(config.max_request_tokens or window, window)
         self.drafter_name = wire.public_drafter_name(decoder.draft_name)
         self.drafter_names = {decoder.draft_name, self.drafter_name} | (
-            {decoder.drafter.name} if not decoder.drafter.plain else set())
+            {decoder.drafter.name} if not decoder.drafter.traits.plain else set())
         self._longest_token: int | None = None
 
     # --- sizes -----------------------------------------------------------------------------------------
@@ -156,13 +156,13 @@ class RequestBuilder:
 
     def _drafting(self, options: wire.SpeculativeOptions) -> bool:
         if options.drafter is None:
-            return not self.decoder.drafter.plain
+            return not self.decoder.drafter.traits.plain
         if options.drafter in NO_DRAFT:
             return False
         if options.drafter not in self.drafter_names:
             raise APIError(400, f"this server drafts with '{self.drafter_name}'; speculative.drafter may be "
                            f"'{self.drafter_name}' or 'none'", param="speculative.drafter")
-        return not self.decoder.drafter.plain
+        return not self.decoder.drafter.traits.plain
 
     def _tree(self, options: wire.SpeculativeOptions, drafting: bool):
         tree = wire.tree_config(options.tree)

@@ -223,7 +223,7 @@ class Scheduler:
             except BaseException:  # noqa: BLE001
                 pass
         finally:
-            if not self.engine.drafter.plain:  # what finished or was cut reaches the drafter's file (suffix:FILE)
+            if not self.engine.drafter.traits.plain:  # what finished or was cut reaches the drafter's file (suffix:FILE)
                 self._guarded("flush", lambda: self.engine.drafter.flush_store(self.FLUSH_S))
             self._ended = True
 
@@ -358,7 +358,7 @@ class Scheduler:
     def _cut_running(self, error: ServeError) -> None:
         """End every running request with `error` and start a fresh batch; what the cut rows wrote so far still
         reaches the drafter's store (their rows leave it as finished ones do)."""
-        if len(self.batch) and not self.engine.drafter.plain:
+        if len(self.batch) and not self.engine.drafter.traits.plain:
             self._guarded("retire", self.engine.drafter.retire_all)
         for ticket in list(self._running.values()):
             self._release(ticket)

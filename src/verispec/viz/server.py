@@ -145,7 +145,7 @@ class LiveDecoding:
         self.prompt_ids = decoder.encode(request.prompt, request.chat)
         tokenizer = decoder.target.tokenizer
         self.tracer = Tracer(top=8, token_text=lambda t: tokenizer.decode([t]))
-        self.printer = StreamPrinter(None, decoder.decode, plain_decoding=decoder.drafter.plain)
+        self.printer = StreamPrinter(None, decoder.decode, plain_decoding=decoder.drafter.traits.plain)
         self.stream = decoder.stream(self.prompt_ids, sampling, spec, request.seed)
         self.done = False
 
