@@ -26,7 +26,7 @@ from verispec.tree import EMPTY_DRAFT, Draft
 if TYPE_CHECKING:
     from verispec.core.adaptation import AdaptExample
 
-__all__ = ["EMPTY_DRAFT", "PLAIN", "Draft", "Drafter", "PlainDrafter", "Traits"]
+__all__ = ["EMPTY_DRAFT", "PLAIN", "Draft", "Drafter", "PlainDrafter", "RowStates", "Traits"]
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,27 @@ class Drafter(ABC):
         at the start of a later `propose`, so that every q a step reports is the distribution its
         draft tokens were drawn from."""
         raise VerispecError(f"the '{self.name}' drafter cannot adapt online (ngram-corpus, draft models and Medusa / EAGLE heads can)")
+
+
+class RowStates(Drafter):
+    """A drafter that keeps one state per batch row, in `rows` (batch order): it says how a joining row's state
+    begins (`new_row`), and `start`, `extend` and `keep` are these, the same for every such drafter. One that keeps
+    more beside its rows (a model's cache, an adaptation log) extends them and calls them."""
+
+    rows: list
+
+    @abstractmethod
+    def new_row(self, seq: Sequence):
+        """The state of a row that joins the batch (its prompt in `seq.tokens`)."""
+
+    def start(self, sequences: list[Sequence]) -> None:
+        self.rows = [self.new_row(seq) for seq in sequences]
+
+    def extend(self, sequences: list[Sequence]) -> None:
+        self.rows += [self.new_row(seq) for seq in sequences]
+
+    def keep(self, rows: list[int]) -> None:
+        self.rows = [self.rows[r] for r in rows]
 
 
 class PlainDrafter(Drafter):

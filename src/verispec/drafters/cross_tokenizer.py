@@ -41,7 +41,7 @@ from itertools import takewhile
 import torch
 
 from verispec.config import CrossTokenizerConfig, TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
+from verispec.core.drafter import EMPTY_DRAFT, Draft, RowStates, Traits
 from verispec.core.protocols import Runner, RunnerState
 from verispec.core.sequence import Sequence
 from verispec.drafters.token_text import VocabBridge
@@ -60,7 +60,7 @@ class _Row:
     off: bool = False  # past the draft's context window: no more drafts for this row
 
 
-class CrossTokenizerDrafter(Drafter):
+class CrossTokenizerDrafter(RowStates):
     """Draft with a model whose tokenizer differs from the target's (see the module docstring).
 
     Args:
@@ -98,19 +98,22 @@ class CrossTokenizerDrafter(Drafter):
         the rest)."""
         return [bisect_right(row.ends, row.covered) for row in self.rows]
 
+    def new_row(self, seq: Sequence) -> _Row:
+        return _Row()  # its text is read from the row's tokens when it drafts
+
     def start(self, sequences: list[Sequence]) -> None:
         self.state = self.runner.new_state(len(sequences))
-        self.rows = [_Row() for _ in sequences]
+        super().start(sequences)
 
     def extend(self, sequences: list[Sequence]) -> None:
         assert self.state is not None, "start() must be called before extend()"
         self.state.extend(len(sequences))
-        self.rows += [_Row() for _ in sequences]
+        super().extend(sequences)
 
     def keep(self, rows: list[int]) -> None:
         assert self.state is not None
         self.state.select(torch.tensor(rows, dtype=torch.long))
-        self.rows = [self.rows[r] for r in rows]
+        super().keep(rows)
 
     def _sync(self, row: _Row, seq: Sequence) -> None:
         """Append the sequence's new committed tokens to the row's text."""

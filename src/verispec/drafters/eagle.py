@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
+from verispec.core.drafter import EMPTY_DRAFT, Draft, RowStates, Traits
 from verispec.core.protocols import FeatureRunner, NativeWeights
 from verispec.core.sequence import Sequence
 from verispec.drafters.drawing import constrained_logits, draw_token, penalty_seen
@@ -66,7 +66,7 @@ class _Row:
         self.values[column:end] = v
 
 
-class EagleDrafter(AdaptiveHead, Drafter):
+class EagleDrafter(AdaptiveHead, RowStates):
     """Draft with an EAGLE-3 head on the target's features.
 
     Args:
@@ -109,7 +109,8 @@ class EagleDrafter(AdaptiveHead, Drafter):
         return head
 
 
-    def _new_row(self) -> _Row:
+    def new_row(self, seq: Sequence | None = None) -> _Row:
+        """An empty key / value cache of the head's layer (filled from the target's features as the row decodes)."""
         c = self.head.config
         return _Row(torch.zeros(64, c.kv_heads, c.head_dim), torch.zeros(64, c.kv_heads, c.head_dim))
 
@@ -122,15 +123,15 @@ class EagleDrafter(AdaptiveHead, Drafter):
         return 2 * capacity * c.kv_heads * c.head_dim * 4
 
     def start(self, sequences: list[Sequence]) -> None:
-        self.rows = [self._new_row() for _ in sequences]
+        super().start(sequences)
         self._rows_started(len(sequences))
 
     def extend(self, sequences: list[Sequence]) -> None:
-        self.rows += [self._new_row() for _ in sequences]
+        super().extend(sequences)
         self._rows_started(len(sequences), add=True)
 
     def keep(self, rows: list[int]) -> None:
-        self.rows = [self.rows[r] for r in rows]
+        super().keep(rows)
         self._rows_kept(rows)
 
     # --- online adaptation -----------------------------------------------------------------------
@@ -266,7 +267,7 @@ class EagleDrafter(AdaptiveHead, Drafter):
     @torch.inference_mode()
     def token_cost(self) -> float:
         """One drafted token: the layer over one position after 64 committed ones, its logits and q (median of 7)."""
-        row, E = self._new_row(), self.head.config.hidden
+        row, E = self.new_row(), self.head.config.hidden
         h = self._layer(row, [11] * 64, torch.zeros(64, E), list(range(64)), 0, torch.ones(64, 64, dtype=torch.bool).tril())[-1]
         times = []
         for _ in range(8):

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from verispec.config import NGramConfig, TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
+from verispec.core.drafter import EMPTY_DRAFT, Draft, RowStates, Traits
 from verispec.core.sequence import Sequence
 from verispec.errors import VerispecError
 from verispec.ngram.table import NGramCounts, NGramTable
@@ -130,7 +130,7 @@ def sharpen(probs: list[float], temperature: float) -> torch.Tensor:
     return (q / q.sum()).float()
 
 
-class CorpusNGramDrafter(Drafter):
+class CorpusNGramDrafter(RowStates):
     """Draft from corpus n-gram counts mixed with the sequence's context and online-learned counts.
 
     Args:
@@ -162,14 +162,8 @@ class CorpusNGramDrafter(Drafter):
         return cls(NGramTable.load(table_path(spec), tokenizer), vocab_size, config)
 
     # --- batch rows ------------------------------------------------------------------------------
-    def start(self, sequences: list[Sequence]) -> None:
-        self.rows = [NGramCounts(self.model.max_n) for _ in sequences]
-
-    def extend(self, sequences: list[Sequence]) -> None:
-        self.rows += [NGramCounts(self.model.max_n) for _ in sequences]
-
-    def keep(self, rows: list[int]) -> None:
-        self.rows = [self.rows[r] for r in rows]
+    def new_row(self, seq: Sequence) -> NGramCounts:
+        return NGramCounts(self.model.max_n)  # the context's counts, read from its tokens when drafting
 
     # --- drafting --------------------------------------------------------------------------------
     def candidates(self, tokens: list[int], k: int, row: int | None = None,

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from verispec.config import SuffixConfig, TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
+from verispec.core.drafter import EMPTY_DRAFT, Draft, RowStates, Traits
 from verispec.core.sequence import Sequence
 from verispec.drafters.suffix_store import (  # noqa: F401 - SEPARATOR, WRITE_INTERVAL and the rest, named here too
     SEPARATOR, STORE_FORMAT, STORE_MODE, STORE_VERSION, WRITE_INTERVAL, OutputStore, StoreWriter, SuffixIndex)
@@ -49,7 +49,7 @@ class _Row:
         self.seq, self.index, self.retired = seq, index, False
 
 
-class SuffixDrafter(Drafter):
+class SuffixDrafter(RowStates):
     """Suffix decoding over each row's own context and the outputs of earlier requests (see the module doc)."""
 
     name = "suffix"
@@ -97,8 +97,8 @@ class SuffixDrafter(Drafter):
         for row in self.rows:
             row.retired = id(row.seq) in retired
 
-    def extend(self, sequences: list[Sequence]) -> None:
-        self.rows += [_Row(seq, self._index(seq)) for seq in sequences]
+    def new_row(self, seq: Sequence) -> _Row:
+        return _Row(seq, self._index(seq))
 
     def _index(self, seq: Sequence) -> SuffixIndex:
         """A new index of the row's context so far."""
@@ -109,7 +109,7 @@ class SuffixDrafter(Drafter):
     def keep(self, rows: list[int]) -> None:
         kept = set(rows)
         leaving = [row for r, row in enumerate(self.rows) if r not in kept]
-        self.rows = [self.rows[r] for r in rows]
+        super().keep(rows)
         self._retire(leaving)
 
     def retire_all(self) -> None:
