@@ -43,7 +43,7 @@ import torch
 from verispec.config import TreeConfig, check_tree_request
 from verispec.constraints import MAX_FORCED
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
-from verispec.core.sequence import Sequence, StepEvent
+from verispec.core.sequence import Sequence, StepClock, StepEvent
 from verispec.core.stopping import DraftStop
 from verispec.errors import VerispecError, is_fault
 from verispec.faults import DraftRows, check_inputs, checkpoint, split_forward
@@ -84,7 +84,6 @@ class DecodeBatch:
         self.faults: list[tuple[str, BaseException]] = []  # (stage, exception) of the faults the batch absorbed
         self.draft_rows = DraftRows(engine.drafter, self.faults)  # the drafter and the rows it drafts
         self._joined: dict[int, float] = {}  # id(sequence) -> when it joined (perf_counter)
-        self._drafted = False  # the last step drafted: the drafter's cache lags only by that step's commit
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -259,16 +258,9 @@ class DecodeBatch:
         parents = [d.tree.parents.tolist() for d in drafts]
         logits = self._forward(inputs, wanted, parents, failed)  # per row: (>= len(d) + 1, V)
         t2 = time.perf_counter()
-        calm = len(self.faults) == absorbed  # (a step that recovered from a fault is not timed)
-        if self.tuner is not None and calm and not any(prefilling):  # costs measured while decoding, prompts aside
-            self.tuner.observe_pass(sum(len(i) for i in inputs), t2 - t1)
-            if self._drafted and any(depths) and not first:
-                # a drafting step's cost, timed only where the step before drafted too: after steps with speculation
-                # off (a probe), or in a row's first step, a drafter with a cache of its own first reads every token it
-                # skipped (the prompt, the first time), a one-off that charged to this step's few positions made one
-                # draft token look 8x its cost and kept speculation off for good
-                self.tuner.observe_draft(max(depths), t1 - t0)
-        self._drafted = any(depths)
+        if self.tuner is not None:  # costs measured while decoding (what the tuner learns from: `observe_step`)
+            self.tuner.observe_step(StepClock(t1 - t0, t2 - t1, sum(len(i) for i in inputs), max(depths, default=0),
+                                              first, any(prefilling), calm=len(self.faults) == absorbed))
         verdicts = self._verify(drafts, logits, prefilling, failed)
         paths = [v.path if v is not None else () for v in verdicts]
         self._target("commit", lambda: self.engine.target.commit(self.state, [list(p) for p in paths]))

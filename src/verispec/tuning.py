@@ -24,6 +24,7 @@ from pathlib import Path
 
 from verispec.atomic import atomic_write_text
 from verispec.core.protocols import Runner
+from verispec.core.sequence import StepClock
 from verispec.core.stopping import DraftStop
 from verispec.tree import chain_parents
 
@@ -311,6 +312,7 @@ class AdaptiveK:
     learn_costs: bool = True  # False: `profile` stays the costs (a profile given by hand, in a test say)
     clock: PassClock | None = field(default=None)  # target pass costs measured while decoding
     draft_seconds: deque = field(default_factory=lambda: deque(maxlen=9))  # last steps' seconds per draft position
+    drafted: bool = field(default=False)  # the last step observed drafted (`observe_step`)
 
     def __post_init__(self) -> None:
         if not 1 <= self.probe_every <= self.probe_max:
@@ -334,6 +336,19 @@ class AdaptiveK:
         """A decoding pass of the target over `tokens` tokens (all rows) took `seconds`."""
         if self.learn_costs:
             self.clock.observe(tokens, seconds)
+
+    def observe_step(self, clock: StepClock) -> None:
+        """A batch step's measured costs (`DecodeBatch` calls it once a step). Decoding passes only: a step where
+        a row still reads its prompt, or that recovered from a fault, teaches nothing. A drafting step's cost is
+        taken only where the step before drafted too, and not in a row's first step: after steps with speculation
+        off (a probe), or in a row's first step, a drafter with a cache of its own first reads every token it skipped
+        (the prompt, the first time), a one-off that, charged to this step's few positions, made one draft token
+        look 8x its cost and kept speculation off for good."""
+        if clock.calm and not clock.prefilling:
+            self.observe_pass(clock.pass_tokens, clock.pass_seconds)
+            if self.drafted and clock.depth and not clock.first:
+                self.observe_draft(clock.depth, clock.draft_seconds)
+        self.drafted = clock.depth > 0
 
     def observe_draft(self, positions: int, seconds: float) -> None:
         """The drafter took `seconds` to draft `positions` positions deep (all rows at once), plus the positions it

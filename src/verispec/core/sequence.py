@@ -101,3 +101,27 @@ class StepEvent:
     committed: tuple[int, ...]
     finish_reason: str | None
     forced: bool = False
+
+
+@dataclass(frozen=True)
+class StepClock:
+    """What one batch step cost and read, for an observer that learns costs from decoding (the auto-tuner:
+    `tuning.AdaptiveK.observe_step`).
+
+    draft_seconds: the drafter's proposing, forced runs and constraint cuts included.
+    pass_seconds: the target's one pass over every row.
+    pass_tokens: tokens that pass read, every row's.
+    depth: the deepest draft asked of the drafter (0: no row drafted).
+    first: some row took its first step (a drafter with a cache of its own read that row's whole prompt).
+    prefilling: some row still reads its prompt in chunks (the pass is not a decoding pass).
+    calm: no fault was absorbed in the step (a step that recovered from one is not timed).
+    """
+
+    draft_seconds: float
+    pass_seconds: float
+    pass_tokens: int
+    depth: int
+    first: bool
+    prefilling: bool
+    calm: bool
+
