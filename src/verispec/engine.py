@@ -164,10 +164,6 @@ class SpeculativeEngine:
         request's rules (`config.check_tree_request`), then this engine's target and drafter (`make_sequences`
         applies it; the server and the live view ask early)."""
         check_tree_request(tree, drafting)
-        self.check_tree_support()
-
-    def check_tree_support(self) -> None:
-        """Raise a VerispecError unless this engine's target and drafter can run tree speculation."""
         if self.drafter.traits.plain:
             raise VerispecError("tree speculation needs a drafter that builds trees (a draft model or 'ngram'); "
                                 "this decoder decodes plainly")
