@@ -9,7 +9,7 @@ a time, `logits_to_probs`).
 It also checks that the cell exercised every path of the rule: drafts were proposed, some were accepted, some
 steps ended in a rejection (a recovered token) and some, after drafts, with a bonus token.
 
-`tests/test_exactness_grid.py` runs the grid and, for each standard wrong rule (`tests/verifier_mutants.py`),
+`tests/test_exactness_grid.py` runs the grid and `tests/test_exactness_grid_power.py`, for each standard wrong rule (`tests/verifier_mutants.py`),
 checks that the grid fails; `benchmarks/exactness_mutants.py` prints that as a table.
 """
 

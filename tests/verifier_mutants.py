@@ -2,7 +2,7 @@
 
 Each mutant is `verispec.rejection.verify` (its chain rule and its tree walk) with one rule changed, installed
 where the engine looks it up (`verispec.step.verify`) by `installed(name)`. An exactness test
-that passes under a mutant has no power against that mistake: `tests/test_exactness_grid.py` requires every
+that passes under a mutant has no power against that mistake: `tests/test_exactness_grid_power.py` requires every
 mutant to fail the grid of every drafter family on every backend, and `benchmarks/exactness_mutants.py` prints
 the table.
 
