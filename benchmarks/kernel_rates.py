@@ -1,0 +1,112 @@
+"""How fast the native kernels read weights, apart from the runner: GB/s of the default target's own matrices, each
+weight type's with the matrix in cache ("hot": the kernels' arithmetic) and a whole pass's matmuls streamed from
+memory ("streamed": what a pass gets), against the bench's bandwidth probe. Where streamed falls well below both the
+probe and hot, the core waits on memory it could have asked for earlier (this is how the prefetching kernels were
+found: on a 2-core Xeon one core computed Q4_K at ~33 GB/s hot but streamed 9.6 GB/s).
+
+    .venv/bin/python benchmarks/kernel_rates.py --threads 2 --widths 1,4
+
+--against OTHER.so times another build of the kernels (`_native*.so`, e.g. the previous commit's) on the same
+weights, taking turns, and checks that both give the same bits; the packed layout must be the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import platform
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+
+def load_kernels(path: str | None, threads: int):
+    """The kernels of this installation, or of another build at `path`, typed as verispec types them."""
+    from verispec.models.gguf import native
+
+    if path is None:
+        so = native.lib()
+    else:
+        so = ctypes.CDLL(path)
+        for name, (args, result) in native._SIGNATURES.items():
+            fn = getattr(so, name)
+            fn.argtypes, fn.restype = args, result
+    so.vs_set_threads(threads)
+    return so
+
+
+def calls_for(weights, n: int, rng) -> list[tuple]:
+    """(vs_matmul's arguments, its output array, the activations) for each weight on n random tokens (activations
+    quantized once per width; the raw pointers are valid while the returned arrays live)."""
+    from verispec.models.gguf.native import ptr
+    from verispec.models.gguf.ops import Activations
+
+    acts, calls = {}, []
+    for w in weights:
+        if w.cols not in acts:
+            acts[w.cols] = Activations(rng.standard_normal((n, w.cols)).astype(np.float32))
+        a = acts[w.cols]
+        a.quantize(w.block)
+        out = np.empty((n, w.rows), np.float32)
+        calls.append(((w.qtype, w.address, w.rows, w.cols, n, *a.pointers[w.block], ptr(out)), out, a))
+    return calls
+
+
+def timed(libs, calls, rounds: int, repeat: int = 1) -> list[float]:
+    """Median seconds of one sweep over `calls` per library, the libraries taking turns; their outputs compared."""
+    seconds = [[] for _ in libs]
+    for _ in range(rounds):
+        outputs = []
+        for i, so in enumerate(libs):
+            start = time.perf_counter()
+            for _ in range(repeat):
+                for args, *_ in calls:
+                    so.vs_matmul(*args)
+            seconds[i].append((time.perf_counter() - start) / repeat)
+            outputs.append(calls[-1][1].copy())
+        if any(not np.array_equal(outputs[0].view(np.uint32), o.view(np.uint32)) for o in outputs[1:]):
+            raise SystemExit("the builds give different bits: not the same kernels' arithmetic")
+    return [statistics.median(s) for s in seconds]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--widths", default="1,4", help="tokens per matmul")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--against", help="another build of the kernels (a _native*.so) to time beside this one")
+    args = parser.parse_args()
+    from verispec.bench.runner import memory_bandwidth_gbs
+    from verispec.models import load_model
+    from verispec.models.gguf import native
+    from verispec.models.gguf.ops import type_name
+
+    print(subprocess.run(["lscpu"], capture_output=True, text=True).stdout if platform.system() == "Linux" else "")
+    model = load_model(args.model, backend="native").make_runner().gguf
+    libs = [load_kernels(None, args.threads)] + ([load_kernels(args.against, args.threads)] if args.against else [])
+    names = ["this build"] + (["--against"] if args.against else [])
+    weights = [w for layer in model.layers for w in (layer.q, layer.k, layer.v, layer.out, layer.gate, layer.up,
+                                                      layer.down)] + [model.head]
+    shapes = {}  # one matrix of each type and shape, the head left out (it does not fit a cache)
+    for w in weights[:-1]:
+        shapes.setdefault((type_name(w.qtype), w.rows, w.cols), w)
+    rng = np.random.default_rng(0)
+    probe = memory_bandwidth_gbs()
+    print(f"kernel path {native.path()}, {args.threads} threads, bandwidth probe {probe:.1f} GB/s")
+    for n in (int(w) for w in args.widths.split(",")):
+        for (kind, rows, cols), w in sorted(shapes.items()):
+            times = timed(libs, calls_for([w], n, rng), args.rounds, repeat=max(1, int(2e8 // w.data.nbytes)))
+            print(f"{n} tokens, hot {kind} {rows} x {cols} ({w.data.nbytes / 1e6:.1f} MB): "
+                  + ", ".join(f"{name} {w.data.nbytes / t / 1e9:.1f} GB/s" for name, t in zip(names, times)))
+        total = sum(w.data.nbytes for w in weights)
+        times = timed(libs, calls_for(weights, n, rng), args.rounds)
+        print(f"{n} tokens, streamed, a pass's matmuls ({total / 1e9:.2f} GB): "
+              + ", ".join(f"{name} {t * 1e3:.1f} ms = {total / t / 1e9:.1f} GB/s ({total / t / 1e9 / probe:.0%} of "
+                          f"the probe)" for name, t in zip(names, times)))
+
+
+if __name__ == "__main__":
+    main()
