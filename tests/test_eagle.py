@@ -256,6 +256,22 @@ def test_greedy_eagle_speculation_equals_plain_decoding(pair, trained, backend):
             assert accepted < drafted
 
 
+def test_argmax_drafts_are_chains_only_even_when_set_after_construction(pair, trained):
+    """An argmax head drafts one-hot chains: a tree request is refused in one line, however argmax was set (the
+    registry sets it on a built drafter)."""
+    from verispec.errors import VerispecError
+
+    model, native = pair
+    head, _ = trained
+    drafter = EagleDrafter(native, head)
+    assert drafter.traits.trees and not drafter.traits.restartable
+    drafter.argmax = True
+    assert not drafter.traits.trees
+    engine = SpeculativeEngine(native, drafter, set())
+    with pytest.raises(VerispecError, match="cannot draft trees"):
+        engine.check_tree_request(TreeConfig(budget=6))
+
+
 def test_lookup_first_copies_from_the_context_and_stays_exact(pair, trained, small):
     """Where the context repeats, the draft copies (one-hot q) and the head goes on from the copied token:
     greedy equality for chains and trees, chi-square when sampling."""

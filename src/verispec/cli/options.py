@@ -23,11 +23,10 @@ def default_of(cls, name: str):
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
-def add_config_options(p, cls) -> dict[str, str]:
+def add_config_options(p, cls) -> None:
     """One option per field of config dataclass `cls` that carries option metadata (`config.option`): --field-name,
-    typed by the field (or its `parse`), its help ending with the default. -> {field: dest} for `build_config`; an
-    option left unset keeps the dataclass default."""
-    mapping = {}
+    typed by the field (or its `parse`), its help ending with the default; its dest is the field's name, so
+    `build_config` reads it, and an option left unset keeps the dataclass default."""
     for f in dataclasses.fields(cls):
         meta = f.metadata.get("option")
         if meta is None:
@@ -44,8 +43,6 @@ def add_config_options(p, cls) -> dict[str, str]:
             if meta[key] is not None:
                 kwargs[key] = meta[key]
         p.add_argument("--" + f.name.replace("_", "-"), **kwargs)
-        mapping[f.name] = f.name
-    return mapping
 
 
 def _argument_type(parse):

@@ -77,8 +77,9 @@ class Drafter(ABC):
     """Base class for drafters. Sequences are passed in batch order on every call."""
 
     name: str = "drafter"
-    # What this drafter can do and needs from the batch (`Traits`): one value, stated once, as a class attribute or,
-    # where it depends on the drafter's models, in its constructor.
+    # What this drafter can do and needs from the batch (`Traits`): one value, stated once, as a class attribute, in
+    # the constructor where it depends on the drafter's models, or as a property where it follows a setting that can
+    # change after construction (an EAGLE head's argmax, a composite's members).
     traits: Traits = Traits()
     # A row given no drafts reads at most this many of its pending tokens per call (None: all), so a drafter with a
     # cache of its own reads a long prompt in chunks alongside the target: the batch's, passed to `restart`.

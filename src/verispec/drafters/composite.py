@@ -109,11 +109,6 @@ class CompositeDrafter(Drafter):
         self.names = list(names) if names is not None else [m.name for m in members]
         self.free = [i for i, m in enumerate(members) if is_free(m)]
         self.costly = next((i for i, m in enumerate(members) if not is_free(m)), None)
-        limits = [m.traits.input_vocab for m in members if m.traits.input_vocab is not None]
-        self.traits = Traits(trees=all(m.traits.trees for m in members),
-                             chunked_prefill=all(m.traits.chunked_prefill for m in members),
-                             restartable=all(m.traits.restartable for m in members),
-                             input_vocab=min(limits) if limits else None)
         self.records = [MemberRecord() for _ in members]
         self.learn_costs = learn_costs
         self.costs: CostProfile | None = None  # the batch's measured costs this step (None: no --auto-k)
@@ -130,6 +125,15 @@ class CompositeDrafter(Drafter):
 
     def token_cost(self) -> float | None:
         return None if self.costly is None else self.members[self.costly].token_cost()
+
+    @property
+    def traits(self) -> Traits:
+        """Its members' together, read from them each time (a member's can depend on a setting made after it was
+        built: an EAGLE head's argmax)."""
+        members = [m.traits for m in self.members]
+        limits = [t.input_vocab for t in members if t.input_vocab is not None]
+        return Traits(trees=all(t.trees for t in members), chunked_prefill=all(t.chunked_prefill for t in members),
+                      restartable=all(t.restartable for t in members), input_vocab=min(limits) if limits else None)
 
     def cache_bytes(self, tokens: int) -> int:
         return sum(m.cache_bytes(tokens) for m in self.members)

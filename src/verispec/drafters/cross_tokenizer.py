@@ -78,8 +78,8 @@ class CrossTokenizerDrafter(RowStates):
                  config: CrossTokenizerConfig = CrossTokenizerConfig()) -> None:
         self.runner, self.bridge, self.config = runner, bridge, config
         self.target_vocab_size = target_vocab_size
-        self.traits = replace(self.traits, held_back=1 if config.scheme == "string" else 0)  # the string scheme's K + 1st
-        # target token (tuning)
+        # the string scheme writes a K + 1st target token it does not propose (the tuner charges it)
+        self.traits = replace(self.traits, held_back=1 if config.scheme == "string" else 0)
         self.state: RunnerState | None = None
         self.rows: list[_Row] = []
         # (Vd,) draft ids the string scheme may write: those with text. Intersection: only the shared ones.

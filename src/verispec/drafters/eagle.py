@@ -78,8 +78,11 @@ class EagleDrafter(AdaptiveHead, RowStates):
     """
 
     name = "eagle"
-    # its rows hold the target's features of every position: not rebuilt mid-answer
-    traits = Traits(trees=True, adaptive=True, restartable=False)
+    @property
+    def traits(self) -> Traits:
+        """Its rows hold the target's features of every position (not rebuilt mid-answer: not restartable); argmax
+        drafts (`argmax`, which the registry may set after construction) are chains only."""
+        return Traits(trees=not self.argmax, adaptive=True, restartable=False)
 
     def __init__(self, target, head: Eagle3Head, argmax: bool = False, native: bool | None = None,
                  lookup: PromptLookupConfig | None = None) -> None:

@@ -906,11 +906,9 @@ VS_INLINE VS_AMX void amx_scale_add4_avx512(int32_t *isum, const int8_t *sc, int
     _mm512_storeu_si512(isum, acc);
 }
 VS_INLINE VS_AMX void amx_mins_avx512(const layout_t *L, const uint8_t *sb, amx_mins_t *mins) {
-    const uint8_t *m = sb + header_bytes(L) + (L->has_m ? nscales(L) * GROUP : 0);
-    for (int j = 0; j < amx_npairs(L); j++) {
-        const __m512i lo = load_i8x16(m + 2 * j * GROUP), hi = load_i8x16(m + (2 * j + 1) * GROUP);
-        _mm512_store_si512(mins->pair[j], _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(hi, 16)));
-    }
+    __m512i pair[8];
+    min_pairs_avx512(L, sb, pair); /* the VNNI kernel's min pairs, kept for the tile kernel's tokens */
+    for (int j = 0; j < amx_npairs(L); j++) _mm512_store_si512(mins->pair[j], pair[j]);
 }
 VS_INLINE VS_AMX void amx_scales_avx512(const layout_t *L, const uint8_t *sb, float *d, float *dmin) {
     __m512 dv, dminv;
