@@ -62,8 +62,8 @@ def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
     """The AMX kernel (emulated tiles on every machine, the real ones where the CPU has them) against the portable
     path and the other SIMD paths, bit for bit, for widths from 1 to 35 tokens (AMX tiles of 16: full, partial and
     several; the real path sends fewer than 5 tokens (10 for Q6_K) to the VNNI kernel; the VNNI kernel's tiles of
-    up to 6 and AVX2's of up to 4, split evenly: 5 and 6 in one tile, 7 as 3 + 4, 11 as 5 + 6, 13 as 4 + 4 + 5)
-    and rows that end mid-group."""
+    up to 6 (AMD) or 8 (Intel), both run here, and AVX2's of up to 4, split evenly: with 6, 7 as 3 + 4 and 13 as
+    4 + 4 + 5; with 8, 7 and 8 in one tile, 9 as 4 + 5, 17 as 5 + 6 + 6) and rows that end mid-group."""
     raw, weight = make(qtype, 40, 512, seed=6)
     x = np.random.default_rng(7).standard_normal((35, 512)).astype(np.float32) * 3
     native.set_path("portable")
@@ -73,12 +73,14 @@ def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
     try:
         for threads in (1, 2):
             native.set_threads(threads)
-            for path in PATHS:
+            for path, tile in [(p, 0) for p in PATHS] + [("avx512-vnni", t) for t in (6, 8) if "avx512-vnni" in PATHS]:
                 assert native.set_path(path) == path
+                native.set_avx512_tile(tile)
                 for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 15, 16, 17, 24, 31, 32, 33, 35):
-                    assert np.array_equal(weight(Activations(x[:n].copy())), expected[:n]), (path, n, threads)
+                    assert np.array_equal(weight(Activations(x[:n].copy())), expected[:n]), (path, tile, n, threads)
     finally:
         native.set_threads(1)
+        native.set_avx512_tile(0)
 
 
 def test_the_emulated_tiles_follow_the_instructions_semantics():
@@ -104,11 +106,15 @@ def test_the_real_tiles_are_used_where_the_cpu_and_os_allow_them():
 def test_a_tokens_matmul_row_is_the_same_bits_in_any_batch(qtype):
     raw, weight = make(qtype, 40, 512, seed=4)
     x = np.random.default_rng(5).standard_normal((13, 512)).astype(np.float32)
-    for path in PATHS:
-        native.set_path(path)
-        alone = np.concatenate([weight(Activations(x[i : i + 1].copy())) for i in range(13)])
-        for n in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13):  # tiles of up to 4 (6 on AVX-512), split evenly, one or several
-            assert np.array_equal(weight(Activations(x[:n].copy())), alone[:n]), (path, n)
+    try:
+        for path, tile in [(p, 0) for p in PATHS] + [("avx512-vnni", t) for t in (6, 8) if "avx512-vnni" in PATHS]:
+            native.set_path(path)
+            native.set_avx512_tile(tile)
+            alone = np.concatenate([weight(Activations(x[i : i + 1].copy())) for i in range(13)])
+            for n in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13):  # tiles of up to 4 (6 or 8 on AVX-512), split evenly
+                assert np.array_equal(weight(Activations(x[:n].copy())), alone[:n]), (path, tile, n)
+    finally:
+        native.set_avx512_tile(0)
 
 
 def test_thread_count_does_not_change_the_bits():

@@ -23,6 +23,8 @@ _SIGNATURES = {
     "vs_get_path": ([], _I),
     "vs_set_path": ([_I], _I),
     "vs_set_threads": ([_I], None),
+    "vs_avx512_tile": ([], _I),
+    "vs_set_avx512_tile": ([_I], _I),
     "vs_amx_status": ([], _I),
     "vs_packed_bytes": ([_I, _I64, _I64], _I64),
     "vs_repack": ([_I, _P, _I64, _I64, _P], _I),
@@ -117,6 +119,17 @@ def amx_status() -> str:
     """Whether the AMX kernels can run here: "usable", "absent" (no AMX tiles on this CPU), "no AVX-512" (the
     kernel's epilogue needs it) or "refused" (the OS did not grant the tile state: arch_prctl failed)."""
     return ("usable", "absent", "no AVX-512", "refused")[lib().vs_amx_status()]
+
+
+def avx512_tile() -> int:
+    """The most tokens the AVX-512 kernel takes in one tile on this CPU (8 on Intel, 6 on AMD: measured per
+    microarchitecture; any tiling gives the same bits)."""
+    return lib().vs_avx512_tile()
+
+
+def set_avx512_tile(tile: int) -> int:
+    """Force the AVX-512 kernel's widest tile (1-8; tests run several), 0 for the CPU's own choice; returns it."""
+    return lib().vs_set_avx512_tile(int(tile))
 
 
 def set_threads(n: int) -> None:

@@ -54,9 +54,10 @@ PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&vs_module); }
 enum { VS_OK = 0, VS_EINVAL = -1, VS_ERANGE = -2, VS_ENOMEM = -3 };
 
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
-/* TILE: the most tokens one AVX2 / generic tile kernel call takes; TILE_AVX512 the AVX-512 one's (its
- * per-token operations do not depend on the tile, so any tiling gives the same bits). */
-enum { GROUP = 16, TILE = 4, TILE_AVX512 = 6 };
+/* TILE: the most tokens one AVX2 / generic tile kernel call takes; TILE_AVX512 the most the AVX-512 one can take,
+ * vs_avx512_tile() the most it is given on this CPU (its per-token operations do not depend on the tile, so any
+ * tiling gives the same bits). */
+enum { GROUP = 16, TILE = 4, TILE_AVX512 = 8 };
 /* AMX_PAIRS: a token's unit sum pairs kept per super-block (amx_sum_pairs; 4 used for Q4_K / Q5_K, 8 for Q6_K), read
  * by the AVX-512 and AMX kernels' min terms */
 enum { AMX_PAIRS = 8 };
@@ -208,6 +209,28 @@ int vs_set_path(int path) {
 }
 
 void vs_set_threads(int n) { vs_threads = n > 0 ? n : 1; }
+
+/* The AVX-512 kernel's widest tile, chosen per CPU: 8 on Intel (a 2-core Xeon, family 6 model 207: a pass's
+ * matmuls over 7 tokens 71.2 -> 63.8 ms, 8 tokens 76.7 -> 70.5 ms against tiles of 6, 6 tokens alike), 6 on AMD
+ * (on a Zen 4 a tile of 8 was slower than 4 + 4: registers spill; 6 beat 4 + 2). vs_set_avx512_tile forces one
+ * (tests run both), 0 restores the CPU's choice; returns the tile in force. */
+static int vs_tile512 = 0;
+
+int vs_avx512_tile(void) {
+    if (vs_tile512 == 0) {
+        vs_tile512 = 8;
+#ifdef VS_X86
+        unsigned a, b, c, d;
+        if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541 /* "Auth" of AuthenticAMD */) vs_tile512 = 6;
+#endif
+    }
+    return vs_tile512;
+}
+
+int vs_set_avx512_tile(int tile) {
+    vs_tile512 = tile <= 0 ? 0 : tile < TILE_AVX512 ? tile : TILE_AVX512;
+    return vs_avx512_tile();
+}
 
 /* ------------------------------------------------------------------ profile */
 
@@ -685,7 +708,9 @@ VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const ui
         case 3: group_tile_avx512(TYPE, 3, grp, nsb, tok); break;         \
         case 4: group_tile_avx512(TYPE, 4, grp, nsb, tok); break;         \
         case 5: group_tile_avx512(TYPE, 5, grp, nsb, tok); break;         \
-        default: group_tile_avx512(TYPE, 6, grp, nsb, tok); break;        \
+        case 6: group_tile_avx512(TYPE, 6, grp, nsb, tok); break;         \
+        case 7: group_tile_avx512(TYPE, 7, grp, nsb, tok); break;         \
+        default: group_tile_avx512(TYPE, 8, grp, nsb, tok); break;        \
     }
 
 static VS_AVX512 void group_avx512(int type, const uint8_t *grp, int64_t nsb, const token_t *tok, int T) {
@@ -946,7 +971,7 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
     const int64_t nsb = cols / L.q, SB = sb_bytes(&L), ngroups = (rows + GROUP - 1) / GROUP;
     const int path = vs_get_path();
     const int amx = path == PATH_AMX || path == PATH_AMX_EMULATED;
-    const int tile = amx ? AMX_TOKENS : path == PATH_AVX512 ? TILE_AVX512 : TILE, amx_min = type == T_Q6_K ? AMX_MIN_UNIT_TOKENS : AMX_MIN_TOKENS;
+    const int tile = amx ? AMX_TOKENS : path == PATH_AVX512 ? vs_avx512_tile() : TILE, amx_min = type == T_Q6_K ? AMX_MIN_UNIT_TOKENS : AMX_MIN_TOKENS;
     int32_t *pairs = NULL; /* the tile kernel's sub-block sum pairs of each token and super-block */
     if ((amx || path == PATH_AVX512) && L.scsub && n > 0) {
         if (!(pairs = malloc(sizeof(int32_t) * AMX_PAIRS * (size_t)(n * nsb)))) return VS_ENOMEM;
