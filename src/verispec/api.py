@@ -210,12 +210,30 @@ class SpeculativeDecoder:
         seed: int | list[int | None] | None = None,
         chat: bool | None = None,
         tuner: AdaptiveK | None = None,
+        prediction: str | list[int] | list[str | list[int] | None] | None = None,
     ) -> Iterator[tuple[StepEvent, Sequence]]:
         """Yield (StepEvent, Sequence) per sequence per step, as tokens are committed.
 
-        `tuner` (see `auto_tuner`) picks K each step instead of `spec.num_draft_tokens`."""
-        events = self.engine.stream(self._token_prompts(prompts, chat), sampling, spec, seed, tuner)
+        `tuner` (see `auto_tuner`) picks K each step instead of `spec.num_draft_tokens`. `prediction`: the output
+        expected (text, or token ids; one per prompt for a batch), drafted from while the answer follows it
+        (OpenAI's predicted outputs: the file being edited, say); the answer is the target's either way."""
+        token_prompts = self._token_prompts(prompts, chat)
+        predictions = self._predictions(prediction, len(token_prompts))
+        events = self.engine.stream(token_prompts, sampling, spec, seed, tuner, predictions)
         return events if self.adapter is None else self._adapting(events)
+
+    def _predictions(self, prediction, n: int) -> list[list[int] | None] | None:
+        """`stream`'s prediction as token ids per prompt (text encoded without special tokens or a chat template)."""
+        if prediction is None:
+            return None
+        one = isinstance(prediction, str) or (isinstance(prediction, list) and prediction
+                                              and isinstance(prediction[0], int))
+        each = [prediction] * n if one and n == 1 else list(prediction) if not one else None
+        if each is None or len(each) != n:
+            raise VerispecError(f"one prediction per prompt is needed ({n} prompts)")
+        tok = self.target.tokenizer
+        return [list(tok(p, add_special_tokens=False)["input_ids"]) if isinstance(p, str) else
+                None if p is None else list(p) for p in each]
 
     def _adapting(self, events: Iterator[tuple[StepEvent, Sequence]]) -> Iterator[tuple[StepEvent, Sequence]]:
         """Pass events on; poke the adapter when a sequence finishes (between steps: the stream is paused)."""
@@ -253,9 +271,11 @@ class SpeculativeDecoder:
         seed: int | None = None,
         chat: bool | None = None,
         tuner: AdaptiveK | None = None,
+        prediction: str | list[int] | None = None,
     ) -> GenerationResult:
-        """Generate for one prompt (text, or token ids used as they are)."""
-        return self.generate_batch([prompt], sampling, spec, seed, chat, tuner)[0]
+        """Generate for one prompt (text, or token ids used as they are); `prediction` as in `stream`."""
+        return self.generate_batch([prompt], sampling, spec, seed, chat, tuner,
+                                   None if prediction is None else [prediction])[0]
 
     def generate_batch(
         self,
@@ -265,10 +285,12 @@ class SpeculativeDecoder:
         seed: int | list[int | None] | None = None,
         chat: bool | None = None,
         tuner: AdaptiveK | None = None,
+        predictions: list[str | list[int] | None] | None = None,
     ) -> list[GenerationResult]:
-        """Generate for a batch of prompts together (ragged: each advances at its own pace)."""
+        """Generate for a batch of prompts together (ragged: each advances at its own pace); `predictions`: one
+        predicted output per prompt (or None), as in `stream`."""
         done: dict[int, Sequence] = {}
-        for _, seq in self.stream(prompts, sampling, spec, seed, chat, tuner):
+        for _, seq in self.stream(prompts, sampling, spec, seed, chat, tuner, predictions):
             if seq.finish_reason is not None:
                 done[seq.index] = seq
         return [self.result(done[i]) for i in sorted(done)]

@@ -206,6 +206,20 @@ class DecodeBatch:
                     forced[b] = tokens
         return forced
 
+    def _predicted(self, prefilling: list[bool], forced: dict[int, list[int]]) -> dict[int, list[int]]:
+        """Rows whose predicted output (`core.prediction`) drafts this step, with its chain: it replaces the drafter's
+        draft for the row (any deterministic draft is exact), never a constraint's forced run, and never goes past the
+        tokens left after this step's own."""
+        predicted = {}
+        for b, (s, pre) in enumerate(zip(self.sequences, prefilling)):
+            if s.prediction is None or pre or b in forced:
+                continue
+            left = s.max_new_tokens - s.num_generated - 1
+            tokens = s.prediction.draft(s.generated, min(s.spec.prediction_depth, left)) if left > 0 else []
+            if tokens:
+                predicted[b] = tokens
+        return predicted
+
     def _after_forced(self, b: int, tokens: list[int], depth: int) -> list[int]:
         """A row's forced tokens, followed (where the drafter has deterministic continuations and the row drafts this
         step) by the drafter's guess of what follows them: one chain verified in one pass. The guess is optional: a
@@ -238,7 +252,8 @@ class DecodeBatch:
         trees, depths = self._shapes(prefilling)
         t0 = time.perf_counter()
         forced = self._forced(prefilling)  # row -> tokens its constraint forces: drafted for free
-        depths_before, depths = depths, [0 if b in forced else d for b, d in enumerate(depths)]
+        predicted = self._predicted(prefilling, forced)  # row -> its predicted output's chain
+        depths_before, depths = depths, [0 if b in forced or b in predicted else d for b, d in enumerate(depths)]
         # a drafter with a cache of its own reads each prompt in the row's first step even when nothing is drafted
         # then (the tuner's K is 0): a later probe then costs a step's catch-up, not the whole prompt after the first
         # output
@@ -246,6 +261,8 @@ class DecodeBatch:
         drafts = self.draft_rows.propose(active, depths, trees, first)
         for b, tokens in forced.items():  # the forced run, then a lookup's guess of what follows it
             drafts[b] = Draft(torch.tensor(self._after_forced(b, tokens, depths_before[b]), dtype=torch.long))
+        for b, tokens in predicted.items():
+            drafts[b] = Draft(torch.tensor(tokens, dtype=torch.long))
         drafts = [self._within_constraint(s, d) for s, d in zip(active, drafts)]
         t1 = time.perf_counter()
         # One pass: each row's pending tokens, then its draft's nodes; logits after the last pending token and
@@ -277,9 +294,14 @@ class DecodeBatch:
             s.stats.record(len(d), v.num_accepted, v.bonus, depth=d.tree.depth)
             if b in forced:
                 s.stats.forced_tokens += min(v.num_accepted, len(forced[b]))
+            elif b in predicted:
+                s.stats.accepted_prediction_tokens += v.num_accepted
+                s.stats.rejected_prediction_tokens += len(d) - v.num_accepted
             elif self.tuner is not None and trees is None and len(d):
                 self.tuner.observe(len(d), v.num_accepted)
             event = self._row(s, "commit", lambda s=s, d=d, v=v: rules.commit(s, d.path_tokens(v.path), v))
+            if event is not None and s.prediction is not None:
+                s.prediction.observe(len(d) if b in predicted else 0, v.num_accepted, list(event.committed))
             if event is not None and b in forced:
                 event = replace(event, forced=True)
             if event is not None:

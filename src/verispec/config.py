@@ -239,6 +239,8 @@ class SpecConfig:
             drafts so far are accepted (from the draft's calibrated confidence, see
             `verispec.core.stopping`) falls below this; that token is not proposed. 0 drafts all K
             tokens. An auto-tuner with `stop_drafts` sets the thresholds from measured costs instead. Default 0.
+        prediction_depth: the longest chain a predicted output (`core.prediction`) drafts in one step: it grows to
+            this while the answer follows the prediction and falls back to 2 after a rejection. Default 16.
     """
 
     num_draft_tokens: int = 4
@@ -247,8 +249,11 @@ class SpecConfig:
     stop_at_eos: bool = True
     tree: TreeConfig | None = None
     draft_stop: float = 0.0
+    prediction_depth: int = 16
 
     def __post_init__(self) -> None:
+        if int(self.prediction_depth) != self.prediction_depth or self.prediction_depth < 1:
+            raise VerispecError(f"prediction_depth must be an integer >= 1, got {self.prediction_depth}")
         if not (isinstance(self.draft_stop, (int, float)) and 0.0 <= self.draft_stop < 1.0):
             raise VerispecError(f"draft_stop is a probability in [0, 1) (0 turns it off), got {self.draft_stop}")
         if int(self.num_draft_tokens) != self.num_draft_tokens or self.num_draft_tokens < 1:

@@ -31,6 +31,7 @@ from verispec.batch import DecodeBatch
 from verispec.config import ConstraintLimits, SamplingConfig, SpecConfig, TreeConfig, check_tree_request
 from verispec.constraints import Grammars
 from verispec.core.drafter import PLAIN, Drafter
+from verispec.core.prediction import PredictionFollower
 from verispec.core.protocols import Runner
 from verispec.core.sequence import Sequence, StepEvent
 from verispec.errors import VerispecError
@@ -104,6 +105,7 @@ class SpeculativeEngine:
         drafting: bool = True,
         tuned: bool = True,
         scope: str | None = None,
+        predictions: list[list[int] | None] | None = None,
     ) -> list[Sequence]:
         """Check prompts against the vocabulary and context window and make one Sequence per prompt.
 
@@ -114,7 +116,9 @@ class SpeculativeEngine:
         `sampling`: one config for all prompts or one per prompt; `seeds` as in `stream`. `drafting` False: these
         sequences decode plainly (a request that asks for no drafts); `tuned` False: a batch's auto-tuner leaves their
         K as `spec` says (a request that names K or a tree); `scope`: whose shared drafter state they read
-        (`Sequence.scope`). A sequence is not changed after it is made: these are its request's whole policy.
+        (`Sequence.scope`); `predictions`: per prompt, the token ids of the output its request predicts (None or
+        empty: none), which drafts while the answer follows it (`core.prediction`). A sequence is not changed after
+        it is made: these are its request's whole policy.
         """
         if not prompts:
             raise VerispecError("no prompts given")
@@ -123,8 +127,13 @@ class SpeculativeEngine:
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if seeds is None or isinstance(seeds, int):
             seeds = [None if seeds is None else seeds + i for i in range(len(prompts))]
-        if len(samplings) != len(prompts) or len(seeds) != len(prompts):
-            raise VerispecError("one sampling config and one seed per prompt are needed")
+        predictions = [None] * len(prompts) if predictions is None else predictions
+        if len(samplings) != len(prompts) or len(seeds) != len(prompts) or len(predictions) != len(prompts):
+            raise VerispecError("one sampling config, one seed and one prediction (or None) per prompt are needed")
+        for i, predicted in enumerate(predictions):
+            if predicted and any(t < 0 or t >= self.target.vocab_size for t in predicted):
+                raise VerispecError(f"the prediction of prompt {i} holds token ids outside the vocabulary "
+                                    f"(size {self.target.vocab_size})")
         sequences = []
         for i, (prompt, cfg, seed) in enumerate(zip(prompts, samplings, seeds)):
             if len(prompt) == 0:
@@ -142,6 +151,8 @@ class SpeculativeEngine:
                            drafting=drafting, tuned=tuned, scope=scope)
             if cfg.constraint is not None:
                 seq.constraint = self.grammars().start(cfg.constraint)
+            if predictions[i]:
+                seq.prediction = PredictionFollower(list(predictions[i]), spec.prediction_depth)
             sequences.append(seq)
         return sequences
 
@@ -181,15 +192,17 @@ class SpeculativeEngine:
         spec: SpecConfig = SpecConfig(),
         seeds: list[int | None] | int | None = None,
         tuner: AdaptiveK | None = None,
+        predictions: list[list[int] | None] | None = None,
     ) -> Iterator[tuple[StepEvent, Sequence]]:
         """Decode a batch, yielding (event, sequence) after every step for every running sequence.
 
         `seeds`: one per prompt, or an int s (prompt i gets s + i), or None (fresh entropy).
         `tuner`: chooses K each step from measured costs and acceptance (then `spec.num_draft_tokens`
         is unused); the output distribution does not depend on K.
+        `predictions`: per prompt, the token ids of its predicted output, or None (see `make_sequences`).
         """
         batch = DecodeBatch(self, tuner)
-        batch.add(self.make_sequences(prompts, sampling, spec, seeds))
+        batch.add(self.make_sequences(prompts, sampling, spec, seeds, predictions=predictions))
         while batch:
             results = batch.step()
             for _, seq in results:
@@ -199,10 +212,10 @@ class SpeculativeEngine:
             yield from results
 
     def generate(self, prompts: list[list[int]], sampling=SamplingConfig(), spec=SpecConfig(), seeds=None,
-                 tuner: AdaptiveK | None = None) -> list[Sequence]:
+                 tuner: AdaptiveK | None = None, predictions: list[list[int] | None] | None = None) -> list[Sequence]:
         """Decode a batch to the end; returns the finished sequences in prompt order."""
         done: dict[int, Sequence] = {}
-        for _, seq in self.stream(prompts, sampling, spec, seeds, tuner):
+        for _, seq in self.stream(prompts, sampling, spec, seeds, tuner, predictions):
             if seq.finish_reason is not None:
                 done[seq.index] = seq
         return [done[i] for i in sorted(done)]

@@ -82,6 +82,9 @@ def stats_table(result: GenerationResult) -> Table:
         ("accepted per position", " ".join(f"{a}/{d}" for a, d in zip(s.accepted_per_position, s.drafted_per_position)) or "-"),
         ("recovered / bonus tokens", f"{s.recovered_tokens} / {s.bonus_tokens}"),
         *((("forced tokens (free drafts)", str(s.forced_tokens)),) if s.forced_tokens else ()),
+        *((("prediction tokens accepted / rejected",
+            f"{s.accepted_prediction_tokens} / {s.rejected_prediction_tokens}"),)
+          if s.accepted_prediction_tokens or s.rejected_prediction_tokens else ()),
         ("wall time", f"{s.wall_seconds:.2f} s (draft {s.draft_seconds:.2f} s, target {s.target_seconds:.2f} s)"),
         ("speed", f"{s.tokens_per_second:.2f} tokens/s"),
     ]

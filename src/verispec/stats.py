@@ -25,6 +25,8 @@ class GenerationStats:
     target_seconds split it (the rest is verification and bookkeeping).
     forced_tokens: accepted drafts that a structured-output constraint forced (drafted for free; also counted in
     draft_tokens / accepted_tokens).
+    accepted_prediction_tokens / rejected_prediction_tokens: drafts taken from the request's predicted output
+    (`core.prediction`) that the target accepted / did not (also counted in draft_tokens / accepted_tokens).
     """
 
     target_forward_passes: int = 0
@@ -39,6 +41,8 @@ class GenerationStats:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     forced_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def record(self, num_drafted: int, num_accepted: int, bonus: bool, depth: int | None = None) -> None:
         """One target pass: num_drafted draft tokens (tree nodes), num_accepted of them accepted.
@@ -91,6 +95,8 @@ class GenerationStats:
             "target_seconds": round(self.target_seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "forced_tokens": self.forced_tokens,
+            "accepted_prediction_tokens": self.accepted_prediction_tokens,
+            "rejected_prediction_tokens": self.rejected_prediction_tokens,
         }
 
     @classmethod
@@ -99,7 +105,8 @@ class GenerationStats:
         out = cls()
         for s in many:
             for name in ("target_forward_passes", "draft_tokens", "accepted_tokens", "recovered_tokens",
-                         "bonus_tokens", "new_tokens", "forced_tokens"):
+                         "bonus_tokens", "new_tokens", "forced_tokens", "accepted_prediction_tokens",
+                         "rejected_prediction_tokens"):
                 setattr(out, name, getattr(out, name) + getattr(s, name))
             for name in ("accepted_per_position", "drafted_per_position"):
                 mine, theirs = getattr(out, name), getattr(s, name)

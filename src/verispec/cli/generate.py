@@ -15,6 +15,7 @@ from verispec.cli.options import (
     default_of,
     load_decoder,
     read_prompt,
+    read_text_file,
     sampling_config,
     tree_config,
 )
@@ -33,6 +34,9 @@ def add_parser(sub) -> None:
                         "nodes that pay for their share of the target pass (default: on, unless -k or --tree-shape is "
                         "given, or --seed with sampling: a seeded sampled answer's draws follow K, so it repeats with a "
                         "fixed K)")
+    g.add_argument("--prediction", type=Path, metavar="FILE",
+                   help="a predicted output: text the answer is expected to repeat (the file being edited, say), "
+                        "drafted from while the answer follows it; the answer is the target's either way")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--no-color", action="store_true", help="plain text output")
     g.add_argument("--trace", type=Path, help="save every step's verification (p, q, min(1, p/q), u, verdict; for a tree every node) as JSON")
@@ -64,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         check_tree_request(tree, args.draft not in NO_DRAFT, auto_k=bool(args.auto_k))
     auto_k = args.auto_k if args.auto_k is not None else default_auto_k(args, sampling, tree)
     prompt = read_prompt(args)
+    prediction = read_text_file(args.prediction, "--prediction") if args.prediction is not None else None
     decoder = load_decoder(args)
     k_max = max(8, spec.num_draft_tokens, (tree.budget or 0) if tree is not None else 0)  # a tree pass's widths
     tuner = decoder.auto_tuner(k_max, cache=True) if auto_k and not decoder.drafter.traits.plain else None
@@ -76,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(legend(decoder.drafter.traits.plain, sampling.constraint is not None))
     steps, seq = [], None
     with tracing(decoder.engine, tracer) if tracer else nullcontext():
-        for event, seq in decoder.stream(prompt, sampling, spec, args.seed, args.chat, tuner):
+        for event, seq in decoder.stream(prompt, sampling, spec, args.seed, args.chat, tuner, prediction):
             n_acc = min(len(event.accepted), len(event.committed))
             if show or tracer:
                 pieces = printer.step(seq.generated, n_acc, event.bonus, len(event.committed), seq.text_end,

@@ -217,10 +217,17 @@ def add_prompt_options(p: argparse.ArgumentParser) -> None:
 def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
+    return read_text_file(args.prompt_file, "--prompt-file")
+
+
+def read_text_file(path: Path, option: str) -> str:
+    """A file's text for an option, or one line naming the option and why it cannot be read."""
     try:
-        return args.prompt_file.read_text()
+        return path.read_text()
     except OSError as err:
-        raise VerispecError(f"cannot read --prompt-file {args.prompt_file}: {err.strerror}") from None
+        raise VerispecError(f"cannot read {option} {path}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise VerispecError(f"{option} {path} is not UTF-8 text") from None
 
 
 def suffix_config(args: argparse.Namespace, scope: str | None = None) -> SuffixConfig:

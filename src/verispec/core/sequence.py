@@ -13,6 +13,7 @@ from verispec.stats import GenerationStats
 
 if TYPE_CHECKING:
     from verispec.constraints import ConstraintState
+    from verispec.core.prediction import PredictionFollower
     from verispec.core.stopping import DraftStop
     from verispec.detokenize import IncrementalText
     from verispec.tree import TreeCosts
@@ -43,6 +44,8 @@ class Sequence:
     constraint: where the answer stands in its structured-output constraint (sampling.constraint; None: none).
     scope: whose shared drafter state this sequence may read and add to (a server's tenant, named by its API key
         under `--suffix-scope key`: the suffix store keeps each scope's outputs apart); None: the shared state.
+    prediction: where the answer stands in its request's predicted output, which drafts for it while it follows
+        (`core.prediction`; None: no prediction).
     processors: the processor chain of `sampling`, built with the sequence (`sampling.Processors`): the verifier and
         the drafters process p and q and take the greedy branch through it.
     """
@@ -65,6 +68,7 @@ class Sequence:
     text: IncrementalText | None = None
     constraint: ConstraintState | None = None
     scope: str | None = None
+    prediction: PredictionFollower | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     processors: Processors = field(init=False, repr=False)
 

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over a SpeculativeDecoder, with continuous batching.
 
     POST /v1/completions, /v1/chat/completions   (JSON, or server-sent events with "stream": true)
+    POST /tokenize, /detokenize                  (vLLM's: a prompt's or a chat's token ids, and back)
     GET  /v1/models, /health, /metrics           (/metrics in Prometheus text format)
 
 Every request is checked (fields, limits, context window, cache budget: `serve.requests`, no app needed) and becomes
@@ -90,18 +91,20 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig(),
         except (QueueFull, ShuttingDown, Unavailable) as err:
             raise refusal(err, config) from None
         read = requests.chat_prompt if chat else requests.completion_prompt
-        prompt = await asyncio.get_running_loop().run_in_executor(prep, read, body)
+        prompt, prediction = await asyncio.get_running_loop().run_in_executor(
+            prep, lambda: (read(body), requests.prediction(body)))
         constraint = body.response_format is not None and body.response_format.type != "text"
         try:  # its worst case against the cache budget and its key's share, before anything is compiled
             scheduler.check_fits(requests.worst_case_tokens(body, len(prompt), max_tokens), tenant)
         except TooLarge as err:
             raise refusal(err, config) from None
         if not constraint:
-            seq = requests.sequence(body, prompt, max_tokens, tenant)
+            seq = requests.sequence(body, prompt, max_tokens, tenant, prediction)
         else:  # compiled once per content, on the compile pool, within the time budget
             seconds = config.constraint_limits.compile_seconds
             try:
-                seq = await compiler.run(lambda: requests.sequence(body, prompt, max_tokens, tenant), seconds)
+                seq = await compiler.run(lambda: requests.sequence(body, prompt, max_tokens, tenant, prediction),
+                                         seconds)
             except CompileTimeout:
                 raise APIError(400, f"compiling the constraint took longer than {seconds:g} s: simplify the schema "
                                "or grammar", param="response_format") from None
@@ -118,6 +121,31 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig(),
     async def chat_completions(request: Request, body: ChatRequest) -> Response:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await answer(request, body, max_tokens, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(body: wire.TokenizeRequest) -> dict:
+        """The token ids a prompt (or a chat's messages, templated) becomes here, as the generation endpoints read it."""
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "/tokenize takes either 'prompt' or 'messages'", param="prompt")
+        requests.check_model(body.model)
+        if body.messages is not None:
+            chat = wire.ChatRequest(messages=body.messages)
+            ids = await asyncio.get_running_loop().run_in_executor(prep, requests.chat_prompt, chat)
+        else:
+            ids = await asyncio.get_running_loop().run_in_executor(
+                prep, requests.tokenize, body.prompt, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.context_window, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: wire.DetokenizeRequest) -> dict:
+        requests.check_model(body.model)
+        vocab = engine.target.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens holds ids outside the vocabulary (0..{vocab - 1})", param="tokens")
+        if len(body.tokens) > engine.context_window:
+            raise APIError(400, f"at most {engine.context_window} tokens (the context window)", param="tokens")
+        text = await asyncio.get_running_loop().run_in_executor(prep, decoder.decode, body.tokens)
+        return {"prompt": text}
 
     @app.get("/v1/models")
     async def models() -> dict:

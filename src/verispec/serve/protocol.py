@@ -137,6 +137,22 @@ class ResponseFormat(Strict):
         return Constraint(self.type, source)
 
 
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(Strict):
+    """OpenAI's predicted output: {"type": "content", "content": text or text parts}, the text the answer is expected
+    to repeat (the file being edited); drafted from while the answer follows it, exact either way."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
 
@@ -162,6 +178,7 @@ class GenerationRequest(Strict):
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
     response_format: ResponseFormat | None = None
+    prediction: Prediction | None = None
     user: str | None = None
 
     def sampling_fields(self) -> dict:
@@ -178,11 +195,6 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
 
 
-class TextPart(Strict):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
@@ -195,6 +207,20 @@ class ChatMessage(Strict):
 class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class TokenizeRequest(Strict):
+    """/tokenize (vLLM's): a completion's `prompt` or a chat's `messages` (templated, as /v1/chat/completions does)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 # --- responses -----------------------------------------------------------------------------------
@@ -211,6 +237,9 @@ def usage(prompt_tokens: int, stats: GenerationStats, drafter: str) -> dict:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": prompt_tokens + stats.new_tokens,
+        "completion_tokens_details": {"reasoning_tokens": 0,
+                                      "accepted_prediction_tokens": stats.accepted_prediction_tokens,
+                                      "rejected_prediction_tokens": stats.rejected_prediction_tokens},
         "speculative": {"drafter": drafter, **stats.to_dict()},
     }
 

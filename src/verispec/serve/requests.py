@@ -61,6 +61,21 @@ class RequestBuilder:
                            f"this server accepts at most {self.max_prompt} tokens", param=param,
                            code="context_length_exceeded")
 
+    def check_model(self, model: str | None) -> None:
+        """A request that names a model names this server's (404 otherwise)."""
+        if model is not None and model not in (self.model_name, self.decoder.target.name):
+            raise APIError(404, f"model '{model}' is not served here; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        """A text's token ids (`special`: with the tokenizer's own special tokens, as a completion prompt gets them),
+        its size checked first."""
+        self.check_chars(len(text), "prompt")
+        try:
+            return list(self.decoder.target.tokenizer(text, add_special_tokens=special)["input_ids"])
+        except Exception as err:  # the tokenizer's own failures (e.g. a lone surrogate)
+            raise APIError(400, f"the prompt cannot be tokenized: {type(err).__name__}", param="prompt") from None
+
     # --- prompts -------------------------------------------------------------------------------------
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
         prompt = body.prompt
@@ -94,13 +109,33 @@ class RequestBuilder:
         except Exception as err:
             raise APIError(400, f"the messages cannot be tokenized: {type(err).__name__}", param="messages") from None
 
+    def prediction(self, body: GenerationRequest) -> list[int] | None:
+        """The request's predicted output as token ids (no special tokens), checked like a prompt: at most as many
+        characters, then tokens, as a prompt may have; None without one (or with empty content)."""
+        if body.prediction is None:
+            return None
+        text = body.prediction.text()
+        if not text:
+            return None
+        self.check_chars(len(text), "prediction")
+        try:
+            ids = list(self.decoder.target.tokenizer(text, add_special_tokens=False)["input_ids"])
+        except Exception as err:  # the tokenizer's own failures (e.g. a lone surrogate)
+            raise APIError(400, f"the prediction cannot be tokenized: {type(err).__name__}", param="prediction") from None
+        if len(ids) > self.max_prompt:
+            raise APIError(400, f"the prediction has {len(ids)} tokens; this server accepts at most {self.max_prompt}",
+                           param="prediction")
+        return ids
+
+    def prediction_depth(self) -> int:
+        """The longest chain a prediction drafts in one step here (SpecConfig's, within the server's K limit)."""
+        return min(SpecConfig().prediction_depth, self.config.max_draft_tokens)
+
     # --- the sequence --------------------------------------------------------------------------------
     def check(self, body: GenerationRequest, max_tokens: int | None) -> None:
         """The checks a request's fields allow alone (no prompt read, nothing compiled): cheap, on the event loop."""
         config = self.config
-        if body.model is not None and body.model not in (self.model_name, self.decoder.target.name):
-            raise APIError(404, f"model '{body.model}' is not served here; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+        self.check_model(body.model)
         if body.n != 1:
             raise APIError(400, "only n=1 is supported (send several requests: the server batches them)", param="n")
         stops = body.stop_strings()
@@ -117,7 +152,8 @@ class RequestBuilder:
         if body.response_format is not None:
             body.response_format.constraint()  # a missing or misplaced part is a 400 now
 
-    def sequence(self, body: GenerationRequest, prompt: list[int], max_tokens: int | None, tenant: str = "") -> Sequence:
+    def sequence(self, body: GenerationRequest, prompt: list[int], max_tokens: int | None, tenant: str = "",
+                 prediction: list[int] | None = None) -> Sequence:
         """The request's Sequence (after `check`): its lengths checked, its constraint compiled (once per content:
         `Grammars.compile`), its tenant's scope set where the server keeps keys' outputs apart. (It runs `check` again:
         microseconds, and a caller that skipped it gets the same answers.)"""
@@ -127,7 +163,7 @@ class RequestBuilder:
         drafting = self._drafting(spec_options)
         tree = self._tree(spec_options, drafting)
         self._check_length(len(prompt), max_tokens)
-        spec_fields = {"stop": stops, "stop_at_eos": not body.ignore_eos}
+        spec_fields = {"stop": stops, "stop_at_eos": not body.ignore_eos, "prediction_depth": self.prediction_depth()}
         if max_tokens is not None:
             spec_fields["max_new_tokens"] = max_tokens
         if spec_options.K is not None:
@@ -144,7 +180,8 @@ class RequestBuilder:
             # sampled request's draws follow K: naming K is how it gets the same tokens alone or batched)
             seq = self.engine.make_sequences([prompt], sampling, spec, [body.seed], drafting=drafting,
                                              tuned=spec_options.K is None and tree is None,
-                                             scope=tenant if self.config.scope_by_key else None)[0]
+                                             scope=tenant if self.config.scope_by_key else None,
+                                             predictions=[prediction])[0]
         except ConstraintError as err:
             raise APIError(400, str(err), param="response_format") from None
         except VerispecError as err:
@@ -187,6 +224,8 @@ class RequestBuilder:
         k = options.K or SpecConfig().num_draft_tokens
         tree = wire.tree_config(options.tree)
         drafts = tree.size_upper_bound(tree.depth(k)) if tree is not None else k
+        if body.prediction is not None:  # a prediction's chain may be longer than the drafter's
+            drafts = max(drafts, self.prediction_depth())
         new = max_tokens if max_tokens is not None else min(SpecConfig().max_new_tokens, self.context_window - prompt)
         return prompt + new + drafts + 1
 
