@@ -233,7 +233,8 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "hi", "seed": 2**70}, 400, "seed"),
-    ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": 1, "echo": True}, 400, "echo"),
     ({"prompt": "hi", "stop": [""]}, 400, None),
     ({"max_tokens": 3}, 400, "prompt"),
 ]

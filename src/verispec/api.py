@@ -22,7 +22,7 @@ from verispec.chat import chat_ids, has_chat_template, user_turn
 from verispec.constraints import Grammars, grammars_for
 from verispec.config import AdaptConfig, CrossTokenizerConfig, NGramConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, SpecConfig, SuffixConfig
 from verispec.core.drafter import Drafter
-from verispec.core.sequence import Sequence, StepEvent
+from verispec.core.sequence import Sequence, StepEvent, TokenLogprob
 from verispec.drafters.registry import NGRAM, Built, DrafterOptions, build_drafter, model_drafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
@@ -53,8 +53,11 @@ class GenerationResult:
     draft: str
     target_weights: str = "dense"
     draft_weights: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # where SpecConfig.logprobs asked for them
 
     def to_dict(self) -> dict:
+        extra = {} if self.logprobs is None else {"logprobs": [
+            {"token": e.token, "logprob": e.logprob, "top": [list(t) for t in e.top]} for e in self.logprobs]}
         return {
             "text": self.text,
             "prompt_token_ids": self.prompt_token_ids,
@@ -66,6 +69,7 @@ class GenerationResult:
             "target_weights": self.target_weights,
             "draft_weights": self.draft_weights,
             "stats": self.stats.to_dict(),
+            **extra,
         }
 
 
@@ -310,6 +314,7 @@ class SpeculativeDecoder:
             draft=self.draft_name,
             target_weights=self.target.weights,
             draft_weights=self.draft_weights,
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
         )
 
     def _token_prompts(self, prompts, chat: bool | None) -> list[list[int]]:

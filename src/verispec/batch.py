@@ -43,7 +43,7 @@ import torch
 from verispec.config import TreeConfig, check_tree_request
 from verispec.constraints import MAX_FORCED
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
-from verispec.core.sequence import Sequence, StepClock, StepEvent
+from verispec.core.sequence import Sequence, StepClock, StepEvent, TokenLogprob
 from verispec.core.stopping import DraftStop
 from verispec.errors import VerispecError, is_fault
 from verispec.faults import DraftRows, check_inputs, checkpoint, split_forward
@@ -299,7 +299,16 @@ class DecodeBatch:
                 s.stats.rejected_prediction_tokens += len(d) - v.num_accepted
             elif self.tuner is not None and trees is None and len(d):
                 self.tuner.observe(len(d), v.num_accepted)
+            entries = None
+            if s.logprobs is not None:  # before the commit: a constraint's masks are this step's
+                entries = self._row(s, "logprobs", lambda b=b, s=s, d=d, v=v: rules.logprobs(s, d, v, logits[b][: len(d) + 1]))
+                if entries is None:  # the row failed: it leaves below
+                    continue
             event = self._row(s, "commit", lambda s=s, d=d, v=v: rules.commit(s, d.path_tokens(v.path), v))
+            if event is not None and entries is not None:
+                # a constraint's end token committed without a pass (the only token it allows) has probability 1
+                s.logprobs.extend(entries[: len(event.committed)] +
+                                  [TokenLogprob(t, 0.0) for t in event.committed[len(entries):]])
             if event is not None and s.prediction is not None:
                 s.prediction.observe(len(d) if b in predicted else 0, v.num_accepted, list(event.committed))
             if event is not None and b in forced:

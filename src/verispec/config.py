@@ -225,6 +225,10 @@ def check_tree_request(tree: TreeConfig | None, drafting: bool, auto_k: bool = F
                             "not a static tree shape (--tree-shape)")
 
 
+MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (OpenAI's top_logprobs bound)
+LOGPROBS_MODES = ("raw", "processed")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """How a speculative generation runs.
@@ -241,6 +245,12 @@ class SpecConfig:
             tokens. An auto-tuner with `stop_drafts` sets the thresholds from measured costs instead. Default 0.
         prediction_depth: the longest chain a predicted output (`core.prediction`) drafts in one step: it grows to
             this while the answer follows the prediction and falls back to 2 after a rejection. Default 16.
+        logprobs: report the target's log-probability of every generated token and of the `logprobs` likeliest
+            tokens at its place (0: the generated token's only; None: none). Default None.
+        logprobs_mode: which distribution they come from: "raw", the target's logits alone (log-softmax; what
+            OpenAI and vLLM report by default), or "processed", the distribution the token was drawn from (after the
+            repetition penalty, a constraint, temperature, top-k, top-p and min-p; one-hot at temperature 0).
+            Default "raw".
     """
 
     num_draft_tokens: int = 4
@@ -250,8 +260,14 @@ class SpecConfig:
     tree: TreeConfig | None = None
     draft_stop: float = 0.0
     prediction_depth: int = 16
+    logprobs: int | None = None
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and (int(self.logprobs) != self.logprobs or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise VerispecError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise VerispecError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if int(self.prediction_depth) != self.prediction_depth or self.prediction_depth < 1:
             raise VerispecError(f"prediction_depth must be an integer >= 1, got {self.prediction_depth}")
         if not (isinstance(self.draft_stop, (int, float)) and 0.0 <= self.draft_stop < 1.0):

@@ -23,7 +23,7 @@ import torch
 from verispec.constraints import apply_constraint
 from verispec.core.drafter import Draft, Drafter
 from verispec.core.protocols import Runner
-from verispec.core.sequence import Sequence, StepEvent
+from verispec.core.sequence import Sequence, StepEvent, TokenLogprob
 from verispec.detokenize import IncrementalText
 from verispec.rejection import Verdict, verify, verify_greedy
 from verispec.sampling import Processors
@@ -109,6 +109,44 @@ class StepRules:
         for watch in watchers:
             watch(seq, draft, p, verdict, u)
         return verdict
+
+    # --- log-probabilities ---------------------------------------------------------------------------
+    def logprobs(self, seq: Sequence, draft: Draft, verdict: Verdict, logits: torch.Tensor) -> list[TokenLogprob]:
+        """The target's log-probabilities of the tokens this step may commit for the row (the accepted path's tokens,
+        then the recovered or bonus token), each with its `seq.spec.logprobs` likeliest tokens; before `commit` (a
+        constraint's masks are those of this step). logits: (N + 1, V) at the root and after each node.
+
+        Each row is read alone ((1, V) at a time): a token's numbers are those plain decoding reports for it, bit for
+        bit where the runner's logits are (the native runner's are in any pass)."""
+        spec, chain = seq.spec, seq.processors
+        rows = [0, *(slot + 1 for slot in verdict.path)]  # the logits row before each token: the root, then its parent
+        tokens = [*draft.path_tokens(verdict.path), verdict.token]
+        processed = spec.logprobs_mode == "processed"
+        seen = allowed = None
+        if processed:
+            seen = chain.seen_rows(seq.tokens, draft.tokens, None if draft.is_chain else draft.tree.parents,
+                                   logits.shape[-1])  # (N + 1, V) or None
+            if seq.constraint is not None:
+                allowed = seq.constraint.node_masks(draft.tokens.tolist(), draft.tree.parents.tolist())  # (N + 1, V)
+        out = []
+        for row, token in zip(rows, tokens):
+            x = logits[row : row + 1].float()  # (1, V)
+            if not processed:
+                logp = torch.log_softmax(x, dim=-1)[0]  # (V,)
+            else:
+                if allowed is not None:
+                    x = apply_constraint(x, allowed[row : row + 1])
+                if chain.greedy:
+                    logp = torch.full((x.shape[-1],), float("-inf"))  # (V,) one-hot at the draw
+                    logp[int(chain.target(x, None if seen is None else seen[row : row + 1])[0])] = 0.0
+                else:
+                    logp = torch.log(chain.target(x, None if seen is None else seen[row : row + 1])[0])  # (V,)
+            top = ()
+            if spec.logprobs:
+                values, ids = torch.topk(logp, min(spec.logprobs, logp.shape[0]))  # ties: torch's order
+                top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist()))
+            out.append(TokenLogprob(token, float(logp[token]), top))
+        return out
 
     # --- commit --------------------------------------------------------------------------------------
     def commit(self, seq: Sequence, accepted: tuple[int, ...], verdict: Verdict) -> StepEvent:

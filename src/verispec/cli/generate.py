@@ -37,6 +37,11 @@ def add_parser(sub) -> None:
     g.add_argument("--prediction", type=Path, metavar="FILE",
                    help="a predicted output: text the answer is expected to repeat (the file being edited, say), "
                         "drafted from while the answer follows it; the answer is the target's either way")
+    g.add_argument("--logprobs", type=int, metavar="N",
+                   help="report each generated token's log-probability and its N likeliest alternatives (in --json)")
+    g.add_argument("--logprobs-mode", choices=("raw", "processed"),
+                   help="the target's logits alone (raw, the default) or the distribution each token was drawn from "
+                        "(processed: after penalties, temperature, top-k / top-p / min-p)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--no-color", action="store_true", help="plain text output")
     g.add_argument("--trace", type=Path, help="save every step's verification (p, q, min(1, p/q), u, verdict; for a tree every node) as JSON")

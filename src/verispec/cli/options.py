@@ -65,7 +65,7 @@ def build_config(cls, args: argparse.Namespace, mapping: dict[str, str]):
 SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                     "repetition_penalty": "repetition_penalty"}
 SPEC_OPTIONS = {"num_draft_tokens": "num_draft_tokens", "max_new_tokens": "max_new_tokens", "stop": "stop",
-                "draft_stop": "draft_stop"}
+                "draft_stop": "draft_stop", "logprobs": "logprobs", "logprobs_mode": "logprobs_mode"}
 LOOKUP_OPTIONS = {"max_ngram": "ngram_max", "min_ngram": "ngram_min"}
 SUFFIX_OPTIONS = {"capacity": "suffix_capacity", "scope": "suffix_scope"}  # --suffix-scope: `verispec serve` only
 CROSS_OPTIONS = {"scheme": "cross_scheme"}

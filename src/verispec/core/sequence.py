@@ -46,6 +46,8 @@ class Sequence:
         under `--suffix-scope key`: the suffix store keeps each scope's outputs apart); None: the shared state.
     prediction: where the answer stands in its request's predicted output, which drafts for it while it follows
         (`core.prediction`; None: no prediction).
+    logprobs: the target's log-probability of each generated token, with its likeliest alternatives, where
+        `spec.logprobs` asks for them (`TokenLogprob`; None otherwise).
     processors: the processor chain of `sampling`, built with the sequence (`sampling.Processors`): the verifier and
         the drafters process p and q and take the greedy branch through it.
     """
@@ -69,11 +71,14 @@ class Sequence:
     constraint: ConstraintState | None = None
     scope: str | None = None
     prediction: PredictionFollower | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per generated token where spec.logprobs is set
     stats: GenerationStats = field(default_factory=GenerationStats)
     processors: Processors = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.processors = Processors(self.sampling)
+        if self.spec.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def num_generated(self) -> int:
@@ -82,6 +87,19 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one committed token, and of the likeliest tokens at its place.
+
+    token, logprob: the token and its log-probability (see `SpecConfig.logprobs_mode` for which distribution).
+    top: (token, logprob) of the `SpecConfig.logprobs` likeliest tokens there, likeliest first.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -80,17 +80,34 @@ class Answers:
                                           send_timeout=self.config.send_timeout, media_type="text/event-stream",
                                           headers={"Cache-Control": "no-cache"})
         generated: list[int] = []
+        logprobs: list = []
         try:
-            update = await self.final_update(request, ticket, arrival, generated)
+            update = await self.final_update(request, ticket, arrival, generated, logprobs)
         finally:
             ticket.cancel()
         if update is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         text = self.decoder.decode(generated)[: update.text_end]
+        echo = self.echo(body, seq)
         use = wire.usage(prompt_len, update.stats, self._drafter(ticket))
         self.metrics.finished(prompt_len, update.stats)
         make = wire.chat_body if chat else wire.completion_body
-        return JSONResponse(make(rid, self.model_name, text, update.finish_reason, use))
+        return JSONResponse(make(rid, self.model_name, echo + text, update.finish_reason, use,
+                                 self.logprobs(logprobs, chat, len(echo)) if ticket.sequence.logprobs is not None
+                                 else None))
+
+    def echo(self, body: GenerationRequest, seq: Sequence) -> str:
+        """The prompt's text where a completion request asks for it back (`echo`), else ""."""
+        return self.decoder.decode(seq.tokens[: seq.prompt_len]) if getattr(body, "echo", False) else ""
+
+    def token_text(self, token: int) -> str:
+        return self.decoder.decode([token])
+
+    def logprobs(self, entries: list, chat: bool, offset: int = 0) -> dict:
+        """The answer's `logprobs` in the endpoint's format."""
+        if chat:
+            return wire.chat_logprobs(entries, self.token_text)
+        return wire.completion_logprobs(entries, self.token_text, offset)
 
     def _drafter(self, ticket: Ticket) -> str:
         return self.drafter_name if ticket.sequence.drafting else "none"
@@ -109,8 +126,9 @@ class Answers:
         return None
 
     async def final_update(self, request: Request, ticket: Ticket, arrival: float,
-                           generated: list[int]) -> Update | None:
-        """The request's last update (its mailbox wakes the loop only then), with the tokens gathered on the way."""
+                           generated: list[int], logprobs: list) -> Update | None:
+        """The request's last update (its mailbox wakes the loop only then), with the tokens (and their logprobs)
+        gathered on the way."""
         while True:
             update = await self.next_update(ticket)
             if update is None:
@@ -120,6 +138,7 @@ class Answers:
             if update.error is not None:
                 raise APIError(update.error.status, update.error.message, update.error.type, update.error.param)
             generated.extend(update.tokens)
+            logprobs.extend(update.logprobs)
             if update.done:
                 if ticket.first_token_at is not None:
                     self.metrics.first_token.observe(ticket.first_token_at - arrival)
@@ -131,17 +150,26 @@ class Answers:
         """The answer as server-sent events: text deltas (stop strings held back until decided), then the finish
         reason, usage if asked for, and [DONE]; an error mid-stream is one error event."""
 
-        def chunk(text: str | None, finish: str | None, use: dict | None = None) -> str:
+        asked = ticket.sequence.logprobs is not None
+        offset = 0  # completions' text_offset: characters sent before a chunk's tokens
+
+        def chunk(text: str | None, finish: str | None, use: dict | None = None, entries=()) -> str:
+            nonlocal offset
+            logprobs = self.logprobs(list(entries), chat, offset) if asked and text is not None else None
+            offset += len(text or "")
             if chat:
                 delta = None if text is None else ({"content": text} if text or not finish else {})
-                return sse(wire.chat_chunk(rid, self.model_name, delta, finish, use))
-            return sse(wire.completion_chunk(rid, self.model_name, text, finish, use))
+                return sse(wire.chat_chunk(rid, self.model_name, delta, finish, use, logprobs))
+            return sse(wire.completion_chunk(rid, self.model_name, text, finish, use, logprobs))
 
         text = TextStream(self.decoder.decode, body.stop_strings())
         first = True
         try:
             if chat:
                 yield sse(wire.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}, None))
+            echo = self.echo(body, ticket.sequence)
+            if echo:
+                yield chunk(echo, None)
             while True:
                 try:
                     update = await self.next_update(ticket)
@@ -159,12 +187,12 @@ class Answers:
                     first = False
                 piece = text.delta(update.tokens, update.done, update.text_end)
                 if not update.done:
-                    if piece:
-                        yield chunk(piece, None)
+                    if piece or (asked and update.logprobs):  # a token's logprobs go out with the step that made it
+                        yield chunk(piece, None, entries=update.logprobs)
                     continue
                 self.metrics.latency.observe(time.monotonic() - arrival)
                 self.metrics.finished(prompt_len, update.stats)
-                yield chunk(piece, update.finish_reason)
+                yield chunk(piece, update.finish_reason, entries=update.logprobs)
                 if include_usage:
                     yield chunk(None, None, wire.usage(prompt_len, update.stats, self._drafter(ticket)))
                 break

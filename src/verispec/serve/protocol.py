@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from verispec.config import MAX_TEMPERATURE, PENALTY_RANGE, Constraint, TreeConfig
+from verispec.config import MAX_LOGPROBS, MAX_TEMPERATURE, PENALTY_RANGE, Constraint, TreeConfig
 from verispec.errors import VerispecError
 from verispec.stats import GenerationStats
 
@@ -179,7 +179,12 @@ class GenerationRequest(Strict):
     speculative: SpeculativeOptions | None = None
     response_format: ResponseFormat | None = None
     prediction: Prediction | None = None
+    logprobs_mode: Literal["raw", "processed"] | None = None  # verispec's: which distribution logprobs come from
     user: str | None = None
+
+    def top_logprobs_asked(self) -> int | None:
+        """How many alternatives each token's log-probabilities list (0: the token's alone), None: no logprobs."""
+        return None
 
     def sampling_fields(self) -> dict:
         names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -193,6 +198,11 @@ class GenerationRequest(Strict):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(Strict):
@@ -207,6 +217,13 @@ class ChatMessage(Strict):
 class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def top_logprobs_asked(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeRequest(Strict):
@@ -244,28 +261,59 @@ def usage(prompt_tokens: int, stats: GenerationStats, drafter: str) -> dict:
     }
 
 
-def completion_body(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": FINISH_REASONS[finish]}
+LOGPROB_FLOOR = -9999.0  # a log-probability of -inf (a token the processed distribution excludes), as OpenAI writes it
+
+
+def _finite(value: float) -> float:
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def chat_logprobs(entries, token_text) -> dict:
+    """OpenAI's chat `logprobs` for TokenLogprob entries; token_text: id -> the token's text."""
+
+    def one(token: int, logprob: float) -> dict:
+        text = token_text(token)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]} for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries, token_text, offset: int = 0) -> dict:
+    """OpenAI's (legacy) completions `logprobs` for TokenLogprob entries, text offsets counted from `offset`."""
+    texts = [token_text(e.token) for e in entries]
+    offsets, at = [], offset
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": texts, "token_logprobs": [_finite(e.logprob) for e in entries],
+            "top_logprobs": [{token_text(t): _finite(v) for t, v in e.top} for e in entries], "text_offset": offsets}
+
+
+def completion_body(rid: str, model: str, text: str, finish: str, use: dict, logprobs: dict | None = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": FINISH_REASONS[finish]}
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [choice], "usage": use}
 
 
-def chat_body(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def chat_body(rid: str, model: str, text: str, finish: str, use: dict, logprobs: dict | None = None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
               "finish_reason": FINISH_REASONS[finish]}
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [choice], "usage": use}
 
 
-def completion_chunk(rid: str, model: str, text: str | None, finish: str | None, use: dict | None = None) -> dict:
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None,
+def completion_chunk(rid: str, model: str, text: str | None, finish: str | None, use: dict | None = None,
+                     logprobs: dict | None = None) -> dict:
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs,
                                         "finish_reason": FINISH_REASONS.get(finish) if finish else None}]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": use}
 
 
-def chat_chunk(rid: str, model: str, delta: dict | None, finish: str | None, use: dict | None = None) -> dict:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+def chat_chunk(rid: str, model: str, delta: dict | None, finish: str | None, use: dict | None = None,
+               logprobs: dict | None = None) -> dict:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": FINISH_REASONS.get(finish) if finish else None}]
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": choices, "usage": use}

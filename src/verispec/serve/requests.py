@@ -151,6 +151,11 @@ class RequestBuilder:
             raise APIError(400, f"max_tokens may be at most {config.max_tokens_limit}", param="max_tokens")
         if body.response_format is not None:
             body.response_format.constraint()  # a missing or misplaced part is a 400 now
+        if body.top_logprobs_asked() is not None and getattr(body, "echo", False):
+            raise APIError(400, "echo with logprobs (the prompt's log-probabilities) is not supported; "
+                           "ask for one or the other", param="echo")
+        if body.logprobs_mode is not None and body.top_logprobs_asked() is None:
+            raise APIError(400, "logprobs_mode needs logprobs", param="logprobs_mode")
 
     def sequence(self, body: GenerationRequest, prompt: list[int], max_tokens: int | None, tenant: str = "",
                  prediction: list[int] | None = None) -> Sequence:
@@ -163,7 +168,8 @@ class RequestBuilder:
         drafting = self._drafting(spec_options)
         tree = self._tree(spec_options, drafting)
         self._check_length(len(prompt), max_tokens)
-        spec_fields = {"stop": stops, "stop_at_eos": not body.ignore_eos, "prediction_depth": self.prediction_depth()}
+        spec_fields = {"stop": stops, "stop_at_eos": not body.ignore_eos, "prediction_depth": self.prediction_depth(),
+                       "logprobs": body.top_logprobs_asked(), "logprobs_mode": body.logprobs_mode or "raw"}
         if max_tokens is not None:
             spec_fields["max_new_tokens"] = max_tokens
         if spec_options.K is not None:

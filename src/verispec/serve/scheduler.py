@@ -282,8 +282,9 @@ class Scheduler:
         generated = seq.generated
         if ticket.first_token_at is None and generated:
             ticket.first_token_at = time.monotonic()
+        logprobs = () if seq.logprobs is None else tuple(seq.logprobs[ticket.posted :])
         new, ticket.posted = tuple(generated[ticket.posted :]), len(generated)
-        ticket.post(Update(new, seq.finish_reason, seq.text_end, copy.deepcopy(seq.stats) if final else None))
+        ticket.post(Update(new, logprobs, seq.finish_reason, seq.text_end, copy.deepcopy(seq.stats) if final else None))
 
     def _release(self, ticket: Ticket) -> None:
         if self._running.pop(id(ticket.sequence), None) is not None:

@@ -63,11 +63,13 @@ class Update:
     tokens: the tokens generated since then (after any stop-string cut).
     finish_reason: None while running, else "eos", "stop" or "length".
     text_end: where a stop string cut the text, if one did.
+    logprobs: the tokens' log-probabilities (`core.sequence.TokenLogprob`), where the request asked for them.
     stats: the sequence's counters, on the last update only.
     error: set when the request was cut (tokens may still hold what came before).
     """
 
     tokens: tuple[int, ...] = ()
+    logprobs: tuple = ()  # the tokens' TokenLogprob entries, where the request asked for them
     finish_reason: str | None = None
     text_end: int | None = None
     stats: GenerationStats | None = None
@@ -79,7 +81,7 @@ class Update:
 
     def then(self, later: Update) -> Update:
         """This update followed by a later one, as one."""
-        return replace(later, tokens=self.tokens + later.tokens)
+        return replace(later, tokens=self.tokens + later.tokens, logprobs=self.logprobs + later.logprobs)
 
 
 class Ticket:
