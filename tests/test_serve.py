@@ -132,8 +132,8 @@ def test_the_openai_client_works_against_the_server(server):
                                               max_tokens=10, temperature=0, seed=1, stream=True)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
     assert text == chat.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        client.completions.create(model="tiny", prompt="hello", n=2)
+    with pytest.raises(openai.BadRequestError, match="n may be from 1 to 8"):
+        client.completions.create(model="tiny", prompt="hello", n=9)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="hello")
 
@@ -210,7 +210,8 @@ def test_metrics_count_requests_tokens_and_latency(client):
 
 
 BAD_REQUESTS = [
-    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "n": 9}, 400, "n"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "model": "other"}, 404, "model"),
     ({"prompt": "hi", "speculative": {"tree": {"width": 2}}}, 400, "speculative.tree"),
     ({"prompt": "hi", "speculative": {"tree": {"shape": [3, 0]}}}, 400, "speculative.tree"),
@@ -349,3 +350,28 @@ def assert_served_together_as_alone(decoder, bodies: list[dict] | None = None) -
         together = asyncio.run(post_all(server.url, [{"model": "tiny", **b} for b in bodies]))
     for b, a, t in zip(bodies, alone, together):
         assert t["choices"][0]["text"] == a["choices"][0]["text"], b
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_n_choices_are_the_requests_seeded_seed_plus_i_streamed_or_not(server, client, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"max_tokens": 12, "temperature": 1.0, "seed": 40, "speculative": {"K": 3}}
+    body.update({"messages": [{"role": "user", "content": "abc"}]} if chat else {"prompt": "abc"})
+
+    def text(choice):
+        return choice["message"]["content"] if chat else choice["text"]
+
+    alone = [text(client.post(path, json={**body, "seed": 40 + i}).json()["choices"][0]) for i in range(3)]
+    together = client.post(path, json={**body, "n": 3}).json()
+    assert [c["index"] for c in together["choices"]] == [0, 1, 2]
+    assert [text(c) for c in together["choices"]] == alone
+    assert together["usage"]["completion_tokens"] == sum(
+        client.post(path, json={**body, "seed": 40 + i}).json()["usage"]["completion_tokens"] for i in range(3))
+    chunks = sse_chunks(client.post(path, json={**body, "n": 3, "stream": True,
+                                                "stream_options": {"include_usage": True}}).text)
+    streamed = ["", "", ""]
+    for c in chunks[:-1]:
+        for choice in c["choices"]:
+            streamed[choice["index"]] += choice["delta"].get("content", "") if chat else choice["text"]
+    assert streamed == alone
+    assert chunks[-1]["usage"]["completion_tokens"] == together["usage"]["completion_tokens"]

@@ -50,7 +50,7 @@ def test_each_broken_limit_is_a_4xx_naming_its_field(builder):
     prompt = builder.completion_prompt(completion())
     cases = [
         (completion(model="other"), prompt, 8, 404, "model", "is not served here"),
-        (completion(n=2), prompt, 8, 400, "n", "only n=1"),
+        (completion(n=9), prompt, 8, 400, "n", "n may be from 1 to 8"),
         (completion(stop=["a", "b", "c", "d", "e"]), prompt, 8, 400, "stop", "at most 4 stop strings"),
         (completion(speculative={"K": 99}), prompt, 8, 400, "speculative.K", "at most 16"),
         (completion(speculative={"drafter": "eagle"}), prompt, 8, 400, "speculative.drafter", "drafts with 'ngram'"),

@@ -7,6 +7,7 @@ frees its row before the next step.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from verispec.serve.metrics import Metrics
 from verispec.serve.protocol import APIError, GenerationRequest
 from verispec.serve.scheduler import Scheduler
 from verispec.serve.tickets import QueueFull, ShuttingDown, Ticket, TooLarge, Unavailable, Update
+from verispec.stats import GenerationStats
 from verispec.serve.streaming import TextStream, TimedStreamingResponse
 
 POLL_S = 0.5  # how often a waiting request checks its client, its deadline and the decoding thread
@@ -68,33 +70,48 @@ class Answers:
         except (QueueFull, ShuttingDown, Unavailable, TooLarge) as err:
             raise refusal(err, self.config) from None
 
-    async def respond(self, request: Request, body: GenerationRequest, seq: Sequence, chat: bool,
+    async def respond(self, request: Request, body: GenerationRequest, seqs: list[Sequence], chat: bool,
                       tenant: str = "") -> Response:
-        """Submit `seq` (built from `body`, for this tenant) and answer: JSON when it is done, or a stream of events."""
-        arrival, prompt_len = time.monotonic(), seq.prompt_len
-        ticket = self.submit(seq, body.stream, tenant)
+        """Submit the request's sequences (one per choice: `n`; built from `body`, for this tenant) and answer: JSON
+        when every choice is done, or a stream of events."""
+        arrival, prompt_len = time.monotonic(), seqs[0].prompt_len
+        tickets: list[Ticket] = []
+        try:
+            for seq in seqs:
+                tickets.append(self.submit(seq, body.stream, tenant))
+        except BaseException:
+            for ticket in tickets:  # all choices or none
+                ticket.cancel()
+            raise
         rid = wire.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return TimedStreamingResponse(self.stream(ticket, body, rid, chat, arrival, prompt_len, include_usage),
+            return TimedStreamingResponse(self.stream(tickets, body, rid, chat, arrival, prompt_len, include_usage),
                                           send_timeout=self.config.send_timeout, media_type="text/event-stream",
                                           headers={"Cache-Control": "no-cache"})
-        generated: list[int] = []
-        logprobs: list = []
+        generated: list[list[int]] = [[] for _ in tickets]
+        logprobs: list[list] = [[] for _ in tickets]
         try:
-            update = await self.final_update(request, ticket, arrival, generated, logprobs)
+            updates = await asyncio.gather(*(self.final_update(request, ticket, arrival, generated[i], logprobs[i])
+                                             for i, ticket in enumerate(tickets)))
         finally:
-            ticket.cancel()
-        if update is None:  # the client went away; nobody reads this
+            for ticket in tickets:
+                ticket.cancel()
+        if any(update is None for update in updates):  # the client went away; nobody reads this
             return Response(status_code=499)
-        text = self.decoder.decode(generated)[: update.text_end]
-        echo = self.echo(body, seq)
-        use = wire.usage(prompt_len, update.stats, self._drafter(ticket))
-        self.metrics.finished(prompt_len, update.stats)
+        echo = self.echo(body, seqs[0])
+        choices = []
+        for i, (ticket, update) in enumerate(zip(tickets, updates)):
+            text = self.decoder.decode(generated[i])[: update.text_end]
+            entries = self.logprobs(logprobs[i], chat, len(echo)) if ticket.sequence.logprobs is not None else None
+            choices.append((wire.chat_choice if chat else wire.completion_choice)(i, echo + text, update.finish_reason,
+                                                                                 entries))
+        stats = GenerationStats.merge([update.stats for update in updates])
+        for update in updates:
+            self.metrics.finished(prompt_len, update.stats)
+        use = wire.usage(prompt_len, stats, self._drafter(tickets[0]))
         make = wire.chat_body if chat else wire.completion_body
-        return JSONResponse(make(rid, self.model_name, echo + text, update.finish_reason, use,
-                                 self.logprobs(logprobs, chat, len(echo)) if ticket.sequence.logprobs is not None
-                                 else None))
+        return JSONResponse(make(rid, self.model_name, choices, use))
 
     def echo(self, body: GenerationRequest, seq: Sequence) -> str:
         """The prompt's text where a completion request asks for it back (`echo`), else ""."""
@@ -145,57 +162,92 @@ class Answers:
                 self.metrics.latency.observe(time.monotonic() - arrival)
                 return update
 
-    async def stream(self, ticket: Ticket, body: GenerationRequest, rid: str, chat: bool, arrival: float,
+    async def stream(self, tickets: list[Ticket], body: GenerationRequest, rid: str, chat: bool, arrival: float,
                      prompt_len: int, include_usage: bool) -> AsyncIterator[str]:
-        """The answer as server-sent events: text deltas (stop strings held back until decided), then the finish
-        reason, usage if asked for, and [DONE]; an error mid-stream is one error event."""
+        """The answer as server-sent events: each choice's text deltas (stop strings held back until decided; with
+        n > 1 the choices' events interleave as their tokens come), then its finish reason; usage if asked for, and
+        [DONE]; an error mid-stream is one error event, which ends the stream."""
+        events: asyncio.Queue = asyncio.Queue()
+        finals: list = [None] * len(tickets)
 
+        async def follow(i: int, ticket: Ticket) -> None:
+            try:
+                async for event in self.choice_events(ticket, i, body, rid, chat, arrival):
+                    if isinstance(event, Update):
+                        finals[i] = event
+                    else:
+                        await events.put(event)
+            finally:
+                await events.put(None)
+
+        tasks = [asyncio.create_task(follow(i, ticket)) for i, ticket in enumerate(tickets)]
+        try:
+            if chat:
+                for i in range(len(tickets)):
+                    yield sse(wire.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}, None, index=i))
+            running, failed = len(tasks), False
+            while running:
+                event = await events.get()
+                if event is None:
+                    running -= 1
+                    continue
+                yield event
+                if event.startswith('data: {"error"'):
+                    failed = True
+                    break
+            if not failed and include_usage and all(final is not None for final in finals):
+                stats = GenerationStats.merge([final.stats for final in finals])
+                use = wire.usage(prompt_len, stats, self._drafter(tickets[0]))
+                yield sse((wire.chat_chunk if chat else wire.completion_chunk)(rid, self.model_name, None, None, use))
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
+            for ticket in tickets:
+                ticket.cancel()  # a disconnected client's rows are freed before the next step
+
+    async def choice_events(self, ticket: Ticket, index: int, body: GenerationRequest, rid: str, chat: bool,
+                            arrival: float) -> AsyncIterator:
+        """One choice's events (server-sent event strings), then its last Update (for the usage), or an error event."""
         asked = ticket.sequence.logprobs is not None
         offset = 0  # completions' text_offset: characters sent before a chunk's tokens
 
-        def chunk(text: str | None, finish: str | None, use: dict | None = None, entries=()) -> str:
+        def chunk(text: str, finish: str | None, entries=()) -> str:
             nonlocal offset
-            logprobs = self.logprobs(list(entries), chat, offset) if asked and text is not None else None
-            offset += len(text or "")
+            logprobs = self.logprobs(list(entries), chat, offset) if asked else None
+            offset += len(text)
             if chat:
-                delta = None if text is None else ({"content": text} if text or not finish else {})
-                return sse(wire.chat_chunk(rid, self.model_name, delta, finish, use, logprobs))
-            return sse(wire.completion_chunk(rid, self.model_name, text, finish, use, logprobs))
+                delta = {"content": text} if text or not finish else {}
+                return sse(wire.chat_chunk(rid, self.model_name, delta, finish, None, logprobs, index))
+            return sse(wire.completion_chunk(rid, self.model_name, text, finish, None, logprobs, index))
 
         text = TextStream(self.decoder.decode, body.stop_strings())
         first = True
-        try:
-            if chat:
-                yield sse(wire.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}, None))
-            echo = self.echo(body, ticket.sequence)
-            if echo:
-                yield chunk(echo, None)
-            while True:
-                try:
-                    update = await self.next_update(ticket)
-                except APIError as err:
-                    yield sse(err.body())
-                    break
-                if update is None:
-                    continue
-                if update.error is not None:
-                    error = update.error
-                    yield sse(APIError(error.status, error.message, error.type, error.param).body())
-                    break
-                if first:
-                    self.metrics.first_token.observe(time.monotonic() - arrival)
-                    first = False
-                piece = text.delta(update.tokens, update.done, update.text_end)
-                if not update.done:
-                    if piece or (asked and update.logprobs):  # a token's logprobs go out with the step that made it
-                        yield chunk(piece, None, entries=update.logprobs)
-                    continue
-                self.metrics.latency.observe(time.monotonic() - arrival)
-                self.metrics.finished(prompt_len, update.stats)
-                yield chunk(piece, update.finish_reason, entries=update.logprobs)
-                if include_usage:
-                    yield chunk(None, None, wire.usage(prompt_len, update.stats, self._drafter(ticket)))
-                break
-            yield "data: [DONE]\n\n"
-        finally:
-            ticket.cancel()  # a disconnected client's row is freed before the next step
+        echo = self.echo(body, ticket.sequence)
+        if echo:
+            yield chunk(echo, None)
+        while True:
+            try:
+                update = await self.next_update(ticket)
+            except APIError as err:
+                yield sse(err.body())
+                return
+            if update is None:
+                continue
+            if update.error is not None:
+                error = update.error
+                yield sse(APIError(error.status, error.message, error.type, error.param).body())
+                return
+            if first:
+                self.metrics.first_token.observe(time.monotonic() - arrival)
+                first = False
+            piece = text.delta(update.tokens, update.done, update.text_end)
+            if not update.done:
+                if piece or (asked and update.logprobs):  # a token's logprobs go out with the step that made it
+                    yield chunk(piece, None, update.logprobs)
+                continue
+            self.metrics.latency.observe(time.monotonic() - arrival)
+            self.metrics.finished(ticket.sequence.prompt_len, update.stats)
+            yield chunk(piece, update.finish_reason, update.logprobs)
+            yield update
+            return

@@ -99,19 +99,19 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig(),
         except TooLarge as err:
             raise refusal(err, config) from None
         if not constraint:
-            seq = requests.sequence(body, prompt, max_tokens, tenant, prediction)
+            seqs = requests.sequences(body, prompt, max_tokens, tenant, prediction)
         else:  # compiled once per content, on the compile pool, within the time budget
             seconds = config.constraint_limits.compile_seconds
             try:
-                seq = await compiler.run(lambda: requests.sequence(body, prompt, max_tokens, tenant, prediction),
-                                         seconds)
+                seqs = await compiler.run(lambda: requests.sequences(body, prompt, max_tokens, tenant, prediction),
+                                          seconds)
             except CompileTimeout:
                 raise APIError(400, f"compiling the constraint took longer than {seconds:g} s: simplify the schema "
                                "or grammar", param="response_format") from None
             except Busy:
                 raise APIError(503, "too many constraints are being compiled; retry later", "server_overloaded",
                                code="compile_queue_full") from None
-        return await answers.respond(request, body, seq, chat=chat, tenant=tenant)
+        return await answers.respond(request, body, seqs, chat=chat, tenant=tenant)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:

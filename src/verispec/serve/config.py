@@ -56,6 +56,8 @@ class ServeConfig:
             work per step.
         compile_workers: threads that compile constraints (each with a stack the bounds leave far from full); a
             request waits for one, and gets a 503 when more than max_queue wait. Default 1.
+        max_n: the most choices (`n`) one request may ask for; each is a sequence of its own, seeded `seed + i`,
+            admitted (queue place, cache reservation) as a request is. Default 8.
         served_model_name: the model id clients name (None: the target's name).
         max_batch_size: sequences decoded together; 1 turns continuous batching off. Default 8.
         max_queue: requests waiting for a batch slot; more get HTTP 429. Default 64.
@@ -134,6 +136,7 @@ class ServeConfig:
         "ConstraintLimits: " + ", ".join(f"{f.name}={f.default}" for f in fields(ConstraintLimits)) + ")",
         parse=limits_from_text, metavar="NAME=VALUE[,...]", default_text="the values listed")
     compile_workers: int = option(1, "threads compiling constraints")
+    max_n: int = option(8, "most choices (n) one request may ask for")
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -141,7 +144,8 @@ class ServeConfig:
         if self.api_key is not None and not self.api_key.strip():
             raise VerispecError("the API key is empty")
         for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_draft_tokens", "max_tree_nodes",
-                     "max_stop_strings", "max_stop_length", "prefill_chunk", "limit_concurrency", "compile_workers"):
+                     "max_stop_strings", "max_stop_length", "prefill_chunk", "limit_concurrency", "compile_workers",
+                     "max_n"):
             if not is_count(getattr(self, name), 1):
                 raise VerispecError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
         for name in ("max_prompt_tokens", "max_tokens_limit", "max_request_tokens", "max_cache_bytes"):

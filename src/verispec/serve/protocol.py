@@ -249,7 +249,7 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, stats: GenerationStats, drafter: str) -> dict:
-    """OpenAI usage plus `speculative`: how the tokens were produced."""
+    """OpenAI usage plus `speculative`: how the tokens were produced (for n > 1, the choices' stats merged)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": stats.new_tokens,
@@ -290,30 +290,36 @@ def completion_logprobs(entries, token_text, offset: int = 0) -> dict:
             "top_logprobs": [{token_text(t): _finite(v) for t, v in e.top} for e in entries], "text_offset": offsets}
 
 
-def completion_body(rid: str, model: str, text: str, finish: str, use: dict, logprobs: dict | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": FINISH_REASONS[finish]}
+def completion_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": FINISH_REASONS[finish]}
+
+
+def chat_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": FINISH_REASONS[finish]}
+
+
+def completion_body(rid: str, model: str, choices: list[dict], use: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": use}
+            "choices": choices, "usage": use}
 
 
-def chat_body(rid: str, model: str, text: str, finish: str, use: dict, logprobs: dict | None = None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-              "finish_reason": FINISH_REASONS[finish]}
+def chat_body(rid: str, model: str, choices: list[dict], use: dict) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": use}
+            "choices": choices, "usage": use}
 
 
 def completion_chunk(rid: str, model: str, text: str | None, finish: str | None, use: dict | None = None,
-                     logprobs: dict | None = None) -> dict:
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs,
+                     logprobs: dict | None = None, index: int = 0) -> dict:
+    choices = [] if text is None else [{"index": index, "text": text, "logprobs": logprobs,
                                         "finish_reason": FINISH_REASONS.get(finish) if finish else None}]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": use}
 
 
 def chat_chunk(rid: str, model: str, delta: dict | None, finish: str | None, use: dict | None = None,
-               logprobs: dict | None = None) -> dict:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
+               logprobs: dict | None = None, index: int = 0) -> dict:
+    choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": FINISH_REASONS.get(finish) if finish else None}]
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": choices, "usage": use}

@@ -136,8 +136,8 @@ class RequestBuilder:
         """The checks a request's fields allow alone (no prompt read, nothing compiled): cheap, on the event loop."""
         config = self.config
         self.check_model(body.model)
-        if body.n != 1:
-            raise APIError(400, "only n=1 is supported (send several requests: the server batches them)", param="n")
+        if not 1 <= body.n <= config.max_n:
+            raise APIError(400, f"n may be from 1 to {config.max_n}", param="n")
         stops = body.stop_strings()
         if len(stops) > config.max_stop_strings:
             raise APIError(400, f"at most {config.max_stop_strings} stop strings, got {len(stops)}", param="stop")
@@ -159,9 +159,15 @@ class RequestBuilder:
 
     def sequence(self, body: GenerationRequest, prompt: list[int], max_tokens: int | None, tenant: str = "",
                  prediction: list[int] | None = None) -> Sequence:
-        """The request's Sequence (after `check`): its lengths checked, its constraint compiled (once per content:
-        `Grammars.compile`), its tenant's scope set where the server keeps keys' outputs apart. (It runs `check` again:
-        microseconds, and a caller that skipped it gets the same answers.)"""
+        """The request's (first) Sequence: see `sequences`."""
+        return self.sequences(body, prompt, max_tokens, tenant, prediction)[0]
+
+    def sequences(self, body: GenerationRequest, prompt: list[int], max_tokens: int | None, tenant: str = "",
+                  prediction: list[int] | None = None) -> list[Sequence]:
+        """The request's sequences, one per choice (`n`; choice i seeded `seed + i`), after `check`: their lengths
+        checked, their constraint compiled (once per content: `Grammars.compile`), their tenant's scope set where the
+        server keeps keys' outputs apart. (It runs `check` again: microseconds, and a caller that skipped it gets the
+        same answers.)"""
         self.check(body, max_tokens)
         stops = body.stop_strings()
         spec_options = body.speculative or wire.SpeculativeOptions()
@@ -184,10 +190,11 @@ class RequestBuilder:
             spec = SpecConfig(**spec_fields)
             # the server's tuner (ServeConfig.auto_k) sizes a request's drafts unless it names K or a tree (a seeded
             # sampled request's draws follow K: naming K is how it gets the same tokens alone or batched)
-            seq = self.engine.make_sequences([prompt], sampling, spec, [body.seed], drafting=drafting,
-                                             tuned=spec_options.K is None and tree is None,
-                                             scope=tenant if self.config.scope_by_key else None,
-                                             predictions=[prediction])[0]
+            seeds = [None if body.seed is None else (body.seed + i) % 2**64 for i in range(body.n)]
+            seqs = self.engine.make_sequences([prompt] * body.n, sampling, spec, seeds, drafting=drafting,
+                                              tuned=spec_options.K is None and tree is None,
+                                              scope=tenant if self.config.scope_by_key else None,
+                                              predictions=[prediction] * body.n)
         except ConstraintError as err:
             raise APIError(400, str(err), param="response_format") from None
         except VerispecError as err:
@@ -195,7 +202,7 @@ class RequestBuilder:
             if constraint is not None and ("constraint" in str(err) or "schema" in str(err)):
                 field = "response_format"
             raise APIError(400, str(err), param=field if field in GenerationRequest.model_fields else None) from None
-        return seq
+        return seqs
 
     def _drafting(self, options: wire.SpeculativeOptions) -> bool:
         if options.drafter is None:
