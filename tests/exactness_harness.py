@@ -26,7 +26,7 @@ from conftest import noisy_copy, tiny_model
 from verispec.chisquare import FitResult, chi_square_test
 from verispec.config import NGramConfig, PromptLookupConfig, SamplingConfig, SpecConfig, TreeConfig
 from verispec.engine import SpeculativeEngine
-from verispec.sampling import logits_to_probs, seen_masks
+from verispec.sampling import Processors, logits_to_probs
 
 V = 8  # vocabulary: small enough that the joint of 3 tokens has 512 cells
 LAYERS = 4  # self-speculation skips sublayers of some of them
@@ -40,6 +40,8 @@ SETTINGS = {
     "T1.2-topp0.7": SamplingConfig(temperature=1.2, top_p=0.7),
     "T1-minp0.15": SamplingConfig(temperature=1.0, min_p=0.15),
     "T0.9-all-rep1.5": SamplingConfig(temperature=0.9, top_k=6, top_p=0.9, min_p=0.05, repetition_penalty=1.5),
+    "T1-pres-freq-bias": SamplingConfig(temperature=1.0, presence_penalty=1.2, frequency_penalty=0.6,
+                                        logit_bias=((3, 1.5), (6, -2.0))),
 }
 SHAPES = {  # draft shapes: a chain of K tokens, or a tree, and how a sampling drafter picks a node's children
     "chain": None,
@@ -296,8 +298,7 @@ def exact_joint(runner, sampling: SamplingConfig, depth: int) -> dict[tuple[int,
         for prefix, mass in joint.items():
             context = PROMPT + list(prefix)
             logits = runner.forward(runner.new_state(1), [context], [1])[0, -1:].float()  # (1, V)
-            seen = seen_masks(torch.tensor(context), torch.zeros(0, dtype=torch.long), V) \
-                if sampling.repetition_penalty != 1.0 else None
+            seen = Processors(sampling, len(PROMPT)).seen(context, V)  # the penalties' history, or None
             probs = logits_to_probs(logits, sampling, seen)[0].double()  # (V,)
             for token in probs.nonzero().flatten().tolist():
                 grown[prefix + (token,)] = mass * float(probs[token])

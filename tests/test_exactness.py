@@ -22,7 +22,7 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.models.runners.hf import ModelRunner
-from verispec.sampling import logits_to_probs, seen_masks
+from verispec.sampling import Processors, logits_to_probs
 
 V = 8
 PROMPT = [1, 5, 2, 6, 1, 5, 2]
@@ -33,9 +33,7 @@ THRESHOLD = 1e-4
 def exact_next(model, context, sampling):
     with torch.no_grad():
         logits = model(torch.tensor([context])).logits[0, -1:].float()  # (1, V)
-    seen = None
-    if sampling.repetition_penalty != 1.0:
-        seen = seen_masks(torch.tensor(context), torch.zeros(0, dtype=torch.long), V)
+    seen = Processors(sampling, len(PROMPT)).seen(context, V)  # every context here starts with PROMPT
     return logits_to_probs(logits, sampling, seen)[0].double()  # (V,)
 
 
@@ -88,6 +86,7 @@ SETTINGS = [
     SamplingConfig(temperature=1.2, top_p=0.7),
     SamplingConfig(temperature=1.0, min_p=0.15),
     SamplingConfig(temperature=0.9, top_k=6, top_p=0.9, min_p=0.05, repetition_penalty=1.5),
+    SamplingConfig(temperature=1.0, presence_penalty=1.2, frequency_penalty=0.6, logit_bias=((3, 1.5), (6, -2.0))),
 ]
 
 
@@ -102,7 +101,8 @@ def draft(sampling_pair):
 
 
 @pytest.mark.parametrize("K", [1, 3, 8])
-@pytest.mark.parametrize("sampling", SETTINGS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}-m{s.min_p}-r{s.repetition_penalty}")
+@pytest.mark.parametrize("sampling", SETTINGS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}-m{s.min_p}-r{s.repetition_penalty}"
+                         f"-pres{s.presence_penalty}-freq{s.frequency_penalty}-bias{len(s.logit_bias)}")
 def test_draft_model_chain_matches_target_distribution(target, draft, K, sampling):
     engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), V), set())
     samples, seqs = sample_tokens(engine, sampling, K)

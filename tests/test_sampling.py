@@ -13,7 +13,8 @@ from transformers.generation.logits_process import (
 
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.errors import VerispecError
-from verispec.sampling import Processors, greedy_tokens, logits_to_probs, sample, seen_masks, tree_seen_masks
+from verispec.sampling import (Processors, Seen, greedy_tokens, logits_to_probs, penalise, sample, seen_masks,
+                               tree_seen_masks)
 
 
 def hf_probs(logits, context, cfg):
@@ -119,22 +120,32 @@ def test_nan_logits_are_refused_not_sampled():
 
 @pytest.mark.parametrize("config", [SamplingConfig(temperature=0), SamplingConfig(temperature=0, repetition_penalty=1.3),
                                     SamplingConfig(temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.2),
-                                    SamplingConfig(temperature=1.0, min_p=0.05)])
+                                    SamplingConfig(temperature=1.0, min_p=0.05),
+                                    SamplingConfig(temperature=0.9, presence_penalty=0.8, frequency_penalty=-0.5,
+                                                   logit_bias=((3, 2.0), (4, -100.0))),
+                                    SamplingConfig(temperature=0, frequency_penalty=1.5)])
 def test_a_sequences_processor_chain_is_the_functions_it_is_built_from(config):
-    """`Processors` (the chain the verifier and the drafters call) gives what the functions give: the seen-masks,
-    the target's argmax or p, and a draft's argmax or its q and the draw from it with the same generator."""
-    chain, vocab = Processors(config), 32
+    """`Processors` (the chain the verifier and the drafters call) gives what the functions give: the seen-masks and
+    the answer's counts, the target's argmax or p, and a draft's argmax or its q and the draw from it with the same
+    generator."""
+    chain, vocab = Processors(config, prompt_len=2), 32
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(4, vocab, generator=gen)  # (N + 1, V)
     context, drafts = [1, 2, 5, 2], torch.tensor([7, 1, 9])
     seen = chain.seen_rows(context, drafts, None, vocab)
-    if config.repetition_penalty == 1.0:
+    if config.repetition_penalty == 1.0 and not (config.presence_penalty or config.frequency_penalty):
         assert seen is None and chain.seen(context, vocab) is None
     else:
-        assert torch.equal(seen, seen_masks(torch.tensor(context), drafts, vocab))
-        assert torch.equal(chain.seen(context + [7], vocab)[0], seen[1])
         tree = chain.seen_rows(context, drafts, torch.tensor([-1, 0, 0]), vocab)
-        assert torch.equal(tree, tree_seen_masks(torch.tensor(context), drafts, torch.tensor([-1, 0, 0]), vocab))
+        if config.repetition_penalty != 1.0:
+            assert torch.equal(seen.mask, seen_masks(torch.tensor(context), drafts, vocab))
+            assert torch.equal(chain.seen(context + [7], vocab).mask[0], seen.mask[1])
+            assert torch.equal(tree.mask, tree_seen_masks(torch.tensor(context), drafts, torch.tensor([-1, 0, 0]), vocab))
+        else:  # the answer is context[2:] = [5, 2], then the drafts on the row's path
+            assert seen.counts[0, 2] == 1 and seen.counts[0, 1] == 0 and seen.counts[3, 1] == 1 and seen.counts[3, 7] == 1
+            assert torch.equal(chain.seen(context + [7], vocab).counts[0], seen.counts[1])
+            assert tree.counts[3, 1] == 0 and tree.counts[3, 7] == 1  # node 2's path is 7, 9: not 1
+    expected = greedy_tokens(logits, config, seen) if config.greedy else logits_to_probs(logits, config, seen)
     expected = greedy_tokens(logits, config, seen) if config.greedy else logits_to_probs(logits, config, seen)
     assert torch.equal(chain.target(logits, seen), expected)
     row_seen = None if seen is None else seen[:1]
@@ -144,3 +155,16 @@ def test_a_sequences_processor_chain_is_the_functions_it_is_built_from(config):
     else:
         assert torch.equal(q, logits_to_probs(logits[:1], config, row_seen)[0])
         assert token == sample(q, torch.Generator().manual_seed(11))
+
+
+def test_presence_frequency_and_bias_change_the_logits_as_openai_defines_them():
+    config = SamplingConfig(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: 1.0})
+    logits = torch.zeros(1, 6)
+    counts = torch.tensor([[0.0, 2.0, 1.0, 0.0, 0.0, 0.0]])
+    out = penalise(logits, config, Seen(counts=counts))
+    assert out.tolist() == [[0.0, -1.0, -0.75, 1.0, 0.0, 0.0]]  # - 0.25 * count - 0.5 * present, + bias
+    assert penalise(torch.zeros(1, 3), config, None).tolist() == [[0.0, 0.0, 0.0]]  # a bias past a draft's vocabulary
+    with pytest.raises(VerispecError, match="presence_penalty"):
+        SamplingConfig(presence_penalty=2.5)
+    with pytest.raises(VerispecError, match="logit_bias"):
+        SamplingConfig(logit_bias={1: 101})

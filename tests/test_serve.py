@@ -375,3 +375,19 @@ def test_n_choices_are_the_requests_seeded_seed_plus_i_streamed_or_not(server, c
             streamed[choice["index"]] += choice["delta"].get("content", "") if chat else choice["text"]
     assert streamed == alone
     assert chunks[-1]["usage"]["completion_tokens"] == together["usage"]["completion_tokens"]
+
+
+def test_presence_frequency_penalties_and_logit_bias_are_the_python_apis(decoder, client):
+    body = {"prompt": "hello there", "max_tokens": 16, "temperature": 0}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    first = decoder.encode("hello there", chat=False)
+    settings = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "logit_bias": {"5": 100, "7": -100}}
+    out = client.post("/v1/completions", json={**body, **settings, "speculative": {"K": 3}}).json()
+    expected = decoder.generate(first, SamplingConfig(temperature=0, presence_penalty=1.5, frequency_penalty=1.0,
+                                                      logit_bias={5: 100.0, 7: -100.0}), SpecConfig(max_new_tokens=16))
+    assert out["choices"][0]["text"] == expected.text != plain
+    assert 5 in expected.token_ids and 7 not in expected.token_ids  # +100 wins the argmax; -100 never does
+    for bad in ({"logit_bias": {"x": 1}}, {"logit_bias": {"999999": 1}}, {"logit_bias": {"5": 101}},
+                {"presence_penalty": 3}):
+        r = client.post("/v1/completions", json={**body, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), r.text

@@ -21,7 +21,7 @@ from verispec.chisquare import FitResult, chi_square_test
 from verispec.config import SamplingConfig, SpecConfig, TreeConfig
 from verispec.constraints import apply_constraint
 from verispec.errors import VerispecError
-from verispec.sampling import greedy_tokens, logits_to_probs, seen_masks
+from verispec.sampling import Processors, greedy_tokens, logits_to_probs
 
 
 @dataclass
@@ -78,9 +78,7 @@ def exact_distribution(decoder: SpeculativeDecoder, prompt: list[int], sampling:
         state = decoder.engine.grammars().start(sampling.constraint)
         state.advance(answer)
         logits = apply_constraint(logits, state.allowed().unsqueeze(0))  # (1, V)
-    seen = None
-    if sampling.repetition_penalty != 1.0:
-        seen = seen_masks(torch.tensor(context), torch.zeros(0, dtype=torch.long), logits.shape[-1])
+    seen = Processors(sampling, len(prompt)).seen(context, logits.shape[-1])  # the penalties' history, or None
     if sampling.greedy:
         return torch.nn.functional.one_hot(greedy_tokens(logits, sampling, seen), logits.shape[-1])[0].double()
     return logits_to_probs(logits, sampling, seen)[0]

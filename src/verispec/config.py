@@ -100,6 +100,12 @@ class SamplingConfig:
         top_p: nucleus sampling mass in (0, 1]; 1.0 disables. Default 1.0.
         min_p: drop tokens whose probability is below min_p x the top probability; 0 disables.
         repetition_penalty: CTRL-style penalty (> 0) on tokens already in the context; 1.0 disables.
+        presence_penalty: subtracted from the logit of every token already in the answer (OpenAI's, in [-2, 2]; the
+            answer only, not the prompt, as vLLM counts it). Default 0.
+        frequency_penalty: subtracted once per occurrence of a token in the answer so far (OpenAI's, in [-2, 2]).
+            Default 0.
+        logit_bias: (token id, bias) pairs added to those tokens' logits before everything else (OpenAI's, biases
+            in [-100, 100]). Default none.
         constraint: structured output (a JSON schema, a regex, a grammar): the target's p is restricted to the
             tokens it allows at each position, before the settings above apply. None (default): unconstrained.
     """
@@ -109,9 +115,25 @@ class SamplingConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -2.0 <= value <= 2.0):
+                raise VerispecError(f"{name} must be in [-2, 2] (0 disables it), got {value}")
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        try:
+            bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        except (TypeError, ValueError):
+            raise VerispecError("logit_bias takes (token id, bias) pairs") from None
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
+            raise VerispecError("logit_bias takes token ids >= 0 and biases in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise VerispecError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if int(self.top_k) != self.top_k or self.top_k < 0:

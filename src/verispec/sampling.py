@@ -17,6 +17,8 @@ are NaN or +inf (a broken model) are refused with a ValueError rather than sampl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from verispec.config import SamplingConfig
@@ -60,6 +62,66 @@ def tree_seen_masks(context: torch.Tensor, tokens: torch.Tensor, parents: torch.
     return masks
 
 
+def answer_counts(answer: torch.Tensor, continuation: torch.Tensor, vocab_size: int,
+                  parents: torch.Tensor | None = None) -> torch.Tensor:
+    """How often each token occurs in the answer at each position of a continuation (presence / frequency penalties).
+
+    Args:
+        answer: (T,) the tokens generated so far (not the prompt).
+        continuation: (n,) draft tokens; parents: (n,) each node's parent (-1: the root) for a tree, None for a chain.
+    Returns:
+        (n + 1, V) float32: row 0 at the root, row i + 1 after draft token i (its path's tokens counted).
+    """
+    base = torch.zeros(vocab_size, dtype=torch.float32)  # (V,)
+    base.index_add_(0, answer.long(), torch.ones(answer.numel()))
+    counts = base.expand(continuation.numel() + 1, vocab_size).clone()  # (n + 1, V)
+    for i in range(continuation.numel()):
+        if parents is None:
+            counts[i + 1 :, continuation[i]] += 1
+        else:
+            counts[i + 1] = counts[int(parents[i]) + 1]
+            counts[i + 1, continuation[i]] += 1
+    return counts
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the history penalties read at each of N rows: `mask` (N, V) bool, the tokens of the context so far (the
+    repetition penalty); `counts` (N, V) float32, each token's occurrences in the answer so far (presence and frequency
+    penalties). Either is None where no penalty reads it. seen[i : j] -> those rows."""
+
+    mask: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+    def __getitem__(self, rows: slice) -> Seen:
+        return Seen(None if self.mask is None else self.mask[rows], None if self.counts is None else self.counts[rows])
+
+
+def penalise(logits: torch.Tensor, config: SamplingConfig, seen: Seen | torch.Tensor | None) -> torch.Tensor:
+    """The logits every setting sees before temperature: logit bias, then the repetition penalty (seen.mask), then the
+    presence and frequency penalties (seen.counts). logits: (N, V') any float dtype (V' <= V: a draft's smaller
+    vocabulary; bias and counts past it are ignored); seen: a Seen, a bare (N, V) repetition mask, or None.
+    Returns (N, V') float32."""
+    logits = logits.float()
+    width = logits.shape[-1]
+    if config.logit_bias:
+        ids = [t for t, _ in config.logit_bias if t < width]
+        if ids:
+            bias = torch.tensor([b for t, b in config.logit_bias if t < width], device=logits.device)  # (k,)
+            logits = logits.clone()
+            logits[:, ids] += bias
+    if seen is None:
+        return logits
+    if isinstance(seen, torch.Tensor):
+        seen = Seen(mask=seen)
+    if seen.mask is not None:
+        logits = apply_repetition_penalty(logits, seen.mask[:, :width], config.repetition_penalty)
+    if seen.counts is not None and (config.presence_penalty or config.frequency_penalty):
+        counts = seen.counts[:, :width].to(logits.device)  # (N, V')
+        logits = logits - config.frequency_penalty * counts - config.presence_penalty * (counts > 0).float()
+    return logits
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """CTRL repetition penalty: seen tokens' logits are divided (if > 0) or multiplied (if < 0).
 
@@ -90,30 +152,26 @@ def _row_max(logits: torch.Tensor) -> torch.Tensor:
     return top
 
 
-def greedy_tokens(logits: torch.Tensor, config: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Argmax tokens (temperature 0). logits: (N, V) -> (N,) long."""
-    logits = logits.float()
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, config.repetition_penalty)
+def greedy_tokens(logits: torch.Tensor, config: SamplingConfig, seen: Seen | torch.Tensor | None = None) -> torch.Tensor:
+    """Argmax tokens (temperature 0) of the penalised logits (`penalise`). logits: (N, V) -> (N,) long."""
+    logits = penalise(logits, config, seen)
     _row_max(logits)
     return logits.argmax(dim=-1)
 
 
-def logits_to_probs(logits: torch.Tensor, config: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
+def logits_to_probs(logits: torch.Tensor, config: SamplingConfig, seen: Seen | torch.Tensor | None = None) -> torch.Tensor:
     """Processed probabilities for sampling (temperature > 0).
 
     Args:
         logits: (N, V) raw model logits, any float dtype.
         config: the sampling settings; must not be greedy.
-        seen: (N, V) bool, tokens the repetition penalty applies to (None: no penalty).
+        seen: what the history penalties read (`Seen`, or a bare (N, V) repetition mask; None: none).
     Returns:
         (N, V) float32 probabilities, each row summing to 1.
     """
     if config.greedy:
         raise ValueError("logits_to_probs needs temperature > 0; use greedy_tokens for temperature 0")
-    logits = logits.float()  # (N, V)
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, config.repetition_penalty)
+    logits = penalise(logits, config, seen)  # (N, V)
     # (l - max) / T <= 0: never overflows, however small T; entries below the max go to -inf as T -> 0
     temperature = max(config.temperature, torch.finfo(logits.dtype).tiny)  # 5e-324 is 0 in float32: 0 / 0
     logits = (logits - _row_max(logits)) / temperature
@@ -169,48 +227,55 @@ def _first_above(cdf: torch.Tensor, x: float) -> int:
 
 
 class Processors:
-    """One sequence's processor chain, built once from its `SamplingConfig` (`Sequence.processors`): repetition
-    penalty -> temperature / top-k / top-p / min-p -> a greedy or a sampled draw. (A structured-output constraint
+    """One sequence's processor chain, built once from its `SamplingConfig` (`Sequence.processors`): logit bias ->
+    repetition, presence and frequency penalties -> temperature / top-k / top-p / min-p -> a greedy or a sampled
+    draw. (A structured-output constraint
     masks the logits before the chain: `constraints.apply_constraint` for p, `drafters.drawing.constrained_logits`
     for q.) The verifier (for p) and every drafter that draws from logits (for q) go through it, so the greedy
     branch and the penalty's seen-mask are decided here, once.
     """
 
-    def __init__(self, config: SamplingConfig) -> None:
+    def __init__(self, config: SamplingConfig, prompt_len: int = 0) -> None:
         self.config = config
+        self.prompt_len = prompt_len  # where the answer starts in a context (presence / frequency count the answer)
         self.greedy = config.greedy  # temperature 0: argmax on both sides, q None
-        self.penalised = config.repetition_penalty != 1.0
+        self.repeats = config.repetition_penalty != 1.0
+        self.counts = bool(config.presence_penalty or config.frequency_penalty)
+        # anything between the logits and the argmax (a greedy row is verified by a bare argmax only without)
+        self.penalised = self.repeats or self.counts or bool(config.logit_bias)
 
-    def seen(self, tokens: list[int], vocab: int) -> torch.Tensor | None:
-        """(1, V) the tokens the penalty applies to after `tokens` (a context, with drafts after it); None without a
+    def seen(self, tokens: list[int], vocab: int) -> Seen | None:
+        """What the penalties read after `tokens` (the context, with drafts after it): one row; None without a history
         penalty."""
-        if not self.penalised:
-            return None
-        context = torch.tensor(tokens, dtype=torch.long)  # (T,)
-        return seen_masks(context, context[:0], vocab)
+        return self.seen_rows(tokens, torch.zeros(0, dtype=torch.long), None, vocab)
 
     def seen_rows(self, context: list[int], tokens: torch.Tensor, parents: torch.Tensor | None,
-                  vocab: int) -> torch.Tensor | None:
-        """(N + 1, V) the penalty's tokens at the root and after each of a draft's N nodes (`parents` None: a chain);
-        None without a penalty."""
-        if not self.penalised:
+                  vocab: int) -> Seen | None:
+        """What the penalties read at the root and after each of a draft's N nodes (`parents` None: a chain): N + 1
+        rows; None without a history penalty."""
+        if not (self.repeats or self.counts):
             return None
         committed = torch.tensor(context, dtype=torch.long)  # (T,)
-        return (seen_masks(committed, tokens, vocab) if parents is None else
-                tree_seen_masks(committed, tokens, parents, vocab))
+        mask = counts = None
+        if self.repeats:
+            mask = (seen_masks(committed, tokens, vocab) if parents is None else
+                    tree_seen_masks(committed, tokens, parents, vocab))  # (N + 1, V)
+        if self.counts:
+            counts = answer_counts(committed[self.prompt_len :], tokens, vocab, parents)  # (N + 1, V)
+        return Seen(mask, counts)
 
-    def target(self, logits: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
+    def target(self, logits: torch.Tensor, seen: Seen | None) -> torch.Tensor:
         """The target's rows as verification reads them: (N, V) logits -> (N,) argmax when greedy, else (N, V) p."""
         return greedy_tokens(logits, self.config, seen) if self.greedy else logits_to_probs(logits, self.config, seen)
 
-    def propose(self, logits: torch.Tensor, seen: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
+    def propose(self, logits: torch.Tensor, seen: Seen | None) -> tuple[int, torch.Tensor | None]:
         """A draft position from (1, V) logits: (the argmax, None) when greedy, else (-1, q) with q (V,) the
         distribution to draw it from (`draw`, or `sample` once the drafter decides to go on)."""
         if self.greedy:
             return int(greedy_tokens(logits, self.config, seen)[0]), None
         return -1, logits_to_probs(logits, self.config, seen)[0]
 
-    def draw(self, logits: torch.Tensor, seen: torch.Tensor | None,
+    def draw(self, logits: torch.Tensor, seen: Seen | None,
              rng: torch.Generator) -> tuple[int, torch.Tensor | None]:
         """A draft token from (1, V) logits: the argmax when greedy (q None), else a sample from q and q (V,)."""
         token, q = self.propose(logits, seen)

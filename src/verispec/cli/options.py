@@ -63,7 +63,8 @@ def build_config(cls, args: argparse.Namespace, mapping: dict[str, str]):
 
 
 SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-                    "repetition_penalty": "repetition_penalty"}
+                    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                    "frequency_penalty": "frequency_penalty"}
 SPEC_OPTIONS = {"num_draft_tokens": "num_draft_tokens", "max_new_tokens": "max_new_tokens", "stop": "stop",
                 "draft_stop": "draft_stop", "logprobs": "logprobs", "logprobs_mode": "logprobs_mode"}
 LOOKUP_OPTIONS = {"max_ngram": "ngram_max", "min_ngram": "ngram_min"}
@@ -132,6 +133,10 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (default: 1.0)")
     p.add_argument("--min-p", type=float, help="drop tokens below min-p x top probability (default: 0)")
     p.add_argument("--repetition-penalty", type=float, help="CTRL repetition penalty, 1.0 disables (default: 1.0)")
+    p.add_argument("--presence-penalty", type=float,
+                   help="subtracted from the logit of each token already in the answer, in [-2, 2] (default: 0)")
+    p.add_argument("--frequency-penalty", type=float,
+                   help="subtracted per occurrence of a token in the answer so far, in [-2, 2] (default: 0)")
     p.add_argument("--seed", type=int, default=None, help="seed of this request's random generator (default: fresh entropy)")
     structured = p.add_mutually_exclusive_group()
     structured.add_argument("--json-schema", type=Path, metavar="FILE",

@@ -76,7 +76,7 @@ class Sequence:
     processors: Processors = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.processors = Processors(self.sampling)
+        self.processors = Processors(self.sampling, self.prompt_len)
         if self.spec.logprobs is not None and self.logprobs is None:
             self.logprobs = []
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from verispec.core.sequence import Sequence
+from verispec.sampling import Seen
 
 
-def penalty_seen(seq: Sequence, drafted: list[int], vocab: int) -> torch.Tensor | None:
-    """(1, V) tokens the repetition penalty applies to after the context and these drafts; None without one."""
+def penalty_seen(seq: Sequence, drafted: list[int], vocab: int) -> Seen | None:
+    """What the penalties read after the context and these drafts (one row, `sampling.Seen`); None without one."""
     return seq.processors.seen(seq.tokens + drafted, vocab)
 
 

@@ -34,7 +34,7 @@ import itertools
 import torch
 
 from verispec.config import SamplingConfig, TreeConfig
-from verispec.sampling import apply_repetition_penalty, logits_to_probs, sample
+from verispec.sampling import logits_to_probs, penalise, sample
 from verispec.tree import Draft, TreeCosts, breadth_first, tree_from_parents
 
 
@@ -107,7 +107,7 @@ class TreeGrowth:
     def add_children(self, parent: int, logits: torch.Tensor, seen: torch.Tensor | None, copied: int | None = None) -> None:
         """Draw `parent`'s children from the draft's logits after it.
 
-        logits: (V',) draft logits over target token ids; seen: (1, V') repetition-penalty mask or None.
+        logits: (V',) draft logits over target token ids; seen: what the penalties read there (`sampling.Seen`) or None.
         copied: the token that lookup first copies after `parent` (see `DraftModelDrafter`), or None. It
             becomes the first child with a one-hot q; with sampled children it is the only one (a node's
             sampled children all come from one q), with top-token children the draft's others follow it.
@@ -122,9 +122,7 @@ class TreeGrowth:
                 copied = None
             logits = logits.float().masked_fill(~allowed, float("-inf"))
         if self.sampling.greedy:
-            logits = logits.float()[None]  # (1, V')
-            if seen is not None:
-                logits = apply_repetition_penalty(logits, seen, self.sampling.repetition_penalty)
+            logits = penalise(logits[None], self.sampling, seen)  # (1, V')
             probs = torch.softmax(logits[0], dim=-1)  # (V',) only ranks the children
             tokens = probs.topk(min(k, probs.numel())).indices.tolist()
             best = int(logits[0].argmax())  # the chain's greedy token comes first, whatever the tie-break

@@ -158,6 +158,7 @@ class StreamOptions(Strict):
 
 
 MAX_TOP_K = 2**31 - 1
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 
 
 class GenerationRequest(Strict):
@@ -170,6 +171,9 @@ class GenerationRequest(Strict):
     top_k: int | None = Field(default=None, ge=0, le=MAX_TOP_K)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     ignore_eos: bool = False  # vLLM's extension: decode past the end-of-sequence token (benchmarks)
@@ -186,9 +190,20 @@ class GenerationRequest(Strict):
         """How many alternatives each token's log-probabilities list (0: the token's alone), None: no logprobs."""
         return None
 
-    def sampling_fields(self) -> dict:
-        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+    def sampling_fields(self, vocab_size: int) -> dict:
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+        fields = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if self.logit_bias:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if not key.strip().isdigit() or not 0 <= int(key) < vocab_size:
+                    raise APIError(400, f"logit_bias keys are token ids from 0 to {vocab_size - 1}, got '{key}'",
+                                   param="logit_bias")
+                if not -100.0 <= value <= 100.0:
+                    raise APIError(400, f"logit_bias values are in [-100, 100], got {value}", param="logit_bias")
+                bias[int(key)] = value
+            fields["logit_bias"] = tuple(sorted(bias.items()))
+        return fields
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

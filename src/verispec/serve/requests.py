@@ -151,6 +151,7 @@ class RequestBuilder:
             raise APIError(400, f"max_tokens may be at most {config.max_tokens_limit}", param="max_tokens")
         if body.response_format is not None:
             body.response_format.constraint()  # a missing or misplaced part is a 400 now
+        body.sampling_fields(self.engine.target.vocab_size)  # logit_bias's ids and values are checked now
         if body.top_logprobs_asked() is not None and getattr(body, "echo", False):
             raise APIError(400, "echo with logprobs (the prompt's log-probabilities) is not supported; "
                            "ask for one or the other", param="echo")
@@ -186,7 +187,7 @@ class RequestBuilder:
             spec_fields["tree"] = tree
         constraint = body.response_format.constraint() if body.response_format is not None else None
         try:
-            sampling = SamplingConfig(**body.sampling_fields(), constraint=constraint)
+            sampling = SamplingConfig(**body.sampling_fields(self.engine.target.vocab_size), constraint=constraint)
             spec = SpecConfig(**spec_fields)
             # the server's tuner (ServeConfig.auto_k) sizes a request's drafts unless it names K or a tree (a seeded
             # sampled request's draws follow K: naming K is how it gets the same tokens alone or batched)
