@@ -20,11 +20,13 @@ import torch
 from verispec.adapt import OnlineAdapter
 from verispec.chat import chat_ids, has_chat_template, user_turn
 from verispec.constraints import Grammars, grammars_for
-from verispec.config import AdaptConfig, CrossTokenizerConfig, NGramConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, SpecConfig, SuffixConfig
+from verispec.config import (PREFIX_CACHE_BYTES, AdaptConfig, CrossTokenizerConfig, NGramConfig, PromptLookupConfig,
+                             SamplingConfig, SelfSpecConfig, SpecConfig, SuffixConfig)
 from verispec.core.drafter import Drafter
 from verispec.core.sequence import Sequence, StepEvent, TokenLogprob
 from verispec.drafters.registry import NGRAM, Built, DrafterOptions, build_drafter, model_drafter
 from verispec.engine import SpeculativeEngine
+from verispec.prefix import PrefixStore
 from verispec.errors import VerispecError
 from verispec.models.loading import (
     DEFAULT_BACKEND,
@@ -116,7 +118,19 @@ class SpeculativeDecoder:
             self.runner, self.drafter, target.eos_token_ids(), decode=self.decode, context_window=context_window,
             grammars=self._grammars,
         )
+        self.reuse_prefixes(PREFIX_CACHE_BYTES)
         self.adapter: OnlineAdapter | None = None
+
+    def reuse_prefixes(self, budget_bytes: int) -> None:
+        """Keep up to `budget_bytes` of earlier generations' target cache, by their tokens, so a prompt that begins as
+        an earlier prompt (or prompt and answer) did reads only the rest (`verispec.prefix`; on the native runner,
+        whose reused positions are the same bits as recomputed ones). 0 turns it off. The store lives as long as this
+        decoder: a conversation's later turns read only what is new."""
+        self.engine.prefixes = PrefixStore(budget_bytes) if budget_bytes > 0 else None
+
+    @property
+    def prefixes(self) -> PrefixStore | None:
+        return self.engine.prefixes
 
     @classmethod
     def load(

@@ -43,6 +43,7 @@ import torch
 from verispec.config import TreeConfig, check_tree_request
 from verispec.constraints import MAX_FORCED
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
+from verispec.core.protocols import PrefixState
 from verispec.core.sequence import Sequence, StepClock, StepEvent, TokenLogprob
 from verispec.core.stopping import DraftStop
 from verispec.errors import VerispecError, is_fault
@@ -116,9 +117,48 @@ class DecodeBatch:
             self.draft_rows.join(self.sequences, list(sequences))
             if self.state.batch_size != rows + len(sequences):  # pragma: no cover - a runner broke its contract
                 raise VerispecError("the target's state did not take the joining rows")
+        self._reuse(len(self.sequences), sequences)
         now = time.perf_counter()
         self._joined.update((id(s), now) for s in sequences)
         self.sequences = self.sequences + list(sequences)
+
+    # --- prefix reuse ------------------------------------------------------------------------------
+    def _store(self):
+        """The engine's prefix store where this batch can use it: the target's state copies rows, and the drafter reads
+        only tokens (heads and self-speculation read the target's own prompt pass); else None."""
+        store = self.engine.prefixes
+        if store is None or not isinstance(self.state, PrefixState) or not self.drafter.traits.chunked_prefill:
+            return None
+        return store
+
+    def _reuse(self, first_row: int, joining: list[Sequence]) -> None:
+        """Joining rows start from the longest stored prefix of their prompts (`verispec.prefix`); reuse is optional,
+        so a fault in it leaves the row to read its whole prompt."""
+        store = self._store()
+        if store is None:
+            return
+        for b, seq in enumerate(joining, start=first_row):
+            try:
+                seq.target_cached = store.take(self.state, b, seq.tokens)
+            except BaseException as err:
+                if not is_fault(err):
+                    raise
+                log.warning("sequence %d: no prefix reused (%s: %s)", seq.index, type(err).__name__, err)
+            seq.stats.cached_tokens = seq.target_cached
+
+    def _keep_prefixes(self, rows: list[int]) -> None:
+        """Store these rows' caches (finished rows, and rows that just read their whole prompt) for later requests."""
+        store = self._store()
+        if store is None:
+            return
+        for b in rows:
+            seq = self.sequences[b]
+            try:
+                store.keep(self.state, b, seq.tokens[: seq.target_cached])
+            except BaseException as err:  # optional: nothing is lost but the reuse
+                if not is_fault(err):
+                    raise
+                log.warning("sequence %d: its cache was not kept for reuse (%s: %s)", seq.index, type(err).__name__, err)
 
     def cancel(self, seq: Sequence) -> None:
         """Remove a running sequence now; its cache rows are freed and its finish_reason is "cancelled"."""
@@ -281,7 +321,7 @@ class DecodeBatch:
         verdicts = self._verify(drafts, logits, prefilling, failed)
         paths = [v.path if v is not None else () for v in verdicts]
         self._target("commit", lambda: self.engine.target.commit(self.state, [list(p) for p in paths]))
-        events = []
+        events, prompted = [], []
         for b, (s, d, v, pre, read) in enumerate(zip(active, drafts, verdicts, prefilling, pending)):
             if b in failed:  # ended before or in the pass: nothing of it is in the cache, and it leaves below
                 continue
@@ -290,6 +330,8 @@ class DecodeBatch:
                 continue
             if v is None:  # the row failed: its drafts are out of the cache, and it leaves below
                 continue
+            if s.num_generated == 0:
+                prompted.append(b)  # its whole prompt is in the cache now: kept for requests that share it
             s.target_cached = len(s.tokens) + v.num_accepted
             s.stats.record(len(d), v.num_accepted, v.bonus, depth=d.tree.depth)
             if b in forced:
@@ -318,6 +360,7 @@ class DecodeBatch:
         # the drafts verified, forced and cut ones included: a head keeps the target's features at the accepted path's
         # positions, and a draft model keeps only the nodes it fed itself (none for a forced row)
         self.draft_rows.commit(active, drafts, paths)
+        self._keep_prefixes([b for b in prompted if active[b].finish_reason is None])
         return self._finish_step(events, t1 - t0, t2 - t1)
 
     def _verify(self, drafts: list[Draft], logits, prefilling: list[bool], failed: set[int]) -> list:
@@ -427,6 +470,7 @@ class DecodeBatch:
         reported = {id(s) for _, s in events}
         failed = [(StepEvent(s.index, (), -1, False, (), "error"), s) for s in active
                   if s.finish_reason == "error" and id(s) not in reported]
+        self._keep_prefixes([b for b, s in enumerate(active) if s.finish_reason in ("eos", "stop", "length")])
         try:
             self._drop([b for b, s in enumerate(active) if s.finish_reason is not None])
         except BaseException as err:  # the cache could not drop the rows: start afresh

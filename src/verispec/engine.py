@@ -35,6 +35,7 @@ from verispec.core.prediction import PredictionFollower
 from verispec.core.protocols import Runner
 from verispec.core.sequence import Sequence, StepEvent
 from verispec.errors import VerispecError
+from verispec.prefix import PrefixStore
 from verispec.step import StepRules
 from verispec.tuning import AdaptiveK
 
@@ -70,6 +71,8 @@ class SpeculativeEngine:
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()  # the server compiles constraints on worker threads
         self.constraint_limits = ConstraintLimits()  # what a constraint may cost (a server sets its own)
+        # earlier rows' caches by their tokens, for rows whose prompts begin the same (`verispec.prefix`; None: off)
+        self.prefixes: PrefixStore | None = None
         # Where the target's logits are (a GPU for the static runner on CUDA): sampling and verification run there,
         # from per-sequence generators made there. Seeded draws on a GPU differ from the CPU's (another generator).
         self.device: torch.device = target.device

@@ -27,6 +27,7 @@ class GenerationStats:
     draft_tokens / accepted_tokens).
     accepted_prediction_tokens / rejected_prediction_tokens: drafts taken from the request's predicted output
     (`core.prediction`) that the target accepted / did not (also counted in draft_tokens / accepted_tokens).
+    cached_tokens: prompt tokens not read again, their cache taken from an earlier request's (`verispec.prefix`).
     """
 
     target_forward_passes: int = 0
@@ -43,6 +44,7 @@ class GenerationStats:
     forced_tokens: int = 0
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    cached_tokens: int = 0
 
     def record(self, num_drafted: int, num_accepted: int, bonus: bool, depth: int | None = None) -> None:
         """One target pass: num_drafted draft tokens (tree nodes), num_accepted of them accepted.
@@ -97,6 +99,7 @@ class GenerationStats:
             "forced_tokens": self.forced_tokens,
             "accepted_prediction_tokens": self.accepted_prediction_tokens,
             "rejected_prediction_tokens": self.rejected_prediction_tokens,
+            "cached_tokens": self.cached_tokens,
         }
 
     @classmethod
@@ -106,7 +109,7 @@ class GenerationStats:
         for s in many:
             for name in ("target_forward_passes", "draft_tokens", "accepted_tokens", "recovered_tokens",
                          "bonus_tokens", "new_tokens", "forced_tokens", "accepted_prediction_tokens",
-                         "rejected_prediction_tokens"):
+                         "rejected_prediction_tokens", "cached_tokens"):
                 setattr(out, name, getattr(out, name) + getattr(s, name))
             for name in ("accepted_per_position", "drafted_per_position"):
                 mine, theirs = getattr(out, name), getattr(s, name)

@@ -207,6 +207,7 @@ class StepParts(Protocol):
     drafter: Drafter
     context_window: int
     rules: StepRules
+    prefixes: object  # a `verispec.prefix.PrefixStore`, or None
 
 
 class _ProbabilityRows:

@@ -49,6 +49,20 @@ class RestorableState(RunnerState, Protocol):
 
 
 @runtime_checkable
+class PrefixState(RunnerState, Protocol):
+    """A state whose rows' committed cache can be copied out and into an empty row (`verispec.prefix`: prefix reuse
+    across requests). Only where a reused row is the same bits as a recomputed one (the native runner's kernels are
+    batch-invariant): a prefix is then a cache, never an approximation."""
+
+    def read_prefix(self, row: int, length: int) -> Any:
+        """A copy of row `row`'s first `length` committed positions: an object with `length`, `nbytes` and
+        `head(n)` (its first n positions, as such an object)."""
+
+    def write_prefix(self, row: int, prefix: Any) -> None:
+        """Make an empty row hold a copied prefix as its committed positions."""
+
+
+@runtime_checkable
 class Runner(Protocol):
     """A model that decodes chains. `vocab_size` is the target's vocabulary (a reduced-vocabulary draft maps back)."""
 

@@ -46,6 +46,7 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig(),
     `serve.server.run_server`) and stops it."""
     engine = decoder.engine
     engine.constraint_limits = config.constraint_limits
+    decoder.reuse_prefixes(config.prefix_cache_bytes)
     keys = Keys(config.keys)
     adapter = decoder.adapter  # online adaptation (`serve --adapt`): updates run while the scheduler idles
     tuner = decoder.auto_tuner() if config.auto_k and not decoder.drafter.traits.plain else None  # costs measured now

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from verispec.config import ConstraintLimits, is_count, option
+from verispec.config import PREFIX_CACHE_BYTES, ConstraintLimits, is_count, option
 from verispec.errors import VerispecError
 
 
@@ -56,6 +56,10 @@ class ServeConfig:
             work per step.
         compile_workers: threads that compile constraints (each with a stack the bounds leave far from full); a
             request waits for one, and gets a 503 when more than max_queue wait. Default 1.
+        prefix_cache_bytes: the target cache of finished requests (and of prompts just read) kept by their token
+            ids, least recently used out first, so that a request whose prompt begins as an earlier one's (a
+            conversation's next turn, a shared system prompt) reads only the rest (`verispec.prefix`; the native
+            runner, where a reused position is the same bits). 0 turns it off. Default 1 GiB.
         max_n: the most choices (`n`) one request may ask for; each is a sequence of its own, seeded `seed + i`,
             admitted (queue place, cache reservation) as a request is. Default 8.
         served_model_name: the model id clients name (None: the target's name).
@@ -137,6 +141,9 @@ class ServeConfig:
         parse=limits_from_text, metavar="NAME=VALUE[,...]", default_text="the values listed")
     compile_workers: int = option(1, "threads compiling constraints")
     max_n: int = option(8, "most choices (n) one request may ask for")
+    prefix_cache_bytes: int = option(PREFIX_CACHE_BYTES, "target cache of finished requests kept by their tokens, so "
+                                     "a request that begins as an earlier one did reads only the rest; 0 turns it off",
+                                     default_text="1 GiB")
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -159,6 +166,8 @@ class ServeConfig:
             raise VerispecError(f"key_share must be in (0, 1], got {self.key_share}")
         if self.suffix_scope not in (None, "shared", "key"):
             raise VerispecError(f"suffix_scope is 'shared' or 'key', got '{self.suffix_scope}'")
+        if not is_count(self.prefix_cache_bytes, 0):
+            raise VerispecError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes}")
         if not isinstance(self.constraint_limits, ConstraintLimits):
             raise VerispecError("constraint_limits must be a ConstraintLimits")
         if isinstance(self.api_keys, str) or isinstance(self.allowed_hosts, str):

@@ -47,6 +47,15 @@ class Metrics:
         Gauge("verispec_decoding_alive", "1 while the decoding thread runs", registry=r).set_function(
             lambda: int(scheduler.alive))
         r.register(_FaultCollector(scheduler))
+        prefixes = scheduler.engine.prefixes
+        if prefixes is not None:  # prefix reuse across requests (`verispec.prefix`)
+            for key, doc in (("lookups", "joining rows that looked for a stored prefix"),
+                             ("hits", "joining rows that started from a stored prefix"),
+                             ("tokens_reused", "prompt tokens not read again"),
+                             ("held_bytes", "target cache held for reuse"), ("entries", "prefixes held"),
+                             ("evicted", "prefixes dropped for room")):
+                Gauge(f"verispec_prefix_{key}", f"prefix reuse: {doc}", registry=r).set_function(
+                    lambda key=key: getattr(prefixes.stats, key))
         if adapter is not None:  # online adaptation (`serve --adapt`)
             for key, doc in (("collected", "examples collected"), ("buffered", "examples waiting"),
                              ("updates", "drafter updates made"), ("examples_used", "examples trained on"),

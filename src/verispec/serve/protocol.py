@@ -269,6 +269,7 @@ def usage(prompt_tokens: int, stats: GenerationStats, drafter: str) -> dict:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": prompt_tokens + stats.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
         "completion_tokens_details": {"reasoning_tokens": 0,
                                       "accepted_prediction_tokens": stats.accepted_prediction_tokens,
                                       "rejected_prediction_tokens": stats.rejected_prediction_tokens},

@@ -91,6 +91,24 @@ class NativeState:
     def extend(self, num_rows: int) -> None:
         self.rows += [self.runner.new_row() for _ in range(num_rows)]
 
+    def read_prefix(self, row: int, length: int) -> CachePrefix:
+        """A copy of row `row`'s first `length` committed positions (`core.protocols.PrefixState`)."""
+        cache = self.rows[row]
+        if not 0 <= length <= cache.length:
+            raise ValueError(f"row {row} holds {cache.length} committed positions, not {length}")
+        return CachePrefix(cache.keys[:, :length].copy(), cache.values[:, :length].copy())
+
+    def write_prefix(self, row: int, prefix: CachePrefix) -> None:
+        """An empty row takes a copied prefix as its committed positions: its keys and values are the bits a pass
+        over those tokens would write (the kernels are batch-invariant), so what follows is decoded as if it had."""
+        cache = self.rows[row]
+        if cache.length or cache.spec_parents:
+            raise ValueError(f"row {row} is not empty")
+        cache.reserve(prefix.length)
+        cache.keys[:, : prefix.length] = prefix.keys
+        cache.values[:, : prefix.length] = prefix.values
+        cache.length = prefix.length
+
     def checkpoint(self):
         """What `restore` needs (`core.protocols.RestorableState`): each row's committed length and draft nodes (a pass
         writes only past a row's committed length, so the columns there need no copy)."""
@@ -101,6 +119,26 @@ class NativeState:
         self.rows = [row for row, *_ in point]
         for row, length, parents, depths in point:
             row.length, row.spec_parents, row.spec_depths = length, parents, depths
+
+
+@dataclass(frozen=True)
+class CachePrefix:
+    """A copy of a row's first `length` committed positions: keys and values (layers, length, Hkv D)."""
+
+    keys: np.ndarray
+    values: np.ndarray
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def head(self, length: int) -> CachePrefix:
+        """The first `length` positions (views: `write_prefix` copies them into a row)."""
+        return self if length == self.length else CachePrefix(self.keys[:, :length], self.values[:, :length])
 
 
 @dataclass

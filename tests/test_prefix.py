@@ -1,0 +1,139 @@
+"""Prefix reuse across requests (`verispec.prefix`): on the native runner a conversation decoded with its earlier
+turns' cache reused gives the same bits as without (greedy and seeded sampled, tokens and logprobs), rows that join a
+running batch reuse a shared prefix, the store stays within its budget, and it is used only where it is exact; the
+server reports it (usage, /metrics)."""
+
+import dataclasses
+
+import httpx
+import pytest
+import torch
+
+from conftest import tiny_model
+from tiny_gguf import T, gguf_from_hf
+from verispec.batch import DecodeBatch
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.drafters.prompt_lookup import PromptLookupDrafter
+from verispec.engine import SpeculativeEngine
+from verispec.models.gguf.model import load_gguf
+from verispec.models.gguf.runner import NativeRunner
+from verispec.models.runners.hf import ModelRunner
+from verispec.prefix import PrefixStore
+
+V = 64
+SYSTEM = [(7 * i + 3) % V for i in range(30)]  # a long shared beginning
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2", vocab=V, seed=0, sharpness=3.0)
+
+
+@pytest.fixture(scope="module")
+def native(model, tmp_path_factory):
+    return NativeRunner(load_gguf(gguf_from_hf(model, tmp_path_factory.mktemp("prefix") / "t.gguf", T.Q8_0),
+                                  show_progress=False))
+
+
+def conversation(engine, sampling, spec, seed=None):
+    """Three turns, each prompt the last prompt and answer and a new user turn."""
+    prompt, turns = SYSTEM + [1, 2, 3], []
+    for turn in range(3):
+        seq = engine.generate([prompt], sampling, spec, seeds=None if seed is None else seed + turn)[0]
+        turns.append(seq)
+        prompt = seq.tokens + [5, 6, turn]
+    return turns
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.9, top_k=20)],
+                         ids=["greedy", "sampled"])
+def test_a_conversation_with_reuse_is_the_same_bits_as_without(native, sampling):
+    spec = SpecConfig(max_new_tokens=12, num_draft_tokens=3, logprobs=2, stop_at_eos=False)
+    cold = conversation(SpeculativeEngine(native, PromptLookupDrafter(), set()), sampling, spec, seed=4)
+    engine = SpeculativeEngine(native, PromptLookupDrafter(), set())
+    engine.prefixes = PrefixStore(1 << 30)
+    warm = conversation(engine, sampling, spec, seed=4)
+    assert [s.generated for s in warm] == [s.generated for s in cold]
+    assert [[(e.token, e.logprob, e.top) for e in s.logprobs] for s in warm] == \
+        [[(e.token, e.logprob, e.top) for e in s.logprobs] for s in cold]
+    assert warm[0].stats.cached_tokens == 0
+    for before, seq in zip(warm, warm[1:]):  # each turn reuses the last turn's prompt and answer, less its last token
+        assert seq.stats.cached_tokens == len(before.tokens) - 1
+    stats = engine.prefixes.stats
+    assert stats.hits == 2 and stats.tokens_reused == sum(s.stats.cached_tokens for s in warm)
+    assert stats.entries == 1  # each turn's entry covers the one before
+
+
+def test_a_row_joining_a_running_batch_reuses_the_prompt_it_shares(native):
+    greedy, spec = SamplingConfig(temperature=0), SpecConfig(max_new_tokens=10, stop_at_eos=False)
+    prompts = [SYSTEM + [1, 2], SYSTEM + [9, 9, 9]]
+    alone = [SpeculativeEngine(native, None, set()).generate([p], greedy, spec)[0].generated for p in prompts]
+    engine = SpeculativeEngine(native, None, set())
+    engine.prefixes = PrefixStore(1 << 30)
+    batch = DecodeBatch(engine, prefill_chunk=8)
+    first = engine.make_sequences([prompts[0]], greedy, spec, None)[0]
+    batch.add([first])
+    while first.num_generated == 0:
+        batch.step()  # the first row reads its prompt in chunks, then keeps it
+    second = engine.make_sequences([prompts[1]], greedy, spec, None)[0]
+    batch.add([second])
+    while batch:
+        batch.step()
+    assert second.stats.cached_tokens == len(SYSTEM)  # where the two prompts part
+    assert [first.generated, second.generated] == alone
+
+
+def test_the_store_keeps_to_its_budget_least_recently_used_out_first(native):
+    greedy, spec = SamplingConfig(temperature=0), SpecConfig(max_new_tokens=4, stop_at_eos=False)
+    engine = SpeculativeEngine(native, None, set())
+    per_token = native.cache_bytes(1) // native.initial_capacity  # keys and values of one position
+    engine.prefixes = PrefixStore(per_token * 80)
+    for start in range(4):
+        engine.generate([[start] * 20 + SYSTEM], greedy, spec)
+    stats = engine.prefixes.stats
+    assert stats.held_bytes <= per_token * 80 and stats.evicted >= 2 and stats.entries <= 2
+    kept = engine.generate([[3] * 20 + SYSTEM], greedy, spec)[0]  # the newest entry is still there
+    assert kept.stats.cached_tokens == 20 + len(SYSTEM) - 1
+
+
+def test_reuse_is_used_only_where_it_is_exact(model, native):
+    greedy, spec = SamplingConfig(temperature=0), SpecConfig(max_new_tokens=4)
+    torch_engine = SpeculativeEngine(ModelRunner(model), None, set())  # the torch runner: not the same bits
+    torch_engine.prefixes = PrefixStore(1 << 30)
+    for _ in range(2):
+        seq = torch_engine.generate([SYSTEM], greedy, spec)[0]
+    assert seq.stats.cached_tokens == 0 and torch_engine.prefixes.stats.lookups == 0
+
+    class ReadsThePass(PromptLookupDrafter):  # as heads and self-speculation do: they need the prompt's own pass
+        traits = dataclasses.replace(PromptLookupDrafter.traits, chunked_prefill=False)
+
+    engine = SpeculativeEngine(native, ReadsThePass(), set())
+    engine.prefixes = PrefixStore(1 << 30)
+    for _ in range(2):
+        seq = engine.generate([SYSTEM], greedy, spec)[0]
+    assert seq.stats.cached_tokens == 0
+
+
+def test_the_server_reports_cached_tokens_and_its_store(model, native, tmp_path):
+    from tiny_hf import save_tiny_model_dir
+    from verispec import SpeculativeDecoder
+    from verispec.serve.config import ServeConfig
+    from verispec.serve.server import BackgroundServer
+
+    folder = save_tiny_model_dir(tmp_path / "target", "qwen2", seed=0)
+    decoder = SpeculativeDecoder.load(str(folder), "ngram")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder))
+    decoder.runner = decoder.engine.target = NativeRunner(load_gguf(gguf_from_hf(hf, tmp_path / "t.gguf", T.Q8_0),
+                                                                    show_progress=False))
+    text = "abc " * 20
+    with BackgroundServer(decoder, ServeConfig(port=0, served_model_name="tiny")) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"prompt": text, "max_tokens": 8, "temperature": 0}
+        first = http.post("/v1/completions", json=body).json()
+        again = http.post("/v1/completions", json={**body, "prompt": text + first["choices"][0]["text"] + "d"}).json()
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+        metrics = http.get("/metrics").text
+        assert "verispec_prefix_hits 1.0" in metrics and "verispec_prefix_held_bytes" in metrics
