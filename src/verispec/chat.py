@@ -13,10 +13,12 @@ def user_turn(prompt: str) -> list[dict]:
     return [{"role": "user", "content": prompt}]
 
 
-def chat_text(tokenizer, messages: list[dict]) -> str:
+def chat_text(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
     """`messages` ([{"role", "content"}, ...]) under the tokenizer's chat template, ending where the assistant's
-    answer begins (the template's own checks, such as role order, raise its own errors)."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    answer begins (the template's own checks, such as role order, raise its own errors); `tools` (OpenAI's
+    [{"type": "function", "function": {...}}]) rendered by the template where given."""
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
 
 def chat_text_ids(tokenizer, text: str) -> list[int]:

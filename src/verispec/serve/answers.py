@@ -25,6 +25,7 @@ from verispec.serve.scheduler import Scheduler
 from verispec.serve.tickets import QueueFull, ShuttingDown, Ticket, TooLarge, Unavailable, Update
 from verispec.stats import GenerationStats
 from verispec.serve.streaming import TextStream, TimedStreamingResponse
+from verispec.serve.tools import OPEN, parse_calls
 
 POLL_S = 0.5  # how often a waiting request checks its client, its deadline and the decoding thread
 DEADLINE_GRACE_S = 5.0  # past the request timeout, the scheduler has this long to answer before the request does
@@ -104,8 +105,13 @@ class Answers:
         for i, (ticket, update) in enumerate(zip(tickets, updates)):
             text = self.decoder.decode(generated[i])[: update.text_end]
             entries = self.logprobs(logprobs[i], chat, len(echo)) if ticket.sequence.logprobs is not None else None
-            choices.append((wire.chat_choice if chat else wire.completion_choice)(i, echo + text, update.finish_reason,
-                                                                                 entries))
+            if chat and body.calls_parsed():  # the answer's tool calls, parsed from the model's own syntax
+                content, calls = parse_calls(text)
+                choices.append(wire.chat_choice(i, content, update.finish_reason, entries, calls))
+            elif chat:
+                choices.append(wire.chat_choice(i, text, update.finish_reason, entries))
+            else:
+                choices.append(wire.completion_choice(i, echo + text, update.finish_reason, entries))
         stats = GenerationStats.merge([update.stats for update in updates])
         for update in updates:
             self.metrics.finished(prompt_len, update.stats)
@@ -222,6 +228,9 @@ class Answers:
             return sse(wire.completion_chunk(rid, self.model_name, text, finish, None, logprobs, index))
 
         text = TextStream(self.decoder.decode, body.stop_strings())
+        calls = chat and body.calls_parsed()
+        if calls:  # the content is streamed up to where a call may begin; the calls go out whole, at the end
+            text = CallStream(text)
         first = True
         echo = self.echo(body, ticket.sequence)
         if echo:
@@ -248,6 +257,33 @@ class Answers:
                 continue
             self.metrics.latency.observe(time.monotonic() - arrival)
             self.metrics.finished(ticket.sequence.prompt_len, update.stats)
-            yield chunk(piece, update.finish_reason, update.logprobs)
+            if calls and text.calls:
+                if piece or update.logprobs:
+                    yield chunk(piece, None, update.logprobs)
+                delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(text.calls)]}
+                finish = "tool_calls" if update.finish_reason in ("eos", "stop") else update.finish_reason
+                yield sse(wire.chat_chunk(rid, self.model_name, delta, finish, None, None, index))
+            else:
+                yield chunk(piece, update.finish_reason, update.logprobs)
             yield update
             return
+
+
+class CallStream:
+    """A TextStream whose deltas stop where a tool call may begin (`serve.tools.OPEN`, held back until decided); at the
+    end, `calls` holds the answer's parsed calls (`parse_calls`) and the last delta the content not yet sent."""
+
+    def __init__(self, text: TextStream) -> None:
+        self.text, self.whole, self.sent, self.calls = text, "", 0, []
+
+    def delta(self, new_tokens: tuple[int, ...], done: bool, text_end: int | None) -> str:
+        self.whole += self.text.delta(new_tokens, done, text_end)
+        if done:
+            content, self.calls = parse_calls(self.whole)
+            final = self.whole if not self.calls else (content or "")
+            piece, self.sent = final[self.sent :], len(final)
+            return piece
+        start = self.whole.find(OPEN)
+        end = start if start >= 0 else max(self.sent, len(self.whole) - len(OPEN) + 1)
+        piece, self.sent = self.whole[self.sent : end], max(self.sent, end)
+        return piece

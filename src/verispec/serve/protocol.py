@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from verispec.config import MAX_LOGPROBS, MAX_TEMPERATURE, PENALTY_RANGE, Constraint, TreeConfig
 from verispec.errors import VerispecError
+from verispec.serve.tools import template_message
 from verispec.stats import GenerationStats
 
 TREE_FIELDS = ("shape", "budget", "top_k", "children")
@@ -220,13 +221,60 @@ class CompletionRequest(GenerationRequest):
         return self.logprobs
 
 
+class CallFunction(Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(Strict):
+    """A call an assistant message made (in the history a client resends)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def template_dict(self) -> dict:
+        """The message as chat templates take it (`serve.tools.template_message`)."""
+        return template_message({"role": self.role, "content": self.text(), "name": self.name,
+                                 "tool_calls": [c.model_dump() for c in self.tool_calls] if self.tool_calls else None,
+                                 "tool_call_id": self.tool_call_id})
+
+
+class FunctionDef(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+MAX_TOOLS = 128  # OpenAI's limit
 
 
 class ChatRequest(GenerationRequest):
@@ -234,6 +282,27 @@ class ChatRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def calls_parsed(self) -> bool:
+        """Whether the answer's tool calls are parsed into `tool_calls` (tools given and tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def required_call(self) -> tuple[bool, str | None] | None:
+        """(parallel, name) where the answer must be calls (tool_choice "required", or a named function: name),
+        else None."""
+        if not self.tools:
+            return None
+        if self.tool_choice == "required":
+            return self.parallel_tool_calls, None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return False, self.tool_choice.function.name
+        return None
 
     def top_logprobs_asked(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -310,9 +379,13 @@ def completion_choice(index: int, text: str, finish: str, logprobs: dict | None 
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": FINISH_REASONS[finish]}
 
 
-def chat_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": FINISH_REASONS[finish]}
+def chat_choice(index: int, text: str | None, finish: str, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": "tool_calls" if tool_calls and finish in ("eos", "stop") else FINISH_REASONS[finish]}
 
 
 def completion_body(rid: str, model: str, choices: list[dict], use: dict) -> dict:
@@ -335,7 +408,8 @@ def completion_chunk(rid: str, model: str, text: str | None, finish: str | None,
 
 def chat_chunk(rid: str, model: str, delta: dict | None, finish: str | None, use: dict | None = None,
                logprobs: dict | None = None, index: int = 0) -> dict:
+    reason = FINISH_REASONS.get(finish, finish) if finish else None  # "tool_calls" as it is
     choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": FINISH_REASONS.get(finish) if finish else None}]
+                                         "finish_reason": reason}]
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": choices, "usage": use}

@@ -15,15 +15,18 @@ against the bounds and compiled, on the compile pool: `serve.compile`).
 
 from __future__ import annotations
 
+import json
+
 from verispec.api import SpeculativeDecoder
 from verispec.chat import chat_text, chat_text_ids
-from verispec.config import SamplingConfig, SpecConfig
+from verispec.config import Constraint, SamplingConfig, SpecConfig
 from verispec.serve.config import ServeConfig
 from verispec.core.sequence import Sequence
 from verispec.drafters.registry import NO_DRAFT
 from verispec.errors import ConstraintError, VerispecError
 from verispec.serve import protocol as wire
 from verispec.serve.protocol import APIError, ChatRequest, CompletionRequest, GenerationRequest
+from verispec.serve.tools import call_grammar, has_tool_syntax, markers
 
 
 class RequestBuilder:
@@ -98,10 +101,11 @@ class RequestBuilder:
         if not self.decoder.has_chat_template:
             raise APIError(400, f"model '{self.model_name}' has no chat template; use /v1/completions", param="messages")
         tok = self.decoder.target.tokenizer
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        self.check_chars(sum(len(m["content"]) for m in messages), "messages")
+        messages = [m.template_dict() for m in body.messages]
+        tools = body.tool_dicts() if isinstance(body, ChatRequest) else None
+        self.check_chars(sum(len(m["content"]) for m in messages) + len(json.dumps(tools or [])), "messages")
         try:
-            text = chat_text(tok, messages)
+            text = chat_text(tok, messages, tools)
         except Exception as err:  # the template's own checks (e.g. role order) fail with its own errors
             raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
         try:
@@ -157,6 +161,8 @@ class RequestBuilder:
                            "ask for one or the other", param="echo")
         if body.logprobs_mode is not None and body.top_logprobs_asked() is None:
             raise APIError(400, "logprobs_mode needs logprobs", param="logprobs_mode")
+        if isinstance(body, ChatRequest):
+            self._check_tools(body)
 
     def sequence(self, body: GenerationRequest, prompt: list[int], max_tokens: int | None, tenant: str = "",
                  prediction: list[int] | None = None) -> Sequence:
@@ -185,7 +191,7 @@ class RequestBuilder:
             spec_fields["draft_stop"] = spec_options.draft_stop
         if tree is not None:
             spec_fields["tree"] = tree
-        constraint = body.response_format.constraint() if body.response_format is not None else None
+        constraint = self.constraint(body)
         try:
             sampling = SamplingConfig(**body.sampling_fields(self.engine.target.vocab_size), constraint=constraint)
             spec = SpecConfig(**spec_fields)
@@ -197,13 +203,45 @@ class RequestBuilder:
                                               scope=tenant if self.config.scope_by_key else None,
                                               predictions=[prediction] * body.n)
         except ConstraintError as err:
-            raise APIError(400, str(err), param="response_format") from None
+            tools = isinstance(body, ChatRequest) and body.required_call() is not None
+            raise APIError(400, f"the tools' schemas: {err}" if tools else str(err),
+                           param="tools" if tools else "response_format") from None
         except VerispecError as err:
             field = str(err).split(" ", 1)[0]
             if constraint is not None and ("constraint" in str(err) or "schema" in str(err)):
-                field = "response_format"
+                field = "tools" if constraint.kind == "grammar" and isinstance(body, ChatRequest) and \
+                    body.required_call() else "response_format"
             raise APIError(400, str(err), param=field if field in GenerationRequest.model_fields else None) from None
         return seqs
+
+    def _check_tools(self, body: ChatRequest) -> None:
+        """Tools need a template with a tool-call syntax; a tool_choice needs tools, a named one one of them; a
+        required call is a constraint of its own, so not beside a response_format."""
+        if body.tool_choice is not None and not body.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if not body.tools:
+            return
+        if not has_tool_syntax(self.decoder.target.tokenizer):
+            raise APIError(400, f"model '{self.model_name}' has no tool-call syntax verispec reads in its chat template "
+                           "(Hermes <tool_call> blocks)", param="tools")
+        names = [t.function.name for t in body.tools]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools have the same name twice", param="tools")
+        required = body.required_call()
+        if required is not None and required[1] is not None and required[1] not in names:
+            raise APIError(400, f"tool_choice names '{required[1]}', which is not among the tools", param="tool_choice")
+        if required is not None and body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, "a required tool call and a response_format cannot both constrain the answer",
+                           param="tool_choice")
+
+    def constraint(self, body: GenerationRequest) -> Constraint | None:
+        """What the answer is constrained to: a required tool call (its tools' schemas), else the response_format."""
+        required = body.required_call() if isinstance(body, ChatRequest) else None
+        if required is not None:
+            parallel, name = required
+            marks = markers(self.decoder.target.tokenizer)
+            return Constraint("grammar", call_grammar(body.tool_dicts(), name, parallel, marks))
+        return body.response_format.constraint() if body.response_format is not None else None
 
     def _drafting(self, options: wire.SpeculativeOptions) -> bool:
         if options.drafter is None:

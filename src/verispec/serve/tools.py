@@ -1,0 +1,108 @@
+"""OpenAI tool calling over the model's own tool-call syntax: the tools and the calls in the history rendered by its
+chat template, the answer's calls parsed back into `tool_calls`, and, where the request requires a call, the call
+constrained by the tools' JSON schemas under exact speculation (the structured-output path: `Constraint("grammar")`).
+
+Syntax: the Hermes format, which Qwen2.5 / Qwen3 and Hermes models write and their templates render: each call is
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, several one after another (separated by a newline).
+A template that does not render `<tool_call>` has no syntax verispec parses; a request with tools is then refused.
+
+`tool_choice`: "none" (tools shown, nothing parsed), "auto" (the answer's calls parsed where it writes them;
+unconstrained), "required" (one call or more, of any tool, each valid against its tool's parameters) or
+{"type": "function", "function": {"name": N}} (one call of N). `parallel_tool_calls` false: one call at most.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MAX_CALLS = 8  # calls one required answer may hold (a bound: the grammar ends, and the answer with it)
+JSON_SEPARATORS = {"separators": (", ", ": ")}  # as verispec's JSON constraints write it (`constraints.JSON_OPTIONS`)
+
+
+def has_tool_syntax(tokenizer) -> bool:
+    """Whether the chat template renders Hermes tool calls (the syntax `parse_calls` reads)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return isinstance(template, str) and OPEN in template
+
+
+def call_schema(tool: dict) -> dict:
+    """The JSON schema of one call of `tool` ({"type": "function", "function": {...}}): its name and arguments."""
+    function = tool["function"]
+    parameters = function.get("parameters") or {"type": "object"}
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def markers(tokenizer) -> tuple[str, str]:
+    """The call markers as the grammar writes them: as tokens (`<tool_call>`) where the tokenizer has them as tokens
+    of their own (Qwen's added tokens: llguidance lets only that token write their text), else as quoted text."""
+    added = {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    return tuple(m if m in added else json.dumps(m) for m in (OPEN, CLOSE))
+
+
+def call_grammar(tools: list[dict], name: str | None, parallel: bool, marks: tuple[str, str] | None = None) -> str:
+    """A Lark grammar (llguidance's, with `%json`) for the answer a required or named call must be: one call of the
+    named tool, or one call (up to MAX_CALLS where `parallel`) of any tool, nothing around them."""
+    chosen = [t for t in tools if name is None or t["function"]["name"] == name]
+    schema = call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [call_schema(t) for t in chosen]}
+    # JSON written as verispec's JSON constraints write it: fixed separators, no free whitespace (a model cannot
+    # spend the answer on blanks)
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    calls = f'call ("\\n" call)~0..{MAX_CALLS - 1}' if parallel and name is None else "call"
+    opening, closing = marks or (json.dumps(OPEN), json.dumps(CLOSE))
+    return (f"start: {calls}\n"
+            f'call: {opening} "\\n" body "\\n" {closing}\n'
+            f"body: %json {json.dumps(schema)}\n")
+
+
+def parse_calls(text: str) -> tuple[str | None, list[dict]]:
+    """The answer's text before its first call (None if empty) and its calls as OpenAI `tool_calls`. A call whose
+    JSON cannot be read, or has no name, ends the parse: it and what follows stay in the content."""
+    start = text.find(OPEN)
+    if start < 0:
+        return text, []
+    calls, at = [], start
+    while at >= 0:
+        end = text.find(CLOSE, at)
+        if end < 0:
+            break
+        try:
+            body = json.loads(text[at + len(OPEN) : end])
+        except json.JSONDecodeError:
+            break
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            break
+        arguments = body.get("arguments", body.get("parameters", {}))
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": body["name"],
+                                   "arguments": arguments if isinstance(arguments, str)
+                                   else json.dumps(arguments, **JSON_SEPARATORS)}})
+        at = text.find(OPEN, end + len(CLOSE))
+    if not calls:
+        return text, []
+    content = text[:start].strip()
+    return content or None, calls
+
+
+def template_message(message: dict) -> dict:
+    """An OpenAI message as chat templates take it: an assistant's calls with their arguments as objects (templates
+    write them with `tojson`), a tool's answer with its call id."""
+    out = {"role": message["role"], "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        calls = []
+        for call in message["tool_calls"]:
+            arguments = call["function"]["arguments"]
+            try:
+                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except json.JSONDecodeError:
+                pass  # the template writes the string as it is
+            calls.append({"type": "function", "id": call.get("id"),
+                          "function": {"name": call["function"]["name"], "arguments": arguments}})
+        out["tool_calls"] = calls
+    if message.get("tool_call_id"):
+        out["tool_call_id"] = message["tool_call_id"]
+    if message.get("name"):
+        out["name"] = message["name"]
+    return out
