@@ -151,3 +151,42 @@ def test_the_call_grammar_names_the_tools():
     assert '"const": "add"' in grammar and "get_weather" not in grammar and '~0..' not in grammar
     assert 'call ("\\n" call)~0..7' in call_grammar(TOOLS, None, parallel=True)
     assert torch is not None
+
+
+def test_an_agent_loop_with_two_tools_gets_a_plain_servers_answers_every_turn(decoder, tmp_path):
+    """A small agent of our own: a calculator and a file reader, the model required to call a tool each turn, the
+    tool answered, the conversation resent, for three turns; every turn's calls (and the final answer) equal those of
+    a plain server (no drafter, no prefix reuse): speculation, the forced call text and the reused prefix change
+    nothing."""
+    (tmp_path / "notes.txt").write_text("the answer is 42")
+    tools = [ADD, {"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"enum": ["notes.txt"]}}, "required": ["path"],
+        "additionalProperties": False}}}]
+
+    def run_tool(name, arguments):
+        if name == "add":
+            return str(arguments["a"] + arguments["b"])
+        return (tmp_path / arguments["path"]).read_text()
+
+    def agent(url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        messages, seen = [{"role": "user", "content": "read notes.txt and add 1 to the answer"}], []
+        for turn in range(3):
+            out = client.chat.completions.create(model="tiny", messages=messages, tools=tools, temperature=0,
+                                                 max_tokens=200, tool_choice="required", parallel_tool_calls=False)
+            calls = out.choices[0].message.tool_calls
+            seen.append([(c.function.name, c.function.arguments) for c in calls])
+            messages.append({"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]})
+            messages += [{"role": "tool", "tool_call_id": c.id,
+                          "content": run_tool(c.function.name, json.loads(c.function.arguments))} for c in calls]
+        final = client.chat.completions.create(model="tiny", messages=messages, tools=tools, temperature=0,
+                                               max_tokens=30, tool_choice="none")
+        return seen, final.choices[0].message.content
+
+    with BackgroundServer(decoder, ServeConfig(port=0, served_model_name="tiny")) as fast:
+        speculative = agent(fast.url)
+    plain = SpeculativeDecoder(decoder.target, "none")
+    with BackgroundServer(plain, ServeConfig(port=0, served_model_name="tiny", prefix_cache_bytes=0)) as slow:
+        reference = agent(slow.url)
+    assert speculative == reference
+    assert all(len(calls) == 1 for calls in speculative[0])
