@@ -246,8 +246,8 @@ class SpeculativeDecoder:
             return None
         one = isinstance(prediction, str) or (isinstance(prediction, list) and prediction
                                               and isinstance(prediction[0], int))
-        each = [prediction] * n if one and n == 1 else list(prediction) if not one else None
-        if each is None or len(each) != n:
+        each = [prediction] if one else list(prediction)
+        if len(each) != n:
             raise VerispecError(f"one prediction per prompt is needed ({n} prompts)")
         tok = self.target.tokenizer
         return [list(tok(p, add_special_tokens=False)["input_ids"]) if isinstance(p, str) else

@@ -3,7 +3,7 @@
 A conversation resends itself every turn, agents resend their tools and files, and many requests share a system
 prompt. `PrefixStore` keeps copies of finished rows' caches (`core.protocols.PrefixState.read_prefix`), bounded by
 bytes and evicted least recently used first; a joining row starts from the longest stored prefix of its prompt
-(`longest`), so only the rest is read. The native runner's kernels are batch-invariant, so a reused position is the
+(`take`), so only the rest is read. The native runner's kernels are batch-invariant, so a reused position is the
 same bits a pass would have written: reuse changes the time to the first token, never a token (tested: a
 conversation decoded with and without reuse, greedy and seeded sampled, bit for bit).
 
@@ -49,9 +49,6 @@ class PrefixStore:
         self._next = 0
         self._lock = threading.Lock()
         self.stats = PrefixStats()
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     def take(self, state: PrefixState, row: int, tokens: list[int]) -> int:
         """Start empty row `row` from the longest stored prefix of `tokens` (at most all but the last: the pass must
@@ -99,11 +96,6 @@ class PrefixStore:
                 self._drop(next(iter(self._entries)))
                 self.stats.evicted += 1
             self.stats.entries = len(self._entries)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self.stats.held_bytes, self.stats.entries = 0, 0
 
     def _drop(self, key: int) -> None:
         _, prefix = self._entries.pop(key)

@@ -16,7 +16,7 @@ to `verify_one`, which fails that row alone.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -27,6 +27,9 @@ from verispec.core.sequence import Sequence, StepEvent, TokenLogprob
 from verispec.detokenize import IncrementalText
 from verispec.rejection import Verdict, verify, verify_greedy
 from verispec.sampling import Processors
+
+if TYPE_CHECKING:
+    from verispec.prefix import PrefixStore
 
 
 class StepRules:
@@ -207,7 +210,7 @@ class StepParts(Protocol):
     drafter: Drafter
     context_window: int
     rules: StepRules
-    prefixes: object  # a `verispec.prefix.PrefixStore`, or None
+    prefixes: PrefixStore | None
 
 
 class _ProbabilityRows:

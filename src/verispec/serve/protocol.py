@@ -143,6 +143,13 @@ class TextPart(Strict):
     text: str
 
 
+def content_text(content: str | list[TextPart] | None) -> str:
+    """A message's (or a prediction's) content as one text: its text parts joined; "" for none."""
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
 class Prediction(Strict):
     """OpenAI's predicted output: {"type": "content", "content": text or text parts}, the text the answer is expected
     to repeat (the file being edited); drafted from while the answer follows it, exact either way."""
@@ -151,7 +158,7 @@ class Prediction(Strict):
     content: str | list[TextPart]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return content_text(self.content)
 
 
 class StreamOptions(Strict):
@@ -242,9 +249,7 @@ class ChatMessage(Strict):
     tool_call_id: str | None = None  # a tool's answer: the call it answers
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return content_text(self.content)
 
     def template_dict(self) -> dict:
         """The message as chat templates take it (`serve.tools.template_message`)."""

@@ -70,14 +70,14 @@ class RequestBuilder:
             raise APIError(404, f"model '{model}' is not served here; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    def tokenize(self, text: str, special: bool = True) -> list[int]:
+    def tokenize(self, text: str, special: bool = True, param: str = "prompt") -> list[int]:
         """A text's token ids (`special`: with the tokenizer's own special tokens, as a completion prompt gets them),
-        its size checked first."""
-        self.check_chars(len(text), "prompt")
+        its size checked first; `param` names the field in a refusal."""
+        self.check_chars(len(text), param)
         try:
             return list(self.decoder.target.tokenizer(text, add_special_tokens=special)["input_ids"])
         except Exception as err:  # the tokenizer's own failures (e.g. a lone surrogate)
-            raise APIError(400, f"the prompt cannot be tokenized: {type(err).__name__}", param="prompt") from None
+            raise APIError(400, f"the {param} cannot be tokenized: {type(err).__name__}", param=param) from None
 
     # --- prompts -------------------------------------------------------------------------------------
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
@@ -121,11 +121,7 @@ class RequestBuilder:
         text = body.prediction.text()
         if not text:
             return None
-        self.check_chars(len(text), "prediction")
-        try:
-            ids = list(self.decoder.target.tokenizer(text, add_special_tokens=False)["input_ids"])
-        except Exception as err:  # the tokenizer's own failures (e.g. a lone surrogate)
-            raise APIError(400, f"the prediction cannot be tokenized: {type(err).__name__}", param="prediction") from None
+        ids = self.tokenize(text, special=False, param="prediction")
         if len(ids) > self.max_prompt:
             raise APIError(400, f"the prediction has {len(ids)} tokens; this server accepts at most {self.max_prompt}",
                            param="prediction")
@@ -192,6 +188,9 @@ class RequestBuilder:
         if tree is not None:
             spec_fields["tree"] = tree
         constraint = self.constraint(body)
+        # where a constraint's refusal points: a required tool call's schemas, or the response_format
+        constraint_param = "tools" if isinstance(body, ChatRequest) and body.required_call() is not None \
+            else "response_format"
         try:
             sampling = SamplingConfig(**body.sampling_fields(self.engine.target.vocab_size), constraint=constraint)
             spec = SpecConfig(**spec_fields)
@@ -203,14 +202,12 @@ class RequestBuilder:
                                               scope=tenant if self.config.scope_by_key else None,
                                               predictions=[prediction] * body.n)
         except ConstraintError as err:
-            tools = isinstance(body, ChatRequest) and body.required_call() is not None
-            raise APIError(400, f"the tools' schemas: {err}" if tools else str(err),
-                           param="tools" if tools else "response_format") from None
+            raise APIError(400, f"the tools' schemas: {err}" if constraint_param == "tools" else str(err),
+                           param=constraint_param) from None
         except VerispecError as err:
             field = str(err).split(" ", 1)[0]
             if constraint is not None and ("constraint" in str(err) or "schema" in str(err)):
-                field = "tools" if constraint.kind == "grammar" and isinstance(body, ChatRequest) and \
-                    body.required_call() else "response_format"
+                field = constraint_param
             raise APIError(400, str(err), param=field if field in GenerationRequest.model_fields else None) from None
         return seqs
 
