@@ -123,6 +123,7 @@ def test_a_history_with_calls_and_tool_answers_is_rendered_by_the_template(decod
     ({"tool_choice": "required"}, "tool_choice"),  # no tools
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [ADD, ADD]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),  # OpenAI's 128
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
 ])
