@@ -245,14 +245,29 @@ def test_every_supported_type_is_covered_here():
     assert set(QUANTIZED) == set(reference.SUPPORTED) - {T.F32, T.F16, T.BF16}
 
 
-def test_attention_paths_give_the_same_bits():
-    rng = np.random.default_rng(12)
-    keys = rng.standard_normal((40, 2, 64)).astype(np.float32)
-    values = rng.standard_normal((40, 2, 64)).astype(np.float32)
-    q = rng.standard_normal((3, 12, 64)).astype(np.float32)
-    outs = []
-    for path in PATHS:
-        native.set_path(path)
-        outs.append(attend(q, keys, values, [40, 17, 30], [[], [20, 33], [31]]))
-    for other in outs[1:]:
-        assert np.array_equal(outs[0], other)
+# head sizes whose 16-float chunks the AVX-512 kernel weighs 8, 4, 2 heads, or one head, at a time (16, 32, 64;
+# 48 and 80 alone, 128 and 256 in blocks of 8 chunks), with query heads per key/value head that fill those groups
+# and leave a remainder; columns: fewer than 16 (no block of 16 scores), whole and partial blocks of 16 scores and
+# of 32 weighed columns, a tree's extra columns after the prefix; a chain of queries on one cache (which the kernel
+# reads together over their shared prefix), with one and two key/value heads (runs split for two threads)
+@pytest.mark.parametrize("dim, group", [(64, 6), (16, 11), (32, 6), (48, 3), (80, 2), (128, 7), (256, 1)])
+def test_attention_paths_give_the_same_bits(dim, group):
+    rng = np.random.default_rng(12 + dim)
+    layouts = [([40, 17, 30, 9, 70], [[], [20, 33], [31], [], [71, 72, 74]]),  # rows' queries, tree nodes
+               ([66, 67, 68, 69, 70, 71, 50], [[]] * 6 + [[66, 69]])]  # a chain, then a node
+    for heads in (2, 1):
+        keys = rng.standard_normal((75, heads, dim)).astype(np.float32) * 3
+        values = rng.standard_normal((75, heads, dim)).astype(np.float32)
+        for prefix, extra in layouts:
+            q = rng.standard_normal((len(prefix), heads * group, dim)).astype(np.float32)
+            outs = []
+            for path in PATHS:
+                native.set_path(path)
+                for threads in (1, 2):
+                    native.set_threads(threads)
+                    outs.append(attend(q, keys, values, prefix, extra))
+            native.set_threads(1)
+            for other in outs[1:]:
+                assert np.array_equal(outs[0], other)
+            for i in range(len(prefix)):  # each query alone: the same bits
+                assert np.array_equal(attend(q[i : i + 1], keys, values, prefix[i : i + 1], extra[i : i + 1])[0], outs[-1][i])
