@@ -168,3 +168,43 @@ def test_presence_frequency_and_bias_change_the_logits_as_openai_defines_them():
         SamplingConfig(presence_penalty=2.5)
     with pytest.raises(VerispecError, match="logit_bias"):
         SamplingConfig(logit_bias={1: 101})
+
+
+def _nucleus_cases():
+    """Rows of probabilities over a large vocabulary: peaked, moderate, nearly flat (sorted whole), ties straddling
+    the cut, a one-hot row, a row of two, zeros, and subnormal tails."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 20_000
+    rows = []
+    for temperature in (0.3, 0.7, 1.0, 4.0):
+        logits = torch.randn(3, vocab, generator=gen) * 3
+        logits[:, :40] += 8  # a few likely tokens, a long tail
+        logits[1, 100:300] = logits[1, 60]  # 200 tokens tied at one value
+        rows.append(torch.softmax(logits / temperature, -1))
+    ties = torch.softmax(torch.randn(2, vocab, generator=gen).round() * 4, -1)  # many ties everywhere
+    flat = torch.full((1, vocab), 1.0 / vocab)
+    few = torch.zeros(2, vocab)
+    few[0, 5] = 1.0
+    few[1, [7, 9]] = 0.5
+    tiny = torch.softmax(torch.randn(1, vocab, generator=gen) * 40, -1)  # most of the vocabulary subnormal or 0
+    return torch.cat([*rows, ties, flat, few, tiny])
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.95, 0.999, 0.9999999])
+def test_nucleus_filter_gives_the_whole_sorts_bits(top_p):
+    from verispec.sampling import top_p_filter, top_p_sorted
+    probs = _nucleus_cases()  # (N, V)
+    fast, whole = top_p_filter(probs, top_p), top_p_sorted(probs, top_p)
+    assert torch.equal(fast, whole)
+    assert (fast[:, :1] >= 0).all() and ((fast > 0).sum(1) >= 1).all()  # the most likely token always stays
+
+
+def test_nucleus_filter_lowers_its_floor_where_the_bins_sums_fall_short(monkeypatch):
+    """The bins' sums are only a first guess at where the cut lies; a guess too high (here: every bin's mass made
+    to look larger) is corrected by taking more candidates, to the same bits."""
+    from verispec import sampling
+    probs = _nucleus_cases()
+    real = torch.bincount
+    monkeypatch.setattr(sampling.torch, "bincount",
+                        lambda x, weights=None, minlength=0: real(x, weights, minlength) * (64.0 if weights is not None else 1))
+    assert torch.equal(sampling.top_p_filter(probs, 0.9), sampling.top_p_sorted(probs, 0.9))

@@ -180,15 +180,73 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig, seen: Seen | t
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # (N, V)
     if config.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # (N, V)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # (N, V)
-        drop_sorted = mass_before >= config.top_p  # the top token always stays
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        probs = top_p_filter(probs, config.top_p)
     if config.min_p > 0.0:
         floor = config.min_p * probs.max(dim=-1, keepdim=True).values  # (N, 1)
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def top_p_sorted(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filtering by its definition: the tokens in order of probability (ties by id, lowest first), each kept
+    while the mass before it is below top_p (the most likely always stays); the others set to 0.
+    probs (N, V) -> (N, V). A sort of the whole vocabulary per row (12 ms for 151,936 ids here): `top_p_filter`
+    gives the same bits by sorting only the few tokens that can matter."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # (N, V)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # (N, V)
+    drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)  # (N, V)
+    return probs.masked_fill(drop, 0.0)
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`top_p_sorted`'s result, bit for bit, without sorting the vocabulary (about 1.5 ms instead of 47 for five rows
+    of 151,936 ids).
+
+    The probabilities are binned by their power of two (their float exponent, one pass); a row's candidates are the
+    tokens at or above the largest power of two whose bins hold more than top_p; only they are sorted (ties by id,
+    as `top_p_sorted`), and their running sums are the first ones of the whole sort's (a running sum reads only the
+    values before it). The mass before a position never falls further on (each sum adds a value no larger), so once a
+    candidate's mass before reaches top_p every token after it is dropped: the candidates reach one bin with a token
+    past the bins whose mass reaches top_p (if rounding in the bins' sums leaves them short, the power of two is
+    halved and the row's candidates taken again). Tokens of probability 0 are 0 kept or dropped. A row whose candidates are a
+    quarter of the vocabulary (a nearly flat distribution) is sorted whole.
+    probs (N, V) float32 -> (N, V)."""
+    n, vocab = probs.shape
+    exponent = probs.contiguous().view(torch.int32) >> 23  # (N, V) p in [2^(e - 127), 2^(e - 126)) for e > 0
+    offsets = torch.arange(n, dtype=torch.int32, device=probs.device)[:, None] * 256  # (N, 1)
+    mass = torch.bincount((exponent + offsets).flatten(), weights=probs.flatten(), minlength=n * 256)
+    binned = mass.view(n, 256).flip(1)  # (N, 256) [:, i] the mass of exponent 255 - i
+    above = binned.cumsum(1)  # (N, 256) [:, i] the mass of exponents >= 255 - i
+    start = torch.searchsorted(above, torch.full((n, 1), top_p, dtype=above.dtype, device=above.device), right=True)
+    # down to the next bin that holds a token: one past the position where the mass reaches top_p
+    step = torch.arange(256, device=probs.device)  # (256,)
+    later = (binned > 0) & (step > start)  # (N, 256)
+    last = torch.where(later.any(1, keepdim=True), later.int().argmax(1, keepdim=True), 255)  # (N, 1)
+    floor = torch.where(last < 255, torch.ldexp(torch.ones(n, 1, device=probs.device), (128 - last).to(torch.int32)),
+                        2.0 ** -149)  # (N, 1) exponent 0 (bin 255): every positive (subnormal) probability
+    candidates = probs >= floor  # (N, V)
+    counts = candidates.sum(1).tolist()  # (N,) the one read of the device
+    kept = torch.zeros_like(probs)  # (N, V)
+    whole = [r for r in range(n) if counts[r] * 4 > vocab]  # sorted whole, together (on every thread)
+    for r in range(n):
+        if counts[r] * 4 > vocab:
+            continue
+        row, least, ids = probs[r], float(floor[r]), candidates[r].nonzero()[:, 0]  # ids increasing
+        while True:
+            values, order = torch.sort(row[ids], descending=True, stable=True)  # (C,)
+            mass_before = torch.cumsum(values, 0) - values  # (C,)
+            if ids.numel() and bool(mass_before[-1] >= top_p) or least == 0.0:  # the rest dropped, or all 0
+                keep = ids[order[mass_before < top_p]]
+                kept[r, keep] = row[keep]
+                break
+            least /= 2  # rounding in the bins' sums: a power of two lower (to 0 past float32's smallest)
+            ids = (row >= least).nonzero()[:, 0]
+            if ids.numel() * 4 > vocab:
+                whole.append(r)
+                break
+    if whole:
+        kept[whole] = top_p_sorted(probs[whole], top_p)
+    return kept
 
 
 SAMPLE_BLOCK = 1024  # ids per block of the two-level inverse CDF in `sample`
