@@ -4,6 +4,7 @@ on torch, raw and processed, greedy and sampled, chains and trees; and they are 
 log-softmax)."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -135,7 +136,8 @@ def test_the_server_reports_openai_logprobs_equal_to_plain_decodings(served):
         assert lp["text_offset"][0] == 0 and all(len(t) == 2 for t in lp["top_logprobs"])
         echoed = http.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]["text"]
         assert echoed == decoder.decode(decoder.encode("hello there", chat=False)) + done["text"]
-        for bad, param in (({"logprobs": 1, "echo": True}, "echo"), ({"logprobs_mode": "processed"}, "logprobs_mode")):
+        for bad, param in (({"logprobs": 1, "echo": True, "logprobs_mode": "processed"}, "logprobs_mode"),
+                           ({"logprobs_mode": "processed"}, "logprobs_mode")):
             r = http.post("/v1/completions", json={**body, **bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == param
         r = http.post("/v1/chat/completions", json={"messages": messages, "top_logprobs": 2})
@@ -158,3 +160,73 @@ def test_generate_prints_logprobs_in_its_json(tmp_path, capsys):
     assert all(len(e["top"]) == 2 and e["logprob"] <= 0 for e in out["logprobs"])
     assert main(["generate", "--target", folder, "--prompt", "hello", "--logprobs", "99"]) != 0
     assert "logprobs must be an integer from 0 to 20" in capsys.readouterr().err
+
+
+# --- the prompt's log-probabilities (echo with logprobs) ------------------------------------------------------------
+def test_prompt_logprobs_are_the_models_log_softmax_and_the_same_bits_under_speculation(models, tmp_path, monkeypatch):
+    """Each prompt token after the first gets its log-probability given the tokens before it: the model's own
+    log-softmax (torch), and on the native runner the same bits however the prompt was read (passes of 16 here, the
+    decoding step's) and whatever drafts (prompt lookup, a draft model) or plainly."""
+    from verispec import engine as engine_module
+    target, _ = models
+    spec = SpecConfig(max_new_tokens=6, logprobs=2, prompt_logprobs=True, num_draft_tokens=3)
+    seq = SpeculativeEngine(ModelRunner(target), PromptLookupDrafter(), set()).generate([PROMPTS[0]], GREEDY, spec)[0]
+    with torch.no_grad():
+        expected = torch.log_softmax(target(torch.tensor([PROMPTS[0]])).logits[0].float(), -1)[:-1]  # (P - 1, V)
+    want = expected[torch.arange(len(PROMPTS[0]) - 1), torch.tensor(PROMPTS[0][1:])]
+    assert len(seq.prompt_logprobs) == len(PROMPTS[0]) - 1
+    assert [e.token for e in seq.prompt_logprobs] == PROMPTS[0][1:]
+    assert torch.allclose(torch.tensor([e.logprob for e in seq.prompt_logprobs]), want, atol=1e-4)
+    assert [[t for t, _ in e.top] for e in seq.prompt_logprobs] == expected.topk(2, -1).indices.tolist()
+    native = native_runner(target, tmp_path / "target.gguf")
+    monkeypatch.setattr(engine_module, "PROMPT_CHUNK", 16)
+    long_prompt = (PROMPTS[0] * 20)[:40]  # three passes of the scoring chunk
+    plain = SpeculativeEngine(native, None, set()).generate([long_prompt], GREEDY, spec)[0]
+    draft = native_runner(models[1], tmp_path / "draft.gguf")
+    for drafter in (PromptLookupDrafter(), DraftModelDrafter(draft, 64)):
+        got = SpeculativeEngine(native, drafter, set()).generate([long_prompt], GREEDY, spec)[0]
+        assert [(e.token, e.logprob, e.top) for e in got.prompt_logprobs] == \
+            [(e.token, e.logprob, e.top) for e in plain.prompt_logprobs]
+        assert got.generated == plain.generated
+    # a generated token's log-probability is read the same way: the first one equals the prompt's continuation's
+    extended = SpeculativeEngine(native, None, set()).generate([long_prompt + plain.generated[:1]], GREEDY, spec)[0]
+    assert extended.prompt_logprobs[-1] == plain.logprobs[0]
+
+
+def test_prompt_logprobs_are_raw_only():
+    with pytest.raises(VerispecError, match="prompt_logprobs needs logprobs_mode 'raw'"):
+        SpecConfig(logprobs=1, logprobs_mode="processed", prompt_logprobs=True)
+
+
+def test_the_server_echoes_the_prompts_logprobs_as_openai_does(served):
+    """`echo` with `logprobs`: the prompt's tokens first (the first with nulls), then the answer's, as
+    lm-evaluation-harness's loglikelihood requests read them; streamed, the prompt's come in the first event. The
+    tokenizer's endpoints its remote tokenizer reads answer too."""
+    import httpx
+
+    decoder, server = served
+    prompt = decoder.encode("hello there, how are you", chat=False)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True, "seed": 1234}
+        done = http.post("/v1/completions", json=body).json()["choices"][0]
+        lp = done["logprobs"]
+        assert len(lp["tokens"]) == len(prompt) + 1 == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["tokens"][: len(prompt)] == [decoder.decode([t]) for t in prompt]
+        expected = SpeculativeEngine(decoder.runner, None, decoder.engine.eos_token_ids).generate(
+            [prompt], GREEDY, SpecConfig(max_new_tokens=1, logprobs=1, prompt_logprobs=True))[0]
+        assert lp["token_logprobs"][1:] == pytest.approx(
+            [e.logprob for e in expected.prompt_logprobs + expected.logprobs], rel=1e-5, abs=1e-6)
+        assert all(len(t) == 1 for t in lp["top_logprobs"][1:])
+        n2 = http.post("/v1/completions", json={**body, "n": 2}).json()["choices"]
+        assert [c["logprobs"]["token_logprobs"][:-1] for c in n2] == [lp["token_logprobs"][:-1]] * 2
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        first = events[0]["choices"][0]["logprobs"]
+        assert first["token_logprobs"] == lp["token_logprobs"][: len(prompt)]
+        streamed = [x for e in events for c in e["choices"] if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+        assert streamed == lp["token_logprobs"]
+        info = http.get("/tokenizer_info").json()
+        assert info["eos_token"] == decoder.target.tokenizer.eos_token and "chat_template" in info
+        assert http.post("/tokenize", json={"prompt": "hello", "add_special_tokens": False}).json()["tokens"] == \
+            decoder.target.tokenizer("hello", add_special_tokens=False)["input_ids"]

@@ -235,7 +235,7 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "hi", "seed": 2**70}, 400, "seed"),
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
-    ({"prompt": "hi", "logprobs": 1, "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "logprobs": 1, "echo": True, "logprobs_mode": "processed"}, 400, "logprobs_mode"),
     ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias"),  # OpenAI's 300
     ({"prompt": "hi", "prediction": {"type": "content", "content": "a" * 200}}, 400, "prediction"),  # > a prompt
     ({"prompt": "hi", "frequency_penalty": -2.5}, 400, "frequency_penalty"),

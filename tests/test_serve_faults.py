@@ -223,3 +223,30 @@ def test_the_server_sizes_speculation_from_costs_it_measures_and_stays_exact(dec
                                     time_limit_s=120, speculation=(True,), auto_k=True)
     for s in summaries:
         assert s["auto_k"] and s["completed"] == 8 and s["mismatches"] == 0 and s["leaked_cache_rows"] == 0
+
+
+def test_a_fault_reading_the_prompts_logprobs_fails_that_request_alone(decoder, monkeypatch):
+    """`echo` with `logprobs` reads the prompt before the request joins; a fault there answers that request with a
+    500, gives its cache reservation back, and the others (and later ones) are answered as before."""
+    engine = decoder.engine
+    real = engine.score_prompt
+
+    def broken(seq):
+        if len(seq.tokens) > 3:  # only the long prompt's
+            raise RuntimeError("injected")
+        return real(seq)
+
+    monkeypatch.setattr(engine, "score_prompt", broken)
+    with BackgroundServer(decoder, ServeConfig(port=0)) as server:
+        expected = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 12,
+                                                                     "temperature": 0}, timeout=30).json()
+        bad = {"prompt": "hello there, friend", "max_tokens": 4, "temperature": 0, "logprobs": 1, "echo": True}
+        good = {"prompt": "hi", "max_tokens": 4, "temperature": 0, "logprobs": 1, "echo": True}
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            r = http.post("/v1/completions", json=bad)
+            assert r.status_code == 500 and "error" in r.json()
+            ok = http.post("/v1/completions", json=good)
+            assert ok.status_code == 200 and ok.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None
+        scheduler = server.app.state.scheduler
+        assert wait_until(lambda: scheduler.reserved == 0 and scheduler.running == 0)
+        still_answers(server.url, expected["choices"][0]["text"])

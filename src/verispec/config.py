@@ -274,6 +274,10 @@ class SpecConfig:
             OpenAI and vLLM report by default), or "processed", the distribution the token was drawn from (after the
             repetition penalty, a constraint, temperature, top-k, top-p and min-p; one-hot at temperature 0).
             Default "raw".
+        prompt_logprobs: also report the prompt's tokens' log-probabilities, each given the tokens before it (the
+            first has none), with the `logprobs` likeliest tokens at each place: the target reads the prompt once
+            for them before decoding (OpenAI's completions `echo` with `logprobs`, which evaluation harnesses score
+            with). Raw only. Default False.
     """
 
     num_draft_tokens: int = 4
@@ -285,8 +289,12 @@ class SpecConfig:
     prediction_depth: int = 16
     logprobs: int | None = None
     logprobs_mode: str = "raw"
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
+        if self.prompt_logprobs and self.logprobs_mode != "raw":
+            raise VerispecError("the prompt's log-probabilities are raw (the sampling processors apply to generated "
+                                "tokens): prompt_logprobs needs logprobs_mode 'raw'")
         if self.logprobs is not None and (int(self.logprobs) != self.logprobs or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise VerispecError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs}")
         if self.logprobs_mode not in LOGPROBS_MODES:

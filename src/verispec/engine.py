@@ -32,12 +32,14 @@ from verispec.config import ConstraintLimits, SamplingConfig, SpecConfig, TreeCo
 from verispec.constraints import Grammars
 from verispec.core.drafter import PLAIN, Drafter
 from verispec.core.prediction import PredictionFollower
-from verispec.core.protocols import Runner
+from verispec.core.protocols import PrefixState, Runner
 from verispec.core.sequence import Sequence, StepEvent
 from verispec.errors import VerispecError
 from verispec.prefix import PrefixStore
-from verispec.step import StepRules
+from verispec.step import StepRules, raw_logprobs, token_logprob
 from verispec.tuning import AdaptiveK
+
+PROMPT_CHUNK = 256  # prompt tokens a pass reads when their log-probabilities are asked for: (256, V) logits at once
 
 
 class SpeculativeEngine:
@@ -159,6 +161,26 @@ class SpeculativeEngine:
             sequences.append(seq)
         return sequences
 
+    def score_prompt(self, seq: Sequence) -> None:
+        """Fill `seq.prompt_logprobs`: the target reads the prompt once more in a state of its own, PROMPT_CHUNK tokens
+        a pass with the logits at every position, and each prompt token after the first gets its raw log-probability
+        given the tokens before it (`step.raw_logprobs`, as generated tokens get theirs). Where the prefix store can
+        hold the rows, the prompt's cache is kept there, so the sequence's own first step reuses it instead of
+        reading the prompt again."""
+        prompt = seq.tokens[: seq.prompt_len]
+        state = self.target.new_state(1)
+        entries = []
+        for start in range(0, len(prompt), PROMPT_CHUNK):
+            chunk = prompt[start : start + PROMPT_CHUNK]
+            logits = self.target.forward(state, [chunk], [len(chunk)])[0]  # (len(chunk), V) after each token
+            for i in range(len(chunk)):
+                at = start + i + 1  # the token these logits predict
+                if at < len(prompt):
+                    entries.append(token_logprob(raw_logprobs(logits[i : i + 1].float()), prompt[at], seq.spec.logprobs))
+        seq.prompt_logprobs = entries
+        if self.prefixes is not None and isinstance(state, PrefixState):
+            self.prefixes.keep(state, 0, prompt)
+
     def grammars(self) -> Grammars:
         """The constraint compiler for the target's tokenizer (made on first use: ~1 s for a large vocabulary)."""
         with self._grammars_lock:
@@ -205,7 +227,10 @@ class SpeculativeEngine:
         `predictions`: per prompt, the token ids of its predicted output, or None (see `make_sequences`).
         """
         batch = DecodeBatch(self, tuner)
-        batch.add(self.make_sequences(prompts, sampling, spec, seeds, predictions=predictions))
+        sequences = self.make_sequences(prompts, sampling, spec, seeds, predictions=predictions)
+        for seq in sequences if spec.prompt_logprobs else ():
+            self.score_prompt(seq)
+        batch.add(sequences)
         while batch:
             results = batch.step()
             for _, seq in results:

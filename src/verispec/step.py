@@ -135,7 +135,7 @@ class StepRules:
         for row, token in zip(rows, tokens):
             x = logits[row : row + 1].float()  # (1, V)
             if not processed:
-                logp = torch.log_softmax(x, dim=-1)[0]  # (V,)
+                logp = raw_logprobs(x)  # (V,)
             else:
                 if allowed is not None:
                     x = apply_constraint(x, allowed[row : row + 1])
@@ -144,11 +144,7 @@ class StepRules:
                     logp[int(chain.target(x, None if seen is None else seen[row : row + 1])[0])] = 0.0
                 else:
                     logp = torch.log(chain.target(x, None if seen is None else seen[row : row + 1])[0])  # (V,)
-            top = ()
-            if spec.logprobs:
-                values, ids = torch.topk(logp, min(spec.logprobs, logp.shape[0]))  # ties: torch's order
-                top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist()))
-            out.append(TokenLogprob(token, float(logp[token]), top))
+            out.append(token_logprob(logp, token, spec.logprobs))
         return out
 
     # --- commit --------------------------------------------------------------------------------------
@@ -201,6 +197,22 @@ class StepRules:
             return False
         seq.finish_reason, seq.text_end = "stop", min(found)
         return True
+
+
+def raw_logprobs(x: torch.Tensor) -> torch.Tensor:
+    """The target's raw log-probabilities at one place: (1, V) float32 logits -> (V,) log-softmax. Every reported
+    raw log-probability (generated tokens, the prompt's) comes from here, one row at a time, so the numbers are the
+    same whatever pass the row came from (bit for bit where the runner's logits are)."""
+    return torch.log_softmax(x, dim=-1)[0]
+
+
+def token_logprob(logp: torch.Tensor, token: int, top: int | None) -> TokenLogprob:
+    """A token's entry from the (V,) log-probabilities at its place, with the `top` likeliest (None or 0: none)."""
+    likeliest = ()
+    if top:
+        values, ids = torch.topk(logp, min(top, logp.shape[0]))  # ties: torch's order
+        likeliest = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(logp[token]), likeliest)
 
 
 class StepParts(Protocol):

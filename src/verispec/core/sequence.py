@@ -48,6 +48,8 @@ class Sequence:
         (`core.prediction`; None: no prediction).
     logprobs: the target's log-probability of each generated token, with its likeliest alternatives, where
         `spec.logprobs` asks for them (`TokenLogprob`; None otherwise).
+    prompt_logprobs: the same for each prompt token after the first, where `spec.prompt_logprobs` asks for them
+        (filled before the sequence decodes: `engine.SpeculativeEngine.score_prompt`; None otherwise).
     processors: the processor chain of `sampling`, built with the sequence (`sampling.Processors`): the verifier and
         the drafters process p and q and take the greedy branch through it.
     """
@@ -72,6 +74,7 @@ class Sequence:
     scope: str | None = None
     prediction: PredictionFollower | None = None
     logprobs: list[TokenLogprob] | None = None  # one per generated token where spec.logprobs is set
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first (spec.prompt_logprobs)
     stats: GenerationStats = field(default_factory=GenerationStats)
     processors: Processors = field(init=False, repr=False)
 

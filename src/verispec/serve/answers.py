@@ -104,7 +104,10 @@ class Answers:
         choices = []
         for i, (ticket, update) in enumerate(zip(tickets, updates)):
             text = self.decoder.decode(generated[i])[: update.text_end]
-            entries = self.logprobs(logprobs[i], chat, len(echo)) if ticket.sequence.logprobs is not None else None
+            entries = None
+            if ticket.sequence.logprobs is not None:
+                entries = (self.echoed_logprobs(ticket.sequence, logprobs[i]) if echo else
+                           self.logprobs(logprobs[i], chat))
             if chat and body.calls_parsed():  # the answer's tool calls, parsed from the model's own syntax
                 content, calls = parse_calls(text)
                 choices.append(wire.chat_choice(i, content, update.finish_reason, entries, calls))
@@ -122,6 +125,12 @@ class Answers:
     def echo(self, body: GenerationRequest, seq: Sequence) -> str:
         """The prompt's text where a completion request asks for it back (`echo`), else ""."""
         return self.decoder.decode(seq.tokens[: seq.prompt_len]) if getattr(body, "echo", False) else ""
+
+    def echoed_logprobs(self, seq: Sequence, entries: list) -> dict:
+        """A completion's `logprobs` with its prompt echoed: the prompt's tokens (the first with null log-probabilities,
+        the others from `engine.score_prompt`), then the generated ones, offsets from the start of the prompt's text."""
+        prompt = seq.prompt_logprobs or []
+        return wire.completion_logprobs(list(prompt) + list(entries), self.token_text, 0, first=seq.tokens[0])
 
     def token_text(self, token: int) -> str:
         return self.decoder.decode([token])
@@ -233,7 +242,8 @@ class Answers:
             text = CallStream(text)
         first = True
         echo = self.echo(body, ticket.sequence)
-        if echo:
+        scored = bool(echo) and ticket.sequence.spec.prompt_logprobs  # the prompt's log-probabilities go first
+        if echo and not scored:
             yield chunk(echo, None)
         while True:
             try:
@@ -250,6 +260,11 @@ class Answers:
             if first:
                 self.metrics.first_token.observe(time.monotonic() - arrival)
                 first = False
+            if scored:  # read before the sequence joined: here with its first update
+                yield sse(wire.completion_chunk(rid, self.model_name, echo, None, None,
+                                                self.echoed_logprobs(ticket.sequence, []), index))
+                offset += len(echo)
+                scored = False
             piece = text.delta(update.tokens, update.done, update.text_end)
             if not update.done:
                 if piece or (asked and update.logprobs):  # a token's logprobs go out with the step that made it

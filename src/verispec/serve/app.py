@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   (JSON, or server-sent events with "stream": true)
     POST /tokenize, /detokenize                  (vLLM's: a prompt's or a chat's token ids, and back)
+    GET  /tokenizer_info                         (vLLM's: the special tokens and the chat template)
     GET  /v1/models, /health, /metrics           (/metrics in Prometheus text format)
 
 Every request is checked (fields, limits, context window, cache budget: `serve.requests`, no app needed) and becomes
@@ -147,6 +148,20 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig(),
             raise APIError(400, f"at most {engine.context_window} tokens (the context window)", param="tokens")
         text = await asyncio.get_running_loop().run_in_executor(prep, decoder.decode, body.tokens)
         return {"prompt": text}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """The tokenizer's special tokens and chat template (vLLM's endpoint, with /tokenize and /detokenize: what
+        clients that tokenize through the server read, lm-evaluation-harness's remote tokenizer among them)."""
+        tok = decoder.target.tokenizer
+
+        def special(name: str) -> str | None:
+            value = getattr(tok, name, None)  # a tokenizer without that token has None
+            return value if isinstance(value, str) else None
+
+        return {"tokenizer_class": type(tok).__name__, "eos_token": special("eos_token"),
+                "bos_token": special("bos_token"), "pad_token": special("pad_token"),
+                "chat_template": getattr(tok, "chat_template", None), "model_max_length": engine.context_window}
 
     @app.get("/v1/models")
     async def models() -> dict:

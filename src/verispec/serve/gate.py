@@ -28,7 +28,8 @@ from verispec.serve.metrics import Metrics
 from verispec.serve.protocol import APIError
 from verispec.serve.tenants import Keys
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/tokenizer_info",
+             "/health", "/metrics")
 DRAIN_LIMIT_BYTES = 64 << 20  # most of a refused body read and dropped so that its client can read the answer
 DRAIN_LIMIT_S = 10.0  # longest time spent doing so
 

@@ -369,15 +369,18 @@ def chat_logprobs(entries, token_text) -> dict:
             "refusal": None}
 
 
-def completion_logprobs(entries, token_text, offset: int = 0) -> dict:
-    """OpenAI's (legacy) completions `logprobs` for TokenLogprob entries, text offsets counted from `offset`."""
-    texts = [token_text(e.token) for e in entries]
+def completion_logprobs(entries, token_text, offset: int = 0, first: int | None = None) -> dict:
+    """OpenAI's (legacy) completions `logprobs` for TokenLogprob entries, text offsets counted from `offset`; `first`:
+    an echoed prompt's first token, which comes first with null log-probabilities (nothing precedes it)."""
+    texts = ([] if first is None else [token_text(first)]) + [token_text(e.token) for e in entries]
     offsets, at = [], offset
     for text in texts:
         offsets.append(at)
         at += len(text)
-    return {"tokens": texts, "token_logprobs": [_finite(e.logprob) for e in entries],
-            "top_logprobs": [{token_text(t): _finite(v) for t, v in e.top} for e in entries], "text_offset": offsets}
+    lead = [] if first is None else [None]
+    return {"tokens": texts, "token_logprobs": lead + [_finite(e.logprob) for e in entries],
+            "top_logprobs": lead + [{token_text(t): _finite(v) for t, v in e.top} for e in entries],
+            "text_offset": offsets}
 
 
 def completion_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:

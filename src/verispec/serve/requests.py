@@ -152,9 +152,9 @@ class RequestBuilder:
         if body.response_format is not None:
             body.response_format.constraint()  # a missing or misplaced part is a 400 now
         body.sampling_fields(self.engine.target.vocab_size)  # logit_bias's ids and values are checked now
-        if body.top_logprobs_asked() is not None and getattr(body, "echo", False):
-            raise APIError(400, "echo with logprobs (the prompt's log-probabilities) is not supported; "
-                           "ask for one or the other", param="echo")
+        if body.top_logprobs_asked() is not None and getattr(body, "echo", False) and body.logprobs_mode == "processed":
+            raise APIError(400, "the prompt's log-probabilities (echo with logprobs) are raw: logprobs_mode 'processed' "
+                           "applies to generated tokens only", param="logprobs_mode")
         if body.logprobs_mode is not None and body.top_logprobs_asked() is None:
             raise APIError(400, "logprobs_mode needs logprobs", param="logprobs_mode")
         if isinstance(body, ChatRequest):
@@ -178,7 +178,8 @@ class RequestBuilder:
         tree = self._tree(spec_options, drafting)
         self._check_length(len(prompt), max_tokens)
         spec_fields = {"stop": stops, "stop_at_eos": not body.ignore_eos, "prediction_depth": self.prediction_depth(),
-                       "logprobs": body.top_logprobs_asked(), "logprobs_mode": body.logprobs_mode or "raw"}
+                       "logprobs": body.top_logprobs_asked(), "logprobs_mode": body.logprobs_mode or "raw",
+                       "prompt_logprobs": bool(getattr(body, "echo", False)) and body.top_logprobs_asked() is not None}
         if max_tokens is not None:
             spec_fields["max_new_tokens"] = max_tokens
         if spec_options.K is not None:

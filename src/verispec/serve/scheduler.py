@@ -323,6 +323,8 @@ class Scheduler:
                 self.reserved += ticket.reserved
                 self.tenants.started(ticket.tenant, ticket.reserved)
                 joining.append(ticket)
+        read: dict = {}  # (prompt, top) -> its entries: the n choices of one request read their prompt once
+        joining = [t for t in joining if self._scored(t, read)]
         if not joining:
             return
         for ticket in joining:
@@ -338,6 +340,30 @@ class Scheduler:
                 ticket.post(Update(error=error_for(err)))
             if self.batch.state is not None and self.batch.state.batch_size != len(self.batch):
                 self._cut_running(ServeError(500, "internal_error", "the batch could not be restored; see the log"))
+
+    def _scored(self, ticket: Ticket, read: dict) -> bool:
+        """Read the prompt's log-probabilities where the request asks for them (`engine.score_prompt`) before it joins,
+        once for the same prompt among the joining (`read`); False (the request answered with the error) where that
+        fails: a fault there ends this request alone."""
+        seq = ticket.sequence
+        if not seq.spec.prompt_logprobs or seq.prompt_logprobs is not None:
+            return True
+        key = (tuple(seq.tokens[: seq.prompt_len]), seq.spec.logprobs)
+        if key in read:
+            seq.prompt_logprobs = read[key]
+            return True
+        try:
+            self.engine.score_prompt(seq)
+            read[key] = seq.prompt_logprobs
+            return True
+        except BaseException as err:
+            if not is_fault(err):
+                raise
+            self.faults.add("admit", err)
+            self._running[id(seq)] = ticket  # its reservation is given back as a running request's is
+            self._release(ticket)
+            ticket.post(Update(error=error_for(err)))
+            return False
 
     def _reap(self) -> None:
         """Drop cancelled and expired requests, running or waiting, before the next step."""
