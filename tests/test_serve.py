@@ -196,8 +196,14 @@ def test_tree_requests_equal_chains_and_batch_with_them(server, client):
     assert server.app.state.scheduler.cache_rows() == 0
 
 
+def counter(text: str, name: str) -> float:
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
 def test_metrics_count_requests_tokens_and_latency(client):
-    client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5})
+    before = client.get("/metrics").text
+    client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 24, "temperature": 0,
+                                         "speculative": {"K": 4}})
     text = client.get("/metrics").text
     for name in ("verispec_requests_total", "verispec_generated_tokens_total", "verispec_draft_tokens_total",
                  "verispec_accepted_tokens_total", "verispec_acceptance_rate", "verispec_tokens_per_target_pass",
@@ -205,8 +211,11 @@ def test_metrics_count_requests_tokens_and_latency(client):
                  "verispec_queue_depth", "verispec_running_sequences"):
         assert name in text
     assert 'verispec_requests_total{endpoint="/v1/completions",status="200"}' in text
-    rate = next(float(line.split()[1]) for line in text.splitlines() if line.startswith("verispec_acceptance_rate "))
-    assert 0.5 < rate <= 1.0  # the draft is the target (int8-quantized)
+    rate = counter(text, "verispec_acceptance_rate")  # over every request the module's server answered
+    assert 0.0 < rate <= 1.0
+    drafted = counter(text, "verispec_draft_tokens_total") - counter(before, "verispec_draft_tokens_total")
+    accepted = counter(text, "verispec_accepted_tokens_total") - counter(before, "verispec_accepted_tokens_total")
+    assert drafted > 0 and 0.5 < accepted / drafted <= 1.0  # this request's: the draft is the target (int8-quantized)
 
 
 BAD_REQUESTS = [
