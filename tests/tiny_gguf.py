@@ -38,8 +38,11 @@ def random_raw(rng: np.random.Generator, qtype, rows: int, cols: int, scale: flo
 
 def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int = 0, hidden: int = 256,
                     heads: int = 4, kv_heads: int = 2, ffn: int = 512, vocab: int = 300, layers: int = 2,
-                    tied: bool = False, context: int = 512) -> Path:
-    """Write a random Llama / Qwen2 model; matmul weights take `types` in turn (cycled)."""
+                    tied: bool = False, context: int = 512, rope_factors: np.ndarray | None = None,
+                    vocab_tokens: bool = False, extra: dict | None = None, metadata: dict | None = None) -> Path:
+    """Write a random Llama / Qwen2 model; matmul weights take `types` in turn (cycled). rope_factors (D/2,): Llama 3's
+    RoPE scaling as its files carry it (rope_freqs.weight); vocab_tokens: a placeholder vocabulary (llama.cpp needs
+    one); extra: more tensors by name; metadata: more key/value pairs (name -> (value, GGUFValueType))."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
@@ -50,6 +53,10 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10000.0)
+    for key, (value, vtype) in (metadata or {}).items():
+        writer.add_key_value(key, value, vtype)
+    if vocab_tokens:
+        add_placeholder_vocab(writer, vocab)
     order = [types[i % len(types)] for i in range(8 * layers + 2)]
     picks = iter(order)
 
@@ -83,6 +90,10 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     vector("output_norm.weight", hidden)
     if not tied:
         matrix("output.weight", vocab, hidden)
+    if rope_factors is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_factors, np.float32))
+    for name, tensor in (extra or {}).items():
+        writer.add_tensor(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -142,6 +142,11 @@ def _converted_dir(gguf: Path) -> Path:
 def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from verispec.models.gguf.gguf_file import GGUFFile
+
+    if "rope_freqs.weight" in GGUFFile(gguf).tensors:  # transformers' GGUF loader drops it: another model
+        raise VerispecError(f"{gguf.name}: its RoPE frequency factors (rope_freqs.weight, Llama 3's scaling) are not "
+                            "read by transformers' GGUF loader; run it on --backend native or llama.cpp")
     notice(
         f"[bold]converting {gguf.name}[/bold] to a cached float32 copy at {out} (one time; later loads are fast)"
     )

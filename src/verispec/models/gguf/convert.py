@@ -50,6 +50,7 @@ def model_from_torch(model: torch.nn.Module, source: str = "", qtype: int = Q8_0
         rope_theta=float(theta), rms_eps=float(config.rms_norm_eps), neox=True,
     )
     check_config(c, source or type(model).__name__)  # the kernels' limits hold for converted drafts too
+    factors = _rope_factors(model, float(theta), head_dim)
     base = model.model
     layers = []
     for i, block in enumerate(base.layers):
@@ -68,7 +69,22 @@ def model_from_torch(model: torch.nn.Module, source: str = "", qtype: int = Q8_0
     embed = _weight("token_embd", base.embed_tokens.weight, qtype)
     tied = head_tensor.data_ptr() == base.embed_tokens.weight.data_ptr()
     head = embed if tied else _weight("output", head_tensor, qtype)
-    return GGUFModel(Path(source), c, embed, layers, _vector(base.norm.weight), head)
+    return GGUFModel(Path(source), c, embed, layers, _vector(base.norm.weight), head, factors)
+
+
+def _rope_factors(model: torch.nn.Module, theta: float, head_dim: int) -> np.ndarray | None:
+    """Llama 3's RoPE scaling as per-pair frequency factors (what its GGUF files carry as rope_freqs.weight), read
+    from the model's own rotary embedding; None without scaling. Any other scaling is refused: it would be ignored."""
+    config = model.config
+    params = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise VerispecError(f"RoPE scaling '{kind}' is not supported by verispec's CPU runner (Llama 3's is)")
+    inv_freq = model.model.rotary_emb.inv_freq.detach().double().numpy()  # (D/2,) scaled
+    plain = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # (D/2,)
+    return (plain / inv_freq).astype(np.float32)
 
 
 class NativeLinear(torch.nn.Module):

@@ -81,6 +81,7 @@ class GGUFFile:
             self.__dict__.pop("_buf", None)
             self.__dict__.pop("_file", None)
         self.tensors = self._tensor_table(infos, start, size)
+        self.asked: set[str] = set()  # the tensors a loader looked for (`model._refuse_unread`)
 
     def _damaged(self, what: str) -> VerispecError:
         """One line: the file, what is wrong with it."""

@@ -4,8 +4,10 @@ The file is read tensor by tensor (`gguf_file.GGUFFile`); each matmul weight is 
 kernels' layout (about its size in the file) and its source buffer dropped, norms and biases become
 float32 arrays. The token embedding is a weight too: a lookup dequantizes only the rows asked for.
 
-Architectures: `llama` (RoPE on adjacent pairs, as llama.cpp's converter permutes Q and K) and `qwen2`
-(RoPE on halves, biases on Q, K and V). Anything else, or RoPE scaling, is refused with one line.
+Architectures: `llama` (RoPE on adjacent pairs, as llama.cpp's converter permutes Q and K; Llama 3's RoPE scaling,
+which its files carry as per-pair frequency factors in `rope_freqs.weight`) and `qwen2` (RoPE on halves, biases on Q,
+K and V). Anything else (another architecture, a RoPE scaling named in the metadata, RoPE on part of a head) is refused
+with one line, and so is a file holding a tensor the runner would not read: a model is run whole or not at all.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class GGUFModel:
     layers: list[Layer]
     norm: np.ndarray  # (E,)
     head: Weight  # (V, E); the embedding itself where the file ties them
+    rope_factors: np.ndarray | None = None  # (D/2,) float32: each RoPE pair's frequency divided by it (Llama 3)
 
     @property
     def nbytes(self) -> int:
@@ -93,7 +96,8 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
                             f"(supported: {', '.join(ARCHITECTURES)}); use --backend torch or llama.cpp")
     scaling = reader.fields.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
-        raise VerispecError(f"{path.name}: RoPE scaling '{shown(scaling)}' is not supported by verispec's CPU runner")
+        raise VerispecError(f"{path.name}: RoPE scaling '{shown(scaling)}' is not supported by verispec's CPU runner; "
+                            "use --backend llama.cpp")
 
     def field(key: str, kinds: frozenset, default=None):
         """The value of `{arch}.{key}`, of one of these GGUF types; missing: `default`, or an error if None."""
@@ -121,6 +125,10 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
     embed = _tensor(reader, "token_embd.weight", path)
     if len(embed.shape) != 2:
         raise VerispecError(f"{path.name}: tensor 'token_embd.weight' has {len(embed.shape)} dimensions, not 2")
+    rotated = field("rope.dimension_count", INTEGER_KINDS, head_dim)
+    if rotated != head_dim:
+        raise VerispecError(f"{path.name}: metadata '{arch}.rope.dimension_count' ({rotated}) rotates part of each "
+                            f"head ({head_dim}); verispec's CPU runner rotates whole heads: use --backend llama.cpp")
     config = GGUFConfig(
         architecture=arch, layers=field("block_count", INTEGER_KINDS), hidden=hidden, heads=heads,
         kv_heads=field("attention.head_count_kv", INTEGER_KINDS, heads), head_dim=head_dim,
@@ -163,6 +171,7 @@ def check_config(c: GGUFConfig, where: str) -> None:
 
 
 def _tensor(reader: GGUFFile, name: str, path: Path, required: bool = True) -> TensorInfo | None:
+    reader.asked.add(name)  # every tensor the runner looks for: the others are refused (`_refuse_unread`)
     tensor = reader.tensors.get(name)
     if tensor is None and required:
         raise VerispecError(f"{path.name}: tensor '{name}' is missing")
@@ -232,4 +241,18 @@ def _load_gguf(path: Path, show_progress: bool) -> GGUFModel:
     embed = _weight(reader, "token_embd.weight", path, c.vocab, c.hidden)
     head = _weight(reader, "output.weight", path, c.vocab, c.hidden) if _tensor(reader, "output.weight", path, False) else embed
     norm = _vector(reader, "output_norm.weight", path, c.hidden)
-    return GGUFModel(path, c, embed, layers, norm, head)
+    factors = _vector(reader, "rope_freqs.weight", path, c.head_dim // 2, required=False)
+    if factors is not None and not (np.isfinite(factors).all() and (factors > 0).all()):
+        raise VerispecError(f"{path.name}: tensor 'rope_freqs.weight' holds factors that are not finite and positive")
+    _refuse_unread(reader, path, c.architecture)
+    return GGUFModel(path, c, embed, layers, norm, head, None if factors is None else factors.copy())
+
+
+def _refuse_unread(reader: GGUFFile, path: Path, arch: str) -> None:
+    """One line naming a tensor of the file the runner did not read (a norm, a scale, a bias of a variant it does
+    not know): ignoring it would decode another model, silently."""
+    unread = sorted(set(reader.tensors) - reader.asked)
+    if unread:
+        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise VerispecError(f"{path.name}: tensor '{unread[0]}'{more} is not read by verispec's CPU runner for "
+                            f"'{arch}': running without it would be another model; use --backend llama.cpp")

@@ -34,7 +34,7 @@ _SIGNATURES = {
     "vs_matmul_float": ([_I, _P, _I64, _I64, _I64, _P, _P], _I),
     "vs_float_rows": ([_I, _P, _I64, _I64, _P, _I64, _P], _I),
     "vs_rmsnorm": ([_P, _I64, _I64, _P, _F, _P], None),
-    "vs_rope_table": ([_P, _I64, _I, _D, _P], None),
+    "vs_rope_table": ([_P, _I64, _I, _D, _P, _P], None),
     "vs_rope": ([_P, _I64, _I, _I, _P, _I], None),
     "vs_silu_mul": ([_P, _P, _I64, _P], None),
     "vs_attention": ([_P, _I64, _I, _I, _I, _F, _P, _P, _I64, _P, _P, _P, _P], _I),

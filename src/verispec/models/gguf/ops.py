@@ -142,10 +142,11 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
-def rope_table(positions: np.ndarray, dim: int, theta: float) -> np.ndarray:
-    """positions (N,) int64 -> (N, D/2, 2) float32 cos, sin of each pair's angle."""
+def rope_table(positions: np.ndarray, dim: int, theta: float, factors: np.ndarray | None = None) -> np.ndarray:
+    """positions (N,) int64 -> (N, D/2, 2) float32 cos, sin of each pair's angle; factors (D/2,) float32 or None:
+    each pair's frequency divided by its factor (Llama 3's RoPE scaling, a GGUF's rope_freqs.weight)."""
     table = np.empty((positions.size, dim // 2, 2), np.float32)
-    lib().vs_rope_table(ptr(positions), positions.size, dim, theta, ptr(table))
+    lib().vs_rope_table(ptr(positions), positions.size, dim, theta, None if factors is None else ptr(factors), ptr(table))
     return table
 
 

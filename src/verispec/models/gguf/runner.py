@@ -416,7 +416,7 @@ class NativeRunner:
             state.rows[q.row].reserve(q.column + 1)
         rows = [state.rows[q.row] for q in queries]
         positions = np.array([q.position for q in queries], np.int64)  # (N,)
-        angles = ops.rope_table(positions, c.head_dim, c.rope_theta)  # (N, D/2, 2)
+        angles = ops.rope_table(positions, c.head_dim, c.rope_theta, model.rope_factors)  # (N, D/2, 2)
         x = model.embed.take_rows(np.array([q.token for q in queries], np.int64))  # (N, E)
         if skip is not None:
             first = int(np.flatnonzero(skip)[0]) if skip.any() else c.layers  # layers before it run in full

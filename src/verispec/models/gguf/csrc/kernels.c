@@ -1107,10 +1107,12 @@ void vs_rmsnorm(const float *x, int64_t n, int64_t e, const float *w, float eps,
 
 /* RoPE's cos / sin per position: table (n, dim/2, 2) for pair j at pos[i]: angle = pos * theta^(-2j/dim),
  * computed in double once per pass (every layer, q and k use it). */
-void vs_rope_table(const int64_t *pos, int64_t n, int dim, double theta, float *table) {
+void vs_rope_table(const int64_t *pos, int64_t n, int dim, double theta, const float *factors, float *table) {
     for (int64_t i = 0; i < n; i++)
         for (int j = 0; j < dim / 2; j++) {
-            double angle = (double)pos[i] * pow(theta, -2.0 * j / dim);
+            /* factors (dim / 2, or NULL: all 1): pair j's frequency divided by factors[j] (Llama 3's scaling, which
+             * its GGUF files carry as the tensor rope_freqs.weight, as llama.cpp applies it) */
+            double angle = (double)pos[i] * pow(theta, -2.0 * j / dim) / (factors ? (double)factors[j] : 1.0);
             table[(i * (dim / 2) + j) * 2] = (float)cos(angle);
             table[(i * (dim / 2) + j) * 2 + 1] = (float)sin(angle);
         }
