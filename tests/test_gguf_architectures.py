@@ -42,10 +42,14 @@ def native_logits(path, tokens: list[int]) -> np.ndarray:
 
 
 def llamacpp_logits(path, tokens: list[int]) -> np.ndarray:
+    """llama.cpp's logits after each token, fed one token a pass as it decodes: its batched kernels for wider passes
+    (tinyBLAS, repacked Q8_0) quantize activations in their own ways, which a decoding step does not meet (the native
+    runner's logits are the same bits in any pass)."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=1, type_k=0, type_v=0)
-    llm.eval(tokens)
+    for token in tokens:
+        llm.eval([token])
     return np.array(llm.scores[: len(tokens)], dtype=np.float32)  # (T, V)
 
 
@@ -126,3 +130,49 @@ def test_a_hugging_face_llama3_converted_for_the_native_runner_keeps_its_rope_sc
                                  "rope_theta": 10000.0}
     with pytest.raises(VerispecError, match="RoPE scaling 'yarn' is not supported"):
         model_from_torch(model, qtype=0)
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("qtype, tolerance", [(T.F32, 1e-4), (T.Q4_K, 1e-2), (T.Q4_0, 1e-2)])
+def test_qwen3_agrees_with_llamacpp(tmp_path, qtype, tolerance):
+    """Qwen3: each query and key head RMS-normed before RoPE, heads of 64 over a width of 256 (its head size is not
+    the width over the heads), no biases. Quantized weights: both runners quantize the activations the same way (8-bit
+    blocks of 256 for the K-quants, of 32 with a half-precision scale for the others), but where the order of a float
+    sum moves a value across a rounding boundary one int8 activation differs by one step, which moves a logit by up
+    to about 1% of the logits' spread (measured: 2e-6 to 3e-3 of it here); float weights: 1e-6. (Q8_0 weights part
+    from llama.cpp by up to 4% of the spread after some 20 tokens, which a flipped rounding does not explain: not
+    covered until that is understood.)"""
+    path = write_tiny_gguf(tmp_path / "qwen3.gguf", "qwen3", (qtype,), seed=4, hidden=256, heads=8, kv_heads=2,
+                           head_dim=64, vocab=300, vocab_tokens=True)
+    model = load_gguf(path, show_progress=False)
+    assert model.layers[0].q_norm is not None and model.config.head_dim == 64  # 8 heads of 64 over a width of 256
+    tokens = [int(t) for t in np.random.default_rng(1).integers(4, 300, 40)]
+    ours, theirs = native_logits(path, tokens), llamacpp_logits(path, tokens)
+    assert np.abs(ours - theirs).max() < tolerance * float(theirs.std()) + 1e-5
+    assert greedy(lambda t: native_logits(path, t), tokens[:8], 24) == \
+        greedy(lambda t: llamacpp_logits(path, t), tokens[:8], 24)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama3"])
+def test_new_layouts_give_the_same_bits_fused_per_op_and_alone(tmp_path, arch):
+    """The fused layer (one C call) and the per-op path compute the head norms and the scaled RoPE the same way, and a
+    token's logits are the same bits alone as in a wider pass."""
+    factors = llama3_factors(HIDDEN // HEADS, 10000.0) if arch == "llama3" else None
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", "qwen3" if arch == "qwen3" else "llama", (T.Q4_K, T.Q8_0),
+                           hidden=HIDDEN, heads=8 if arch == "qwen3" else HEADS, head_dim=64 if arch == "qwen3" else None,
+                           rope_factors=factors)
+    model = load_gguf(path, show_progress=False)
+    tokens = list(range(5, 25))
+    fused, per_op = NativeRunner(model), NativeRunner(model, fused=False)
+    a = fused.forward(fused.new_state(1), [tokens], [len(tokens)])[0]
+    b = per_op.forward(per_op.new_state(1), [tokens], [len(tokens)])[0]
+    assert torch_equal(a, b)
+    state = fused.new_state(1)
+    fused.forward(state, [tokens[:-1]], [1])
+    assert torch_equal(fused.forward(state, [tokens[-1:]], [1])[0][0], a[-1])
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))

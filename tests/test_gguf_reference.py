@@ -101,10 +101,13 @@ def test_dequantize_rejects_wrong_row_size():
 
 
 def numpy_quantize_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """The activation contract restated in numpy float32, independently of the torch code."""
+    """The activation contract restated in numpy float32, independently of the torch code (blocks of 32 keep their
+    scale in half precision, as llama.cpp's block_q8_0 does)."""
     xb = x.reshape(x.shape[0], -1, block).astype(np.float32)
     amax = np.abs(xb).max(axis=-1)
     d = amax / np.float32(127)
+    if block == 32:
+        d = d.astype(np.float16).astype(np.float32)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
     q = np.clip(np.rint(xb * inv[..., None]), -127, 127).astype(np.int8)  # np.rint: half to even
@@ -133,7 +136,8 @@ def test_quantize_activations_matches_contract_and_error_bound(block):
     np.testing.assert_array_equal(d.numpy(), d_np)
     assert q.abs().max() == 127 and (q[0, :block] == 0).all() and d[0, 0] == 0
     d_full = d.double().repeat_interleave(block, dim=1)  # (7, 2 * block)
-    assert ((q.double() * d_full - x.double()).abs() <= d_full * (0.5 + 1e-6)).all()
+    slack = 127 * 2.0**-11 if block == 32 else 1e-6  # a scale kept in half precision is off by up to 2^-11 of itself
+    assert ((q.double() * d_full - x.double()).abs() <= d_full * (0.5 + slack)).all()
 
 
 def test_quantize_activations_rounds_half_to_even_after_float32_multiply():

@@ -31,6 +31,24 @@ def raw_rows(raw: np.ndarray, rows: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1))
 
 
+def test_a_block_of_32s_scale_is_rounded_to_half_precision_as_torch_rounds_it():
+    """The scales of blocks of 32 are llama.cpp's halves: rounded to nearest, ties to even, half's subnormals below
+    2^-14 (multiples of 2^-24), infinity from 65520 up; the kernel's rounding equals torch's float16 cast."""
+    rng = np.random.default_rng(9)
+    # amax / 127 at: half's normal range, its subnormals, the smallest half and below, exact ties between two halves
+    # (1 + (2k + 1) 2^-11), the overflow edge, and plain random values
+    scales = np.concatenate([np.float32(2.0) ** rng.integers(-30, 16, 200), rng.uniform(1e-9, 6e-5, 100),
+                             [2.0**-24, 2.0**-25, 1.5 * 2.0**-25, 3 * 2.0**-26, 65504.0, 65519.0, 65520.0, 70000.0],
+                             1 + (2 * rng.integers(0, 1023, 60) + 1) * 2.0**-11]).astype(np.float32)
+    amax = (scales * np.float32(127)).astype(np.float32)
+    x = np.zeros((len(amax), 32), np.float32)
+    x[:, 0] = amax
+    x[:, 1:] = rng.uniform(-1, 1, (len(amax), 31)).astype(np.float32) * amax[:, None]
+    _, d, _ = Activations(x).quantize(32)
+    expected = (amax / np.float32(127)).astype(np.float32)
+    assert np.array_equal(d[:, 0].view(np.int32), torch.from_numpy(expected).half().float().numpy().view(np.int32))
+
+
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,cols,n", [(16, 256, 1), (40, 512, 7), (300, 768, 5)])
 def test_matmul_equals_the_reference_up_to_float32_summation_order(qtype, rows, cols, n):

@@ -39,10 +39,13 @@ def random_raw(rng: np.random.Generator, qtype, rows: int, cols: int, scale: flo
 def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int = 0, hidden: int = 256,
                     heads: int = 4, kv_heads: int = 2, ffn: int = 512, vocab: int = 300, layers: int = 2,
                     tied: bool = False, context: int = 512, rope_factors: np.ndarray | None = None,
-                    vocab_tokens: bool = False, extra: dict | None = None, metadata: dict | None = None) -> Path:
+                    vocab_tokens: bool = False, extra: dict | None = None, metadata: dict | None = None,
+                    head_dim: int | None = None) -> Path:
     """Write a random Llama / Qwen2 model; matmul weights take `types` in turn (cycled). rope_factors (D/2,): Llama 3's
     RoPE scaling as its files carry it (rope_freqs.weight); vocab_tokens: a placeholder vocabulary (llama.cpp needs
-    one); extra: more tensors by name; metadata: more key/value pairs (name -> (value, GGUFValueType))."""
+    one); extra: more tensors by name; metadata: more key/value pairs (name -> (value, GGUFValueType)); head_dim: the
+    heads' size where it is not hidden / heads (Qwen3's is not; written as attention.key_length). "qwen3": Qwen2's
+    layout without biases, with each query and key head normed (attn_q_norm, attn_k_norm)."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
@@ -70,7 +73,10 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     def vector(name: str, size: int, around: float = 1.0) -> None:
         writer.add_tensor(name, (around + 0.1 * rng.standard_normal(size)).astype(np.float32))
 
-    head_dim = hidden // heads
+    if head_dim is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    head_dim = head_dim or hidden // heads
     matrix("token_embd.weight", vocab, hidden)
     for i in range(layers):
         p = f"blk.{i}."
@@ -82,6 +88,9 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
             for name, size in (("attn_q.bias", heads * head_dim), ("attn_k.bias", kv_heads * head_dim),
                                ("attn_v.bias", kv_heads * head_dim)):
                 vector(p + name, size, around=0.0)
+        if arch == "qwen3":
+            vector(p + "attn_q_norm.weight", head_dim)
+            vector(p + "attn_k_norm.weight", head_dim)
         matrix(p + "attn_output.weight", hidden, heads * head_dim)
         vector(p + "ffn_norm.weight", hidden)
         matrix(p + "ffn_gate.weight", ffn, hidden)

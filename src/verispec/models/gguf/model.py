@@ -6,7 +6,8 @@ float32 arrays. The token embedding is a weight too: a lookup dequantizes only t
 
 Architectures: `llama` (RoPE on adjacent pairs, as llama.cpp's converter permutes Q and K; Llama 3's RoPE scaling,
 which its files carry as per-pair frequency factors in `rope_freqs.weight`) and `qwen2` (RoPE on halves, biases on Q,
-K and V). Anything else (another architecture, a RoPE scaling named in the metadata, RoPE on part of a head) is refused
+K and V), and `qwen3` (Qwen2's layout with each query and key head RMS-normed before RoPE, `attn_q_norm` /
+`attn_k_norm`). Anything else (another architecture, a RoPE scaling named in the metadata, RoPE on part of a head) is refused
 with one line, and so is a file holding a tensor the runner would not read: a model is run whole or not at all.
 """
 
@@ -26,7 +27,8 @@ from verispec.models.gguf.gguf_file import FLOAT_KINDS, INTEGER_KINDS, GGUFFile,
 from verispec.models.gguf.native import set_threads
 from verispec.models.gguf.ops import FLOAT_TYPES, Weight, check_tensor
 
-ARCHITECTURES = {"llama": False, "qwen2": True}  # name -> RoPE on halves ("neox")
+ARCHITECTURES = {"llama": False, "qwen2": True, "qwen3": True}  # name -> RoPE on halves ("neox")
+HEAD_NORMS = {"qwen3"}  # architectures that norm each query and key head before RoPE (attn_q_norm, attn_k_norm)
 CHUNK_BYTES = 32 << 20  # a larger tensor is read and repacked in chunks: no whole source tensor is held
 
 
@@ -66,6 +68,8 @@ class Layer:
     gate: Weight  # (F, E)
     up: Weight  # (F, E)
     down: Weight  # (E, F)
+    q_norm: np.ndarray | None = None  # (D,) RMSNorm weight of every query head before RoPE (Qwen3), or None
+    k_norm: np.ndarray | None = None  # (D,) the same for key heads
 
 
 @dataclass
@@ -236,6 +240,9 @@ def _load_gguf(path: Path, show_progress: bool) -> GGUFModel:
                 gate=_weight(reader, p + "ffn_gate.weight", path, c.ffn, c.hidden),
                 up=_weight(reader, p + "ffn_up.weight", path, c.ffn, c.hidden),
                 down=_weight(reader, p + "ffn_down.weight", path, c.hidden, c.ffn),
+                **({"q_norm": _vector(reader, p + "attn_q_norm.weight", path, c.head_dim),
+                    "k_norm": _vector(reader, p + "attn_k_norm.weight", path, c.head_dim)}
+                   if c.architecture in HEAD_NORMS else {}),
             ))
             advance()
     embed = _weight(reader, "token_embd.weight", path, c.vocab, c.hidden)

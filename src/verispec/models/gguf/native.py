@@ -66,9 +66,9 @@ class WeightStruct(ctypes.Structure):
 
 
 class LayerStruct(ctypes.Structure):
-    """csrc's vs_layer_t: a layer's norms, biases (NULL where absent) and weights."""
+    """csrc's vs_layer_t: a layer's norms, biases and per-head query / key norms (NULL where absent) and weights."""
 
-    _fields_ = [(name, _P) for name in ("attn_norm", "ffn_norm", "q_bias", "k_bias", "v_bias")] + [
+    _fields_ = [(name, _P) for name in ("attn_norm", "ffn_norm", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm")] + [
         (name, WeightStruct) for name in ("q", "k", "v", "out", "gate", "up", "down")]
 
 

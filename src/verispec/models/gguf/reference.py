@@ -169,7 +169,8 @@ def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType | int, cols: int) 
 def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (N, K) float32, K a multiple of block -> (q (N, K) int8, d (N, K // block) float32).
 
-    Per block of `block` consecutive values of a row: amax = max|x|; d = amax / 127;
+    Per block of `block` consecutive values of a row: amax = max|x|; d = amax / 127 (for blocks of 32 rounded to
+    half precision, as llama.cpp's block_q8_0 keeps it);
     inv = 127 / amax (0 where amax is 0, or so small that 127 / amax overflows); q = clamp(round_half_to_even(x * inv), -127, 127),
     each a single correctly rounded float32 operation. This exact arithmetic is a contract: a C kernel
     reproduces the int8 values bit for bit (inv is 127 / amax, not 1 / d nor 1 / amax * 127; ties go to even)."""
@@ -182,6 +183,8 @@ def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     # 127 as a tensor: torch evaluates `127.0 / t` as t.reciprocal() * 127, two roundings, not one division.
     c127 = torch.full_like(amax, 127.0)  # (N, K/block)
     d = amax / c127  # (N, K/block)
+    if block == 32:  # llama.cpp's block_q8_0 holds its scale as a half
+        d = d.half().float()
     inv = c127 / amax  # (N, K/block)
     inv = torch.where((amax > 0) & torch.isfinite(inv), inv, torch.zeros_like(amax))
     q = torch.round(xb * inv[..., None]).clamp(-127, 127)  # (N, K/block, block) float32

@@ -202,7 +202,8 @@ class NativeRunner:
             return None if a is None else ptr(a)
 
         self._layers_c = [LayerStruct(vector(layer.attn_norm), vector(layer.ffn_norm), vector(layer.q_bias),
-                                    vector(layer.k_bias), vector(layer.v_bias), weight(layer.q), weight(layer.k),
+                                    vector(layer.k_bias), vector(layer.v_bias), vector(layer.q_norm),
+                                    vector(layer.k_norm), weight(layer.q), weight(layer.k),
                                     weight(layer.v), weight(layer.out), weight(layer.gate), weight(layer.up),
                                     weight(layer.down)) for layer in model.layers]
 
@@ -511,6 +512,10 @@ class NativeRunner:
                 for t, bias in ((q, layer.q_bias), (k, layer.k_bias), (v, layer.v_bias)):
                     if bias is not None:
                         t += bias
+                if layer.q_norm is not None:  # each head normed before RoPE (Qwen3)
+                    q = ops.rmsnorm(q.reshape(-1, c.head_dim), layer.q_norm, c.rms_eps).reshape(n, -1)
+                if layer.k_norm is not None:
+                    k = ops.rmsnorm(k.reshape(-1, c.head_dim), layer.k_norm, c.rms_eps).reshape(n, -1)
                 ops.rope(q, c.heads, angles, c.neox)
                 ops.rope(k, c.kv_heads, angles, c.neox)
                 for row, first, count, column in runs:

@@ -451,9 +451,29 @@ int vs_dequantize_rows(int type, const uint8_t *packed, int64_t rows, int64_t co
 
 /* ------------------------------------------------------------------ activations */
 
+/* x rounded to IEEE half precision (nearest, ties to even; past 65504 inf; below 2^-14 to multiples of 2^-24), as a
+ * float: what llama.cpp's FP32_TO_FP16 keeps of a value (F16C's vcvtps2ph), in plain float and integer operations. */
+static inline float round_to_half(float x) {
+    float a = fabsf(x);
+    if (!(a < 65520.0f)) return a != a ? x : copysignf(INFINITY, x); /* NaN stays; 65520 and up round past 65504 */
+    if (a < 6.103515625e-05f) { /* half's subnormals: multiples of 2^-24 (x 2^24 is exact and below 2^10) */
+        float v = (a * 16777216.0f + 12582912.0f) - 12582912.0f;
+        return copysignf(v / 16777216.0f, x);
+    }
+    uint32_t bits;
+    memcpy(&bits, &a, 4);
+    bits += 0x0FFFu + ((bits >> 13) & 1u); /* 10 mantissa bits kept, the rest rounded to nearest, ties to even */
+    bits &= ~0x1FFFu;
+    float r;
+    memcpy(&r, &bits, 4);
+    return copysignf(r, x);
+}
+
 /* One block (a multiple of 16 values) to int8: amax = max |x| (exact in any order), inv = 127 / amax,
- * q = round half to even (x inv), clamped to +-127; returns d = amax / 127. Written in 16 lanes so that
- * the compiler vectorises every loop. */
+ * q = round half to even (x inv), clamped to +-127; returns d = amax / 127, rounded to half precision for blocks
+ * of 32 (llama.cpp's block_q8_0 keeps its scale as a half, its block_q8_K as a float; its x86 code quantizes
+ * with 127 / amax and rounds to even as here), so that a pass's arithmetic is llama.cpp's for every weight type.
+ * Written in 16 lanes so that the compiler vectorises every loop. */
 static inline float quantize_block(const float *xb, int block, int8_t *qb) {
     float lane[16] = {0};
     for (int l0 = 0; l0 < block; l0 += 16)
@@ -473,7 +493,7 @@ static inline float quantize_block(const float *xb, int block, int8_t *qb) {
         v = v < -127.0f ? -127.0f : v;
         qb[l] = (int8_t)(int32_t)v;
     }
-    return amax / 127.0f;
+    return block == 32 ? round_to_half(amax / 127.0f) : amax / 127.0f;
 }
 
 /* x (n, k) float32 -> q (n, k) int8, d (n, k / block) float32, bsum (n, k / 16) int32. The arithmetic is
@@ -1453,6 +1473,7 @@ typedef struct {
 
 typedef struct {
     const float *attn_norm, *ffn_norm, *q_bias, *k_bias, *v_bias; /* biases may be NULL */
+    const float *q_norm, *k_norm; /* (head_dim,) RMSNorm of each query / key head before RoPE (Qwen3), or NULL */
     vs_weight_t q, k, v, out, gate, up, down;
 } vs_layer_t;
 
@@ -1541,6 +1562,8 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
     if (L->q_bias) add_rows(q, L->q_bias, n, QD);
     if (L->k_bias) add_rows(k, L->k_bias, n, KD);
     if (L->v_bias) add_rows(v, L->v_bias, n, KD);
+    if (L->q_norm) vs_rmsnorm(q, n * D->heads, D->head_dim, L->q_norm, eps, q); /* in place: a row's scale first */
+    if (L->k_norm) vs_rmsnorm(k, n * D->kv_heads, D->head_dim, L->k_norm, eps, k);
     vs_rope(q, n, (int)D->heads, (int)D->head_dim, rope_table, (int)D->neox);
     vs_rope(k, n, (int)D->kv_heads, (int)D->head_dim, rope_table, (int)D->neox);
     for (int64_t i = 0; i < n; i++) {
