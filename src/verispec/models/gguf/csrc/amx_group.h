@@ -91,6 +91,10 @@ static AMX_ATTR void AMX_NAME(group)(const layout_t *L, const uint8_t *grp, int6
                 if (!scaled) imin[r] = bs[0] + bs[1];
             }
             for (int r = 0; r < GROUP; r++) {
+                if (L->dmin_kind) { /* the offset taken off in integers, one product (kernels.c's EPILOGUE) */
+                    acc[t][r] = fmaf(d[r] * da, (float)(isum[r] - L->dmin_kind * imin[r]), acc[t][r]);
+                    continue;
+                }
                 acc[t][r] = fmaf(d[r] * da, (float)isum[r], acc[t][r]);
                 acc[t][r] = fmaf(-(dmin[r] * da), (float)imin[r], acc[t][r]);
             }
@@ -160,6 +164,10 @@ static AMX_ATTR void AMX_NAME(group_units)(const layout_t *L, const uint8_t *grp
             int32_t imin[GROUP];
             AMX_IMIN(&mins, 8, tok[t].pairs + AMX_PAIRS * s, imin);
             for (int r = 0; r < GROUP; r++) {
+                if (L->dmin_kind) { /* the offset taken off in integers, one product (kernels.c's EPILOGUE) */
+                    acc[t][r] = fmaf(d[r] * da, (float)(isum[t][r] - L->dmin_kind * imin[r]), acc[t][r]);
+                    continue;
+                }
                 acc[t][r] = fmaf(d[r] * da, (float)isum[t][r], acc[t][r]);
                 acc[t][r] = fmaf(-(dmin[r] * da), (float)imin[r], acc[t][r]);
             }

@@ -26,6 +26,10 @@
  *
  * With int8 activations a (scale da per super-block, bsum = sums of a over 16), a token's output is
  *   acc += (d da) * float(sum_j sc_j dot_j)  -  (dmin da) * float(sum_j m_j bsum_j)   per super-block,
+ * or, where dmin = kind d (Q4_0, Q5_0, Q8_0, Q6_K: the offset that makes q unsigned), in one product of the signed
+ * integer sum, as llama.cpp computes it (EPILOGUE):
+ *   acc += (d da) * float(sum_j sc_j dot_j - kind sum_j m_j bsum_j)
+ * (two large float terms of opposite sign lost the low bits of Q8_0's dots: its offset is 128),
  * each dot_j a vpdpbusd chain: the unpacked weights of a sub-block are reused by every token of a tile.
  */
 #define PY_SSIZE_T_CLEAN
@@ -558,6 +562,10 @@ static void group_generic(const layout_t *L, const uint8_t *grp, int64_t nsb, co
             float da = tok[t].d[s];
             for (int r = 0; r < GROUP; r++) {
                 float dd = sb_d(sb, r) * da, dm = sb_dmin(L, sb, r) * da;
+                if (L->dmin_kind) { /* dmin = kind d: the offset taken off in integers, one product (see EPILOGUE) */
+                    acc[r] = fmaf(dd, (float)(isum[r] - L->dmin_kind * imin[r]), acc[r]);
+                    continue;
+                }
                 acc[r] = fmaf(dd, (float)isum[r], acc[r]);
                 acc[r] = fmaf(-dm, (float)imin[r], acc[r]);
             }
@@ -714,6 +722,11 @@ VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const ui
                 imin = _mm512_set1_epi32(bs[0] + bs[1]);
             }
             __m512 da = _mm512_set1_ps(tok[t].d[s]);
+            if (L.dmin_kind) {
+                __m512i signed_sum = _mm512_sub_epi32(isum[t], _mm512_mullo_epi32(imin, _mm512_set1_epi32(L.dmin_kind)));
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(signed_sum), acc[t]);
+                continue;
+            }
             acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[t]), acc[t]);
             acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(imin), acc[t]);
         }
@@ -855,6 +868,11 @@ VS_INLINE VS_AVX2 void half_tile_avx2(const int type, const int T, const uint8_t
         }
         for (int t = 0; t < T; t++) {
             __m256 da = _mm256_set1_ps(tok[t].d[s]);
+            if (L.dmin_kind) {
+                __m256i signed_sum = _mm256_sub_epi32(isum[t], _mm256_mullo_epi32(imin[t], _mm256_set1_epi32(L.dmin_kind)));
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(signed_sum), acc[t]);
+                continue;
+            }
             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[t]), acc[t]);
             acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(imin[t]), acc[t]);
         }
