@@ -104,6 +104,31 @@ def test_streamed_calls_equal_the_whole_answers(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+def test_each_call_streams_once_it_is_closed_not_at_the_answers_end():
+    """A call goes out as soon as its closing tag is written and it parses; the ones after it, and the end, later."""
+    from verispec.serve.answers import CallStream
+
+    class Pieces:  # a TextStream over given text pieces
+        def __init__(self, pieces):
+            self.pieces = iter(pieces)
+
+        def delta(self, new_tokens, done, text_end):
+            return next(self.pieces, "")
+
+    first = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    second = '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "oslo"}}\n</tool_call>'
+    stream = CallStream(Pieces(["<tool_", first[6:30], first[30:], second[:20], second[20:], ""]))
+    handed = []
+    for step in range(5):
+        stream.delta((), False, None)
+        handed.append([(k, c["function"]["name"]) for k, c in stream.closed()])
+    assert handed == [[], [], [(0, "add")], [], [(1, "get_weather")]]
+    ids = [c["id"] for c in stream.calls]
+    assert stream.delta((), True, None) == "" and stream.closed() == []
+    assert [c["id"] for c in stream.calls] == ids and [c["function"]["arguments"] for c in stream.calls] == \
+        ['{"a": 1, "b": 2}', '{"city": "oslo"}']
+
+
 def test_a_history_with_calls_and_tool_answers_is_rendered_by_the_template(decoder, client):
     openai_client, server = client
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}

@@ -25,7 +25,7 @@ from verispec.serve.scheduler import Scheduler
 from verispec.serve.tickets import QueueFull, ShuttingDown, Ticket, TooLarge, Unavailable, Update
 from verispec.stats import GenerationStats
 from verispec.serve.streaming import TextStream, TimedStreamingResponse
-from verispec.serve.tools import OPEN, parse_calls
+from verispec.serve.tools import CLOSE, OPEN, parse_calls
 
 POLL_S = 0.5  # how often a waiting request checks its client, its deadline and the decoding thread
 DEADLINE_GRACE_S = 5.0  # past the request timeout, the scheduler has this long to answer before the request does
@@ -269,15 +269,21 @@ class Answers:
             if not update.done:
                 if piece or (asked and update.logprobs):  # a token's logprobs go out with the step that made it
                     yield chunk(piece, None, update.logprobs)
+                if calls:  # each call once it is closed and parsed, while the answer goes on
+                    for k, call in text.closed():
+                        yield sse(wire.chat_chunk(rid, self.model_name, {"tool_calls": [{"index": k, **call}]}, None,
+                                                  None, None, index))
                 continue
             self.metrics.latency.observe(time.monotonic() - arrival)
             self.metrics.finished(ticket.sequence.prompt_len, update.stats)
             if calls and text.calls:
                 if piece or update.logprobs:
                     yield chunk(piece, None, update.logprobs)
-                delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(text.calls)]}
+                for k, call in text.closed():
+                    yield sse(wire.chat_chunk(rid, self.model_name, {"tool_calls": [{"index": k, **call}]}, None,
+                                              None, None, index))
                 finish = "tool_calls" if update.finish_reason in ("eos", "stop") else update.finish_reason
-                yield sse(wire.chat_chunk(rid, self.model_name, delta, finish, None, None, index))
+                yield sse(wire.chat_chunk(rid, self.model_name, {}, finish, None, None, index))
             else:
                 yield chunk(piece, update.finish_reason, update.logprobs)
             yield update
@@ -285,16 +291,31 @@ class Answers:
 
 
 class CallStream:
-    """A TextStream whose deltas stop where a tool call may begin (`serve.tools.OPEN`, held back until decided); at the
-    end, `calls` holds the answer's parsed calls (`parse_calls`) and the last delta the content not yet sent."""
+    """A TextStream whose deltas stop where a tool call may begin (`serve.tools.OPEN`, held back until decided); each
+    call is handed out (`closed`) once its closing tag is written and it parses, as the answer goes on; at the end,
+    `calls` holds the answer's parsed calls (`parse_calls`) and the last delta the content not yet sent."""
 
     def __init__(self, text: TextStream) -> None:
         self.text, self.whole, self.sent, self.calls = text, "", 0, []
+        self.handed = 0  # calls handed out by `closed`
+
+    def closed(self) -> list[tuple[int, dict]]:
+        """(index, call) of the calls parsed since the last call, each once. A call is parsed only whole (its closing
+        tag written), and the calls before it parse the same whatever follows, so these are the final list's first
+        ones (their ids kept)."""
+        end = self.whole.rfind(CLOSE)
+        if end >= 0:
+            _, parsed = parse_calls(self.whole[: end + len(CLOSE)])
+            self.calls = self.calls + parsed[len(self.calls) :]
+        new = list(enumerate(self.calls))[self.handed :]
+        self.handed = len(self.calls)
+        return new
 
     def delta(self, new_tokens: tuple[int, ...], done: bool, text_end: int | None) -> str:
         self.whole += self.text.delta(new_tokens, done, text_end)
         if done:
-            content, self.calls = parse_calls(self.whole)
+            content, parsed = parse_calls(self.whole)
+            self.calls = self.calls + parsed[len(self.calls) :]  # the calls handed out keep their ids
             final = self.whole if not self.calls else (content or "")
             piece, self.sent = final[self.sent :], len(final)
             return piece
