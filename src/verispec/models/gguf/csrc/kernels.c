@@ -668,6 +668,7 @@ VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const ui
     get_layout(type, &L);
     const int64_t SB = sb_bytes(&L), poff = planes_offset(&L);
     const int hdr = header_bytes(&L), nsc = nscales(&L), pb = plane_bytes(L.bits), hi16 = L.bits == 4;
+    const int kind_shift = L.dmin_kind ? __builtin_ctz((unsigned)L.dmin_kind) : -1; /* kinds are powers of two */
     __m512 acc[TILE_AVX512];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
@@ -722,13 +723,13 @@ VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const ui
                 imin = _mm512_set1_epi32(bs[0] + bs[1]);
             }
             __m512 da = _mm512_set1_ps(tok[t].d[s]);
-            if (L.dmin_kind) {
-                __m512i signed_sum = _mm512_sub_epi32(isum[t], _mm512_mullo_epi32(imin, _mm512_set1_epi32(L.dmin_kind)));
+            if (kind_shift >= 0) { /* dmin = 2^shift d: the offset off in integers, one product */
+                __m512i signed_sum = _mm512_sub_epi32(isum[t], _mm512_sll_epi32(imin, _mm_cvtsi32_si128(kind_shift)));
                 acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(signed_sum), acc[t]);
-                continue;
+            } else {
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[t]), acc[t]);
+                acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(imin), acc[t]);
             }
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[t]), acc[t]);
-            acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(imin), acc[t]);
         }
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(tok[t].out, acc[t]);
@@ -826,6 +827,7 @@ VS_INLINE VS_AVX2 void half_tile_avx2(const int type, const int T, const uint8_t
     get_layout(type, &L);
     const int64_t SB = sb_bytes(&L), poff = planes_offset(&L);
     const int hdr = header_bytes(&L), nsc = nscales(&L), pb = plane_bytes(L.bits), r0 = 8 * half;
+    const int kind_shift = L.dmin_kind ? __builtin_ctz((unsigned)L.dmin_kind) : -1; /* kinds are powers of two */
     __m256 acc[TILE];
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
@@ -868,13 +870,13 @@ VS_INLINE VS_AVX2 void half_tile_avx2(const int type, const int T, const uint8_t
         }
         for (int t = 0; t < T; t++) {
             __m256 da = _mm256_set1_ps(tok[t].d[s]);
-            if (L.dmin_kind) {
-                __m256i signed_sum = _mm256_sub_epi32(isum[t], _mm256_mullo_epi32(imin[t], _mm256_set1_epi32(L.dmin_kind)));
+            if (kind_shift >= 0) { /* dmin = 2^shift d: the offset off in integers, one product */
+                __m256i signed_sum = _mm256_sub_epi32(isum[t], _mm256_sll_epi32(imin[t], _mm_cvtsi32_si128(kind_shift)));
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(signed_sum), acc[t]);
-                continue;
+            } else {
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+                acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(imin[t]), acc[t]);
             }
-            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[t]), acc[t]);
-            acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(imin[t]), acc[t]);
         }
     }
     for (int t = 0; t < T; t++) _mm256_storeu_ps(tok[t].out + r0, acc[t]);
