@@ -294,8 +294,11 @@ def test_speedup_calculator_matches_analyze_and_reads_a_bench(page, server, tmp_
     m = measured_from_bench(report)
     assert (m["alpha"], m["c"]) == (pytest.approx(0.8), pytest.approx(0.2))
     assert re.search(r"alpha = 0\.8000, c = 0\.2000", page.text_content("#measured"))
-    page.wait_for_selector("#table tr[data-alpha='0.8'] td[data-k='10']")
     ref = speedup_table(AnalyzeConfig(alphas=(m["alpha"],), k_max=10, c=m["c"]))["rows"][0]
+    # the table from before the upload has a 0.8 row too: wait until it is redrawn with the measured c (a bounded wait)
+    page.wait_for_function("expected => { const s = document.querySelector(\"#table tr[data-alpha='0.8'] span.speedup\");"
+                           " return s !== null && Number(s.textContent) === expected; }", arg=round(ref["speedup"][0], 3),
+                           timeout=30_000)
     speedups, _, row = cells(page, "0.8")
     assert speedups == [round(s, 3) for s in ref["speedup"]]
     assert row.locator("td.best").get_attribute("data-k") == str(ref["best_k"])
