@@ -227,9 +227,10 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     candidates = probs >= floor  # (N, V)
     counts = candidates.sum(1).tolist()  # (N,) the one read of the device
     kept = torch.zeros_like(probs)  # (N, V)
-    whole = [r for r in range(n) if counts[r] * 4 > vocab]  # sorted whole, together (on every thread)
+    whole: list[int] = []  # rows sorted whole, together (a sort of several rows runs on every thread)
     for r in range(n):
         if counts[r] * 4 > vocab:
+            whole.append(r)
             continue
         row, least, ids = probs[r], float(floor[r]), candidates[r].nonzero()[:, 0]  # ids increasing
         while True:

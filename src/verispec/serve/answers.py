@@ -227,6 +227,10 @@ class Answers:
         asked = ticket.sequence.logprobs is not None
         offset = 0  # completions' text_offset: characters sent before a chunk's tokens
 
+        def closed_calls() -> list[str]:  # an event for each tool call not yet sent that is closed and parsed
+            return [sse(wire.chat_chunk(rid, self.model_name, {"tool_calls": [{"index": k, **call}]}, None, None, None,
+                                        index)) for k, call in text.closed()]
+
         def chunk(text: str, finish: str | None, entries=()) -> str:
             nonlocal offset
             logprobs = self.logprobs(list(entries), chat, offset) if asked else None
@@ -269,19 +273,16 @@ class Answers:
             if not update.done:
                 if piece or (asked and update.logprobs):  # a token's logprobs go out with the step that made it
                     yield chunk(piece, None, update.logprobs)
-                if calls:  # each call once it is closed and parsed, while the answer goes on
-                    for k, call in text.closed():
-                        yield sse(wire.chat_chunk(rid, self.model_name, {"tool_calls": [{"index": k, **call}]}, None,
-                                                  None, None, index))
+                for event in closed_calls() if calls else ():  # each call once closed, while the answer goes on
+                    yield event
                 continue
             self.metrics.latency.observe(time.monotonic() - arrival)
             self.metrics.finished(ticket.sequence.prompt_len, update.stats)
             if calls and text.calls:
                 if piece or update.logprobs:
                     yield chunk(piece, None, update.logprobs)
-                for k, call in text.closed():
-                    yield sse(wire.chat_chunk(rid, self.model_name, {"tool_calls": [{"index": k, **call}]}, None,
-                                              None, None, index))
+                for event in closed_calls():
+                    yield event
                 finish = "tool_calls" if update.finish_reason in ("eos", "stop") else update.finish_reason
                 yield sse(wire.chat_chunk(rid, self.model_name, {}, finish, None, None, index))
             else:
@@ -298,15 +299,17 @@ class CallStream:
     def __init__(self, text: TextStream) -> None:
         self.text, self.whole, self.sent, self.calls = text, "", 0, []
         self.handed = 0  # calls handed out by `closed`
+        self.parsed_to = 0  # the text `closed` has parsed calls from (up to a closing tag)
 
     def closed(self) -> list[tuple[int, dict]]:
         """(index, call) of the calls parsed since the last call, each once. A call is parsed only whole (its closing
         tag written), and the calls before it parse the same whatever follows, so these are the final list's first
         ones (their ids kept)."""
-        end = self.whole.rfind(CLOSE)
-        if end >= 0:
-            _, parsed = parse_calls(self.whole[: end + len(CLOSE)])
-            self.calls = self.calls + parsed[len(self.calls) :]
+        at = self.whole.rfind(CLOSE)
+        end = at + len(CLOSE) if at >= 0 else 0
+        if end > self.parsed_to:  # a closing tag since the last parse: the text up to it parsed again, once
+            _, parsed = parse_calls(self.whole[:end])
+            self.calls, self.parsed_to = self.calls + parsed[len(self.calls) :], end
         new = list(enumerate(self.calls))[self.handed :]
         self.handed = len(self.calls)
         return new
