@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
 
 import httpx
+
+from server_process import free_port, server
 
 from verispec.api import SpeculativeDecoder, set_threads
 from verispec.config import SamplingConfig, SpecConfig
@@ -78,37 +78,18 @@ def server_run(url: str, tokens: int, k: int, drafting: bool, stream: bool = Tru
 
 @contextmanager
 def serve_process(args):
-    """`verispec serve` in a process of its own on a free port; yields its URL once it answers /health."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    """`verispec serve` in a process of its own on a free port; yields its URL once it answers."""
+    port = free_port()
     command = [sys.executable, "-m", "verispec", "serve", "--target", args.target, "--draft", args.draft,
                "--port", str(port), "--threads", str(args.threads), "--max-batch-size", "1"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if process.poll() is not None:
-                raise SystemExit(f"verispec serve exited: {process.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("verispec serve did not start in 10 minutes")
-            time.sleep(0.5)
+    with server(command, port, timeout_s=600) as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(60)
 
 
 @contextmanager
 def serve_thread(decoder):
-    with BackgroundServer(decoder, ServeConfig(port=0, max_batch_size=1)) as server:
-        yield server.url
+    with BackgroundServer(decoder, ServeConfig(port=0, max_batch_size=1)) as background:
+        yield background.url
 
 
 def spec(tokens: int, k: int) -> SpecConfig:

@@ -15,14 +15,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
 
 import httpx
+
+from server_process import free_port, server
 
 KEYS = ("flooder:key-of-a", "other:key-of-b")
 A, B = {"authorization": "Bearer key-of-a"}, {"authorization": "Bearer key-of-b"}
@@ -31,31 +31,12 @@ PROBE = {"prompt": "def add(a, b):\n    return", "max_tokens": 8, "temperature":
 
 @contextmanager
 def serve(args, share: float, keys_file: str):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "verispec", "serve", "--target", args.target, "--draft", args.draft,
                "--port", str(port), "--threads", str(args.threads), "--api-keys-file", keys_file,
                "--key-share", str(share), "--max-batch-size", str(args.batch), "--max-queue", str(args.queue)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if process.poll() is not None:
-                raise SystemExit(f"verispec serve exited: {process.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("verispec serve did not start in 10 minutes")
-            time.sleep(0.5)
+    with server(command, port, timeout_s=600) as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(60)
 
 
 async def round_(url: str, args) -> dict:

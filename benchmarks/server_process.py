@@ -1,11 +1,14 @@
-"""A server in a process of its own for the serving benchmarks (`conversation.py`, `lm_eval_server.py`)."""
+"""A server in a process of its own for the serving benchmarks (`conversation.py`, `lm_eval_server.py`,
+`serve_overhead.py`, `serve_tenants.py`)."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
+import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 
@@ -17,23 +20,29 @@ def free_port() -> int:
 
 
 @contextmanager
-def server(command: list[str], port: int, log: str):
-    """A server process on `port`, once it answers; stopped on exit."""
-    with open(log, "w") as out:
+def server(command: list[str], port: int, log: str | None = None, timeout_s: float = 900):
+    """A server process on `port`, once it answers /v1/models; stopped on exit. Its output goes to `log` (None: a
+    temporary file); a server that exits or does not start within `timeout_s` ends the benchmark with its log's end."""
+    with tempfile.TemporaryDirectory() as tmp, open(log or Path(tmp) / "server.log", "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
+
+        def fail(what: str) -> SystemExit:
+            out.flush()
+            return SystemExit(f"{command[:4]} {what}: {Path(out.name).read_text()[-2000:]}")
+
         try:
-            deadline = time.monotonic() + 900
+            deadline = time.monotonic() + timeout_s
             while True:
                 if process.poll() is not None:
-                    raise SystemExit(f"{command[:4]} exited; see {log}")
+                    raise fail("exited")
                 try:
                     if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"{command[:4]} did not start; see {log}")
+                    raise fail(f"did not start in {timeout_s:.0f} s")
                 time.sleep(0.5)
             yield url
         finally:
