@@ -85,7 +85,7 @@ def test_sequences_joining_at_different_steps_equal_each_alone(greedy_pair, kind
         single = DecodeBatch(engine)
         single.add([sequence(i)])
         while single:
-            (_, seq), = single.step()
+            (_, seq), = engine.step(single)
         alone.append(seq.generated)
     assert alone[0] == engine.generate([PROMPTS[0]], sampling, specs[0], seeds=[SEEDS[0]])[0].generated
     batch = DecodeBatch(engine)
@@ -96,7 +96,7 @@ def test_sequences_joining_at_different_steps_equal_each_alone(greedy_pair, kind
             batch.add(joining[1:3])
         if step == 6:
             batch.add(joining[3:])
-        batch.step()
+        engine.step(batch)
         if not batch and step > 6:
             break
     assert [s.generated for s in joining] == alone
@@ -111,12 +111,12 @@ def test_cancel_frees_the_rows_at_once_and_the_rest_continue(greedy_pair):
     batch = DecodeBatch(engine)
     seqs = engine.make_sequences(PROMPTS[:3], SamplingConfig(temperature=0), spec, None)
     batch.add(seqs)
-    batch.step()
+    engine.step(batch)
     batch.cancel(seqs[0])
     assert seqs[0].finish_reason == "cancelled"
     assert batch.state.batch_size == 2 and engine.drafter.state.batch_size == 2 and len(engine.drafter.cached) == 2
     while batch:
-        batch.step()
+        engine.step(batch)
     assert seqs[1].generated == alone
     assert batch.state is None and engine.drafter.state.batch_size == 0
     assert engine.drafter.state.valid.shape[1] == 0  # the draft cache holds nothing after the batch
@@ -130,7 +130,7 @@ def test_cache_stays_bounded_while_sequences_come_and_go(greedy_pair):
     for step in range(60):  # a new sequence every other step: the batch is never empty
         if step % 2 == 0 and step < 50:
             batch.add(engine.make_sequences([PROMPTS[step % 4]], SamplingConfig(temperature=0), spec, None))
-        batch.step()
+        engine.step(batch)
         if batch:
             widest = max(widest, batch.state.valid.shape[1])
     assert not batch
@@ -165,3 +165,41 @@ def test_row_by_row_runner_gives_each_row_bit_for_bit_what_it_gives_alone():
         alone = run([i])
         for t, a in zip(together, alone):
             assert torch.equal(t[i], a[0])
+
+
+def test_the_engines_loop_admits_between_steps_and_hands_a_stray_fault_on(greedy_pair, monkeypatch):
+    """`SpeculativeEngine.run`, the loop every front end drives: rows joining between steps (`between`) decode as they
+    would alone; the loop ends when `between` says so; a fault that escapes the step's own guards goes to `on_fault`
+    and the loop goes on, and without `on_fault` it is raised."""
+    engine = make_engine("draft-model", greedy_pair)
+    spec = SpecConfig(num_draft_tokens=3, max_new_tokens=12)
+    alone = [engine.generate([p], SamplingConfig(temperature=0), spec)[0].generated for p in PROMPTS]
+    queue, turns = list(PROMPTS), []
+
+    def between(batch):
+        turns.append(len(batch))
+        if queue and len(turns) % 2:  # a new row every other turn
+            batch.add(engine.make_sequences([queue.pop(0)], SamplingConfig(temperature=0), spec, None))
+        return bool(queue or batch)
+
+    done = {}
+    batch = DecodeBatch(engine)
+    for results in engine.run(batch, between):
+        done.update((id(s), s) for _, s in results if s.finish_reason is not None)
+    assert sorted(s.generated for s in done.values()) == sorted(alone)
+    assert turns[0] == 0 and max(turns) >= 2 and not batch  # rows joined a running batch
+
+    step, faults = engine.step, []
+
+    def broken_once(batch):
+        monkeypatch.setattr(engine, "step", step)  # the next step runs as usual
+        raise RuntimeError("a bug outside the step's guards")
+
+    batch.add(engine.make_sequences([PROMPTS[0]], SamplingConfig(temperature=0), spec, None))
+    monkeypatch.setattr(engine, "step", broken_once)
+    steps = list(engine.run(batch, on_fault=faults.append))
+    assert [str(f) for f in faults] == ["a bug outside the step's guards"] and steps and not batch
+    batch.add(engine.make_sequences([PROMPTS[0]], SamplingConfig(temperature=0), spec, None))
+    monkeypatch.setattr(engine, "step", broken_once)
+    with pytest.raises(RuntimeError, match="outside the step's guards"):
+        next(engine.run(batch))

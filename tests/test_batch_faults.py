@@ -48,7 +48,7 @@ def run(batch, done=None, steps=None):
     done = {} if done is None else done
     while batch and (steps is None or steps > 0):
         steps = None if steps is None else steps - 1
-        for _, seq in batch.step():
+        for _, seq in batch.engine.step(batch):
             if seq.finish_reason is not None:
                 done[seq.index] = seq
     return done
@@ -111,7 +111,7 @@ def test_a_drafter_fault_no_row_causes_leaves_every_row_drafting_and_output_exac
     monkeypatch.setattr(DraftModelDrafter, method, faulty)
     batch = DecodeBatch(engine)
     batch.add(engine.make_sequences(PROMPTS[:2], GREEDY, SPEC, [0, 1]))
-    batch.step()
+    engine.step(batch)
     late = engine.make_sequences(PROMPTS[2:], GREEDY, SPEC, [2, 3])  # rows joining a running batch
     for seq, index in zip(late, (2, 3)):
         seq.index = index
@@ -161,7 +161,7 @@ def test_a_drafter_fault_one_row_causes_stops_drafting_for_that_row_only(engine,
     monkeypatch.setattr(DraftModelDrafter, method, faulty)
     batch = DecodeBatch(engine)
     batch.add(indexed(engine, prompts))
-    batch.step()
+    engine.step(batch)
     before = {s.index: (s.stats.draft_tokens, s.stats.accepted_tokens) for s in batch.sequences}
     batch.add(indexed(engine, {4: LATE}))  # a row joining after the fault drafts
     done = run(batch)
@@ -185,7 +185,7 @@ def test_a_row_that_fails_the_drafters_extend_alone_joins_without_drafts(engine,
     monkeypatch.setattr(DraftModelDrafter, "extend", faulty)
     batch = DecodeBatch(engine)
     batch.add(indexed(engine, {0: PROMPTS[0], 2: PROMPTS[2]}))
-    batch.step()
+    engine.step(batch)
     before = {s.index: s.stats.accepted_tokens for s in batch.sequences}
     batch.add(indexed(engine, {1: PROMPTS[1], 3: PROMPTS[3]}))  # joins together with the marked row
     done = run(batch)
@@ -233,7 +233,7 @@ def test_a_native_panic_is_absorbed_like_an_exception_and_an_interrupt_is_not(en
         batch = DecodeBatch(engine)
         batch.add(indexed(engine, {0: PROMPTS[0]}))
         with pytest.raises(KeyboardInterrupt):
-            batch.step()
+            engine.step(batch)
         monkeypatch.setattr(owner, where, propose if where == "propose" else verify)
 
 
@@ -419,7 +419,7 @@ def test_a_row_the_target_cannot_read_ends_before_the_pass(engine):
     batch = DecodeBatch(engine)
     seqs = engine.make_sequences(PROMPTS, GREEDY, SPEC, None)
     batch.add(seqs)
-    batch.step()
+    engine.step(batch)
     seqs[2].tokens.append(64)  # an id past the target's vocabulary, as a broken constraint might commit
     done = run(batch)
     assert done[2].finish_reason == "error" and "outside the target's vocabulary" in str(done[2].error)
@@ -467,7 +467,7 @@ def test_a_long_prompt_is_read_in_chunks_beside_a_short_one(engine):
     step = 0
     while batch:
         step += 1
-        for event, seq in batch.step():
+        for event, seq in engine.step(batch):
             first_event.setdefault(seq.index, step)
             if seq.finish_reason is not None:
                 assert seq.generated == expected[seq.index]

@@ -230,6 +230,7 @@ def test_a_constraint_the_tokenizer_cannot_write_is_refused_before_decoding(tmp_
 def test_a_forced_run_is_followed_by_the_lookups_guess_and_a_forbidden_copy_is_cut(decoders):
     from verispec.batch import DecodeBatch
     from verispec.core.drafter import Draft
+    from verispec.plan import after_forced, within_constraint
 
     dec = decoders["ngram"]
     tok = dec.target.tokenizer
@@ -239,12 +240,12 @@ def test_a_forced_run_is_followed_by_the_lookups_guess_and_a_forbidden_copy_is_c
     batch = DecodeBatch(dec.engine)
     batch.add([seq])
     assert seq.constraint.forced(8) == ids(":")  # ':' is forced, the digits are free
-    chain = batch._after_forced(0, ids(":"), 4)
+    chain = after_forced(batch, 0, ids(":"), 4)
     assert chain[:1] == ids(":") and len(chain) > 1  # the lookup copies what followed "ab:" before
     copied = Draft(torch.tensor(ids(":1x3")))  # 'x' is forbidden: the chain is cut before it
-    assert batch._within_constraint(seq, copied).tokens.tolist() == ids(":1")
+    assert within_constraint(seq, copied).tokens.tolist() == ids(":1")
     sampled = Draft(torch.tensor(ids(":1x")), q=torch.full((3, dec.runner.vocab_size), 1.0 / dec.runner.vocab_size))
-    assert batch._within_constraint(seq, sampled) is sampled  # never cut by its value
+    assert within_constraint(seq, sampled) is sampled  # never cut by its value
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "suffix"])

@@ -208,7 +208,7 @@ def test_the_heads_cache_holds_the_targets_features_of_the_committed_tokens(pair
     sampling = FORCING if constrained else GREEDY
     batch.add(engine.make_sequences(PROMPTS, sampling, SpecConfig(num_draft_tokens=3, max_new_tokens=40, tree=tree), 0))
     for _ in range(4):
-        batch.step()
+        engine.step(batch)
         drafter.propose(batch.sequences, [1] * len(batch.sequences))  # catches up, then drafts one token
         for seq, row in zip(batch.sequences, drafter.rows):
             tokens = seq.tokens
@@ -564,7 +564,7 @@ def test_a_composite_of_suffix_decoding_and_a_head_keeps_the_heads_cache_and_equ
     batch.add(engine.make_sequences(prompts, GREEDY, spec, 0))
     eagle = composite.members[1]
     for _ in range(4):
-        batch.step()
+        engine.step(batch)
         eagle.propose(batch.sequences, [1] * len(batch.sequences))  # catches up, then drafts one token
         for seq, row in zip(batch.sequences, eagle.rows):
             with torch.no_grad():

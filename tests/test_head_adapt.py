@@ -154,7 +154,7 @@ def second_tokens_with_updates_between_steps(runner, drafter, sampling, prompt=(
                                            [seed])
             batch.add([seq])
             while batch:
-                batch.step()
+                engine.step(batch)
                 adapter.adapt_now()
             counts[seq.generated[1]] += 1
             drafted += seq.stats.draft_tokens

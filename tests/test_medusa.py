@@ -177,7 +177,7 @@ def test_the_heads_read_the_state_that_produced_the_last_committed_token(pair, t
     batch = DecodeBatch(engine)
     batch.add(engine.make_sequences(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=40, tree=tree), 0))
     for _ in range(4):
-        batch.step()
+        engine.step(batch)
         for seq, h in zip(batch.sequences, drafter.hidden):
             with torch.no_grad():
                 expected = model.model(torch.tensor([seq.tokens[:-1]])).last_hidden_state[0, -1]  # (E,)

@@ -190,7 +190,7 @@ def sample_adapting(engine, adapter, sampling, K, n=3000, seed=0, draft_stop=0.0
     batch = DecodeBatch(engine)
     batch.add(seqs)
     while batch:
-        batch.step()
+        engine.step(batch)
         adapter.adapt_now()
     return [tuple(s.generated[:3]) for s in seqs], seqs
 

@@ -74,11 +74,11 @@ def test_a_row_joining_a_running_batch_reuses_the_prompt_it_shares(native):
     first = engine.make_sequences([prompts[0]], greedy, spec, None)[0]
     batch.add([first])
     while first.num_generated == 0:
-        batch.step()  # the first row reads its prompt in chunks, then keeps it
+        engine.step(batch)  # the first row reads its prompt in chunks, then keeps it
     second = engine.make_sequences([prompts[1]], greedy, spec, None)[0]
     batch.add([second])
     while batch:
-        batch.step()
+        engine.step(batch)
     assert second.stats.cached_tokens == len(SYSTEM)  # where the two prompts part
     assert [first.generated, second.generated] == alone
 

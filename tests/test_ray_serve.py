@@ -149,25 +149,25 @@ def gate_decoding(_replica_actor, hold: bool) -> tuple[int, bool]:
     without being released)."""
     import threading
 
-    from verispec.batch import DecodeBatch
+    from verispec.engine import SpeculativeEngine
 
     if hold:
-        gate = {"open": threading.Event(), "steps": 0, "ran_out": False, "step": DecodeBatch.step}
+        gate = {"open": threading.Event(), "steps": 0, "ran_out": False, "step": SpeculativeEngine.step}
 
-        def held(self):
+        def held(self, batch):
             gate["steps"] += 1
             if gate["steps"] > FREE_STEPS and not gate["open"].wait(60):
                 gate["ran_out"] = True
-            return gate["step"](self)
+            return gate["step"](self, batch)
 
-        DecodeBatch.step, DecodeBatch.test_gate = held, gate
+        SpeculativeEngine.step, SpeculativeEngine.test_gate = held, gate
         return 0, False
-    gate = DecodeBatch.__dict__.get("test_gate")
+    gate = SpeculativeEngine.__dict__.get("test_gate")
     if gate is None:
         return 0, False
     gate["open"].set()
-    DecodeBatch.step = gate["step"]
-    del DecodeBatch.test_gate
+    SpeculativeEngine.step = gate["step"]
+    del SpeculativeEngine.test_gate
     return gate["steps"], gate["ran_out"]
 
 

@@ -147,7 +147,7 @@ def test_a_rejected_draft_leaves_the_targets_cache_as_it_was(native):
     batch = DecodeBatch(engine)
     batch.add(engine.make_sequences(PROMPTS, SamplingConfig(temperature=1.0), SpecConfig(num_draft_tokens=4), 3))
     for _ in range(3):
-        batch.step()
+        engine.step(batch)
     rows = batch.state.rows
     lengths = [r.length for r in rows]
     committed = [(r.keys[:, : r.length].copy(), r.values[:, : r.length].copy()) for r in rows]

@@ -39,17 +39,17 @@ def wait_until(condition, timeout_s: float = 10.0) -> bool:
     return False
 
 
-def hold_steps(scheduler: Scheduler) -> tuple[threading.Event, threading.Event]:
+def hold_steps(scheduler: Scheduler, monkeypatch) -> tuple[threading.Event, threading.Event]:
     """Make the scheduler's decoding step wait until `released` is set; `stepping` is set when a step begins."""
     stepping, released = threading.Event(), threading.Event()
-    step = scheduler.batch.step
+    step = scheduler.engine.step
 
-    def held_step():
+    def held_step(batch):
         stepping.set()
         released.wait(60)  # a bound only: released once the stop has been asked for
-        return step()
+        return step(batch)
 
-    scheduler.batch.step = held_step
+    monkeypatch.setattr(scheduler.engine, "step", held_step)  # the engine's loop calls it (`SpeculativeEngine.run`)
     return stepping, released
 
 
@@ -120,13 +120,13 @@ def test_a_flood_past_the_queue_gets_429_and_the_rest_complete(decoder):
         assert httpx.get(s.url + "/health").json() == {"status": "ok"}
 
 
-def test_requests_past_the_timeout_are_cut_with_408(decoder):
+def test_requests_past_the_timeout_are_cut_with_408(decoder, monkeypatch):
     """Every decoding step outlasts the 0.02 s request timeout (it sleeps 0.1 s first), so a request of 100 tokens
     is past its deadline after its first step whatever the machine's speed, and is cut before its second."""
     with BackgroundServer(decoder, ServeConfig(port=0, request_timeout=0.02)) as s:
-        batch = s.app.state.scheduler.batch
-        step = batch.step
-        batch.step = lambda: time.sleep(0.1) or step()
+        engine = s.app.state.scheduler.engine
+        step = engine.step
+        monkeypatch.setattr(engine, "step", lambda batch: time.sleep(0.1) or step(batch))
         r = httpx.post(s.url + "/v1/completions", json=LONG, timeout=30)
         assert r.status_code == 408 and r.json()["error"]["type"] == "timeout"
         streamed = httpx.post(s.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30).text
@@ -134,14 +134,14 @@ def test_requests_past_the_timeout_are_cut_with_408(decoder):
         assert s.app.state.scheduler.cache_rows() == 0
 
 
-def test_shutdown_finishes_in_flight_requests_and_refuses_new_ones(decoder):
+def test_shutdown_finishes_in_flight_requests_and_refuses_new_ones(decoder, monkeypatch):
     """The decoding step is held on an event until the scheduler reports that it is stopping, so the request is
     still in flight when the stop arrives however fast the machine (with K tuned per request, 100 tokens of the
     tiny model can finish before a poll sees them); it still ends whole, with 200, and the server thread ends."""
     server = BackgroundServer(decoder, ServeConfig(port=0, shutdown_timeout=20))
     with server:
         scheduler = server.app.state.scheduler
-        stepping, released = hold_steps(scheduler)
+        stepping, released = hold_steps(scheduler, monkeypatch)
 
         async def in_flight_then_stop():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
@@ -163,13 +163,13 @@ def test_shutdown_finishes_in_flight_requests_and_refuses_new_ones(decoder):
     assert not server.thread.is_alive()
 
 
-def test_shutdown_past_its_timeout_cuts_requests_with_503(decoder):
+def test_shutdown_past_its_timeout_cuts_requests_with_503(decoder, monkeypatch):
     """A stop with no time left, asked for while requests are in flight: the decoding step is held on an event until
     the stop has been asked for, so no request can finish first however fast the machine; each ends with the
     shutdown's 503 short of its 120 tokens, and the loop ends."""
     async def run():
         scheduler = Scheduler(decoder.engine, max_batch_size=2, max_queue=4)
-        stepping, released = hold_steps(scheduler)
+        stepping, released = hold_steps(scheduler, monkeypatch)
         spec = SpecConfig(max_new_tokens=120)
         seqs = [decoder.engine.make_sequences([[5, 6, 7]], SamplingConfig(), spec, [i])[0] for i in range(3)]
         scheduler.start()

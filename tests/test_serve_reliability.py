@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from tiny_hf import save_tiny_model_dir
 from verispec import SpeculativeDecoder
 from verispec.batch import DecodeBatch
+from verispec.engine import SpeculativeEngine
 from verispec.serve.config import ServeConfig
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.models.runners.hf import KVState, ModelRunner
@@ -298,15 +299,15 @@ def test_a_step_stalled_past_the_request_timeout_is_answered_at_the_deadline(dec
     """The step stalls until released (e.g. a huge pass; the request timeout is 1 s): the 408 must reach the client
     while the step is still stalled, i.e. from the request's own deadline, not after the step."""
     monkeypatch.setattr(answers_module, "DEADLINE_GRACE_S", 0.2)
-    step = DecodeBatch.step
+    step = SpeculativeEngine.step
     release, stepped = threading.Event(), threading.Event()
 
-    def stalled(self):
+    def stalled(self, batch):
         release.wait(30)  # a bound only, so that a broken server fails the test instead of hanging it
         stepped.set()
-        return step(self)
+        return step(self, batch)
 
-    monkeypatch.setattr(DecodeBatch, "step", stalled)
+    monkeypatch.setattr(SpeculativeEngine, "step", stalled)
     with BackgroundServer(decoder, ServeConfig(port=0, request_timeout=1)) as s:
         r = httpx.post(s.url + "/v1/completions", json=SENTINEL, timeout=60)
         answered_while_stalled = not stepped.is_set()
@@ -349,19 +350,19 @@ def test_memory_error_in_the_targets_pass_fails_that_batch_and_the_server_goes_o
 
 
 def test_a_killed_scheduler_thread_turns_health_to_503_and_nobody_waits_forever(decoder, monkeypatch):
-    step = DecodeBatch.step
+    step = SpeculativeEngine.step
 
-    def killed(self):
+    def killed(self, batch):
         raise SystemExit("injected: the decoding thread is killed")
 
     with BackgroundServer(decoder, ServeConfig(port=0, request_timeout=60)) as s:
         assert httpx.get(s.url + "/health").status_code == 200
-        monkeypatch.setattr(DecodeBatch, "step", killed)
+        monkeypatch.setattr(SpeculativeEngine, "step", killed)
         # The client gives up after 30 s, before the request's 60 s timeout: a request left to that timeout would
         # end in the client's exception, not in this 503.
         r = httpx.post(s.url + "/v1/completions", json=SENTINEL, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_unavailable"
-        monkeypatch.setattr(DecodeBatch, "step", step)
+        monkeypatch.setattr(SpeculativeEngine, "step", step)
         health = httpx.get(s.url + "/health")
         assert health.status_code == 503 and health.json() == {"status": "unavailable"}
         r = httpx.post(s.url + "/v1/completions", json=SENTINEL, timeout=10)

@@ -61,10 +61,11 @@ async def flood_and_one(url: str, flood: int, scheduler, rows: int) -> tuple[lis
 
 
 def test_a_flood_from_one_key_leaves_room_for_another(target, monkeypatch):
-    from verispec.batch import DecodeBatch
+    from verispec.engine import SpeculativeEngine
 
-    step = DecodeBatch.step
-    monkeypatch.setattr(DecodeBatch, "step", lambda self: time.sleep(0.02) or step(self))  # 2-core CI pace or slower
+    step = SpeculativeEngine.step
+    # 2-core CI pace or slower
+    monkeypatch.setattr(SpeculativeEngine, "step", lambda self, batch: time.sleep(0.02) or step(self, batch))
     decoder = SpeculativeDecoder.load(target, "ngram")
     config = ServeConfig(port=0, api_keys=KEYS, max_batch_size=4, max_queue=8, key_share=0.5, auto_k=False)
     with BackgroundServer(decoder, config) as s:
@@ -160,10 +161,10 @@ def test_idle_sockets_cannot_lock_others_out(target):
 
 
 def test_shutdown_admits_nothing_new_and_keeps_the_cut_rows_outputs(target, tmp_path, monkeypatch):
-    from verispec.batch import DecodeBatch
+    from verispec.engine import SpeculativeEngine
 
-    step = DecodeBatch.step
-    monkeypatch.setattr(DecodeBatch, "step", lambda self: time.sleep(0.05) or step(self))  # a slow decode
+    step = SpeculativeEngine.step
+    monkeypatch.setattr(SpeculativeEngine, "step", lambda self, batch: time.sleep(0.05) or step(self, batch))  # slow
     store = tmp_path / "outputs.st"
     decoder = SpeculativeDecoder.load(target, f"suffix:{store}")
     config = ServeConfig(port=0, max_batch_size=1, shutdown_timeout=1.0, auto_k=False)

@@ -74,7 +74,7 @@ def test_a_row_whose_logits_hold_nan_is_left_out_and_fails_alone_in_a_batch(gree
     batch.add(engine.make_sequences(PROMPTS, GREEDY, SPEC, None))
     done = {}
     while batch:
-        for _, seq in batch.step():
+        for _, seq in engine.step(batch):
             if seq.finish_reason is not None:
                 done[seq.index] = seq
     assert done[2].finish_reason == "error" and "NaN" in str(done[2].error)

@@ -217,10 +217,10 @@ def test_mixed_batch_of_trees_chains_and_plain_rows_equals_plain_decoding(pair):
     sequences[2].drafting = False  # decodes plainly among drafting rows
     batch = DecodeBatch(engine)
     batch.add(sequences[:2])
-    batch.step()
+    engine.step(batch)
     batch.add(sequences[2:])  # joins a running batch between tree steps
     while batch:
-        batch.step()
+        engine.step(batch)
     assert [s.generated for s in sequences] == plain_tokens(target, PROMPTS, 20)
     assert sequences[2].stats.draft_tokens == 0
     for row in sequences[:2]:  # the tree row and the chain row
@@ -263,7 +263,7 @@ def test_draft_cache_holds_the_committed_tokens_after_tree_steps(pair):
     batch.add(engine.make_sequences(PROMPTS, SamplingConfig(temperature=1.0),
                                     SpecConfig(max_new_tokens=40, tree=TreeConfig(shape=(3, 2, 1))), 3))
     for _ in range(4):
-        batch.step()
+        engine.step(batch)
     seqs = batch.sequences
     assert drafter.state.lengths.tolist() == drafter.cached and not drafter.state.speculative
     assert batch.state.lengths.tolist() == [s.target_cached for s in seqs]

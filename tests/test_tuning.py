@@ -82,7 +82,7 @@ def test_a_sequence_that_names_its_k_keeps_it_beside_tuned_ones():
     batch = DecodeBatch(engine, never)
     batch.add(seqs)
     while len(batch):
-        batch.step()
+        engine.step(batch)
     assert seqs[0].stats.draft_tokens == 0 < seqs[1].stats.draft_tokens
     assert seqs[0].generated == seqs[1].generated  # the same prompt: the same tokens either way
 

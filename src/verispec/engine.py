@@ -13,29 +13,33 @@ One step, for every running sequence at once:
 Sequences advance by their own number of tokens; finished ones leave the batch. In a step where any sequence
 drafts a tree, the other drafting sequences draft the tree of shape (1, ..., 1), their chain.
 
-`DecodeBatch` (`verispec.batch`) is that step as an object: sequences join and leave between steps (the server's
-continuous batching), a fault stays with the sequence it belongs to, and long prompts can be read in chunks;
-`verispec.step` holds the rules it verifies and commits by (`StepRules`). `SpeculativeEngine.stream` runs one
-DecodeBatch until it is empty; the server's scheduler runs one that requests join. The engine imports the batch and
-the batch knows the engine only as `step.StepParts`: no import circle.
+`SpeculativeEngine.step` is that step, on one screen, over a `DecodeBatch` (`verispec.batch`: the rows, which join
+and leave between steps, the prompts read in chunks, and the guards that keep a fault with its row); `verispec.plan`
+says what each row drafts, `verispec.step` holds the rules a row is verified and committed by (`StepRules`).
+`SpeculativeEngine.run` is the one loop around it, driven by every front end: `stream` (the CLI, the API, the bench,
+the live view) runs a fixed batch until it is empty; the server's scheduler admits and reaps rows between steps.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 
-from verispec.batch import DecodeBatch
+from verispec.batch import DecodeBatch, TargetFault
 from verispec.config import ConstraintLimits, SamplingConfig, SpecConfig, TreeConfig, check_tree_request
 from verispec.constraints import Grammars
-from verispec.core.drafter import PLAIN, Drafter
+from verispec.core.drafter import PLAIN, Draft, Drafter
 from verispec.core.prediction import PredictionFollower
 from verispec.core.protocols import PrefixState, Runner
-from verispec.core.sequence import Sequence, StepEvent
-from verispec.errors import VerispecError
+from verispec.core.sequence import Sequence, StepClock, StepEvent, TokenLogprob
+from verispec.errors import VerispecError, is_fault
+from verispec.plan import StepPlan, draft, plan_step
 from verispec.prefix import PrefixStore
+from verispec.rejection import Verdict
 from verispec.step import StepRules, raw_logprobs, token_logprob
 from verispec.tuning import AdaptiveK
 
@@ -210,6 +214,130 @@ class SpeculativeEngine:
             raise VerispecError(f"the '{self.drafter.name}' drafter cannot draft trees here "
                                 "(a chain-only drafter)")
 
+    # --- the step, and the one loop around it ----------------------------------------------------
+    def step(self, batch: DecodeBatch) -> list[tuple[StepEvent, Sequence]]:
+        """One speculative step for every row of the batch; finished (and failed) rows leave it.
+
+        Returns (event, sequence) for every sequence that committed tokens or ended this step, in row order (a row
+        still reading its prompt has no event yet). A fault stays with its row (`verispec.batch`); one in the target's
+        batched work ends every row of the batch, which starts afresh."""
+        if not batch:
+            return []
+        try:
+            return self._step(batch)
+        except TargetFault as fault:
+            return batch.fail_all(fault.stage, fault.error)
+
+    def _step(self, batch: DecodeBatch) -> list[tuple[StepEvent, Sequence]]:
+        rows, absorbed, tuner = batch.sequences, len(batch.faults), batch.tuner
+        # 1. draft: each row's shape, then the drafter's drafts (or a forced run, or the predicted output)
+        t0 = time.perf_counter()
+        plan = plan_step(batch)
+        drafts = draft(batch, plan)
+        t1 = time.perf_counter()
+        # 2. one target pass: each row's pending tokens, then its draft's nodes; logits after the last pending token
+        # and after each node (none for a row still reading its prompt). Rows the target cannot read end before it.
+        pending = [batch.pending(s, pre) for s, pre in zip(rows, plan.prefilling)]
+        nodes = [d.tokens.tolist() for d in drafts]
+        failed = batch.check(pending, drafts, nodes)
+        inputs = [[] if b in failed else p + n for b, (p, n) in enumerate(zip(pending, nodes))]
+        wanted = [0 if pre or b in failed else len(d) + 1 for b, (d, pre) in enumerate(zip(drafts, plan.prefilling))]
+        parents = [d.tree.parents.tolist() for d in drafts]
+        logits = batch.forward(inputs, wanted, parents, failed)  # per row: (>= len(d) + 1, V)
+        t2 = time.perf_counter()
+        if tuner is not None:  # costs measured while decoding (what the tuner learns from: `observe_step`)
+            tuner.observe_step(StepClock(t1 - t0, t2 - t1, sum(len(i) for i in inputs), max(plan.depths, default=0),
+                                         plan.first, any(plan.prefilling), calm=len(batch.faults) == absorbed))
+        # 3. verify the whole batch: per row, the accepted path and the recovered or bonus token
+        verdicts = self._verify(batch, drafts, logits, plan.prefilling, failed)
+        paths = [v.path if v is not None else () for v in verdicts]
+        batch.target("commit", lambda: self.target.commit(batch.state, [list(p) for p in paths]))
+        # 4. commit: each row's tokens (to EOS, a stop string or its length), then the drafter keeps the accepted
+        # paths (a head keeps the target's features there; a draft model only the nodes it fed itself)
+        events, prompted = [], []
+        for b, (s, d, v, pre, read) in enumerate(zip(rows, drafts, verdicts, plan.prefilling, pending)):
+            if b in failed or v is None and not pre:  # ended before, in the pass or in its verification: leaves below
+                continue
+            if pre:
+                s.target_cached += len(read)
+                continue
+            if s.num_generated == 0:
+                prompted.append(b)  # its whole prompt is in the cache now: kept for requests that share it
+            event = self._commit(batch, plan, b, d, v, logits[b][: len(d) + 1])
+            if event is not None:
+                events.append((event, s))
+        batch.draft_rows.commit(rows, drafts, paths)
+        batch.keep_prefixes([b for b in prompted if rows[b].finish_reason is None])
+        return batch.finish_step(events, t1 - t0, t2 - t1)
+
+    def _verify(self, batch: DecodeBatch, drafts: list[Draft], logits, prefilling: list[bool],
+                failed: set[int]) -> list[Verdict | None]:
+        """Each row's Verdict (None for a row reading its prompt, or ended): the greedy chain rows from one argmax over
+        the pass, the others one by one (`step.StepRules`); a fault in a row's own verification ends that row alone."""
+        rules, rows = self.rules, batch.sequences
+        together_rows = [b for b, (s, d, pre) in enumerate(zip(rows, drafts, prefilling))
+                         if not pre and b not in failed and rules.batched(s, d)]
+        try:
+            together = rules.verify_rows(together_rows, rows, drafts, logits)
+        except BaseException as err:  # the rows are verified one by one, where a fault finds its row
+            if not is_fault(err):
+                raise
+            together = {}
+        return [None if pre or b in failed else together[b] if b in together else
+                batch.row(s, "verify", lambda b=b, s=s, d=d: rules.verify_one(s, d, logits[b][: len(d) + 1]))
+                for b, (s, d, pre) in enumerate(zip(rows, drafts, prefilling))]
+
+    def _commit(self, batch: DecodeBatch, plan: StepPlan, b: int, d: Draft, v: Verdict,
+                logits: torch.Tensor) -> StepEvent | None:
+        """Row b's tokens of this step committed, its stats and logprobs recorded; None where the row failed (its
+        fault is kept by the batch). logits: (N + 1, V) at the root and after each of its draft's nodes."""
+        s, rules, tuner = batch.sequences[b], self.rules, batch.tuner
+        s.target_cached = len(s.tokens) + v.num_accepted
+        s.stats.record(len(d), v.num_accepted, v.bonus, depth=d.tree.depth)
+        if b in plan.forced:
+            s.stats.forced_tokens += min(v.num_accepted, len(plan.forced[b]))
+        elif b in plan.predicted:
+            s.stats.accepted_prediction_tokens += v.num_accepted
+            s.stats.rejected_prediction_tokens += len(d) - v.num_accepted
+        elif tuner is not None and plan.trees is None and len(d):
+            tuner.observe(len(d), v.num_accepted)
+        entries = None
+        if s.logprobs is not None:  # before the commit: a constraint's masks are this step's
+            entries = batch.row(s, "logprobs", lambda: rules.logprobs(s, d, v, logits))
+            if entries is None:
+                return None
+        event = batch.row(s, "commit", lambda: rules.commit(s, d.path_tokens(v.path), v))
+        if event is None:
+            return None
+        if entries is not None:
+            # a constraint's end token committed without a pass (the only token it allows) has probability 1
+            s.logprobs.extend(entries[: len(event.committed)] +
+                              [TokenLogprob(t, 0.0) for t in event.committed[len(entries):]])
+        if s.prediction is not None:
+            s.prediction.observe(len(d) if b in plan.predicted else 0, v.num_accepted, list(event.committed))
+        return replace(event, forced=True) if b in plan.forced else event
+
+    def run(self, batch: DecodeBatch, between: Callable[[DecodeBatch], bool] | None = None,
+            on_fault: Callable[[BaseException], None] | None = None) -> Iterator[list[tuple[StepEvent, Sequence]]]:
+        """The decoding loop every front end drives (`stream`, the server's scheduler, the corpus answerer): one
+        `step` at a time, yielding each step's events.
+
+        `between(batch)` runs before every step, where rows join and leave (the server admits, reaps and waits there
+        while the batch is empty); the loop ends when it returns False, or, without it, when the batch is empty.
+        `on_fault(err)`: a fault that escaped the step's own guards (a bug) is handed to it and the loop goes on (the
+        server cuts that batch and keeps serving); without it, the fault is raised."""
+        while between(batch) if between is not None else bool(batch):
+            if not batch:
+                continue
+            try:
+                results = self.step(batch)
+            except BaseException as err:
+                if on_fault is None or not is_fault(err):
+                    raise
+                on_fault(err)
+                continue
+            yield results
+
     def stream(
         self,
         prompts: list[list[int]],
@@ -231,8 +359,7 @@ class SpeculativeEngine:
         for seq in sequences if spec.prompt_logprobs else ():
             self.score_prompt(seq)
         batch.add(sequences)
-        while batch:
-            results = batch.step()
+        for results in self.run(batch):
             for _, seq in results:
                 if seq.error is not None:  # a library call fails loudly (the server ends only that request)
                     raise VerispecError(f"sequence {seq.index} failed: {type(seq.error).__name__}: {seq.error}") \

@@ -221,7 +221,6 @@ class StepParts(Protocol):
     target: Runner
     drafter: Drafter
     context_window: int
-    rules: StepRules
     prefixes: PrefixStore | None
 
 

@@ -289,7 +289,9 @@ def collect(decoder, corpus: Corpus, config: CollectConfig, show: bool = True) -
         queue.reverse()  # popped from the end: plan order
         batch = DecodeBatch(engine)
         rows: dict[int, tuple[int, int]] = {}  # id(sequence) -> (shard, item)
-        while queue or batch:
+
+        def refill(batch: DecodeBatch) -> bool:
+            """Between steps: queued items join while rows are free; False once every item is answered."""
             joining = []
             while queue and len(batch) + len(joining) < config.batch:
                 index, k = queue.pop()
@@ -302,7 +304,10 @@ def collect(decoder, corpus: Corpus, config: CollectConfig, show: bool = True) -
                 rows[id(seq)] = (index, k)
                 joining.append(seq)
             batch.add(joining)
-            for _, seq in batch.step():
+            return bool(batch)
+
+        for results in engine.run(batch, refill):
+            for _, seq in results:
                 if seq.finish_reason is None:
                     continue
                 index, k = rows.pop(id(seq))

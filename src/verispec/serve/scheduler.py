@@ -212,8 +212,8 @@ class Scheduler:
     # --- the decoding thread -------------------------------------------------------------------
     def _loop(self) -> None:
         try:
-            while self._iterate():
-                pass
+            for results in self.engine.run(self.batch, self._between, self._step_failed):
+                self._deliver(results)
         except BaseException as err:  # noqa: BLE001 - the loop must say why it died, whatever it was
             self._died = err
             log.critical("the decoding loop died (%s: %s); /health answers 503", type(err).__name__, err,
@@ -227,8 +227,9 @@ class Scheduler:
                 self._guarded("flush", lambda: self.engine.drafter.flush_store(self.FLUSH_S))
             self._ended = True
 
-    def _iterate(self) -> bool:
-        """One turn of the loop; False when the loop should end."""
+    def _between(self, batch: DecodeBatch) -> bool:
+        """What the loop does before each step (`SpeculativeEngine.run`): reap, admit, and wait while the batch is
+        empty; False when the loop should end."""
         if self._stop_deadline is not None and self._abort is None and time.monotonic() > self._stop_deadline:
             self._abort = ServeError(503, "server_shutting_down", "the server shut down before this request finished")
         self._guarded("reap", self._reap)
@@ -236,29 +237,28 @@ class Scheduler:
             self._cut_all(self._abort)
             return False
         self._guarded("admit", self._admit)
-        if not self.batch:
+        if not batch:
             if self._stopping and not self._waiting:
                 return False
             if self.on_idle is not None:
                 self._guarded("idle", self.on_idle)
             self._wake.wait(self.IDLE_WAIT_S)
             self._wake.clear()
-            return True
-        try:
-            results = self.batch.step()
-        except BaseException as err:  # a bug outside the step's own guards: cut this batch, keep serving
-            if not is_fault(err):
-                raise
-            self.faults.add("step", err)
-            log.exception("decoding step failed; the requests in the batch are cut")
-            self._cut_running(ServeError(500, "internal_error", "decoding failed on the server; see its log"))
-            return True
+        return True
+
+    def _step_failed(self, err: BaseException) -> None:
+        """A bug outside the step's own guards: this batch's requests are cut, and the server keeps serving."""
+        self.faults.add("step", err)
+        log.error("decoding step failed; the requests in the batch are cut", exc_info=err)
+        self._cut_running(ServeError(500, "internal_error", "decoding failed on the server; see its log"))
+
+    def _deliver(self, results: list) -> None:
+        """After a step: count the faults the batch absorbed, send each sequence's new tokens to its request."""
         for stage, err in self.batch.faults:
             self.faults.counts[stage] += 1
         self.batch.faults.clear()
         for _, seq in results:
             self._guarded("post", lambda seq=seq: self._post(seq))
-        return True
 
     def _guarded(self, stage: str, work: Callable[[], None]) -> None:
         try:
@@ -392,7 +392,7 @@ class Scheduler:
             ticket.post(Update(error=error))
         self._running.clear()
         self.reserved = 0
-        self.batch = DecodeBatch(self.engine, self.tuner, prefill_chunk=self.prefill_chunk)
+        self.batch.reset()
 
     def _cut_all(self, error: ServeError) -> None:
         with self._lock:
