@@ -95,3 +95,40 @@ def test_the_engine_and_the_batch_do_not_import_each_other_even_for_types():
     graph = package_graph()
     typed = {name: [(t, False) for t, _ in imports] for name, imports in graph.items()}  # type-only edges count
     assert not [group for group in cycles(typed) if "verispec.engine" in group or "verispec.batch" in group]
+
+
+def test_the_api_and_the_server_decode_through_the_engines_one_loop(tmp_path, monkeypatch):
+    """`SpeculativeEngine.run` is the loop: the API's generate and a server request both step through it (a step
+    taken by any other loop would not be counted), and their tokens are the same."""
+    import httpx
+
+    from tiny_hf import save_tiny_model_dir
+    from verispec import SpeculativeDecoder
+    from verispec.serve.config import ServeConfig
+    from verispec.serve.server import BackgroundServer
+
+    target = save_tiny_model_dir(tmp_path / "target", "llama", seed=0)
+    decoder = SpeculativeDecoder.load(str(target), "ngram")
+    run, step = SpeculativeEngine.run, SpeculativeEngine.step
+    counts = {"loops": 0, "steps": 0, "in_loop": 0}
+
+    def counted_run(self, batch, *args, **kwargs):
+        counts["loops"] += 1
+        for results in run(self, batch, *args, **kwargs):
+            counts["in_loop"] += 1
+            yield results
+
+    def counted_step(self, batch):
+        counts["steps"] += 1
+        return step(self, batch)
+
+    monkeypatch.setattr(SpeculativeEngine, "run", counted_run)
+    monkeypatch.setattr(SpeculativeEngine, "step", counted_step)
+    ids = decoder.encode("abc abc abc", chat=False)
+    api = decoder.generate(ids, SamplingConfig(temperature=0), SpecConfig(max_new_tokens=12, stop_at_eos=False))
+    assert counts["loops"] == 1 and counts["steps"] == counts["in_loop"] > 0
+    with BackgroundServer(decoder, ServeConfig(port=0)) as s:
+        body = {"prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        served = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()
+    assert counts["loops"] == 2 and counts["steps"] == counts["in_loop"]
+    assert served["choices"][0]["text"] == decoder.decode(api.token_ids)
