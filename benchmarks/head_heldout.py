@@ -22,8 +22,8 @@ from pathlib import Path
 
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
 from verispec.datasets import HELDOUT, load_prompts
-from verispec.heads.eagle3_run import EmbeddingTable
-from verispec.heads.eagle3_train import EagleTrainConfig, prefill_samples, validate
+from verispec.head_training.eagle3_run import EmbeddingTable
+from verispec.head_training.eagle3_train import EagleTrainConfig, prefill_samples, validate
 from verispec.models.heads.eagle3_ttt import tau
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "spec_bench" / "question.jsonl"

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
-from verispec.heads.eagle3_train import EagleTrainConfig, aux_layers_for, new_head
+from verispec.head_training.eagle3_train import EagleTrainConfig, aux_layers_for, new_head
 from verispec.models.heads.shipped import final_norm, lm_head_rows
 
 PROMPTS = ["Write a Python function that merges two sorted lists and explain how it works.",
@@ -46,7 +46,7 @@ def main() -> None:
     runner = plain.runner
     counts, held = Counter(), []
     if args.corpus is not None:
-        from verispec.heads.corpus import read_corpus
+        from verispec.head_training.corpus import read_corpus
 
         _, records = read_corpus(args.corpus)
         for r in records:

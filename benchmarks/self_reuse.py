@@ -72,11 +72,11 @@ def main() -> None:
         runner.keep_draft_prefix = True
         del runner.forward
         assert all(r["tokens"] == results[True][0]["tokens"] for v in results.values() for r in v), "reuse changed output"
-        report[skip.spec] = {("reuse" if reuse else "no_reuse"): {
+        report[skip.text] = {("reuse" if reuse else "no_reuse"): {
             key: round(statistics.median(r[key] for r in runs), 2) for key in ("verify_ms_per_step", "tokens_per_second",
                                                                             "resumed_tokens")}
             for reuse, runs in results.items()} | {"first_skipped_layer": skip.first}
-        print(json.dumps({skip.spec: report[skip.spec]}), flush=True)
+        print(json.dumps({skip.text: report[skip.text]}), flush=True)
 
 
 if __name__ == "__main__":

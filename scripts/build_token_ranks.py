@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from verispec.heads.corpus import read_corpus
+from verispec.head_training.corpus import read_corpus
 from verispec.models.loading import load_model
 from verispec.models.registry import DEFAULT_TARGET
 from verispec.ngram.table import tokenizer_fingerprint

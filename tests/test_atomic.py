@@ -234,7 +234,7 @@ def test_head_training_keeps_its_answers_and_checkpoint_when_saving_the_head_fai
 
     from conftest import tiny_model
 
-    from verispec.heads.common import Partial
+    from verispec.head_training.common import Partial
     from verispec.models.heads.medusa import MedusaHeads
 
     out = tmp_path / "heads"
@@ -262,8 +262,8 @@ def test_head_training_keeps_its_answers_and_checkpoint_when_saving_the_head_fai
 
 
 def test_a_checkpoint_write_killed_mid_way_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    from verispec.heads import common
-    from verispec.heads.common import Partial
+    from verispec.head_training import common
+    from verispec.head_training.common import Partial
     from verispec.models.heads.medusa import MedusaHeads
 
     heads = MedusaHeads(1, 1, 16, 32)
@@ -379,7 +379,7 @@ def _manifest(path):
 
 
 def _checkpoint(path):  # path: OUT.partial/checkpoint.pt
-    from verispec.heads.common import Partial
+    from verispec.head_training.common import Partial
     from verispec.models.heads.medusa import MedusaHeads
 
     heads = MedusaHeads(1, 1, 8, 16)

@@ -11,9 +11,9 @@ from tiny_hf import save_tiny_model_dir
 from verispec.api import SpeculativeDecoder
 from verispec.cli import main
 from verispec.errors import VerispecError
-from verispec.heads import corpus as corpus_module
-from verispec.heads.corpus import CollectConfig, collect, open_corpus, read_corpus
-from verispec.heads.sources import (Prompt, code_contexts, file_prompts, normalized, prose_contexts, python_files,
+from verispec.head_training import corpus as corpus_module
+from verispec.head_training.corpus import CollectConfig, collect, open_corpus, read_corpus
+from verispec.head_training.sources import (Prompt, code_contexts, file_prompts, normalized, prose_contexts, python_files,
                                     request_text, text_passages, usable, user_turn_prefix)
 
 PROMPTS = ["what is two plus two?", "name a colour.", "write a short poem about rain.", "say hello.",
@@ -178,9 +178,9 @@ def test_the_command_line(targets, tmp_path, capsys):
 def test_prefill_recomputes_what_collecting_while_decoding_keeps(decoder):
     """A corpus keeps token ids only: one prefill pass over prompt and answer gives the head's features and the
     target's top-k labels that `collect` keeps while it decodes."""
-    from verispec.heads.eagle3_train import EagleTrainConfig
-    from verispec.heads.eagle3_train import collect as collect_while_decoding
-    from verispec.heads.eagle3_train import prefill_samples
+    from verispec.head_training.eagle3_train import EagleTrainConfig
+    from verispec.head_training.eagle3_train import collect as collect_while_decoding
+    from verispec.head_training.eagle3_train import prefill_samples
 
     runner = decoder.runner
     config = EagleTrainConfig(tokens=6, top_k=4, window=8)
@@ -257,8 +257,8 @@ def test_text_passages_are_answered_by_their_own_text_without_decoding(decoder, 
 def test_the_feature_store_computes_each_answer_once(decoder, tmp_path, monkeypatch):
     """Features and labels written beside a corpus read back equal, later runs compute only what is missing, a
     damaged file is computed again, and a full disk leaves training going without the store."""
-    from verispec.heads import features
-    from verispec.heads.eagle3_train import EagleTrainConfig, prefill_samples
+    from verispec.head_training import features
+    from verispec.head_training.eagle3_train import EagleTrainConfig, prefill_samples
 
     runner, config, aux = decoder.runner, EagleTrainConfig(tokens=6, top_k=4, window=8), (0, 1, 1)
     records = [{"prompt": decoder.encode(t), "answer": [5, 6, 7, 8], "corpus": str(tmp_path), "shard": i // 2,

@@ -44,9 +44,9 @@ def random_head(model, draft_vocab=48, aux=AUX, seed=0, scale=0.2):
 
 def trained_head(runner, steps=150, seed=0):
     """A head trained on the runner's own answers (so it agrees with the target often)."""
-    from verispec.heads.common import split
-    from verispec.heads.eagle3_run import EmbeddingTable
-    from verispec.heads.eagle3_train import EagleTrainConfig, collect, draft_vocabulary, new_head, train
+    from verispec.head_training.common import split
+    from verispec.head_training.eagle3_run import EmbeddingTable
+    from verispec.head_training.eagle3_train import EagleTrainConfig, collect, draft_vocabulary, new_head, train
     from verispec.models.heads.shipped import final_norm, lm_head_rows
 
     config = EagleTrainConfig(draft_vocab=48, intermediate=64, heads=4, kv_heads=2, tokens=24, top_k=8, steps=steps,
@@ -375,7 +375,7 @@ def test_training_with_the_training_time_test_raises_agreement_and_tau(pair, tra
 
 def test_training_batches_are_drawn_among_answers_of_like_length():
     """Batches come from buckets of similar lengths (little padding) and every answer is in exactly one bucket."""
-    from verispec.heads.eagle3_train import batch_of_like_lengths, length_buckets
+    from verispec.head_training.eagle3_train import batch_of_like_lengths, length_buckets
     from verispec.models.heads.eagle3_ttt import Sample
 
     lengths = [5, 300, 7, 120, 40, 2, 90, 64, 33, 250, 11, 18, 77, 3]
@@ -393,7 +393,7 @@ def test_training_batches_are_drawn_among_answers_of_like_length():
 
 
 def test_answers_collected_in_a_batch_are_the_ones_collected_one_by_one(pair):
-    from verispec.heads.eagle3_train import EagleTrainConfig, collect
+    from verispec.head_training.eagle3_train import EagleTrainConfig, collect
 
     _, native = pair
     config = EagleTrainConfig(tokens=6, top_k=4, window=5)
@@ -409,7 +409,7 @@ def test_train_heads_eagle3_end_to_end_with_resume(tmp_path, capsys, monkeypatch
     """The CLI on a tiny HF target: a run stopped after its first checkpoint leaves its answers and checkpoint in
     OUT.partial and no OUT; --resume goes on from there without collecting again and writes a head folder with
     its manifest, loadable as --draft eagle:DIR."""
-    import verispec.heads.eagle3_run as eagle_run
+    import verispec.head_training.eagle3_run as eagle_run
     from tiny_hf import save_tiny_model_dir
     from verispec.cli import main
 

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "verispec.adapt", "verispec.prefix")),
     ("api", ("verispec.api", "verispec.audit", "verispec.render", "verispec")),
     ("front ends and pipelines", ("verispec.cli", "verispec.__main__", "verispec.serve", "verispec.viz",
-                                  "verispec.bench", "verispec.analyze", "verispec.distill", "verispec.heads",
+                                  "verispec.bench", "verispec.analyze", "verispec.distill", "verispec.head_training",
                                   "verispec.selfspec", "verispec.ngram.build")),
 )
 

@@ -253,7 +253,7 @@ def test_tied_heads_use_the_targets_own_lm_head_and_stay_exact(pair, backend, tm
 
 
 def test_training_tied_heads_on_the_targets_answers_raises_their_agreement(pair):
-    from verispec.heads.medusa_train import MedusaTrainConfig, agreement, split, target_answers, train_heads
+    from verispec.head_training.medusa_train import MedusaTrainConfig, agreement, split, target_answers, train_heads
 
     model, native = pair
     config = MedusaTrainConfig(heads=2, rows=48, tokens=24, top_k=8, steps=150, batch_size=64, lr=3e-3)
@@ -287,7 +287,7 @@ def test_train_heads_refuses_bad_requests_in_one_line(tmp_path, capsys):
 
 def test_train_heads_medusa_checkpoints_and_resumes(tmp_path, capsys, monkeypatch):
     """A Medusa run stopped after its first checkpoint goes on with --resume without collecting again."""
-    import verispec.heads.medusa_run as medusa_run
+    import verispec.head_training.medusa_run as medusa_run
     from tiny_hf import save_tiny_model_dir
     from verispec.cli import main
 

@@ -61,18 +61,18 @@ def test_default_pair_on_the_native_runner_greedy_equals_its_plain_decoding():
 def test_self_speculation_on_the_default_target_greedy_equals_plain_decoding():
     """The shipped searched skip set, an early exit, and the on-the-fly choice, on the native runner; the
     shipped set on the torch route too."""
-    from verispec.config import SelfSpecConfig
+    from verispec.config import SelfDraftConfig
 
     greedy = SamplingConfig(temperature=0)
     for backend in ("native", "torch"):
         target = load_model(DEFAULT_TARGET, "float32", "packed", backend=backend)
         plain = SpeculativeDecoder(target, "none")
-        drafts = [("self", SelfSpecConfig())] + ([("self:20-", SelfSpecConfig()), ("self", SelfSpecConfig(adapt=True))]
+        drafts = [("self", SelfDraftConfig())] + ([("self:20-", SelfDraftConfig()), ("self", SelfDraftConfig(adapt=True))]
                                                  if backend == "native" else [])
         for prompt in PROMPTS:
             reference = plain.generate(prompt, greedy, SpecConfig(max_new_tokens=N))
             for draft, config in drafts:
-                decoder = SpeculativeDecoder(target, draft, self_spec=config)
+                decoder = SpeculativeDecoder(target, draft, self_draft=config)
                 assert decoder.skip_source != "default"  # the shipped set was found for this target
                 out = decoder.generate(prompt, greedy, SpecConfig(num_draft_tokens=3, max_new_tokens=N))
                 assert out.token_ids == reference.token_ids, (backend, draft)

@@ -12,7 +12,7 @@ from conftest import tiny_model
 from drafting import drafts_accepted
 from tiny_gguf import T, gguf_from_hf
 from verispec.chisquare import chi_square_test
-from verispec.config import SamplingConfig, SelfSpecConfig, SpecConfig, TreeConfig
+from verispec.config import SamplingConfig, SelfDraftConfig, SpecConfig, TreeConfig
 from verispec.drafters.self_adapt import SkipChooser, SublayerCosts
 from verispec.drafters.self_draft import SelfDrafter
 from verispec.engine import DecodeBatch, SpeculativeEngine
@@ -53,7 +53,7 @@ def test_skip_sets_parse_print_and_read_back():
     assert skip.attention == frozenset(range(4, 10)) | frozenset(range(20, 28))
     assert skip.mlp == frozenset({12}) | frozenset(range(20, 28))
     assert skip.head == 32768 and skip.first == 4 and skip.size == 6 + 1 + 16
-    assert SkipSet.parse(skip.spec, 28) == skip
+    assert SkipSet.parse(skip.text, 28) == skip
     assert SkipSet.early_exit(20, 28) == SkipSet.parse("20-", 28)
     assert list(SkipSet.parse("a1,m2,3", 4).bits()) == [0, 1, 2, 3]
 
@@ -165,7 +165,7 @@ def test_a_rejected_draft_leaves_the_targets_cache_as_it_was(native):
 @pytest.mark.parametrize("spec", SETS)
 def test_greedy_self_speculation_equals_plain_decoding_native(native, spec):
     expected = plain(native)
-    for config in (SelfSpecConfig(), SelfSpecConfig(adapt=True, gap=1, trial_steps=1)):
+    for config in (SelfDraftConfig(), SelfDraftConfig(adapt=True, gap=1, trial_steps=1)):
         drafter = SelfDrafter(native, SkipSet.parse(spec, 4), config)
         engine = SpeculativeEngine(native, drafter, set())
         chains = engine.generate(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=30))
@@ -203,7 +203,7 @@ def test_greedy_self_speculation_equals_plain_decoding_torch(model, spec):
         assert [s.generated for s in out] == expected
         drafts_accepted(out)
     with pytest.raises(VerispecError, match="needs the native runner"):
-        SelfDrafter(runner, SkipSet.parse(spec, 4), SelfSpecConfig(adapt=True))
+        SelfDrafter(runner, SkipSet.parse(spec, 4), SelfDraftConfig(adapt=True))
 
 
 def test_the_torch_skipping_module_shares_the_targets_weights(model):
@@ -213,7 +213,7 @@ def test_the_torch_skipping_module_shares_the_targets_weights(model):
 
 
 def test_seeded_self_speculation_with_adaptation_is_the_same_alone_or_batched(native):
-    drafter = SelfDrafter(native, SkipSet.parse("a1,m2", 4), SelfSpecConfig(adapt=True, gap=1, trial_steps=1))
+    drafter = SelfDrafter(native, SkipSet.parse("a1,m2", 4), SelfDraftConfig(adapt=True, gap=1, trial_steps=1))
     engine = SpeculativeEngine(native, drafter, set())
     sampling, spec = SamplingConfig(temperature=1.0, top_k=20), SpecConfig(num_draft_tokens=3, max_new_tokens=24)
     batch = engine.generate(PROMPTS, sampling, spec, seeds=[11, 12, 13])
@@ -253,9 +253,9 @@ def test_sampled_self_speculation_follows_the_targets_distribution(small, sampli
     p = second_token_distribution(small, prompt, sampling)
     searched = SkipSearch(small, [prompt, [4, 5, 6]], SelfTuneConfig(tokens=6, heads=(None,), repeats=1, finalists=1,
                                                                      k_values=(2,)), show_progress=False).run()
-    modes = [(SkipSet.parse("a1,m2", 4), SelfSpecConfig()),
-             (SkipSet.parse(searched["skip"], 4), SelfSpecConfig()),
-             (SkipSet.parse("2-", 4), SelfSpecConfig(adapt=True, gap=0, trial_steps=1))]
+    modes = [(SkipSet.parse("a1,m2", 4), SelfDraftConfig()),
+             (SkipSet.parse(searched["skip"], 4), SelfDraftConfig()),
+             (SkipSet.parse("2-", 4), SelfDraftConfig(adapt=True, gap=0, trial_steps=1))]
     for skip, config in modes:
         engine = SpeculativeEngine(small, SelfDrafter(small, skip, config), set())
         counts = torch.zeros(8)
@@ -265,7 +265,7 @@ def test_sampled_self_speculation_follows_the_targets_distribution(small, sampli
             counts[seq.generated[1]] += 1
             drafted += seq.stats.draft_tokens
         assert drafted > 0
-        assert chi_square_test(counts, p).p_value > 1e-3, (skip.spec, config)
+        assert chi_square_test(counts, p).p_value > 1e-3, (skip.text, config)
 
 
 # ---------------------------------------------------------------- the on-the-fly choice and the search
@@ -273,7 +273,7 @@ def test_sampled_self_speculation_follows_the_targets_distribution(small, sampli
 
 def test_the_chooser_keeps_a_challenger_that_is_accepted_more():
     costs = SublayerCosts((1.0,) * 4, (8.0,) * 4, 10.0, 64)
-    chooser = SkipChooser(SkipSet.parse("a1", 4), costs, SelfSpecConfig(adapt=True, trial_steps=2, gap=1))
+    chooser = SkipChooser(SkipSet.parse("a1", 4), costs, SelfDraftConfig(adapt=True, trial_steps=2, gap=1))
     start = chooser.incumbent
     for _ in range(12):
         skip = chooser.choose()
@@ -281,7 +281,7 @@ def test_the_chooser_keeps_a_challenger_that_is_accepted_more():
         chooser.observe(3, accepted)
     assert chooser.switches >= 1 and chooser.incumbent != start
     # The choice depends only on what it observed: the same observations, the same choices.
-    again = SkipChooser(SkipSet.parse("a1", 4), costs, SelfSpecConfig(adapt=True, trial_steps=2, gap=1))
+    again = SkipChooser(SkipSet.parse("a1", 4), costs, SelfDraftConfig(adapt=True, trial_steps=2, gap=1))
     for _ in range(12):
         skip = again.choose()
         again.observe(3, 3 if skip != start else 0)
@@ -369,7 +369,7 @@ def test_the_server_batches_self_drafted_requests_as_it_answers_them_alone(tmp_p
     path = gguf_from_hf(AutoModelForCausalLM.from_pretrained(str(folder)), tmp_path / "tiny.gguf", T.Q8_0)
     target = LoadedModel("target", None, AutoTokenizer.from_pretrained(str(folder)), str(path), weights="gguf",
                          backend="native", gguf=load_gguf(path, show_progress=False))
-    decoder = SpeculativeDecoder(target, "self:a1", self_spec=SelfSpecConfig(adapt=True, gap=1, trial_steps=1))
+    decoder = SpeculativeDecoder(target, "self:a1", self_draft=SelfDraftConfig(adapt=True, gap=1, trial_steps=1))
     assert_served_together_as_alone(decoder)
 
 

@@ -21,7 +21,7 @@ from verispec.adapt import OnlineAdapter
 from verispec.chat import chat_ids, has_chat_template, user_turn
 from verispec.constraints import Grammars, grammars_for
 from verispec.config import (PREFIX_CACHE_BYTES, AdaptConfig, CrossTokenizerConfig, NGramConfig, PromptLookupConfig,
-                             SamplingConfig, SelfSpecConfig, SpecConfig, SuffixConfig)
+                             SamplingConfig, SelfDraftConfig, SpecConfig, SuffixConfig)
 from verispec.core.drafter import Drafter
 from verispec.core.sequence import Sequence, StepEvent, TokenLogprob
 from verispec.drafters.registry import NGRAM, Built, DrafterOptions, build_drafter, model_drafter
@@ -83,7 +83,7 @@ class SpeculativeDecoder:
         draft: a loaded draft model, "ngram" (prompt lookup), "ngram-corpus[:TABLE]" or a path ending
             .ngram (corpus n-grams), "self", "self:SKIP" or "self:FILE" (self-speculation: the target with
             sublayers skipped, see `verispec.models.skip`), "none" (plain decoding) or a Drafter.
-        self_spec: on-the-fly choice of the self drafter's skip set (SWIFT-style).
+        self_draft: on-the-fly choice of the self drafter's skip set (SWIFT-style).
         prompt_lookup: n-gram sizes for the "ngram" drafter.
         ngram: settings of the corpus n-gram drafter.
         options: every drafter setting at once (`drafters.registry.DrafterOptions`; replaces the three above).
@@ -95,7 +95,7 @@ class SpeculativeDecoder:
         draft: LoadedModel | Drafter | str = NGRAM,
         prompt_lookup: PromptLookupConfig = PromptLookupConfig(),
         ngram: NGramConfig = NGramConfig(),
-        self_spec: SelfSpecConfig = SelfSpecConfig(),
+        self_draft: SelfDraftConfig = SelfDraftConfig(),
         options: DrafterOptions | None = None,
     ) -> None:
         if target.weights == "int8":
@@ -107,7 +107,7 @@ class SpeculativeDecoder:
         elif isinstance(draft, Drafter):
             built = Built(draft, draft.name)
         else:
-            options = options or DrafterOptions(prompt_lookup=prompt_lookup, ngram=ngram, self_spec=self_spec)
+            options = options or DrafterOptions(prompt_lookup=prompt_lookup, ngram=ngram, self_draft=self_draft)
             built = build_drafter(draft, target, self.runner, options)
         self.drafter: Drafter = built.drafter
         self.draft_name = built.name
@@ -146,7 +146,7 @@ class SpeculativeDecoder:
         ngram: NGramConfig = NGramConfig(),
         draft_lookup: int | None = None,
         draft_context: int | None = None,
-        self_spec: SelfSpecConfig = SelfSpecConfig(),
+        self_draft: SelfDraftConfig = SelfDraftConfig(),
         device: str = "auto",
         compile: bool = False,
         suffix: SuffixConfig = SuffixConfig(),
@@ -178,7 +178,7 @@ class SpeculativeDecoder:
         the CPU (`models.runners.static`).
         """
         loaded_target = load_model(target, dtype, target_weights, backend, device, compile)
-        options = DrafterOptions(prompt_lookup=prompt_lookup, ngram=ngram, self_spec=self_spec, draft_lookup=draft_lookup,
+        options = DrafterOptions(prompt_lookup=prompt_lookup, ngram=ngram, self_draft=self_draft, draft_lookup=draft_lookup,
                                  draft_context=draft_context, draft_dtype=draft_dtype or dtype, draft_weights=draft_weights,
                                  backend=backend, device=device, compile=compile, suffix=suffix,
                                  draft_vocab=draft_vocab, cross=cross)

@@ -526,7 +526,7 @@ class AdaptConfig:
 
 
 @dataclass(frozen=True)
-class SelfSpecConfig:
+class SelfDraftConfig:
     """On-the-fly choice of the self-speculation draft's skip set (SWIFT-style; `--self-adapt`).
 
     Each sequence keeps an incumbent skip set and now and then tries a challenger, the incumbent with one

@@ -1,4 +1,4 @@
-"""`verispec collect`: the target's own answers at scale, for training draft heads (`verispec.heads.corpus`)."""
+"""`verispec collect`: the target's own answers at scale, for training draft heads (`verispec.head_training.corpus`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ HELP = {
 
 
 def add_parser(sub) -> None:
-    from verispec.heads.corpus import CollectConfig
+    from verispec.head_training.corpus import CollectConfig
     from verispec.models.registry import DEFAULT_TARGET
 
     c = sub.add_parser("collect", help="collect the target's answers (token ids) to train draft heads on, resumably")
@@ -50,8 +50,8 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from verispec.api import SpeculativeDecoder, set_threads
     from verispec.console import notice
-    from verispec.heads.corpus import CollectConfig, collect, open_corpus
-    from verispec.heads.sources import (code_contexts, doc_files, file_prompts, prose_contexts, python_files,
+    from verispec.head_training.corpus import CollectConfig, collect, open_corpus
+    from verispec.head_training.sources import (code_contexts, doc_files, file_prompts, prose_contexts, python_files,
                                         text_passages)
 
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(CollectConfig) if getattr(args, f.name) is not None}

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from verispec.config import CROSS_SCHEMES, TREE_CHILDREN, Constraint, CrossTokenizerConfig, PromptLookupConfig, SamplingConfig, SelfSpecConfig, SpecConfig, SuffixConfig, TreeConfig
+from verispec.config import CROSS_SCHEMES, TREE_CHILDREN, Constraint, CrossTokenizerConfig, PromptLookupConfig, SamplingConfig, SelfDraftConfig, SpecConfig, SuffixConfig, TreeConfig
 from verispec.serve.config import ServeConfig
 from verispec.console import notice
 from verispec.errors import VerispecError
@@ -250,7 +250,7 @@ def decoder_kwargs(args: argparse.Namespace, suffix_scope: str | None = None) ->
                 target_weights=args.target_weights, draft_weights=args.draft_weights, backend=args.backend,
                 draft_lookup=getattr(args, "draft_lookup", None), draft_context=getattr(args, "draft_context", None),
                 draft_vocab=getattr(args, "draft_vocab", None), cross=build_config(CrossTokenizerConfig, args, CROSS_OPTIONS),
-                self_spec=SelfSpecConfig(adapt=getattr(args, "self_adapt", False)), device=args.device,
+                self_draft=SelfDraftConfig(adapt=getattr(args, "self_adapt", False)), device=args.device,
                 compile=args.compile)
 
 

@@ -23,8 +23,8 @@ HELP = {  # what each training option means; the defaults come from the kinds' c
 
 
 def _configs():
-    from verispec.heads.eagle3_train import EagleTrainConfig
-    from verispec.heads.medusa_train import MedusaTrainConfig
+    from verispec.head_training.eagle3_train import EagleTrainConfig
+    from verispec.head_training.medusa_train import MedusaTrainConfig
 
     return {"medusa": MedusaTrainConfig, "eagle3": EagleTrainConfig}
 
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         raise VerispecError(f"--device {args.device}: choose cpu or cuda")
     if args.device != "cpu" and not torch.cuda.is_available():
         raise VerispecError(f"--device {args.device}: no CUDA device is visible to torch")
-    from verispec.heads.common import Partial
+    from verispec.head_training.common import Partial
 
     partial = Partial(args.out, args.resume)
     if args.corpus is not None:
@@ -110,10 +110,10 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise VerispecError(f"the prompts in {args.data} tokenise to nothing")
     if args.kind == "eagle3":
-        from verispec.heads.eagle3_run import train_eagle3
+        from verispec.head_training.eagle3_run import train_eagle3
 
         return train_eagle3(decoder, prompts, config, partial, args.device)
-    from verispec.heads.medusa_run import train_medusa
+    from verispec.head_training.medusa_run import train_medusa
 
     return train_medusa(decoder, prompts, config, partial, args.device)
 
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 def _train_on_corpus(args: argparse.Namespace, config, partial) -> int:
     """--corpus: an EAGLE-3 head trained on a collected corpus, from this target only."""
     from verispec.api import SpeculativeDecoder, set_threads
-    from verispec.heads.corpus import foreign, identity, read_corpus
+    from verispec.head_training.corpus import foreign, identity, read_corpus
 
     if args.kind != "eagle3":
         raise VerispecError("--corpus trains --kind eagle3 (Medusa heads collect their own answers)")
@@ -161,6 +161,6 @@ def _train_on_corpus(args: argparse.Namespace, config, partial) -> int:
         raise VerispecError(f"--corpus {' '.join(map(str, args.corpus))} has {len(train)} training and {len(val)} "
                             "held-out answers; "
                             "both are needed (collect more, or with --heldout-fraction > 0)")
-    from verispec.heads.eagle3_run import train_eagle3
+    from verispec.head_training.eagle3_run import train_eagle3
 
     return train_eagle3(decoder, [], config, partial, args.device, corpus=(train, val))

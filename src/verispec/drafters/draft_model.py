@@ -128,19 +128,19 @@ class DraftModelDrafter(Drafter):
         else:
             self._commit_chain([len(path) for path in paths])
 
-    def _propose_chain(self, sequences: list[Sequence], max_tokens: list[int]) -> list[Draft]:
+    def _propose_chain(self, sequences: list[Sequence], depths: list[int]) -> list[Draft]:
         self._swap_pending(sequences)
         B = len(sequences)
         drafted: list[list[int]] = [[] for _ in range(B)]
         q_rows: list[list[torch.Tensor]] = [[] for _ in range(B)]
         self.stop_keys = [[] for _ in range(B)]  # per row: calibration key of each draft (stopping rows only)
         p_all = [1.0] * B  # per row: estimated probability that every draft so far is accepted
-        limits = list(max_tokens)  # per row: drafts still allowed; cut to the last one where the chain stops
+        limits = list(depths)  # per row: drafts still allowed; cut to the last one where the chain stops
         self.fed = [0] * B  # per row: draft tokens fed to the draft model (in its cache until `commit`)
-        inputs = [self._catch_up(seq, b, max_tokens[b]) for b, seq in enumerate(sequences)]
+        inputs = [self._catch_up(seq, b, depths[b]) for b, seq in enumerate(sequences)]
         read = [len(row) for row in inputs]  # per row: pending tokens this call reads
         parents = None  # the first pass reads committed tokens; later ones each row's last draft, a node
-        for step in range(max(max_tokens, default=0)):
+        for step in range(max(depths, default=0)):
             if step > 0 and not any(inputs):
                 break  # every row's chain has ended
             logits = self.runner.forward(self.state, inputs, [1 if row else 0 for row in inputs], parents)[:, 0]
@@ -184,7 +184,7 @@ class DraftModelDrafter(Drafter):
                     inputs[b] = [token]  # the last draft token is never fed: the target scores it
                     parents[b] = [self.fed[b] - 1]  # node fed[b], the child of the one fed before it
                     self.fed[b] += 1  # (unless a chain stops by dropping its next draft: then every kept one is)
-        if max(max_tokens, default=0) == 0:
+        if max(depths, default=0) == 0:
             # Nothing to draft, but keep the cache caught up so the next step stays one token wide.
             if any(inputs):
                 self.runner.forward(self.state, inputs, [0] * B)

@@ -1,4 +1,4 @@
-"""Every drafter kind in one table: a `--draft` spec is parsed once (`parse_draft`) into a `DraftSpec`, and its kind's
+"""Every drafter kind in one table: a `--draft` spec is parsed once (`parse_draft`) into a `DrafterChoice`, and its kind's
 entry in `KINDS` builds the drafter. The API, the CLI, the server, the bench and the live view all go through here.
 
     none | off                   plain decoding (no drafter)
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from verispec.config import CrossTokenizerConfig, NGramConfig, PromptLookupConfig, SelfSpecConfig, SuffixConfig
+from verispec.config import CrossTokenizerConfig, NGramConfig, PromptLookupConfig, SelfDraftConfig, SuffixConfig
 from verispec.console import notice
 from verispec.core.drafter import PLAIN, Drafter
 from verispec.errors import VerispecError
@@ -35,7 +35,7 @@ NO_DRAFT = ("none", "off")
 
 
 @dataclass(frozen=True)
-class DraftSpec:
+class DrafterChoice:
     """A parsed `--draft`: its kind (a key of KINDS), the text as given and its argument (what follows "kind:", or
     a model's name or path; None when absent)."""
 
@@ -49,7 +49,7 @@ class DraftSpec:
         return self.kind == MODEL or (self.kind == COMPOSITE and any(part.loads_model for part in self.parts))
 
     @property
-    def parts(self) -> tuple[DraftSpec, ...]:
+    def parts(self) -> tuple[DrafterChoice, ...]:
         """A composite's drafters, in order (one clear line for an empty part, 'none' or a nested composite)."""
         if self.kind != COMPOSITE:
             return (self,)
@@ -74,7 +74,7 @@ class DrafterOptions:
     prompt_lookup: n-gram sizes of the `ngram` drafter.
     ngram: settings of the corpus n-gram drafter.
     suffix: settings of suffix decoding.
-    self_spec: settings of self-speculation.
+    self_draft: settings of self-speculation.
     draft_lookup: N > 0 makes a draft model, an EAGLE head or the self drafter copy from the context first where
         its last n-gram (n >= N) occurred before; 0 turns that off; None keeps the drafter's own setting.
     draft_context: a draft model reads only the last N tokens of each prompt (None: all).
@@ -88,7 +88,7 @@ class DrafterOptions:
     prompt_lookup: PromptLookupConfig = PromptLookupConfig()
     ngram: NGramConfig = NGramConfig()
     suffix: SuffixConfig = SuffixConfig()
-    self_spec: SelfSpecConfig = SelfSpecConfig()
+    self_draft: SelfDraftConfig = SelfDraftConfig()
     draft_lookup: int | None = None
     draft_context: int | None = None
     draft_vocab: int | None = None
@@ -128,7 +128,7 @@ class DrafterKind:
     name: str
     summary: str
     matches: Callable[[str], bool]
-    build: Callable[[DraftSpec, object, object, DrafterOptions], Built | Drafter]
+    build: Callable[[DrafterChoice, object, object, DrafterOptions], Built | Drafter]
     arg_prefix: bool = True  # "kind:ARG" carries an argument
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
@@ -142,17 +142,17 @@ def lookup_first(n: int) -> PromptLookupConfig | None:
 
 
 # --- the kinds' builders ---------------------------------------------------------------------------
-def _none(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+def _none(spec: DrafterChoice, target, runner, options: DrafterOptions) -> Built:
     return Built(PLAIN, NONE)
 
 
-def _ngram(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+def _ngram(spec: DrafterChoice, target, runner, options: DrafterOptions) -> Built:
     from verispec.drafters.prompt_lookup import PromptLookupDrafter
 
     return Built(PromptLookupDrafter(options.prompt_lookup), NGRAM)
 
 
-def _suffix(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+def _suffix(spec: DrafterChoice, target, runner, options: DrafterOptions) -> Built:
     from verispec.drafters.suffix import SuffixDrafter
 
     if spec.arg is None:
@@ -163,25 +163,25 @@ def _suffix(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
     return Built(SuffixDrafter(options.suffix, spec.arg, tokenizer, runner.vocab_size), spec.text)
 
 
-def _corpus(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+def _corpus(spec: DrafterChoice, target, runner, options: DrafterOptions) -> Built:
     from verispec.drafters.ngram_corpus import CorpusNGramDrafter
 
     return Built(CorpusNGramDrafter.from_spec(spec.text, target.tokenizer, runner.vocab_size, options.ngram), spec.text)
 
 
-def _self(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+def _self(spec: DrafterChoice, target, runner, options: DrafterOptions) -> Built:
     from verispec.drafters.self_draft import SelfDrafter
     from verispec.models.skip import resolve_skip
 
-    self_spec = options.self_spec
+    self_draft = options.self_draft
     if options.draft_lookup:
-        self_spec = replace(self_spec, lookup=options.draft_lookup)
+        self_draft = replace(self_draft, lookup=options.draft_lookup)
     skip, source = resolve_skip(spec.text, runner, target.name)
-    drafter = SelfDrafter(runner, skip, self_spec, lookup_first(self_spec.lookup))
-    return Built(drafter, f"self:{skip.spec}", skip_source=source)
+    drafter = SelfDrafter(runner, skip, self_draft, lookup_first(self_draft.lookup))
+    return Built(drafter, f"self:{skip.text}", skip_source=source)
 
 
-def _head(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+def _head(spec: DrafterChoice, target, runner, options: DrafterOptions) -> Built:
     from verispec.drafters.heads import head_drafter
 
     drafter = head_drafter(spec.kind, spec.arg, runner)
@@ -197,7 +197,7 @@ def _head(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
     return Built(drafter, spec.text)
 
 
-def _model(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+def _model(spec: DrafterChoice, target, runner, options: DrafterOptions) -> Built:
     from verispec.models.loading import (
         DEFAULT_BACKEND,
         DEFAULT_DRAFT_WEIGHTS,
@@ -268,7 +268,7 @@ def _cross_tokenizer(loaded, target, runner, config: CrossTokenizerConfig) -> Bu
     return Built(drafter, loaded.name, draft_weights=loaded.weights)
 
 
-def _composite(spec: DraftSpec, target, runner, options: DrafterOptions) -> Built:
+def _composite(spec: DrafterChoice, target, runner, options: DrafterOptions) -> Built:
     from verispec.drafters.composite import CompositeDrafter
 
     parts = spec.parts
@@ -359,7 +359,7 @@ def kinds() -> tuple[DrafterKind, ...]:
     return tuple(_kinds)
 
 
-def parse_draft(text: str) -> DraftSpec:
+def parse_draft(text: str) -> DrafterChoice:
     """`--draft` text -> its spec (one clear line for an empty one)."""
     if not isinstance(text, str) or not text.strip():
         raise VerispecError("--draft is empty: name a drafter (ngram, self, eagle, medusa, a model) or 'none'")
@@ -369,11 +369,11 @@ def parse_draft(text: str) -> DraftSpec:
             arg = text[len(kind.name) + 1 :] if kind.arg_prefix and text.startswith(kind.name + ":") else None
             if kind.name == MODEL or (kind.name == CORPUS and not text.startswith(CORPUS)):
                 arg = text
-            return DraftSpec(kind.name, text, arg or None)
+            return DrafterChoice(kind.name, text, arg or None)
     raise AssertionError("the model kind matches every text")  # pragma: no cover
 
 
-def build_drafter(spec: DraftSpec | str, target, runner, options: DrafterOptions = DrafterOptions()) -> Built:
+def build_drafter(spec: DrafterChoice | str, target, runner, options: DrafterOptions = DrafterOptions()) -> Built:
     """The drafter of `spec` for a loaded target and its runner."""
     spec = parse_draft(spec) if isinstance(spec, str) else spec
     built = next(kind for kind in kinds() if kind.name == spec.kind).build(spec, target, runner, options)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from verispec.config import SelfSpecConfig
+from verispec.config import SelfDraftConfig
 from verispec.core.protocols import NativeWeights
 from verispec.models.skip import SkipSet
 from verispec.tuning import expected_tokens
@@ -76,7 +76,7 @@ class _Record:
 class SkipChooser:
     """One sequence's skip set, re-chosen from its own verified steps (see the module docstring)."""
 
-    def __init__(self, start: SkipSet, costs: SublayerCosts, config: SelfSpecConfig) -> None:
+    def __init__(self, start: SkipSet, costs: SublayerCosts, config: SelfDraftConfig) -> None:
         self.config = config
         self.costs = costs
         self.rng = random.Random(config.seed)

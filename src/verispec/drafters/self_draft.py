@@ -29,7 +29,7 @@ Torch runner: the draft keeps a cache of its own (`skipping_module`, run by a `M
 cache cannot be viewed column by column), read from the prompt through the draft's layers and rolled back
 like a draft model's. The skip set is then fixed for the run.
 
-On-the-fly choice of the skip set (`SelfSpecConfig.adapt`, SWIFT-style, native runner): one
+On-the-fly choice of the skip set (`SelfDraftConfig.adapt`, SWIFT-style, native runner): one
 `SkipChooser` per row picks each step's set from that row's verified steps (see `self_adapt`); rows with
 different sets run as separate passes, so a row drafts the same whatever batch it is in.
 """
@@ -40,7 +40,7 @@ from dataclasses import replace
 
 import torch
 
-from verispec.config import PromptLookupConfig, SelfSpecConfig, TreeConfig
+from verispec.config import PromptLookupConfig, SelfDraftConfig, TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft
 from verispec.core.sequence import Sequence
 from verispec.drafters.draft_model import DraftModelDrafter
@@ -63,7 +63,7 @@ class SelfDrafter(DraftModelDrafter):
     name = "self"
     traits = replace(DraftModelDrafter.traits, adaptive=False)  # adaptation trains draft weights: it has none
 
-    def __init__(self, target, skip: SkipSet, config: SelfSpecConfig = SelfSpecConfig(),
+    def __init__(self, target, skip: SkipSet, config: SelfDraftConfig = SelfDraftConfig(),
                  lookup: PromptLookupConfig | None = None) -> None:
         self.shared = check_skippable(target) == "native"  # the draft reads the target's own cache
         if self.shared:

@@ -54,14 +54,14 @@ class SkipSet:
             raise VerispecError("the skip set skips every layer: the draft would compute nothing")
 
     @classmethod
-    def parse(cls, spec: str, layers: int) -> SkipSet:
+    def parse(cls, text: str, layers: int) -> SkipSet:
         """`a4-9,m12,20-` -> SkipSet (see the module docstring)."""
         attention: set[int] = set()
         mlp: set[int] = set()
         head = None
-        items = [item.strip() for item in spec.split(",")]
-        if not spec.strip() or not all(items):
-            raise VerispecError(f"'{spec}' is not a skip set: expected items like 12, a12, m12, 4-9 or 20- "
+        items = [item.strip() for item in text.split(",")]
+        if not text.strip() or not all(items):
+            raise VerispecError(f"'{text}' is not a skip set: expected items like 12, a12, m12, 4-9 or 20- "
                                 "separated by commas")
         for item in items:
             if _HEAD.match(item):
@@ -69,13 +69,13 @@ class SkipSet:
                 continue
             match = _ITEM.match(item)
             if match is None:
-                raise VerispecError(f"'{item}' in skip set '{spec}' is not a layer (12), a sublayer (a12, m12), "
+                raise VerispecError(f"'{item}' in skip set '{text}' is not a layer (12), a sublayer (a12, m12), "
                                     "a range (4-9, a4-9, 20-) or a head size (h32768)")
             kind, first, dash, last = match.groups()
             low = int(first)
             high = (layers - 1 if last == "" else int(last)) if dash else low
             if high < low:
-                raise VerispecError(f"'{item}' in skip set '{spec}' is an empty range")
+                raise VerispecError(f"'{item}' in skip set '{text}' is an empty range")
             chosen = range(low, high + 1)
             if kind in ("", "a"):
                 attention.update(chosen)
@@ -89,7 +89,7 @@ class SkipSet:
         return cls(layers, frozenset(range(exit_layer, layers)), frozenset(range(exit_layer, layers)))
 
     @property
-    def spec(self) -> str:
+    def text(self) -> str:
         """The shortest item list `parse` reads back into this set."""
         both = self.attention & self.mlp
         items = [(prefix, sorted(chosen)) for prefix, chosen in
@@ -215,7 +215,7 @@ class SkipFile:
         half-written file, and two writers never share a temporary name."""
         from verispec.atomic import atomic_write_json
 
-        payload = {"format": SKIP_FORMAT, "skip": self.skip.spec, "layers": self.skip.layers,
+        payload = {"format": SKIP_FORMAT, "skip": self.skip.text, "layers": self.skip.layers,
                    "attention": sorted(self.skip.attention), "mlp": sorted(self.skip.mlp), "head": self.skip.head,
                    "model": self.model,
                    "fingerprint": self.fingerprint, "measured": self.measured}

@@ -215,7 +215,7 @@ class SkipSearch:
             return {
                 "skip": best["skip"], "k": best["k"], "plain_tokens_per_second": round(plain_tps, 2),
                 "speedup": round(best["tokens_per_second"] / plain_tps, 3), "best": best, "finalists": results,
-                "screened": [{"skip": t.skip.spec, "sublayers": t.skip.size, "head": t.skip.head,
+                "screened": [{"skip": t.skip.text, "sublayers": t.skip.size, "head": t.skip.head,
                               "agreement": round(t.agreement, 3),
                               "c": round(t.c, 3), "k": t.k, "predicted_speedup": round(t.predicted, 3)}
                              for t in sorted(trials, key=lambda t: t.skip.size)],
@@ -239,7 +239,7 @@ class SkipSearch:
         drafted = np.sum([_padded(s.stats.drafted_per_position, k) for s in sequences], axis=0)
         accepted = np.sum([_padded(s.stats.accepted_per_position, k) for s in sequences], axis=0)
         passes = sum(s.stats.target_forward_passes - 1 for s in sequences)
-        return {"skip": trial.skip.spec, "k": k, "sublayers": trial.skip.size, "c": round(trial.c, 3),
+        return {"skip": trial.skip.text, "k": k, "sublayers": trial.skip.size, "c": round(trial.c, 3),
                 "agreement": round(trial.agreement, 3),
                 "acceptance_by_position": [round(float(a / d), 3) if d else None for a, d in zip(accepted, drafted)],
                 "acceptance": round(float(accepted.sum() / max(1, drafted.sum())), 3),

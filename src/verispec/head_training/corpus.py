@@ -33,7 +33,7 @@ from verispec.atomic import atomic_write_json
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.console import notice, progress
 from verispec.errors import VerispecError
-from verispec.heads.sources import Prompt, normalized, request_text, usable, user_turn_prefix
+from verispec.head_training.sources import Prompt, normalized, request_text, usable, user_turn_prefix
 
 MANIFEST, PLAN, SELF_PROMPTS = "manifest.json", "plan.json", "self_prompts.json"
 FORMAT = "verispec-head-corpus"

@@ -20,7 +20,7 @@ import torch
 
 from verispec.console import progress
 from verispec.errors import VerispecError
-from verispec.heads import common
+from verispec.head_training import common
 from verispec.models.heads.medusa import MedusaHeads
 
 

@@ -8,8 +8,8 @@ import dataclasses
 import torch
 
 from verispec.console import notice
-from verispec.heads.common import Partial
-from verispec.heads.medusa_train import Answers, MedusaTrainConfig, split, target_answers, train_heads
+from verispec.head_training.common import Partial
+from verispec.head_training.medusa_train import Answers, MedusaTrainConfig, split, target_answers, train_heads
 from verispec.models.heads.shipped import lm_head_rows
 
 

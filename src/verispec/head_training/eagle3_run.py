@@ -10,8 +10,8 @@ import torch
 
 from verispec.console import notice
 from verispec.errors import VerispecError
-from verispec.heads.common import Partial, split
-from verispec.heads.eagle3_train import (EagleTrainConfig, aux_layers_for, collect, draft_vocabulary, new_head,
+from verispec.head_training.common import Partial, split
+from verispec.head_training.eagle3_train import (EagleTrainConfig, aux_layers_for, collect, draft_vocabulary, new_head,
                                          train, validate)
 from verispec.models.heads.eagle3_ttt import Sample
 from verispec.models.heads.shipped import final_norm, lm_head_rows
@@ -41,7 +41,7 @@ def train_eagle3(decoder, prompts: list[list[int]], config: EagleTrainConfig, pa
         notice(f"training an EAGLE-3 head for {decoder.target.name} on a corpus of {len(train_records)} answers "
                f"({sum(len(r['answer'][: config.tokens]) for r in train_records)} tokens; {len(val_records)} held out), "
                f"features entering layers {list(aux_layers)}")
-        from verispec.heads.features import corpus_samples
+        from verispec.head_training.features import corpus_samples
 
         train_set = corpus_samples(runner, train_records, config, aux_layers)
         val_set = corpus_samples(runner, val_records, config, aux_layers)
@@ -66,7 +66,7 @@ def train_eagle3(decoder, prompts: list[list[int]], config: EagleTrainConfig, pa
                val_answers=len(val_set), train_tokens=sum(s.tokens.numel() - s.start for s in train_set),
                validation_before=before)
     if corpus is not None:  # what the data was: by source and category, answers and answer tokens of each split
-        from verispec.heads.corpus import tally_key
+        from verispec.head_training.corpus import tally_key
 
         mix: dict[str, dict[str, int]] = {}
         for r in corpus[0] + corpus[1]:

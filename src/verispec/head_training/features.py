@@ -26,7 +26,7 @@ import torch
 
 from verispec.atomic import atomic_path
 from verispec.console import notice, progress
-from verispec.heads.eagle3_train import EagleTrainConfig, prefill_sample
+from verispec.head_training.eagle3_train import EagleTrainConfig, prefill_sample
 from verispec.models.heads.eagle3_ttt import Sample
 
 FORMAT = 2  # of a shard's file: {"format", "samples": {slot: {"digest", "sample"}}}; other formats are recomputed
