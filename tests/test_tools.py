@@ -92,6 +92,44 @@ def test_required_and_named_calls_always_parse_and_validate(client, temperature)
         check_calls(named.choices[0].message.tool_calls, {"add"})
 
 
+@pytest.fixture(scope="module")
+def marker_client(tmp_path_factory):
+    """A server whose tokenizer has the call markers as tokens of their own (as Qwen's has), and that tokenizer."""
+    folder = tmp_path_factory.mktemp("tool_markers") / "target"
+    tokenizer = char_tokenizer(True, list(string.printable))
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])  # added, not special: decoded into the text, as Qwen's
+    tokenizer.chat_template = TEMPLATE
+    model = tiny_model("llama", vocab=len(tokenizer), seed=0, sharpness=3.0)
+    model.config.max_position_embeddings = 2048
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    decoder = SpeculativeDecoder.load(str(folder), "ngram")
+    with BackgroundServer(decoder, ServeConfig(port=0, served_model_name="tiny")) as server:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120), tokenizer
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_auto_calls_are_constrained_once_opened_and_the_text_stays_free(marker_client, temperature):
+    """tool_choice "auto": the model is pushed to open a call at once (a logit bias on the opening marker); the call it
+    then writes parses and validates against its tool's schema, which a random model would never do unconstrained.
+    Without the push the answer is free text."""
+    openai_client, tokenizer = marker_client
+    opening = tokenizer.convert_tokens_to_ids("<tool_call>")
+    messages = [{"role": "user", "content": "what is 2 + 3?"}]
+    for seed in range(3):
+        out = openai_client.chat.completions.create(
+            model="tiny", messages=messages, tools=TOOLS, tool_choice="auto", temperature=temperature, seed=seed,
+            max_tokens=300, parallel_tool_calls=False, logit_bias={str(opening): 100})
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        assert len(choice.message.tool_calls) == 1
+        check_calls(choice.message.tool_calls, {"add", "get_weather"})
+    free = openai_client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, temperature=1.0, seed=0,
+                                                 max_tokens=30)
+    assert free.choices[0].message.content and free.choices[0].finish_reason in ("stop", "length")
+
+
 def test_streamed_calls_equal_the_whole_answers(client):
     openai_client, _ = client
     kwargs = dict(model="tiny", messages=[{"role": "user", "content": "add 1 and 2"}], tools=TOOLS,
@@ -176,6 +214,8 @@ def test_the_call_grammar_names_the_tools():
     grammar = call_grammar(TOOLS, "add", parallel=True)
     assert '"const": "add"' in grammar and "get_weather" not in grammar and '~0..' not in grammar
     assert 'call ("\\n" call)~0..7' in call_grammar(TOOLS, None, parallel=True)
+    auto = call_grammar(TOOLS, None, parallel=False, text_first=True)
+    assert auto.startswith("start: TEXT? (call)?") and "~/(?s:.*)<tool_call>(?s:.*)/" in auto
     assert torch is not None
 
 

@@ -195,14 +195,16 @@ def grammars_for(tokenizer, vocab_size: int, eos_token_ids: set[int],
 
 
 class _TokenBytes:
-    """A tokenizer as llguidance's generic wrapper reads it: every id's bytes (decoded alone; a special token is its
-    name after a 0xff byte, llguidance's mark for tokens no text can produce) and an encoder of text."""
+    """A tokenizer as llguidance's generic wrapper reads it: every id's bytes (decoded alone; a special or added token
+    is its name after a 0xff byte, llguidance's mark for tokens no text can produce) and an encoder of text."""
 
     def __init__(self, tokenizer, eos_token_id: int) -> None:
         self._tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
-        special = set(getattr(tokenizer, "all_special_ids", []))
+        # special: the tokenizer's special tokens and its added ones (Qwen's <tool_call>), as llguidance.hf reads a
+        # tokenizer: a grammar names them as tokens (<tool_call>), and text never spells them
+        special = set(getattr(tokenizer, "all_special_ids", [])) | set(getattr(tokenizer, "added_tokens_decoder", {}))
         self.special_token_ids = sorted(special)
         self.tokens = [b"\xff" + tokenizer.convert_ids_to_tokens(i).encode("utf-8") if i in special
                        else tokenizer.decode([i]).encode("utf-8") for i in range(len(tokenizer))]

@@ -189,9 +189,10 @@ class RequestBuilder:
         if tree is not None:
             spec_fields["tree"] = tree
         constraint = self.constraint(body)
-        # where a constraint's refusal points: a required tool call's schemas, or the response_format
-        constraint_param = "tools" if isinstance(body, ChatRequest) and body.required_call() is not None \
-            else "response_format"
+        # where a constraint's refusal points: the tools' schemas (a required call's, or auto's), or the response_format
+        from_format = body.response_format is not None and body.response_format.type != "text"
+        constraint_param = "tools" if isinstance(body, ChatRequest) and (
+            body.required_call() is not None or body.calls_parsed() and not from_format) else "response_format"
         try:
             sampling = SamplingConfig(**body.sampling_fields(self.engine.target.vocab_size), constraint=constraint)
             spec = SpecConfig(**spec_fields)
@@ -233,13 +234,20 @@ class RequestBuilder:
                            param="tool_choice")
 
     def constraint(self, body: GenerationRequest) -> Constraint | None:
-        """What the answer is constrained to: a required tool call (its tools' schemas), else the response_format."""
+        """What the answer is constrained to: a required tool call (its tools' schemas), else the response_format, else
+        with tools and tool_choice "auto" the calls the answer opens after its free text (their tools' schemas)."""
         required = body.required_call() if isinstance(body, ChatRequest) else None
         if required is not None:
             parallel, name = required
             marks = markers(self.decoder.target.tokenizer)
             return Constraint("grammar", call_grammar(body.tool_dicts(), name, parallel, marks))
-        return body.response_format.constraint() if body.response_format is not None else None
+        constraint = body.response_format.constraint() if body.response_format is not None else None
+        if constraint is None and isinstance(body, ChatRequest) and body.calls_parsed():
+            # "auto": free text, then the calls the answer opens, each valid against its tool's parameters
+            marks = markers(self.decoder.target.tokenizer)
+            return Constraint("grammar", call_grammar(body.tool_dicts(), None, body.parallel_tool_calls, marks,
+                                                      text_first=True))
+        return constraint
 
     def _drafting(self, options: wire.SpeculativeOptions) -> bool:
         if options.drafter is None:

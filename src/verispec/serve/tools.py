@@ -6,14 +6,16 @@ Syntax: the Hermes format, which Qwen2.5 / Qwen3 and Hermes models write and the
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, several one after another (separated by a newline).
 A template that does not render `<tool_call>` has no syntax verispec parses; a request with tools is then refused.
 
-`tool_choice`: "none" (tools shown, nothing parsed), "auto" (the answer's calls parsed where it writes them;
-unconstrained), "required" (one call or more, of any tool, each valid against its tool's parameters) or
-{"type": "function", "function": {"name": N}} (one call of N). `parallel_tool_calls` false: one call at most.
+`tool_choice`: "none" (tools shown, nothing parsed), "auto" (free text, then, where the model opens a call, calls of
+any tool, each valid against its tool's parameters: the text is free, the calls are constrained as required ones are),
+"required" (one call or more, of any tool, nothing around them) or {"type": "function", "function": {"name": N}} (one
+call of N). `parallel_tool_calls` false: one call at most.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -42,9 +44,11 @@ def markers(tokenizer) -> tuple[str, str]:
     return tuple(m if m in added else json.dumps(m) for m in (OPEN, CLOSE))
 
 
-def call_grammar(tools: list[dict], name: str | None, parallel: bool, marks: tuple[str, str] | None = None) -> str:
-    """A Lark grammar (llguidance's, with `%json`) for the answer a required or named call must be: one call of the
-    named tool, or one call (up to MAX_CALLS where `parallel`) of any tool, nothing around them."""
+def call_grammar(tools: list[dict], name: str | None, parallel: bool, marks: tuple[str, str] | None = None,
+                 text_first: bool = False) -> str:
+    """A Lark grammar (llguidance's, with `%json`) for the answer: one call of the named tool, or one call (up to
+    MAX_CALLS where `parallel`) of any tool, nothing around them; `text_first` (tool_choice "auto"): free text (any
+    text without the opening marker), then no call or the calls, nothing after them."""
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
     schema = call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [call_schema(t) for t in chosen]}
     # JSON written as verispec's JSON constraints write it: fixed separators, no free whitespace (a model cannot
@@ -52,7 +56,11 @@ def call_grammar(tools: list[dict], name: str | None, parallel: bool, marks: tup
     schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
     calls = f'call ("\\n" call)~0..{MAX_CALLS - 1}' if parallel and name is None else "call"
     opening, closing = marks or (json.dumps(OPEN), json.dumps(CLOSE))
-    return (f"start: {calls}\n"
+    start = f"start: {calls}\n"
+    if text_first:  # the text may not hold the marker's text (where the marker is text, not a token of its own)
+        start = (f"start: TEXT? ({calls})?\n"
+                 f"TEXT: /(?s:.+)/ & ~/(?s:.*){re.escape(OPEN)}(?s:.*)/\n")
+    return (start +
             f'call: {opening} "\\n" body "\\n" {closing}\n'
             f"body: %json {json.dumps(schema)}\n")
 
