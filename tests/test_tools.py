@@ -137,14 +137,22 @@ def test_streamed_calls_equal_the_whole_answers(client):
     whole = openai_client.chat.completions.create(**kwargs).choices[0]
     chunks = list(openai_client.chat.completions.create(**kwargs, stream=True))
     deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
-    assert [(d.function.name, d.function.arguments) for d in deltas] == \
+    streamed = {}  # index -> [name, arguments], put together from the pieces as a client does
+    for d in deltas:
+        call = streamed.setdefault(d.index, [d.function.name, ""])
+        call[1] += d.function.arguments or ""
+    assert [tuple(streamed[k]) for k in sorted(streamed)] == \
         [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert len(deltas) > 2 * len(streamed)  # the arguments came in pieces, not whole
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
-def test_each_call_streams_once_it_is_closed_not_at_the_answers_end():
-    """A call goes out as soon as its closing tag is written and it parses; the ones after it, and the end, later."""
+def test_calls_stream_as_they_are_written_and_a_cut_call_ends_the_answer():
+    """A call's id and name go out once its head is written, its arguments piece by piece (never the call's own closing
+    brace or marker), the next call after it; the pieces put together are the whole answer's calls (the same ids).
+    A call cut by the answer's end is a call with the arguments written, streamed and whole."""
     from verispec.serve.answers import CallStream
+    from verispec.serve.tools import parse_calls
 
     class Pieces:  # a TextStream over given text pieces
         def __init__(self, pieces):
@@ -155,16 +163,37 @@ def test_each_call_streams_once_it_is_closed_not_at_the_answers_end():
 
     first = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     second = '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "oslo"}}\n</tool_call>'
-    stream = CallStream(Pieces(["<tool_", first[6:30], first[30:], second[:20], second[20:], ""]))
-    handed = []
-    for step in range(5):
-        stream.delta((), False, None)
-        handed.append([(k, c["function"]["name"]) for k, c in stream.closed()])
-    assert handed == [[], [], [(0, "add")], [], [(1, "get_weather")]]
-    ids = [c["id"] for c in stream.calls]
-    assert stream.delta((), True, None) == "" and stream.closed() == []
-    assert [c["id"] for c in stream.calls] == ids and [c["function"]["arguments"] for c in stream.calls] == \
-        ['{"a": 1, "b": 2}', '{"city": "oslo"}']
+    cuts = ["<tool_", first[6:30], first[30:44], first[44:52], first[52:], second[:20], second[20:60], second[60:]]
+    stream = CallStream(Pieces(cuts + [""]))
+    steps = []
+    for _ in cuts:
+        assert stream.delta((), False, None) == ""
+        steps.append(stream.pieces())
+    assert steps[0] == [] and steps[1] == [] and steps[2][0]["function"] == {"name": "add", "arguments": ""}
+    assert [[p["function"]["arguments"] for p in step] for step in steps[2:]] == [
+        ["", '{"a'], ['": 1, "b'], ['": 2}'], [], ["", '{"city": "'], ['oslo"}']]
+    held = CallStream(Pieces(['<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool', ""]))
+    held.delta((), False, None)  # the call's own brace and what may be its marker: held until the marker shows
+    assert [p["function"]["arguments"] for p in held.pieces()] == ["", '{"a": 1}']
+    assert stream.delta((), True, None) == "" and stream.last == []
+    pieces = [p for step in steps for p in step]
+    joined = {}
+    for p in pieces:
+        joined.setdefault(p["index"], [p.get("id"), p["function"].get("name"), ""])[2] += p["function"]["arguments"]
+    assert [tuple(v) for _, v in sorted(joined.items())] == [
+        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in stream.calls]
+    assert [c["function"]["arguments"] for c in stream.calls] == ['{"a": 1, "b": 2}', '{"city": "oslo"}']
+    assert [c["function"]["arguments"] for c in parse_calls(first + second)[1]] == ['{"a": 1, "b": 2}', '{"city": "oslo"}']
+
+    cut = first + '\n<tool_call>\n{"name": "add", "arguments": {"a": 4'
+    stream = CallStream(Pieces([cut, ""]))
+    stream.delta((), False, None)
+    sent = stream.pieces()
+    assert stream.delta((), True, None) == ""
+    joined = "".join(p["function"]["arguments"] for p in sent + stream.last if p["index"] == 1)
+    assert joined == '{"a": 4' == stream.calls[1]["function"]["arguments"]
+    assert [c["function"]["arguments"] for c in parse_calls(cut, cut=True)[1]] == ['{"a": 1, "b": 2}', '{"a": 4']
+    assert len(parse_calls(cut)[1]) == 1  # not cut: an open call is not a call
 
 
 def test_a_history_with_calls_and_tool_answers_is_rendered_by_the_template(decoder, client):

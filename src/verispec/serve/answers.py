@@ -25,7 +25,7 @@ from verispec.serve.scheduler import Scheduler
 from verispec.serve.tickets import QueueFull, ShuttingDown, Ticket, TooLarge, Unavailable, Update
 from verispec.stats import GenerationStats
 from verispec.serve.streaming import TextStream, TimedStreamingResponse
-from verispec.serve.tools import CLOSE, OPEN, parse_calls
+from verispec.serve.tools import CLOSE, OPEN, call_head, new_call, parse_calls, raw_arguments
 
 POLL_S = 0.5  # how often a waiting request checks its client, its deadline and the decoding thread
 DEADLINE_GRACE_S = 5.0  # past the request timeout, the scheduler has this long to answer before the request does
@@ -109,7 +109,7 @@ class Answers:
                 entries = (self.echoed_logprobs(ticket.sequence, logprobs[i]) if echo else
                            self.logprobs(logprobs[i], chat))
             if chat and body.calls_parsed():  # the answer's tool calls, parsed from the model's own syntax
-                content, calls = parse_calls(text)
+                content, calls = parse_calls(text, cut=True)  # a call the end cut is a call, as streamed
                 choices.append(wire.chat_choice(i, content, update.finish_reason, entries, calls))
             elif chat:
                 choices.append(wire.chat_choice(i, text, update.finish_reason, entries))
@@ -227,9 +227,9 @@ class Answers:
         asked = ticket.sequence.logprobs is not None
         offset = 0  # completions' text_offset: characters sent before a chunk's tokens
 
-        def closed_calls() -> list[str]:  # an event for each tool call not yet sent that is closed and parsed
-            return [sse(wire.chat_chunk(rid, self.model_name, {"tool_calls": [{"index": k, **call}]}, None, None, None,
-                                        index)) for k, call in text.closed()]
+        def call_events(pieces: list[dict]) -> list[str]:  # an event for each tool call's piece (`CallStream.pieces`)
+            return [sse(wire.chat_chunk(rid, self.model_name, {"tool_calls": [piece]}, None, None, None, index))
+                    for piece in pieces]
 
         def chunk(text: str, finish: str | None, entries=()) -> str:
             nonlocal offset
@@ -242,7 +242,7 @@ class Answers:
 
         text = TextStream(self.decoder.decode, body.stop_strings())
         calls = chat and body.calls_parsed()
-        if calls:  # the content is streamed up to where a call may begin; the calls go out whole, at the end
+        if calls:  # the content is streamed up to where a call may begin; the calls as OpenAI streams them
             text = CallStream(text)
         first = True
         echo = self.echo(body, ticket.sequence)
@@ -273,7 +273,7 @@ class Answers:
             if not update.done:
                 if piece or (asked and update.logprobs):  # a token's logprobs go out with the step that made it
                     yield chunk(piece, None, update.logprobs)
-                for event in closed_calls() if calls else ():  # each call once closed, while the answer goes on
+                for event in call_events(text.pieces()) if calls else ():  # the calls as they are written
                     yield event
                 continue
             self.metrics.latency.observe(time.monotonic() - arrival)
@@ -281,7 +281,7 @@ class Answers:
             if calls and text.calls:
                 if piece or update.logprobs:
                     yield chunk(piece, None, update.logprobs)
-                for event in closed_calls():
+                for event in call_events(text.last):
                     yield event
                 finish = "tool_calls" if update.finish_reason in ("eos", "stop") else update.finish_reason
                 yield sse(wire.chat_chunk(rid, self.model_name, {}, finish, None, None, index))
@@ -291,35 +291,71 @@ class Answers:
             return
 
 
+TAIL = "}\n" + CLOSE  # how a call in the grammar's form ends after its arguments
+
+
 class CallStream:
-    """A TextStream whose deltas stop where a tool call may begin (`serve.tools.OPEN`, held back until decided); each
-    call is handed out (`closed`) once its closing tag is written and it parses, as the answer goes on; at the end,
-    `calls` holds the answer's parsed calls (`parse_calls`) and the last delta the content not yet sent."""
+    """A TextStream whose content deltas stop where a tool call may begin (`serve.tools.OPEN`, held back until decided),
+    and whose calls stream as OpenAI streams them (`pieces`): a call's id and name once its head is written, then its
+    arguments piece by piece as the model writes them; a call whose head is not in the grammar's form goes out whole
+    once its closing tag is written and it parses. At the end, `calls` holds the answer's calls (the ids already sent
+    kept) and the last delta the content not yet sent."""
 
     def __init__(self, text: TextStream) -> None:
         self.text, self.whole, self.sent, self.calls = text, "", 0, []
-        self.handed = 0  # calls handed out by `closed`
-        self.parsed_to = 0  # the text `closed` has parsed calls from (up to a closing tag)
+        self.next_at = 0  # where the next call may begin: after the last one closed
+        self.open: tuple[int, str, str, int] | None = None  # the call streaming now: (index, id, name, arguments' start)
+        self.args_sent = ""  # its arguments sent so far
+        self.last: list[dict] = []  # at the end: the calls' pieces not yet sent
 
-    def closed(self) -> list[tuple[int, dict]]:
-        """(index, call) of the calls parsed since the last call, each once. A call is parsed only whole (its closing
-        tag written), and the calls before it parse the same whatever follows, so these are the final list's first
-        ones (their ids kept)."""
-        at = self.whole.rfind(CLOSE)
-        end = at + len(CLOSE) if at >= 0 else 0
-        if end > self.parsed_to:  # a closing tag since the last parse: the text up to it parsed again, once
-            _, parsed = parse_calls(self.whole[:end])
-            self.calls, self.parsed_to = self.calls + parsed[len(self.calls) :], end
-        new = list(enumerate(self.calls))[self.handed :]
-        self.handed = len(self.calls)
-        return new
+    def pieces(self, cut: bool = False) -> list[dict]:
+        """The tool_calls deltas written since the last call (each with its call's index). `cut` (the answer ended
+        by its length or a stop string): a call left open ends with the arguments written."""
+        out = []
+        while True:
+            if self.open is None:
+                at = self.whole.find(OPEN, self.next_at)
+                end = self.whole.find(CLOSE, at) if at >= 0 else -1
+                head = call_head(self.whole, at + len(OPEN)) if at >= 0 else None
+                if head is None:  # no call, its head not yet whole, or not in the grammar's form: whole, once parsed
+                    if end < 0:
+                        break
+                    _, parsed = parse_calls(self.whole[at : end + len(CLOSE)])
+                    if not parsed:
+                        break
+                    out.append({"index": len(self.calls), **parsed[0]})
+                    self.calls.append(parsed[0])
+                    self.next_at = end + len(CLOSE)
+                    continue
+                call = new_call(head[0], "")
+                self.open, self.args_sent = (len(self.calls), call["id"], head[0], head[1]), ""
+                out.append({"index": len(self.calls), **call})
+            index, call_id, name, start = self.open
+            end = self.whole.find(CLOSE, start)
+            if end < 0 and not cut:
+                written = self.whole[start:]
+                held = next((n for n in range(min(len(written), len(TAIL)), 0, -1) if TAIL.startswith(written[-n:])), 0)
+                ready = written[: len(written) - held]  # what may still be the call's closing brace and marker: held
+                if len(ready) > len(self.args_sent):
+                    out.append({"index": index, "function": {"arguments": ready[len(self.args_sent) :]}})
+                    self.args_sent = ready
+                break
+            arguments = raw_arguments(self.whole, start, end) if end >= 0 else self.whole[start:]
+            if arguments.startswith(self.args_sent) and len(arguments) > len(self.args_sent):
+                out.append({"index": index, "function": {"arguments": arguments[len(self.args_sent) :]}})
+            self.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+            self.open = None
+            if end < 0:
+                break
+            self.next_at = end + len(CLOSE)
+        return out
 
     def delta(self, new_tokens: tuple[int, ...], done: bool, text_end: int | None) -> str:
         self.whole += self.text.delta(new_tokens, done, text_end)
         if done:
-            content, parsed = parse_calls(self.whole)
-            self.calls = self.calls + parsed[len(self.calls) :]  # the calls handed out keep their ids
-            final = self.whole if not self.calls else (content or "")
+            self.last = self.pieces(cut=True)  # the calls' last pieces (a call left open ends where the answer did)
+            content = self.whole[: self.whole.find(OPEN)].strip() if OPEN in self.whole else self.whole
+            final = self.whole if not self.calls and self.open is None else (content or "")
             piece, self.sent = final[self.sent :], len(final)
             return piece
         start = self.whole.find(OPEN)

@@ -65,9 +65,42 @@ def call_grammar(tools: list[dict], name: str | None, parallel: bool, marks: tup
             f"body: %json {json.dumps(schema)}\n")
 
 
-def parse_calls(text: str) -> tuple[str | None, list[dict]]:
-    """The answer's text before its first call (None if empty) and its calls as OpenAI `tool_calls`. A call whose
-    JSON cannot be read, or has no name, ends the parse: it and what follows stay in the content."""
+# a call's head as the grammar writes it (`call_schema`'s order, `JSON_SEPARATORS`): its arguments follow
+HEAD = re.compile(r'\s*\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+
+
+def new_call(name: str, arguments: str) -> dict:
+    """An OpenAI tool call with a fresh id."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def call_head(text: str, at: int) -> tuple[str, int] | None:
+    """(name, where the arguments begin) of a call whose body begins at `at` (after the opening marker), where its
+    head is written whole in the grammar's form; else None."""
+    match = HEAD.match(text, at)
+    if match is None:
+        return None
+    try:
+        name = json.loads(match.group(1))
+    except json.JSONDecodeError:
+        return None
+    return name, match.end()
+
+
+def raw_arguments(text: str, start: int, end: int) -> str:
+    """The arguments as the model wrote them: the text from `start` to the closing marker at `end`, less the call's
+    own closing brace (and the blank before the marker)."""
+    raw = text[start:end].rstrip()
+    return raw[:-1] if raw.endswith("}") else raw
+
+
+def parse_calls(text: str, cut: bool = False) -> tuple[str | None, list[dict]]:
+    """The answer's text before its first call (None if empty) and its calls as OpenAI `tool_calls`, each call's
+    arguments as the model wrote them (where its head is in the grammar's form; else its arguments written again as
+    JSON). A call whose JSON cannot be read, or has no name, ends the parse: it and what follows stay in the content.
+    `cut` (the answer ended at its length, or a stop string): a last call left open whose head is written whole is a
+    call too, with the arguments written so far (as OpenAI reports a cut call)."""
     start = text.find(OPEN)
     if start < 0:
         return text, []
@@ -75,6 +108,9 @@ def parse_calls(text: str) -> tuple[str | None, list[dict]]:
     while at >= 0:
         end = text.find(CLOSE, at)
         if end < 0:
+            head = call_head(text, at + len(OPEN)) if cut else None
+            if head is not None:
+                calls.append(new_call(head[0], text[head[1] :]))
             break
         try:
             body = json.loads(text[at + len(OPEN) : end])
@@ -82,11 +118,13 @@ def parse_calls(text: str) -> tuple[str | None, list[dict]]:
             break
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             break
-        arguments = body.get("arguments", body.get("parameters", {}))
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": body["name"],
-                                   "arguments": arguments if isinstance(arguments, str)
-                                   else json.dumps(arguments, **JSON_SEPARATORS)}})
+        head = call_head(text, at + len(OPEN))
+        if head is not None and head[0] == body["name"]:
+            arguments = raw_arguments(text, head[1], end)
+        else:
+            arguments = body.get("arguments", body.get("parameters", {}))
+            arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, **JSON_SEPARATORS)
+        calls.append(new_call(body["name"], arguments))
         at = text.find(OPEN, end + len(CLOSE))
     if not calls:
         return text, []
