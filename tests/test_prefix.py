@@ -137,3 +137,30 @@ def test_the_server_reports_cached_tokens_and_its_store(model, native, tmp_path)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
         metrics = http.get("/metrics").text
         assert "verispec_prefix_hits 1.0" in metrics and "verispec_prefix_held_bytes" in metrics
+
+
+def test_a_requests_n_choices_read_their_prompt_once(model, native, tmp_path):
+    """n choices share one prompt: the first reads it, the others join once it is kept and start from its cache (each
+    reads only its last token); every choice is still the request with seed + i alone."""
+    from tiny_hf import save_tiny_model_dir
+    from verispec import SpeculativeDecoder
+    from verispec.serve.config import ServeConfig
+    from verispec.serve.server import BackgroundServer
+
+    folder = save_tiny_model_dir(tmp_path / "target", "qwen2", seed=0)
+    decoder = SpeculativeDecoder.load(str(folder), "ngram")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder))
+    decoder.runner = decoder.engine.target = NativeRunner(load_gguf(gguf_from_hf(hf, tmp_path / "t.gguf", T.Q8_0),
+                                                                    show_progress=False))
+    body = {"prompt": "the n choices of one prompt " * 3, "max_tokens": 8, "temperature": 1.0, "seed": 7,
+            "speculative": {"K": 3}}
+    with BackgroundServer(decoder, ServeConfig(port=0, served_model_name="tiny")) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        together = http.post("/v1/completions", json={**body, "n": 3}).json()
+        prompt = together["usage"]["prompt_tokens"]
+        assert together["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * (prompt - 1)
+        alone = [http.post("/v1/completions", json={**body, "seed": 7 + i}).json()["choices"][0]["text"]
+                 for i in range(3)]
+    assert [c["text"] for c in together["choices"]] == alone

@@ -83,6 +83,7 @@ class DecodeBatch:
         self.faults: list[tuple[str, BaseException]] = []  # (stage, exception) of the faults the batch absorbed
         self.draft_rows = DraftRows(engine.drafter, self.faults)  # the drafter and the rows it drafts
         self._joined: dict[int, float] = {}  # id(sequence) -> when it joined (perf_counter)
+        self._copies: bool | None = None  # whether the target's states copy rows (`shares_prompts`); None: not asked
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -128,6 +129,22 @@ class DecodeBatch:
         if store is None or not isinstance(self.state, PrefixState) or not self.drafter.traits.chunked_prefill:
             return None
         return store
+
+    def shares_prompts(self) -> bool:
+        """Whether a row can start from the cache another row kept of the same prompt (`verispec.prefix`): the store is
+        on, the drafter reads only tokens, and the target's rows copy. The server then lets the second of two rows
+        with one prompt (a request's n choices) join once the first has read it, rather than read it twice."""
+        if self.engine.prefixes is None or not self.drafter.traits.chunked_prefill:
+            return False
+        if self._copies is None:
+            try:
+                state = self.state if self.state is not None else self.engine.target.new_state(0)
+                self._copies = isinstance(state, PrefixState)
+            except BaseException as err:  # a runner without empty states: no sharing, nothing else lost
+                if not is_fault(err):
+                    raise
+                self._copies = False
+        return self._copies
 
     def _reuse(self, first_row: int, joining: list[Sequence]) -> None:
         """Joining rows start from the longest stored prefix of their prompts (`verispec.prefix`); reuse is optional,

@@ -312,14 +312,21 @@ class Scheduler:
                 ticket.post(Update(error=ServeError(503, "server_shutting_down", "the server is shutting down")))
             return
         joining: list[Ticket] = []
+        # prompts a row reads now: a waiting request with the same prompt (the other n choices of one request) joins
+        # once it is read and kept, and starts from that cache instead of reading it again
+        reading = ({tuple(s.tokens) for s in self.batch.sequences if s.num_generated == 0}
+                   if self.batch.shares_prompts() else None)
         with self._lock:
             while self._waiting and len(self.batch) + len(joining) < self.max_batch_size:
-                ticket = self.tenants.pick(_first_of_each_tenant(self._waiting))
+                ready = [t for t in self._waiting if not _reads_now(t, reading)] if reading else self._waiting
+                ticket = self.tenants.pick(_first_of_each_tenant(ready))
                 if ticket is None:
-                    break  # every waiting tenant is at its share
+                    break  # every waiting tenant is at its share (or waits for a prompt being read)
                 if (self.batch or joining) and self.reserved + ticket.reserved > self.max_cache_bytes:
                     break  # wait for room (nobody overtakes the request chosen)
                 self._unqueue([ticket])
+                if reading is not None:
+                    reading.add(tuple(ticket.sequence.tokens))
                 self.reserved += ticket.reserved
                 self.tenants.started(ticket.tenant, ticket.reserved)
                 joining.append(ticket)
@@ -401,6 +408,12 @@ class Scheduler:
         for ticket in waiting:
             ticket.post(Update(error=error))
         self._cut_running(error)
+
+
+def _reads_now(ticket: Ticket, reading: set[tuple[int, ...]]) -> bool:
+    """Whether a row reads this ticket's prompt now (its tokens compared only where a prompt of its length is read)."""
+    tokens = ticket.sequence.tokens
+    return any(len(key) == len(tokens) for key in reading) and tuple(tokens) in reading
 
 
 def _first_of_each_tenant(waiting) -> list[Ticket]:
