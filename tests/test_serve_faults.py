@@ -3,6 +3,7 @@ bodies, a flood past the queue limit, timeouts and shutdown; the server stays up
 answering correctly. Every loop here is bounded in count and in time."""
 
 import asyncio
+import json
 import importlib.util
 import socket
 import threading
@@ -247,6 +248,27 @@ def test_a_fault_reading_the_prompts_logprobs_fails_that_request_alone(decoder, 
             assert r.status_code == 500 and "error" in r.json()
             ok = http.post("/v1/completions", json=good)
             assert ok.status_code == 200 and ok.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None
+        # the same fault while another request decodes beside it: that one's answer is its answer alone
+        beside = {"prompt": "hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        solo = httpx.post(server.url + "/v1/completions", json=beside, timeout=30).json()["choices"][0]["text"]
+        refused = {}
+        step = engine.step
+        monkeypatch.setattr(engine, "step", lambda batch: time.sleep(0.02) or step(batch))  # 40 steps: 0.8 s at least
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json={**beside, "stream": True}) as r:
+                lines = r.iter_lines()
+                text = ""
+                for line in lines:  # once it decodes, the faulty request arrives
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        text += json.loads(line[6:])["choices"][0]["text"]
+                        if "status" not in refused:
+                            thread = threading.Thread(target=lambda: refused.update(
+                                status=httpx.post(server.url + "/v1/completions", json=bad, timeout=30).status_code,
+                                at=time.monotonic()))
+                            thread.start()
+                ended = time.monotonic()
+            thread.join(30)
+        assert refused["status"] == 500 and refused["at"] < ended and text == solo
         scheduler = server.app.state.scheduler
         assert wait_until(lambda: scheduler.reserved == 0 and scheduler.running == 0)
         still_answers(server.url, expected["choices"][0]["text"])
