@@ -191,9 +191,21 @@ def distilled(target, backend):
     return DraftModelDrafter(MappedVocabRunner(small, vocab), V)
 
 
+def predicted_output(target, backend):
+    """A request's predicted output (`core.prediction`) drafts the row's chain while the answer follows it, prompt
+    lookup where it does not: the prediction is `PREDICTED`, passed with every sequence (`run_cell`), which sampled
+    answers follow for a while (accepted drafts) and leave (recovered tokens, then the prediction realigned)."""
+    return prompt_lookup(target, backend)
+
+
+PREDICTED = [2, 6, 1, 5, 2, 6]  # the prediction the predicted-output cells send: how PROMPT goes on
+
+
+# (appended last: the settings rotate through the families in this order, and earlier cells keep theirs)
 FAMILIES = {"draft-model": draft_model, "prompt-lookup": prompt_lookup, "ngram-corpus": ngram_corpus,
-            "self-speculation": self_speculation, "medusa": medusa, "eagle": eagle, "distilled": distilled}
-DETERMINISTIC = {"prompt-lookup"}  # candidates with a one-hot q: their trees have no sampled / top choice
+            "self-speculation": self_speculation, "medusa": medusa, "eagle": eagle, "distilled": distilled,
+            "predicted-output": predicted_output}
+DETERMINISTIC = {"prompt-lookup", "predicted-output"}  # a one-hot q: their trees have no sampled / top choice
 UNSUPPORTED = {  # (backend, family): why the family cannot run there (the engine refuses it with that reason)
     ("llama.cpp", "self-speculation"): "skips sublayers inside the target's pass, which llama.cpp does not expose",
     ("llama.cpp", "medusa"): "reads the target's hidden states, which llama.cpp does not expose",
@@ -233,6 +245,10 @@ class Cell:
 # Settings added after the grid's rotation was fixed run in a cell of their own on each backend (family, shape): a
 # longer rotation would move every cell's setting, and the power test's cells with it.
 EXTRA_SETTINGS = {"T1-pres-freq-bias": ("draft-model", "chain")}  # a sampled q: p and q penalised alike
+# Cells added beside the rotation's on each backend, (family, shape, setting): a predicted output's chain under the
+# repetition penalty, where the bonus token's distribution differs from the last draft's (the rotation's cells of
+# this family cannot tell them apart on this prompt: the "bonus from p_n" rule passes them)
+EXTRA_CELLS = [("predicted-output", "chain", "T0.9-all-rep1.5")]
 
 
 def grid() -> list[Cell]:
@@ -249,6 +265,8 @@ def grid() -> list[Cell]:
                 shapes.append("tree-iid")
             cells += [Cell(family, backend, shape, next(rotation)) for shape in shapes]
         cells += [Cell(family, backend, shape, setting) for setting, (family, shape) in EXTRA_SETTINGS.items()
+                  if (backend, family) not in UNSUPPORTED]
+        cells += [Cell(family, backend, shape, setting) for family, shape, setting in EXTRA_CELLS
                   if (backend, family) not in UNSUPPORTED]
     return cells
 
@@ -327,12 +345,13 @@ def run_cell(cell: Cell, n: int | None = None, seed: int = 0, tuner=None) -> Out
             tally["accepted"] += verdict.num_accepted
             tally["bonus" if verdict.bonus else "recovered"] += 1
 
+    guess = PREDICTED if cell.family == "predicted-output" else None
     engine.observers.append(observe)
     try:
         if cell.backend in SEQUENTIAL:
-            seqs = [engine.generate([PROMPT], sampling, spec, seeds=seed + i)[0] for i in range(n)]
+            seqs = [engine.generate([PROMPT], sampling, spec, seeds=seed + i, predictions=[guess])[0] for i in range(n)]
         else:
-            seqs = engine.generate([PROMPT] * n, sampling, spec, seeds=seed, tuner=tuner)
+            seqs = engine.generate([PROMPT] * n, sampling, spec, seeds=seed, tuner=tuner, predictions=[guess] * n)
     finally:
         engine.observers.remove(observe)
     exact = exact_joint_for(cell.backend, cell.setting, depth)
