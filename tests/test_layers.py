@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models", ("verispec.models", "verispec.ngram.table", "verispec.ngram")),
     ("drafters", ("verispec.drafters", "verispec.tuning")),
     ("engine", ("verispec.engine", "verispec.plan", "verispec.step", "verispec.batch", "verispec.faults",
-                "verispec.adapt", "verispec.prefix")),
+                "verispec.adapt")),
     ("api", ("verispec.api", "verispec.audit", "verispec.render", "verispec")),
     ("front ends and pipelines", ("verispec.cli", "verispec.__main__", "verispec.serve", "verispec.viz",
                                   "verispec.bench", "verispec.analyze", "verispec.distill", "verispec.head_training",

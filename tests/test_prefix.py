@@ -1,4 +1,4 @@
-"""Prefix reuse across requests (`verispec.prefix`): on the native runner a conversation decoded with its earlier
+"""Prefix reuse across requests (`verispec.core.prefix`): on the native runner a conversation decoded with its earlier
 turns' cache reused gives the same bits as without (greedy and seeded sampled, tokens and logprobs), rows that join a
 running batch reuse a shared prefix, the store stays within its budget, and it is used only where it is exact; the
 server reports it (usage, /metrics)."""
@@ -18,7 +18,7 @@ from verispec.engine import SpeculativeEngine
 from verispec.models.gguf.model import load_gguf
 from verispec.models.gguf.runner import NativeRunner
 from verispec.models.runners.hf import ModelRunner
-from verispec.prefix import PrefixStore
+from verispec.core.prefix import PrefixStore
 
 V = 64
 SYSTEM = [(7 * i + 3) % V for i in range(30)]  # a long shared beginning
@@ -164,3 +164,27 @@ def test_a_requests_n_choices_read_their_prompt_once(model, native, tmp_path):
         alone = [http.post("/v1/completions", json={**body, "seed": 7 + i}).json()["choices"][0]["text"]
                  for i in range(3)]
     assert [c["text"] for c in together["choices"]] == alone
+
+
+def test_a_draft_models_cache_follows_the_reused_prefixes(model, native, tmp_path):
+    """A draft model on the native runner keeps its finished rows' cache in a store of its own: each later turn's draft
+    row starts from the last turn's (it reads only what is new), and the answers are the same bits as without."""
+    from conftest import noisy_copy
+    from verispec.drafters.draft_model import DraftModelDrafter
+
+    draft_runner = NativeRunner(load_gguf(gguf_from_hf(noisy_copy(model, 0.5, seed=2), tmp_path / "d.gguf", T.Q8_0),
+                                          show_progress=False))
+    spec = SpecConfig(max_new_tokens=12, num_draft_tokens=3, stop_at_eos=False)
+    sampling = SamplingConfig(temperature=0.9, top_k=20)
+    cold = conversation(SpeculativeEngine(native, DraftModelDrafter(draft_runner, V), set()), sampling, spec, seed=4)
+    drafter = DraftModelDrafter(draft_runner, V)
+    engine = SpeculativeEngine(native, drafter, set())
+    engine.prefixes = PrefixStore(1 << 30)
+    drafter.reuse_prefixes(1 << 30)
+    warm = conversation(engine, sampling, spec, seed=4)
+    assert [s.generated for s in warm] == [s.generated for s in cold]
+    stats = drafter.prefixes.stats
+    # the draft's cache ends at most K tokens short of its row's (drafts it never fed, the last token)
+    assert stats.hits == 2 and sum(len(s.tokens) - 1 - spec.num_draft_tokens for s in warm[:2]) <= \
+        stats.tokens_reused <= sum(len(s.tokens) - 1 for s in warm[:2])
+    assert sum(s.stats.draft_tokens for s in warm) > 0

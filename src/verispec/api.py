@@ -26,7 +26,7 @@ from verispec.core.drafter import Drafter
 from verispec.core.sequence import Sequence, StepEvent, TokenLogprob
 from verispec.drafters.registry import NGRAM, Built, DrafterOptions, build_drafter, model_drafter
 from verispec.engine import SpeculativeEngine
-from verispec.prefix import PrefixStore
+from verispec.core.prefix import PrefixStore
 from verispec.errors import VerispecError
 from verispec.models.loading import (
     DEFAULT_BACKEND,
@@ -123,10 +123,12 @@ class SpeculativeDecoder:
 
     def reuse_prefixes(self, budget_bytes: int) -> None:
         """Keep up to `budget_bytes` of earlier generations' target cache, by their tokens, so a prompt that begins as
-        an earlier prompt (or prompt and answer) did reads only the rest (`verispec.prefix`; on the native runner,
+        an earlier prompt (or prompt and answer) did reads only the rest (`verispec.core.prefix`; on the native runner,
         whose reused positions are the same bits as recomputed ones). 0 turns it off. The store lives as long as this
-        decoder: a conversation's later turns read only what is new."""
+        decoder: a conversation's later turns read only what is new. A draft model keeps its own rows the same way, in
+        a store of its own with the same budget."""
         self.engine.prefixes = PrefixStore(budget_bytes) if budget_bytes > 0 else None
+        self.engine.drafter.reuse_prefixes(budget_bytes)  # a draft model's own cache, in a store of its own
 
     @property
     def prefixes(self) -> PrefixStore | None:

@@ -131,7 +131,7 @@ class DecodeBatch:
         return store
 
     def shares_prompts(self) -> bool:
-        """Whether a row can start from the cache another row kept of the same prompt (`verispec.prefix`): the store is
+        """Whether a row can start from the cache another row kept of the same prompt (`verispec.core.prefix`): the store is
         on, the drafter reads only tokens, and the target's rows copy. The server then lets the second of two rows
         with one prompt (a request's n choices) join once the first has read it, rather than read it twice."""
         if self.engine.prefixes is None or not self.drafter.traits.chunked_prefill:
@@ -147,7 +147,7 @@ class DecodeBatch:
         return self._copies
 
     def _reuse(self, first_row: int, joining: list[Sequence]) -> None:
-        """Joining rows start from the longest stored prefix of their prompts (`verispec.prefix`); reuse is optional,
+        """Joining rows start from the longest stored prefix of their prompts (`verispec.core.prefix`); reuse is optional,
         so a fault in it leaves the row to read its whole prompt."""
         store = self._store()
         if store is None:

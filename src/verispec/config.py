@@ -247,7 +247,7 @@ def check_tree_request(tree: TreeConfig | None, drafting: bool, auto_k: bool = F
                             "not a static tree shape (--tree-shape)")
 
 
-PREFIX_CACHE_BYTES = 1 << 30  # earlier requests' target cache kept for reuse by default (`verispec.prefix`)
+PREFIX_CACHE_BYTES = 1 << 30  # earlier requests' target cache kept for reuse by default (`verispec.core.prefix`)
 MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (OpenAI's top_logprobs bound)
 LOGPROBS_MODES = ("raw", "processed")
 

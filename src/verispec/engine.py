@@ -38,7 +38,7 @@ from verispec.core.protocols import PrefixState, Runner
 from verispec.core.sequence import Sequence, StepClock, StepEvent, TokenLogprob
 from verispec.errors import VerispecError, is_fault
 from verispec.plan import StepPlan, draft, plan_step
-from verispec.prefix import PrefixStore
+from verispec.core.prefix import PrefixStore
 from verispec.rejection import Verdict
 from verispec.step import StepRules, raw_logprobs, token_logprob
 from verispec.tuning import AdaptiveK
@@ -77,7 +77,7 @@ class SpeculativeEngine:
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()  # the server compiles constraints on worker threads
         self.constraint_limits = ConstraintLimits()  # what a constraint may cost (a server sets its own)
-        # earlier rows' caches by their tokens, for rows whose prompts begin the same (`verispec.prefix`; None: off)
+        # earlier rows' caches by their tokens, for rows whose prompts begin the same (`verispec.core.prefix`; None: off)
         self.prefixes: PrefixStore | None = None
         # Where the target's logits are (a GPU for the static runner on CUDA): sampling and verification run there,
         # from per-sequence generators made there. Seeded draws on a GPU differ from the CPU's (another generator).

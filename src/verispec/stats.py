@@ -27,7 +27,7 @@ class GenerationStats:
     draft_tokens / accepted_tokens).
     accepted_prediction_tokens / rejected_prediction_tokens: drafts taken from the request's predicted output
     (`core.prediction`) that the target accepted / did not (also counted in draft_tokens / accepted_tokens).
-    cached_tokens: prompt tokens not read again, their cache taken from an earlier request's (`verispec.prefix`).
+    cached_tokens: prompt tokens not read again, their cache taken from an earlier request's (`verispec.core.prefix`).
     """
 
     target_forward_passes: int = 0

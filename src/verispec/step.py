@@ -29,7 +29,7 @@ from verispec.rejection import Verdict, verify, verify_greedy
 from verispec.sampling import Processors
 
 if TYPE_CHECKING:
-    from verispec.prefix import PrefixStore
+    from verispec.core.prefix import PrefixStore
 
 
 class StepRules:

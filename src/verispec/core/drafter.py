@@ -146,6 +146,11 @@ class Drafter(ABC):
     def keep(self, rows: list[int]) -> None:
         """Only these batch rows continue (the others finished); later calls see them in this order."""
 
+    def reuse_prefixes(self, budget_bytes: int) -> None:
+        """Keep up to `budget_bytes` of finished rows' own cache by their tokens, so that a later row whose tokens begin
+        the same starts from it (`verispec.core.prefix`), as the target's rows do; 0 turns it off. Drafters without a cache
+        of their own, or whose runner's rows do not copy exactly, ignore it."""
+
     def retire_all(self) -> None:
         """Every current row is done, as if `keep` dropped it, for drafters that learn from finished outputs (the
         suffix store): a server calls it before it discards a batch without `keep` (at shutdown). The rows stay;

@@ -50,7 +50,7 @@ class RestorableState(RunnerState, Protocol):
 
 @runtime_checkable
 class PrefixState(RunnerState, Protocol):
-    """A state whose rows' committed cache can be copied out and into an empty row (`verispec.prefix`: prefix reuse
+    """A state whose rows' committed cache can be copied out and into an empty row (`verispec.core.prefix`: prefix reuse
     across requests). Only where a reused row is the same bits as a recomputed one (the native runner's kernels are
     batch-invariant): a prefix is then a cache, never an approximation."""
 

@@ -197,6 +197,10 @@ class CompositeDrafter(Drafter):
         for m in self.members:
             m.retire_all()
 
+    def reuse_prefixes(self, budget_bytes: int) -> None:
+        for m in self.members:
+            m.reuse_prefixes(budget_bytes)
+
     def flush_store(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         return all([m.flush_store(max(0.0, deadline - time.monotonic())) for m in self.members])

@@ -28,6 +28,7 @@ which swaps them in and restarts the draft's cache (it holds keys and values of 
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import replace
 
@@ -35,7 +36,8 @@ import torch
 
 from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
-from verispec.core.protocols import Runner, RunnerState, TorchWeights
+from verispec.core.prefix import PrefixStore
+from verispec.core.protocols import PrefixState, Runner, RunnerState, TorchWeights
 from verispec.core.sequence import Sequence
 from verispec.core.stopping import AcceptanceCalibration
 from verispec.drafters.drawing import constrained_logits, penalty_seen
@@ -43,6 +45,8 @@ from verispec.drafters.prompt_lookup import lookup, lookup_match
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.sampling import sample
+
+log = logging.getLogger("verispec.draft_model")
 
 
 class DraftModelDrafter(Drafter):
@@ -73,6 +77,8 @@ class DraftModelDrafter(Drafter):
         self.context = context
         self.state: RunnerState | None = None
         self.cached: list[int] = []  # per row: how many of the sequence's tokens the draft cache holds
+        self.rows: list[list[int]] = []  # per row: its sequence's tokens (the list itself, which grows as it commits)
+        self.prefixes: PrefixStore | None = None  # finished rows' draft cache by their tokens (`reuse_prefixes`)
         self.fed: list[int] = []  # per row, after propose: draft tokens fed to the draft model
         self.stop_keys: list[list[tuple]] = []  # per row, after propose: calibration keys of its drafts
         self.calibration = AcceptanceCalibration()  # where chains stop (seq.draft_stop, see core.stopping)
@@ -95,11 +101,45 @@ class DraftModelDrafter(Drafter):
     def start(self, sequences: list[Sequence]) -> None:
         self.state = self.runner.new_state(len(sequences))
         self.cached = [self._skipped(seq) for seq in sequences]
+        self.rows = [seq.tokens for seq in sequences]
+        self._reuse(0, sequences)
 
     def extend(self, sequences: list[Sequence]) -> None:
         assert self.state is not None, "start() must be called before extend()"
         self.state.extend(len(sequences))
+        first = len(self.cached)
         self.cached += [self._skipped(seq) for seq in sequences]
+        self.rows += [seq.tokens for seq in sequences]
+        self._reuse(first, sequences)
+
+    def reuse_prefixes(self, budget_bytes: int) -> None:
+        self.prefixes = PrefixStore(budget_bytes) if budget_bytes > 0 else None
+
+    def _store(self) -> PrefixStore | None:
+        """The draft's own prefix store where it is exact: rows that copy (the native runner's), a whole context."""
+        if self.prefixes is None or self.context is not None or not isinstance(self.state, PrefixState):
+            return None
+        return self.prefixes
+
+    def _reuse(self, first: int, sequences: list[Sequence]) -> None:
+        """Joining rows start from the longest stored prefix of their tokens (optional: a fault leaves the row to read
+        its tokens itself)."""
+        store = self._store()
+        for b, seq in enumerate(sequences if store is not None else (), start=first):
+            try:
+                self.cached[b] = store.take(self.state, b, seq.tokens)
+            except Exception as err:  # noqa: BLE001 - reuse is optional
+                log.warning("the draft reused no prefix (%s: %s)", type(err).__name__, err)
+
+    def _keep_leaving(self, rows: list[int]) -> None:
+        """Rows leaving (not in `rows`): their cache over the tokens it holds is kept for later rows."""
+        store, kept = self._store(), set(rows)
+        for b in range(len(self.cached)) if store is not None else ():
+            if b not in kept and b < len(self.rows):
+                try:
+                    store.keep(self.state, b, self.rows[b][: self.cached[b]])
+                except Exception as err:  # noqa: BLE001 - optional: nothing is lost but the reuse
+                    log.warning("the draft kept no prefix (%s: %s)", type(err).__name__, err)
 
     def _skipped(self, seq: Sequence) -> int:
         """Tokens at the start of the sequence that the draft never reads (see `context`)."""
@@ -282,8 +322,10 @@ class DraftModelDrafter(Drafter):
 
     def keep(self, rows: list[int]) -> None:
         assert self.state is not None
+        self._keep_leaving(rows)
         self.state.select(torch.tensor(rows, dtype=torch.long))
         self.cached = [self.cached[r] for r in rows]
+        self.rows = [self.rows[r] for r in rows if r < len(self.rows)]
 
     # --- online adaptation -----------------------------------------------------------------------
     def check_adaptable(self, config: AdaptConfig | None = None) -> None:

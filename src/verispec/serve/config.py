@@ -58,7 +58,7 @@ class ServeConfig:
             request waits for one, and gets a 503 when more than max_queue wait. Default 1.
         prefix_cache_bytes: the target cache of finished requests (and of prompts just read) kept by their token
             ids, least recently used out first, so that a request whose prompt begins as an earlier one's (a
-            conversation's next turn, a shared system prompt) reads only the rest (`verispec.prefix`; the native
+            conversation's next turn, a shared system prompt) reads only the rest (`verispec.core.prefix`; the native
             runner, where a reused position is the same bits). 0 turns it off. Default 1 GiB.
         max_n: the most choices (`n`) one request may ask for; each is a sequence of its own, seeded `seed + i`,
             admitted (queue place, cache reservation) as a request is. Default 8.

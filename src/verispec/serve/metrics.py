@@ -48,7 +48,7 @@ class Metrics:
             lambda: int(scheduler.alive))
         r.register(_FaultCollector(scheduler))
         prefixes = scheduler.engine.prefixes
-        if prefixes is not None:  # prefix reuse across requests (`verispec.prefix`)
+        if prefixes is not None:  # prefix reuse across requests (`verispec.core.prefix`)
             for key, doc in (("lookups", "joining rows that looked for a stored prefix"),
                              ("hits", "joining rows that started from a stored prefix"),
                              ("tokens_reused", "prompt tokens not read again"),
