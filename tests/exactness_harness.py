@@ -263,10 +263,10 @@ def grid() -> list[Cell]:
             shapes = ["chain", "tree-budget"] if family in DETERMINISTIC else ["chain", "tree-sampled", "tree-top"]
             if family == "draft-model":
                 shapes.append("tree-iid")
+            # a family's extra cells first: a wrong rule that only they show is caught without running the others
+            cells += [Cell(family, backend, shape, setting) for extra, shape, setting in EXTRA_CELLS if extra == family]
             cells += [Cell(family, backend, shape, next(rotation)) for shape in shapes]
         cells += [Cell(family, backend, shape, setting) for setting, (family, shape) in EXTRA_SETTINGS.items()
-                  if (backend, family) not in UNSUPPORTED]
-        cells += [Cell(family, backend, shape, setting) for family, shape, setting in EXTRA_CELLS
                   if (backend, family) not in UNSUPPORTED]
     return cells
 
