@@ -135,7 +135,7 @@ class DraftModelDrafter(Drafter):
         """Rows leaving (not in `rows`): their cache over the tokens it holds is kept for later rows."""
         store, kept = self._store(), set(rows)
         for b in range(len(self.cached)) if store is not None else ():
-            if b not in kept and b < len(self.rows):
+            if b not in kept:
                 try:
                     store.keep(self.state, b, self.rows[b][: self.cached[b]])
                 except Exception as err:  # noqa: BLE001 - optional: nothing is lost but the reuse
@@ -325,7 +325,7 @@ class DraftModelDrafter(Drafter):
         self._keep_leaving(rows)
         self.state.select(torch.tensor(rows, dtype=torch.long))
         self.cached = [self.cached[r] for r in rows]
-        self.rows = [self.rows[r] for r in rows if r < len(self.rows)]
+        self.rows = [self.rows[r] for r in rows]
 
     # --- online adaptation -----------------------------------------------------------------------
     def check_adaptable(self, config: AdaptConfig | None = None) -> None:

@@ -343,7 +343,7 @@ class CallStream:
             arguments = raw_arguments(self.whole, start, end) if end >= 0 else self.whole[start:]
             if arguments.startswith(self.args_sent) and len(arguments) > len(self.args_sent):
                 out.append({"index": index, "function": {"arguments": arguments[len(self.args_sent) :]}})
-            self.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+            self.calls.append(new_call(name, arguments, call_id))
             self.open = None
             if end < 0:
                 break

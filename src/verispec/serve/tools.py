@@ -69,9 +69,9 @@ def call_grammar(tools: list[dict], name: str | None, parallel: bool, marks: tup
 HEAD = re.compile(r'\s*\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
 
 
-def new_call(name: str, arguments: str) -> dict:
-    """An OpenAI tool call with a fresh id."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+def new_call(name: str, arguments: str, call_id: str | None = None) -> dict:
+    """An OpenAI tool call, with `call_id` (one already sent) or a fresh id."""
+    return {"id": call_id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
