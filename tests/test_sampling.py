@@ -208,3 +208,28 @@ def test_nucleus_filter_lowers_its_floor_where_the_bins_sums_fall_short(monkeypa
     monkeypatch.setattr(sampling.torch, "bincount",
                         lambda x, weights=None, minlength=0: real(x, weights, minlength) * (64.0 if weights is not None else 1))
     assert torch.equal(sampling.top_p_filter(probs, 0.9), sampling.top_p_sorted(probs, 0.9))
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9),
+                                 SamplingConfig(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05)])
+def test_a_rows_probabilities_are_the_same_bits_alone_among_others_and_on_any_thread_count(cfg):
+    """Verification makes p one row at a time and checks it against the whole pass's; torch's sum of one row splits
+    it between threads (its last bit moved with two), which `row_sums` does not."""
+    from verispec.sampling import row_sums
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 151_936, generator=gen) * 4  # (N, V) Qwen's vocabulary: 148 blocks and a tail
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            together = logits_to_probs(logits, cfg)  # (N, V)
+            for i in range(logits.shape[0]):
+                assert torch.equal(logits_to_probs(logits[i : i + 1], cfg)[0], together[i])
+            if n == 1:
+                one_thread = together
+        assert torch.equal(together, one_thread)
+        probs = torch.softmax(logits[:1], -1)
+        torch.set_num_threads(2)
+        assert torch.equal(row_sums(probs), row_sums(torch.cat([probs, probs]))[:1])
+    finally:
+        torch.set_num_threads(threads)

@@ -132,3 +132,36 @@ def test_the_api_and_the_server_decode_through_the_engines_one_loop(tmp_path, mo
         served = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()
     assert counts["loops"] == 2 and counts["steps"] == counts["in_loop"]
     assert served["choices"][0]["text"] == decoder.decode(api.token_ids)
+
+
+def test_a_sampled_rows_p_made_as_the_walk_reads_it_gives_the_whole_pass_verdict():
+    """`verify_one` makes a sampled row's p one row at a time, only those the walk reads (k + 1 when the k-th draft is
+    rejected); the verdict and the draws are those of `rejection.verify` on the whole pass's p, with a drafter's q and
+    with deterministic drafts, under every processor."""
+    from verispec.rejection import verify
+    gen = torch.Generator().manual_seed(1)
+    vocab, n = 3000, 4  # two blocks of `row_sums` and a tail
+    configs = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.6, top_p=0.9),
+               SamplingConfig(temperature=0.9, top_k=30, min_p=0.05, repetition_penalty=1.3)]
+    rules, made, seen_accepted = StepRules(set()), [], set()
+    for case in range(60):
+        sampling = configs[case % 3]
+        logits = torch.randn(n + 1, vocab, generator=gen) * 3  # (N + 1, V)
+        logits[:, :4] += 8.0  # a few likely tokens
+        q = torch.softmax(logits[:n] + torch.randn(n, vocab, generator=gen) * 0.5, -1)  # (N, V) near p: often accepted
+        tokens = torch.multinomial(q, 1, generator=gen)[:, 0]  # (N,) drawn from q
+        draft = Draft(tokens, q if case % 2 else None)
+        seq = Sequence(0, [1, 2, 2], 1, sampling, torch.Generator().manual_seed(case), 16, SPEC)
+        chain, target = seq.processors, seq.processors.target
+        rows = []
+        seq.processors.target = lambda x, seen: (rows.append(x.shape[0]), target(x, seen))[1]
+        alone = rules.verify_one(seq, draft, logits)
+        del seq.processors.target
+        seen = chain.seen_rows(seq.tokens, draft.tokens, None, vocab)
+        whole = verify(chain.target(logits, seen), draft, torch.Generator().manual_seed(case))
+        assert alone == whole
+        assert rows == [1] * (alone.num_accepted + 1)  # the rows the walk read, one at a time
+        assert seq.rng.get_state().equal(torch.Generator().manual_seed(case).get_state()) is False  # it drew
+        made.append(len(rows))
+        seen_accepted.add(alone.num_accepted)
+    assert {0, n} <= seen_accepted and sum(made) < 0.8 * 60 * (n + 1)  # rejections early and late; rows saved

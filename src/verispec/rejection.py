@@ -112,8 +112,9 @@ def verify(
     """Speculative sampling for one sequence's draft, a chain or a tree (rules: module docstring).
 
     Args:
-        p: (N + 1, V) target probabilities: p[0] at the root, p[i + 1] after node i. For a tree, anything whose
-            p[i] gives that (V,) row will do (the engine makes only the rows the walk reaches); a chain's is a tensor.
+        p: (N + 1, V) target probabilities: p[0] at the root, p[i + 1] after node i, or anything whose p[i] gives
+            that (V,) row and whose `device` is where they are (the engine makes only the rows the walk reaches: a
+            chain's then takes the walk too).
         draft: the N nodes' tokens, the tree (children tried in the order of `tree.children`), the q each token was
             drawn from (None: deterministic, one-hot) and how siblings were drawn.
         rng: this sequence's generator; N uniforms and one categorical draw are taken from it.
@@ -123,12 +124,14 @@ def verify(
     Returns:
         The Verdict, or (Verdict, u) with u: (N,) when return_uniforms is True.
     """
-    if draft.is_chain:
+    if draft.is_chain and isinstance(p, torch.Tensor):
         return _verify_chain(p, draft.tokens, draft.q, rng, return_uniforms)
+    # a tree, or a chain whose rows are made on demand: the walk (the same draws as the chain's path, and on the
+    # same p the same verdict) reads the root and each accepted node's row only
     tree, q = draft.tree, draft.q
     u = torch.rand(tree.size, generator=rng, device=rng.device).cpu()  # (N,) read one by one on the host
     if q is not None:
-        q = q.to(p[0].device)  # a draft made on the host, verified where p is (a GPU)
+        q = q.to(p.device)  # a draft made on the host, verified where p is (a GPU)
     path, final, leaf = walk_tree(p, tree, draft.tokens, q, draft.siblings, u)
     verdict = Verdict(path, sample(final, rng), bonus=leaf)
     return (verdict, u) if return_uniforms else verdict

@@ -184,7 +184,25 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig, seen: Seen | t
     if config.min_p > 0.0:
         floor = config.min_p * probs.max(dim=-1, keepdim=True).values  # (N, 1)
         probs = probs.masked_fill(probs < floor, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    return probs / row_sums(probs)
+
+
+SUM_BLOCK = 1024  # ids per block of `row_sums`
+
+
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """Each row's sum, added in one fixed order whatever the number of rows or threads: (N, V) -> (N, 1).
+
+    torch's own sum of a single row splits it between the threads (two threads, two orders: the last bit moves),
+    while several rows are summed one per thread; a row's probabilities would then depend on the rows beside it.
+    Here blocks of SUM_BLOCK ids are summed first (one block per thread at a time, each in its own order), then the
+    blocks' sums and the tail together (too few to split), so a row alone and the same row among others sum to the
+    same bits: verification may make p one row at a time (`verispec.step`) and match `verify` on the whole pass."""
+    n, vocab = x.shape
+    x = x.contiguous()
+    whole = vocab // SUM_BLOCK
+    blocks = x.as_strided((n, whole, SUM_BLOCK), (vocab, SUM_BLOCK, 1)).sum(-1)  # (N, V // SUM_BLOCK)
+    return torch.cat([blocks, x[:, whole * SUM_BLOCK :]], -1).sum(-1, keepdim=True)  # (N, 1)
 
 
 def top_p_sorted(probs: torch.Tensor, top_p: float) -> torch.Tensor:

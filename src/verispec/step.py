@@ -1,9 +1,9 @@
 """Verify and commit: what one step does with a batch's drafts once the target's pass has scored them.
 
 `StepRules` holds what a step needs besides the models: the tokens that end a sequence, the detokenizer for stop
-strings, and the observers of every verification (the tracer, online adaptation). `verispec.batch.DecodeBatch`
-runs the step (draft, one target pass, `verify_rows`, the target's commit, `commit`); `verispec.engine` builds the
-rules and drives the batch. Neither imports the other: the batch knows the engine only as `StepParts`.
+strings, and the observers of every verification (the tracer, online adaptation). `verispec.engine` runs the step
+(draft, one target pass, `verify_rows` / `verify_one`, the target's commit, `commit`) on a `verispec.batch.DecodeBatch`,
+which knows the engine only as `StepParts`.
 
 Verification of a batch (`verify_rows`): the rows that decode greedily with a chain draft and nothing between the
 logits and the argmax (no repetition penalty, no constraint, no observer) are verified together, from one argmax over
@@ -11,6 +11,11 @@ the whole pass and one read of the device for every such row; every other row go
 `verispec.rejection` with the row's own generator. Both give the verdict `rejection.verify_greedy` gives the row
 alone (tests/test_step.py checks them against each other), and a row whose logits cannot be read (NaN, +inf) is left
 to `verify_one`, which fails that row alone.
+
+A sampled row's p is made row by row as the walk reads it (the root, then each accepted node: k + 1 rows of N + 1 when
+the k-th draft is rejected), not for the whole pass at once: on a CPU a softmax over the vocabulary streams memory, and
+stacking the rows of several sequences into one call was slower than one sequence at a time (their rows fall out of
+the cache between the passes of the processing), so the saving is in the rows never made.
 """
 
 from __future__ import annotations
@@ -104,10 +109,12 @@ class StepRules:
                 for watch in watchers:
                     watch(seq, draft, p, verdict, None)
             return verdict
-        # a chain's rows all at once; a tree's when the walk reaches them (it reads the root and its path only)
-        p = chain.target(logits, seen) if draft.is_chain else _ProbabilityRows(logits, chain, seen)  # (N + 1, V)
+        # p's rows when the walk reaches them: it reads the root and the accepted path's rows only, so a chain whose
+        # k-th draft is rejected makes k + 1 of its N + 1 rows (each row's bits are the same made alone or with the
+        # others: `sampling.row_sums`). Observers read the whole of a chain's p, made at once.
         if not watchers:
-            return verify(p, draft, seq.rng)
+            return verify(_ProbabilityRows(logits, chain, seen), draft, seq.rng)
+        p = chain.target(logits, seen) if draft.is_chain else _ProbabilityRows(logits, chain, seen)  # (N + 1, V)
         verdict, u = verify(p, draft, seq.rng, return_uniforms=True)
         for watch in watchers:
             watch(seq, draft, p, verdict, u)
@@ -225,14 +232,15 @@ class StepParts(Protocol):
 
 
 class _ProbabilityRows:
-    """p = the chain's target rows, row by row, on demand: a tree walk reads the root and its accepted
-    path only, so the other rows (a top-p sort over the vocabulary each) are never made.
+    """p = the chain's target rows, row by row, on demand: the walk reads the root and its accepted path only,
+    so the other rows (a softmax over the vocabulary each, a top-p sort) are never made.
 
     logits: (N + 1, V); seen: (N + 1, V) or None. p[i] -> (V,).
     """
 
     def __init__(self, logits: torch.Tensor, chain: Processors, seen: torch.Tensor | None) -> None:
         self.logits, self.chain, self.seen = logits, chain, seen
+        self.device = logits.device
 
     def __getitem__(self, i: int) -> torch.Tensor:
         seen = None if self.seen is None else self.seen[i : i + 1]
