@@ -178,7 +178,7 @@ def test_the_heads_read_the_state_that_produced_the_last_committed_token(pair, t
     batch.add(engine.make_sequences(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=40, tree=tree), 0))
     for _ in range(4):
         engine.step(batch)
-        for seq, h in zip(batch.sequences, drafter.hidden):
+        for seq, h in zip(batch.sequences, drafter.rows):
             with torch.no_grad():
                 expected = model.model(torch.tensor([seq.tokens[:-1]])).last_hidden_state[0, -1]  # (E,)
             torch.testing.assert_close(h, expected, rtol=1e-4, atol=1e-4)

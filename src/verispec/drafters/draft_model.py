@@ -35,7 +35,7 @@ from dataclasses import replace
 import torch
 
 from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
+from verispec.core.drafter import EMPTY_DRAFT, Draft, RowStates, Traits
 from verispec.core.prefix import PrefixStore
 from verispec.core.protocols import PrefixState, Runner, RunnerState, TorchWeights
 from verispec.core.sequence import Sequence
@@ -49,7 +49,7 @@ from verispec.sampling import sample
 log = logging.getLogger("verispec.draft_model")
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(RowStates):
     """Draft with a smaller model that shares the target's tokenizer.
 
     Args:
@@ -98,18 +98,21 @@ class DraftModelDrafter(Drafter):
     def cache_bytes(self, tokens: int) -> int:
         return self.runner.cache_bytes(tokens)
 
+    def new_row(self, seq: Sequence) -> list[int]:
+        return seq.tokens  # the row's tokens (the sequence's own list), beside `cached`: how many the draft has read
+
     def start(self, sequences: list[Sequence]) -> None:
         self.state = self.runner.new_state(len(sequences))
+        super().start(sequences)
         self.cached = [self._skipped(seq) for seq in sequences]
-        self.rows = [seq.tokens for seq in sequences]
         self._reuse(0, sequences)
 
     def extend(self, sequences: list[Sequence]) -> None:
         assert self.state is not None, "start() must be called before extend()"
         self.state.extend(len(sequences))
         first = len(self.cached)
+        super().extend(sequences)
         self.cached += [self._skipped(seq) for seq in sequences]
-        self.rows += [seq.tokens for seq in sequences]
         self._reuse(first, sequences)
 
     def reuse_prefixes(self, budget_bytes: int) -> None:
@@ -324,8 +327,8 @@ class DraftModelDrafter(Drafter):
         assert self.state is not None
         self._keep_leaving(rows)
         self.state.select(torch.tensor(rows, dtype=torch.long))
+        super().keep(rows)
         self.cached = [self.cached[r] for r in rows]
-        self.rows = [self.rows[r] for r in rows]
 
     # --- online adaptation -----------------------------------------------------------------------
     def check_adaptable(self, config: AdaptConfig | None = None) -> None:

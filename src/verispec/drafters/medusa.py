@@ -24,7 +24,7 @@ import time
 import torch
 
 from verispec.config import AdaptConfig, TreeConfig
-from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter, Traits
+from verispec.core.drafter import EMPTY_DRAFT, Draft, RowStates, Traits
 from verispec.core.protocols import FeatureRunner
 from verispec.core.sequence import Sequence
 from verispec.drafters.drawing import constrained_logits, draw_token, penalty_seen
@@ -34,7 +34,7 @@ from verispec.errors import VerispecError
 from verispec.models.heads.medusa import MedusaHeads
 
 
-class MedusaDrafter(AdaptiveHead, Drafter):
+class MedusaDrafter(AdaptiveHead, RowStates):
     """Draft with Medusa heads on the target's own hidden states.
 
     Args:
@@ -52,20 +52,22 @@ class MedusaDrafter(AdaptiveHead, Drafter):
                                 "runner does not give them (use --backend native or torch)")
         self.target, self.heads = target, heads
         self.vocab_size = target.vocab_size
-        self.hidden: list[torch.Tensor | None] = []  # per row: (E,) the last verified position's final state
+        self.rows: list[torch.Tensor | None] = []  # per row: (E,) the last verified position's final state
         target.keep_features = True
 
+    def new_row(self, seq: Sequence) -> None:
+        return None  # no state until the target's first pass over its prompt
 
     def start(self, sequences: list[Sequence]) -> None:
-        self.hidden = [None] * len(sequences)
+        super().start(sequences)
         self._rows_started(len(sequences))
 
     def extend(self, sequences: list[Sequence]) -> None:
-        self.hidden += [None] * len(sequences)
+        super().extend(sequences)
         self._rows_started(len(sequences), add=True)
 
     def keep(self, rows: list[int]) -> None:
-        self.hidden = [self.hidden[r] for r in rows]
+        super().keep(rows)
         self._rows_kept(rows)
 
     # --- online adaptation -----------------------------------------------------------------------
@@ -81,31 +83,31 @@ class MedusaDrafter(AdaptiveHead, Drafter):
             return HeadTrainer(self.heads, medusa_loss(rows), lambda heads: heads, config)
 
         self.adaptation = HeadAdaptation(config, trainer)
-        self.adaptation.rows(len(self.hidden))
+        self.adaptation.rows(len(self.rows))
 
     @torch.inference_mode()
     def token_cost(self) -> float:
         """One drafted token: one head on one hidden state, its logits and q (median of 7)."""
-        saved = self.hidden
-        self.hidden = [torch.zeros(self.heads.hidden)]
+        saved = self.rows
+        self.rows = [torch.zeros(self.heads.hidden)]
         times = []
         for _ in range(8):
             start = time.perf_counter()
             torch.softmax(self._head_logits([1])[1][0], -1)
             times.append(time.perf_counter() - start)
-        self.hidden = saved
+        self.rows = saved
         return sorted(times[1:])[3]
 
     def _head_logits(self, caps: list[int]) -> tuple[list[int], dict[int, torch.Tensor]]:
         """Per row, how many heads it drafts with (at most caps[b]; 0 before the target has read its prompt),
         and row -> (count, V) logits of those heads on its hidden state."""
-        limits = [min(n, self.heads.num_heads) if self.hidden[b] is not None else 0 for b, n in enumerate(caps)]
+        limits = [min(n, self.heads.num_heads) if self.rows[b] is not None else 0 for b, n in enumerate(caps)]
         rows, count = [b for b, n in enumerate(limits) if n], max(limits, default=0)
         if not rows:
             return limits, {}
         lm_head = (lambda x: self.target.head_logits(x, self.heads.tied_rows)) if self.heads.tied_rows else None
         with torch.inference_mode():
-            out = self.heads(torch.stack([self.hidden[b] for b in rows]), count, lm_head)  # (R, count, V)
+            out = self.heads(torch.stack([self.rows[b] for b in rows]), count, lm_head)  # (R, count, V)
         return limits, {b: out[i, :, : self.vocab_size] for i, b in enumerate(rows)}
 
     def propose(self, sequences: list[Sequence], depths: list[int],
@@ -142,7 +144,7 @@ class MedusaDrafter(AdaptiveHead, Drafter):
         features = self.target.features  # (B, M, E)
         if features is None:
             raise VerispecError("the target kept no hidden states for the Medusa heads")
-        self.hidden = [features[b, index[-1]].clone() for b, index in enumerate(kept)]
+        self.rows = [features[b, index[-1]].clone() for b, index in enumerate(kept)]
         if self.adaptation is not None:
             self.adaptation.log(sequences, [features[b, index] for b, index in enumerate(kept)])
 
