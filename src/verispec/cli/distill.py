@@ -97,7 +97,8 @@ def _labels(args: argparse.Namespace) -> int:
         teacher = LlamaCppTeacher(target.source, eos_ids(target.tokenizer), slots=config.slots)
     else:
         target = load_model(args.target)
-        teacher = TorchTeacher(target.make_runner(), target.eos_token_ids() | eos_ids(target.tokenizer))
+        eos = target.eos_token_ids() | eos_ids(target.tokenizer)
+        teacher = TorchTeacher(target.make_runner(), eos, slots=config.slots)
     n = run_labels(config, teacher, target.tokenizer, args.out)
     notice(f"labelled {n} prompts into {args.out}")
     return 0

@@ -111,14 +111,7 @@ def run_labels(config: LabelConfig, teacher, tokenizer, out: Path) -> int:
                 flush()
 
         generator = torch.Generator().manual_seed(config.seed)
-        if hasattr(teacher, "slots"):
-            teacher.generate(prompts, config.max_new_tokens, config.k, config.temperature, generator, on_record)
-        else:  # the torch teacher: one batch of `slots` prompts at a time
-            for start in range(0, len(prompts), config.slots):
-                recs = teacher.generate(prompts[start : start + config.slots], config.max_new_tokens, config.k,
-                                        config.temperature, generator)
-                for j, rec in enumerate(recs):
-                    on_record(start + j, rec)
+        teacher.answer_all(prompts, config.max_new_tokens, config.k, config.temperature, generator, on_record)
         flush()
     return len(todo)
 

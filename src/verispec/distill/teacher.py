@@ -36,9 +36,18 @@ def choose_next(logits: torch.Tensor, temperature: float, rng: torch.Generator) 
 class TorchTeacher:
     """Teacher passes through a verispec `ModelRunner` (ragged batches, KV cache)."""
 
-    def __init__(self, runner, eos_token_ids: set[int]) -> None:
-        self.runner, self.eos = runner, set(eos_token_ids)
+    def __init__(self, runner, eos_token_ids: set[int], slots: int = 16) -> None:
+        self.runner, self.eos, self.slots = runner, set(eos_token_ids), slots
         self.vocab_size = runner.vocab_size
+
+    def answer_all(self, prompts: list[list[int]], max_new_tokens: int, k: int, temperature: float,
+                   rng: torch.Generator, on_record) -> None:
+        """Answer every prompt, `slots` at a time (`generate`'s batches); `on_record(index, record)` sees each
+        batch's records as it ends (the teachers' one contract with `distill.pipeline`)."""
+        for start in range(0, len(prompts), self.slots):
+            for j, rec in enumerate(self.generate(prompts[start : start + self.slots], max_new_tokens, k,
+                                                  temperature, rng)):
+                on_record(start + j, rec)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, k: int, temperature: float = 0.0,
                  rng: torch.Generator | None = None) -> list[Record]:
@@ -127,6 +136,11 @@ class LlamaCppTeacher:
             chunk = tokens[start : start + 512]
             last = self._decode([(t, start + i, slot, start + i == len(tokens) - 1) for i, t in enumerate(chunk)])
         return last[0]  # (V,)
+
+    def answer_all(self, prompts: list[list[int]], max_new_tokens: int, k: int, temperature: float,
+                   rng: torch.Generator, on_record) -> None:
+        """Answer every prompt, `slots` decoding together; `on_record(index, record)` sees each as it ends."""
+        self.generate(prompts, max_new_tokens, k, temperature, rng, on_record)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, k: int, temperature: float = 0.0,
                  rng: torch.Generator | None = None, on_record=None) -> list[Record]:
