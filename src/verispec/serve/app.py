@@ -95,7 +95,7 @@ def create_app(decoder: SpeculativeDecoder, config: ServeConfig = ServeConfig(),
         read = requests.chat_prompt if chat else requests.completion_prompt
         prompt, prediction = await asyncio.get_running_loop().run_in_executor(
             prep, lambda: (read(body), requests.prediction(body)))
-        constraint = requests.constraint(body) is not None  # compiled on the compile pool below
+        constraint = requests.constraint(body)[0] is not None  # compiled on the compile pool below
         try:  # its worst case against the cache budget and its key's share, before anything is compiled
             scheduler.check_fits(requests.worst_case_tokens(body, len(prompt), max_tokens), tenant)
         except TooLarge as err:

@@ -188,11 +188,7 @@ class RequestBuilder:
             spec_fields["draft_stop"] = spec_options.draft_stop
         if tree is not None:
             spec_fields["tree"] = tree
-        constraint = self.constraint(body)
-        # where a constraint's refusal points: the tools' schemas (a required call's, or auto's), or the response_format
-        from_format = body.response_format is not None and body.response_format.type != "text"
-        constraint_param = "tools" if isinstance(body, ChatRequest) and (
-            body.required_call() is not None or body.calls_parsed() and not from_format) else "response_format"
+        constraint, constraint_param = self.constraint(body)
         try:
             sampling = SamplingConfig(**body.sampling_fields(self.engine.target.vocab_size), constraint=constraint)
             spec = SpecConfig(**spec_fields)
@@ -233,21 +229,22 @@ class RequestBuilder:
             raise APIError(400, "a required tool call and a response_format cannot both constrain the answer",
                            param="tool_choice")
 
-    def constraint(self, body: GenerationRequest) -> Constraint | None:
-        """What the answer is constrained to: a required tool call (its tools' schemas), else the response_format, else
-        with tools and tool_choice "auto" the calls the answer opens after its free text (their tools' schemas)."""
+    def constraint(self, body: GenerationRequest) -> tuple[Constraint | None, str]:
+        """What the answer is constrained to, and the field a refusal of it points at: a required tool call (its tools'
+        schemas, "tools"), else the response_format ("response_format"), else with tools and tool_choice "auto" the
+        calls the answer opens after its free text (their tools' schemas, "tools"). Decided here only."""
         required = body.required_call() if isinstance(body, ChatRequest) else None
         if required is not None:
             parallel, name = required
             marks = markers(self.decoder.target.tokenizer)
-            return Constraint("grammar", call_grammar(body.tool_dicts(), name, parallel, marks))
+            return Constraint("grammar", call_grammar(body.tool_dicts(), name, parallel, marks)), "tools"
         constraint = body.response_format.constraint() if body.response_format is not None else None
         if constraint is None and isinstance(body, ChatRequest) and body.calls_parsed():
             # "auto": free text, then the calls the answer opens, each valid against its tool's parameters
             marks = markers(self.decoder.target.tokenizer)
             return Constraint("grammar", call_grammar(body.tool_dicts(), None, body.parallel_tool_calls, marks,
-                                                      text_first=True))
-        return constraint
+                                                      text_first=True)), "tools"
+        return constraint, "response_format"
 
     def _drafting(self, options: wire.SpeculativeOptions) -> bool:
         if options.drafter is None:
