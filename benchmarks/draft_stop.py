@@ -6,7 +6,7 @@
 
 Systems, interleaved prompt by prompt on held-out Spec-Bench prompts (odd question ids, never trained on):
 plain target decoding; the drafter auto-tuned (--auto-k) with every chain K long ("auto-full", the default),
-and with chains stopping where measured costs say they no longer pay ("auto-stop": AdaptiveK(stop_drafts=True),
+and with chains stopping where measured costs say they no longer pay ("auto-stop": KTuner(stop_drafts=True),
 K then only a cap); the drafter at fixed K
 ("k", every chain K long) and at fixed K with --draft-stop P ("k-stop"). All systems share one
 target and one measured cost profile. Prints per category and overall: median decoding tokens/s

@@ -332,7 +332,7 @@ def exact_joint(runner, sampling: SamplingConfig, depth: int) -> dict[tuple[int,
 
 
 def run_cell(cell: Cell, n: int | None = None, seed: int = 0, tuner=None) -> Outcome:
-    """Decode the cell's sequences and fit their joint; `tuner` (a `tuning.AdaptiveK`) sizes drafts from its costs."""
+    """Decode the cell's sequences and fit their joint; `tuner` (a `tuning.KTuner`) sizes drafts from its costs."""
     n = n or N * (2 if cell.late else 1)
     engine, _ = engine_for(cell.family, cell.backend)
     sampling, tree, depth = SETTINGS[cell.setting], SHAPES[cell.shape], cell.depth

@@ -19,7 +19,7 @@ from verispec.cli import main
 from verispec.models.distilled import VocabMap, save_distilled, vocab_fingerprint
 from verispec.errors import VerispecError
 from verispec.models import load_model
-from verispec.tuning import AdaptiveK, CostProfile, best_k, expected_speedup, expected_tokens
+from verispec.tuning import KTuner, CostProfile, best_k, expected_speedup, expected_tokens
 
 
 def speculative_runs(report) -> dict[str, list[dict]]:
@@ -51,7 +51,7 @@ def fixed_costs(monkeypatch):
     over 1 to k_max + 1 tokens, a draft token 5% of it), not from this machine's timings: measured on a busy CPU
     the tuner may turn drafting off, and greedy equality would then compare plain decoding with itself."""
     def auto_tuner(self, k_max=8):
-        return AdaptiveK(CostProfile({w: 1.0 for w in range(1, k_max + 2)}, draft_token=0.05), learn_costs=False)
+        return KTuner(CostProfile({w: 1.0 for w in range(1, k_max + 2)}, draft_token=0.05), learn_costs=False)
 
     monkeypatch.setattr(SpeculativeDecoder, "auto_tuner", auto_tuner)
 
@@ -81,7 +81,7 @@ def test_bench_runs_all_systems_and_writes_report(setup, fixed_costs):
                          ngram_table=str(root / "t.ngram"), distilled=distilled)
     report = run_bench(config, load_model(target), load_model(draft))
     summary = report["summary"]
-    assert set(summary) == set(SYSTEMS) - set(LLAMACPP_SYSTEMS) - {"verispec-self-adapt-auto"} - set(HEAD_SYSTEMS)  # torch, no heads
+    assert set(summary) == set(SYSTEMS) - set(LLAMACPP_SYSTEMS) - {"verispec-self-retune-auto"} - set(HEAD_SYSTEMS)  # torch, no heads
     assert set(summary["verispec-draft"]) == {"mt_bench", "qa", "rag", "all"}
     for system, cats in summary.items():
         assert cats["all"]["greedy_equal_to_plain"] == "3/3", system
@@ -270,7 +270,7 @@ def test_cost_model_formulas():
 
 def test_adaptive_k_follows_acceptance_and_probes_when_off():
     profile = CostProfile({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 1.2}, draft_token=0.2)
-    tuner = AdaptiveK(profile)
+    tuner = KTuner(profile)
     for _ in range(50):
         tuner.observe(4, 4)
     assert tuner.k() == 4 and tuner.alpha > 0.9
@@ -281,7 +281,7 @@ def test_adaptive_k_follows_acceptance_and_probes_when_off():
     assert ks.count(0) == 30 and ks.count(1) == 2
 
 
-def _probe_steps(tuner: AdaptiveK, steps: int, accept: bool) -> list[int]:
+def _probe_steps(tuner: KTuner, steps: int, accept: bool) -> list[int]:
     """Run `steps` steps with speculation off; every probe drafts one token, accepted or not. Returns the probe steps."""
     probes = []
     for step in range(steps):
@@ -293,7 +293,7 @@ def _probe_steps(tuner: AdaptiveK, steps: int, accept: bool) -> list[int]:
 
 def test_rejected_probes_back_off_and_accepted_ones_come_back():
     steep = CostProfile({1: 1.0, 2: 1.8, 3: 2.6}, draft_token=0.1)  # K = 0 at any alpha < 0.8
-    tuner = AdaptiveK(steep, prior=0.1, probe_every=4, probe_max=32)
+    tuner = KTuner(steep, prior=0.1, probe_every=4, probe_max=32)
     assert tuner.k() == 0
     probes = _probe_steps(tuner, 200, accept=False)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
@@ -304,19 +304,19 @@ def test_rejected_probes_back_off_and_accepted_ones_come_back():
 
 def test_a_free_drafter_keeps_its_probe_pending_until_it_drafts():
     steep = CostProfile({1: 1.0, 2: 1.8, 3: 2.6}, draft_token=0.0)
-    tuner = AdaptiveK(steep, prior=0.1, probe_every=4)
+    tuner = KTuner(steep, prior=0.1, probe_every=4)
     assert [tuner.k() for _ in range(6)] == [0, 0, 0, 1, 1, 1]  # nothing drafted yet: still probing
     tuner.observe(1, 0)
     assert tuner.k() == 0 and tuner.probe_gap == 8
-    costly = AdaptiveK(CostProfile({1: 1.0, 2: 1.8, 3: 2.6}, draft_token=0.2), prior=0.1, probe_every=4)
+    costly = KTuner(CostProfile({1: 1.0, 2: 1.8, 3: 2.6}, draft_token=0.2), prior=0.1, probe_every=4)
     assert [costly.k() for _ in range(9)] == [0, 0, 0, 1, 0, 0, 0, 1, 0]  # a draft model's probe is one step
     with pytest.raises(ValueError, match="probe_every"):
-        AdaptiveK(steep, probe_every=64, probe_max=16)
+        KTuner(steep, probe_every=64, probe_max=16)
 
 
 def test_speculation_switched_back_on_resets_the_probe_gap():
     profile = CostProfile({1: 1.0, 2: 1.05, 3: 1.1}, draft_token=0.05)
-    tuner = AdaptiveK(profile, prior=0.01, prior_weight=40.0, probe_every=2, probe_max=64)
+    tuner = KTuner(profile, prior=0.01, prior_weight=40.0, probe_every=2, probe_max=64)
     _probe_steps(tuner, 40, accept=False)
     assert tuner.probe_gap > 2
     for _ in range(60):

@@ -10,7 +10,7 @@ from drafting import drafts_accepted
 from tiny_hf import CHARS, save_tiny_model_dir
 from verispec import SamplingConfig, SpecConfig, SpeculativeDecoder
 from verispec.cli import main
-from verispec.tuning import AdaptiveK, CostProfile
+from verispec.tuning import KTuner, CostProfile
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_auto_k_generation_is_greedy_equal(model_dirs, capsys, monkeypatch):
     tokens, a draft token 5% of it): costs measured on a busy CPU may turn drafting off, and the comparison would
     then be plain decoding with itself. The measurement itself is the next test's."""
     monkeypatch.setattr(SpeculativeDecoder, "auto_tuner",
-                        lambda self, k_max=8, cache=False: AdaptiveK(CostProfile({w: 1.0 for w in range(1, k_max + 2)}, 0.05),
+                        lambda self, k_max=8, cache=False: KTuner(CostProfile({w: 1.0 for w in range(1, k_max + 2)}, 0.05),
                                                         learn_costs=False))
     common = ["--target", model_dirs["target"], "--prompt", "hello there", "--temperature", "0", "--max-new-tokens", "16"]
     auto = run_json(capsys, *common, "--draft", model_dirs["draft"], "--auto-k")

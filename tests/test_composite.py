@@ -20,7 +20,7 @@ from verispec.drafters.suffix import SuffixDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.models.runners.hf import ModelRunner
-from verispec.tuning import AdaptiveK, CostProfile
+from verispec.tuning import KTuner, CostProfile
 
 GREEDY = SamplingConfig(temperature=0)
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 8, 9, 7, 8], [3, 3, 3, 3], [5, 9, 2, 11, 4]]
@@ -48,7 +48,7 @@ def test_greedy_output_equals_plain_decoding_with_every_member_drafting(pair, tr
                                                                                   SpecConfig(max_new_tokens=40))]
     drafter = composite(draft)
     if tuned:  # the model costs nothing here, so it competes with the lookup on acceptance alone
-        tuner = AdaptiveK(CostProfile(PROFILE.target_pass, 0.0), learn_costs=False)
+        tuner = KTuner(CostProfile(PROFILE.target_pass, 0.0), learn_costs=False)
     else:
         tuner = None
     out = SpeculativeEngine(target, drafter, set()).generate(
@@ -121,7 +121,7 @@ def test_a_costly_member_that_is_off_is_probed(pair):
     assert probes == [15, 47]  # after 16 steps off; the probe was rejected, so the next after 32
 
 
-class FixedCosts(AdaptiveK):
+class FixedCosts(KTuner):
     """A tuner whose costs are its profile at any batch size (the grid's 3,000 rows would otherwise make a wide pass
     cost as much as its tokens, and nothing would draft)."""
 

@@ -24,7 +24,7 @@ from verispec.drafters.token_text import TokenText, VocabBridge
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.models.runners.hf import ModelRunner
-from verispec.tuning import AdaptiveK, CostProfile
+from verispec.tuning import KTuner, CostProfile
 
 GREEDY = SamplingConfig(temperature=0)
 SCHEMES = ["string", "intersection"]
@@ -182,7 +182,7 @@ def test_the_tuner_charges_the_string_drafts_held_back_token_and_decodes_exactly
     runner, drafter = sharp_pair(scheme)
     tuner = SpeculativeDecoder.auto_tuner(SimpleNamespace(runner=runner, drafter=drafter), k_max=4)
     assert tuner.profile.draft_extra == (1.0 if scheme == "string" else 0.0) == drafter.traits.held_back
-    tuner = AdaptiveK(CostProfile({w: 1.0 for w in range(1, 6)}, 0.01, tuner.profile.draft_extra),
+    tuner = KTuner(CostProfile({w: 1.0 for w in range(1, 6)}, 0.01, tuner.profile.draft_extra),
                       learn_costs=False)  # drafting pays
     timed = []
     tuner.observe_draft = lambda positions, seconds: timed.append(positions)

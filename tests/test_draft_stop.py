@@ -17,7 +17,7 @@ from verispec.core.stopping import COPY_PRIOR, AcceptanceCalibration, DraftStop,
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.models.runners.hf import ModelRunner
-from verispec.tuning import AdaptiveK, CostProfile
+from verispec.tuning import KTuner, CostProfile
 
 GREEDY = SamplingConfig(temperature=0)
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [3]]
@@ -110,7 +110,7 @@ def test_an_auto_tuner_stops_chains_from_its_cost_profile(greedy_pair):
         drafter = CheckedDrafter(ModelRunner(draft), 64)
         drafter.calibration = AcceptanceCalibration(min_observations=0)  # 72 tokens are too few to leave exploring
         engine = SpeculativeEngine(ModelRunner(target), drafter, set())
-        tuner = AdaptiveK(profile, prior=0.9, stop_drafts=stop, learn_costs=False)  # these costs, not this CPU's
+        tuner = KTuner(profile, prior=0.9, stop_drafts=stop, learn_costs=False)  # these costs, not this CPU's
         # one row at a time: the profile is a single row's (a batch's pass over rows x (K + 1) tokens costs more)
         seqs = [engine.generate([p], GREEDY, SpecConfig(max_new_tokens=24), tuner=tuner)[0] for p in PROMPTS]
         assert [s.generated for s in seqs] == expected
@@ -218,7 +218,7 @@ def test_a_fixed_threshold_applies_under_an_auto_tuner_without_cost_thresholds(g
     drafter = CheckedDrafter(ModelRunner(draft), 64)
     drafter.calibration = AcceptanceCalibration(min_observations=0)
     engine = SpeculativeEngine(ModelRunner(target), drafter, set())
-    tuner = AdaptiveK(CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.01), prior=0.9, learn_costs=False)
+    tuner = KTuner(CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.01), prior=0.9, learn_costs=False)
     assert tuner.draft_stop() is None  # cost thresholds are opt-in
     seqs = engine.generate(PROMPTS, GREEDY, SpecConfig(max_new_tokens=24, draft_stop=0.5), tuner=tuner)
     assert [s.generated for s in seqs] == expected
@@ -242,12 +242,12 @@ def test_a_copy_is_keyed_by_the_length_of_its_verbatim_match():
 
 
 def test_a_free_drafter_under_cost_thresholds_is_gated_by_its_own_calibration(greedy_pair):
-    """AdaptiveK(stop_drafts=True) with prompt lookup: where the average copy does not pay (K would be 0),
+    """KTuner(stop_drafts=True) with prompt lookup: where the average copy does not pay (K would be 0),
     copies after matches whose calibrated acceptance pays are still proposed; output unchanged."""
     steep = CostProfile({1: 1.0, 2: 1.8, 3: 2.6, 4: 3.4, 5: 4.2}, draft_token=0.0)
-    tuner = AdaptiveK(steep, prior=0.3, stop_drafts=True, learn_costs=False)
+    tuner = KTuner(steep, prior=0.3, stop_drafts=True, learn_costs=False)
     assert tuner.k(stops_chains=True) == 4 and tuner.k() == 0  # a drafter that ignores the rule stays gated
-    assert AdaptiveK(CostProfile(steep.target_pass, draft_token=0.1), prior=0.3, stop_drafts=True).k(True) == 0
+    assert KTuner(CostProfile(steep.target_pass, draft_token=0.1), prior=0.3, stop_drafts=True).k(True) == 0
     target, _ = greedy_pair
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 3, [20, 21, 22, 23, 24, 25] * 4]
     plain = SpeculativeEngine(ModelRunner(target), None, set())
@@ -257,7 +257,7 @@ def test_a_free_drafter_under_cost_thresholds_is_gated_by_its_own_calibration(gr
         drafter = PromptLookupDrafter()
         engine = SpeculativeEngine(ModelRunner(target), drafter, set())
         seqs = engine.generate(prompts, GREEDY, SpecConfig(max_new_tokens=24),
-                               tuner=AdaptiveK(steep, prior=0.3, stop_drafts=stop, learn_costs=False))
+                               tuner=KTuner(steep, prior=0.3, stop_drafts=stop, learn_costs=False))
         assert [s.generated for s in seqs] == expected
         drafted[stop] = drafts_accepted(seqs)[0]
         assert bool(drafter.calibration.counts) == stop

@@ -544,9 +544,9 @@ def test_a_composite_of_suffix_decoding_and_a_head_keeps_the_heads_cache_and_equ
     from verispec.config import SuffixConfig
     from verispec.drafters.composite import CompositeDrafter
     from verispec.drafters.suffix import SuffixDrafter
-    from verispec.tuning import AdaptiveK, CostProfile
+    from verispec.tuning import KTuner, CostProfile
 
-    class FixedCosts(AdaptiveK):
+    class FixedCosts(KTuner):
         def costs(self, rows=1):
             return self.profile
 

@@ -42,14 +42,14 @@ def test_greedy_speculation_on_llamacpp_equals_plain_llamacpp_decoding(tiny, kin
     from verispec.drafters.draft_model import DraftModelDrafter
     from verispec.drafters.prompt_lookup import PromptLookupDrafter
     from verispec.engine import SpeculativeEngine
-    from verispec.tuning import AdaptiveK, CostProfile
+    from verispec.tuning import KTuner, CostProfile
 
     target, draft = tiny
     spec = SpecConfig(num_draft_tokens=4, max_new_tokens=40, stop_at_eos=False)
     if kind in ("draft-tree", "lookup-trie"):
         spec = SpecConfig(num_draft_tokens=3, max_new_tokens=40, stop_at_eos=False,
                           tree=TreeConfig(shape=(2, 2, 1)) if kind == "draft-tree" else TreeConfig(budget=8))
-    tuner = (AdaptiveK(CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.05), learn_costs=False)
+    tuner = (KTuner(CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.05), learn_costs=False)
              if kind == "auto-k" else None)
     plain_engine = SpeculativeEngine(target, None, set())
     for prompt in TINY_PROMPTS:  # one sequence at a time: the backend's batch is one

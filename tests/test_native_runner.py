@@ -176,9 +176,9 @@ def test_greedy_speculative_decoding_equals_plain_decoding_on_the_native_runner(
         spec = SpecConfig(num_draft_tokens=3, max_new_tokens=24, tree=TreeConfig(shape=(2, 2, 1)))
     tuner = None
     if kind == "auto-k":  # costs in which drafting pays, fixed: measured on a busy CPU they may turn it off
-        from verispec.tuning import AdaptiveK, CostProfile
+        from verispec.tuning import KTuner, CostProfile
 
-        tuner = AdaptiveK(CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.05), learn_costs=False)
+        tuner = KTuner(CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.05), learn_costs=False)
     sequences = SpeculativeEngine(target, drafter, set()).generate(PROMPTS, GREEDY, spec, tuner=tuner)
     assert [s.generated for s in sequences] == expected
     drafted, accepted = drafts_accepted(sequences)

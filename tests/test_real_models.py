@@ -67,7 +67,7 @@ def test_self_speculation_on_the_default_target_greedy_equals_plain_decoding():
     for backend in ("native", "torch"):
         target = load_model(DEFAULT_TARGET, "float32", "packed", backend=backend)
         plain = SpeculativeDecoder(target, "none")
-        drafts = [("self", SelfDraftConfig())] + ([("self:20-", SelfDraftConfig()), ("self", SelfDraftConfig(adapt=True))]
+        drafts = [("self", SelfDraftConfig())] + ([("self:20-", SelfDraftConfig()), ("self", SelfDraftConfig(retune=True))]
                                                  if backend == "native" else [])
         for prompt in PROMPTS:
             reference = plain.generate(prompt, greedy, SpecConfig(max_new_tokens=N))

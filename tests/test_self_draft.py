@@ -13,7 +13,7 @@ from drafting import drafts_accepted
 from tiny_gguf import T, gguf_from_hf
 from verispec.chisquare import chi_square_test
 from verispec.config import SamplingConfig, SelfDraftConfig, SpecConfig, TreeConfig
-from verispec.drafters.self_adapt import SkipChooser, SublayerCosts
+from verispec.drafters.self_retune import SkipChooser, SublayerCosts
 from verispec.drafters.self_draft import SelfDrafter
 from verispec.engine import DecodeBatch, SpeculativeEngine
 from verispec.errors import VerispecError
@@ -23,7 +23,7 @@ from verispec.models.runners.hf import ModelRunner
 from verispec.models.skip import SkipFile, SkipSet, default_skip, fingerprint, resolve_skip
 from verispec.models.runners.skipping import skipping_module
 from verispec.selfspec.search import SelfTuneConfig, SkipSearch
-from verispec.tuning import AdaptiveK, measure_costs
+from verispec.tuning import KTuner, measure_costs
 
 GREEDY = SamplingConfig(temperature=0)
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [3]]
@@ -165,7 +165,7 @@ def test_a_rejected_draft_leaves_the_targets_cache_as_it_was(native):
 @pytest.mark.parametrize("spec", SETS)
 def test_greedy_self_speculation_equals_plain_decoding_native(native, spec):
     expected = plain(native)
-    for config in (SelfDraftConfig(), SelfDraftConfig(adapt=True, gap=1, trial_steps=1)):
+    for config in (SelfDraftConfig(), SelfDraftConfig(retune=True, gap=1, trial_steps=1)):
         drafter = SelfDrafter(native, SkipSet.parse(spec, 4), config)
         engine = SpeculativeEngine(native, drafter, set())
         chains = engine.generate(PROMPTS, GREEDY, SpecConfig(num_draft_tokens=3, max_new_tokens=30))
@@ -186,7 +186,7 @@ def test_greedy_self_speculation_with_auto_k_and_lookup_first_equals_plain(nativ
     measured = measure_costs(native, drafter.runner, k_max=4, repeats=1)
     assert measured.draft_token == 1.0  # its cost c is measured like a draft model's: its runner's pass ran
     # K from costs in which drafting pays, fixed: measured on a busy CPU they may turn drafting off
-    tuner = AdaptiveK(tuning.CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.05), learn_costs=False)
+    tuner = KTuner(tuning.CostProfile({w: 1.0 for w in range(1, 6)}, draft_token=0.05), learn_costs=False)
     out = engine.generate(PROMPTS, GREEDY, SpecConfig(max_new_tokens=30), tuner=tuner)
     assert [s.generated for s in out] == plain(native)
     drafts_accepted(out)
@@ -203,7 +203,7 @@ def test_greedy_self_speculation_equals_plain_decoding_torch(model, spec):
         assert [s.generated for s in out] == expected
         drafts_accepted(out)
     with pytest.raises(VerispecError, match="needs the native runner"):
-        SelfDrafter(runner, SkipSet.parse(spec, 4), SelfDraftConfig(adapt=True))
+        SelfDrafter(runner, SkipSet.parse(spec, 4), SelfDraftConfig(retune=True))
 
 
 def test_the_torch_skipping_module_shares_the_targets_weights(model):
@@ -212,8 +212,8 @@ def test_the_torch_skipping_module_shares_the_targets_weights(model):
     assert model.model.layers[1].__class__.__name__ == "LlamaDecoderLayer"  # the target is untouched
 
 
-def test_seeded_self_speculation_with_adaptation_is_the_same_alone_or_batched(native):
-    drafter = SelfDrafter(native, SkipSet.parse("a1,m2", 4), SelfDraftConfig(adapt=True, gap=1, trial_steps=1))
+def test_seeded_self_speculation_re_tuned_online_is_the_same_alone_or_batched(native):
+    drafter = SelfDrafter(native, SkipSet.parse("a1,m2", 4), SelfDraftConfig(retune=True, gap=1, trial_steps=1))
     engine = SpeculativeEngine(native, drafter, set())
     sampling, spec = SamplingConfig(temperature=1.0, top_k=20), SpecConfig(num_draft_tokens=3, max_new_tokens=24)
     batch = engine.generate(PROMPTS, sampling, spec, seeds=[11, 12, 13])
@@ -255,7 +255,7 @@ def test_sampled_self_speculation_follows_the_targets_distribution(small, sampli
                                                                      k_values=(2,)), show_progress=False).run()
     modes = [(SkipSet.parse("a1,m2", 4), SelfDraftConfig()),
              (SkipSet.parse(searched["skip"], 4), SelfDraftConfig()),
-             (SkipSet.parse("2-", 4), SelfDraftConfig(adapt=True, gap=0, trial_steps=1))]
+             (SkipSet.parse("2-", 4), SelfDraftConfig(retune=True, gap=0, trial_steps=1))]
     for skip, config in modes:
         engine = SpeculativeEngine(small, SelfDrafter(small, skip, config), set())
         counts = torch.zeros(8)
@@ -273,7 +273,7 @@ def test_sampled_self_speculation_follows_the_targets_distribution(small, sampli
 
 def test_the_chooser_keeps_a_challenger_that_is_accepted_more():
     costs = SublayerCosts((1.0,) * 4, (8.0,) * 4, 10.0, 64)
-    chooser = SkipChooser(SkipSet.parse("a1", 4), costs, SelfDraftConfig(adapt=True, trial_steps=2, gap=1))
+    chooser = SkipChooser(SkipSet.parse("a1", 4), costs, SelfDraftConfig(retune=True, trial_steps=2, gap=1))
     start = chooser.incumbent
     for _ in range(12):
         skip = chooser.choose()
@@ -281,7 +281,7 @@ def test_the_chooser_keeps_a_challenger_that_is_accepted_more():
         chooser.observe(3, accepted)
     assert chooser.switches >= 1 and chooser.incumbent != start
     # The choice depends only on what it observed: the same observations, the same choices.
-    again = SkipChooser(SkipSet.parse("a1", 4), costs, SelfDraftConfig(adapt=True, trial_steps=2, gap=1))
+    again = SkipChooser(SkipSet.parse("a1", 4), costs, SelfDraftConfig(retune=True, trial_steps=2, gap=1))
     for _ in range(12):
         skip = again.choose()
         again.observe(3, 3 if skip != start else 0)
@@ -332,7 +332,7 @@ def test_draft_self_on_the_command_line_equals_plain_decoding(model_dir, capsys)
     ("self:a1,q", [], "is not a layer"),
     ("self:{other}", [], "was made for another model"),
     ("self:{missing}", [], "does not exist"),
-    ("self:a1", ["--self-adapt"], "needs the native runner"),
+    ("self:a1", ["--self-retune"], "needs the native runner"),
 ])
 def test_bad_self_drafts_are_one_line_and_exit_status_2(model_dir, tmp_path, capsys, native, draft, extra, fragment):
     from verispec.cli import main
@@ -369,7 +369,7 @@ def test_the_server_batches_self_drafted_requests_as_it_answers_them_alone(tmp_p
     path = gguf_from_hf(AutoModelForCausalLM.from_pretrained(str(folder)), tmp_path / "tiny.gguf", T.Q8_0)
     target = LoadedModel("target", None, AutoTokenizer.from_pretrained(str(folder)), str(path), weights="gguf",
                          backend="native", gguf=load_gguf(path, show_progress=False))
-    decoder = SpeculativeDecoder(target, "self:a1", self_draft=SelfDraftConfig(adapt=True, gap=1, trial_steps=1))
+    decoder = SpeculativeDecoder(target, "self:a1", self_draft=SelfDraftConfig(retune=True, gap=1, trial_steps=1))
     assert_served_together_as_alone(decoder)
 
 

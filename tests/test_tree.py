@@ -15,7 +15,7 @@ from verispec.engine import DecodeBatch, SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.models.runners.hf import ModelRunner
 from verispec.tree import TreeCosts, breadth_first, static_parents, static_size, tree_from_parents
-from verispec.tuning import AdaptiveK, CostProfile
+from verispec.tuning import KTuner, CostProfile
 
 GREEDY = SamplingConfig(temperature=0)
 PROMPTS = [[1, 5, 9, 13, 2, 7, 1, 5, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16, 17, 1, 5, 9, 10, 11]]
@@ -299,7 +299,7 @@ def test_trees_need_a_tree_capable_drafter_and_backend(pair):
         SpeculativeEngine(ChainRunner(ModelRunner(target)), PromptLookupDrafter(), set()).make_sequences(
             [[1, 2]], GREEDY, spec, 0)
     engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), 64), set())
-    tuner = AdaptiveK(CostProfile({1: 1.0, 2: 1.0}, 0.1), learn_costs=False)
+    tuner = KTuner(CostProfile({1: 1.0, 2: 1.0}, 0.1), learn_costs=False)
     with pytest.raises(VerispecError, match="not a static tree shape"):
         engine.generate([[1, 2]], GREEDY, spec, tuner=tuner)
 
@@ -312,7 +312,7 @@ def test_auto_tuned_dynamic_trees_equal_plain_decoding_and_shrink_with_steep_cos
     drafted = {}
     for name, costs in [("flat", {w: 1.0 for w in range(1, 12)}), ("steep", {w: float(w) ** 0.7 for w in range(1, 12)})]:
         engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), 64), {7})
-        seqs = engine.generate(PROMPTS, GREEDY, spec, tuner=AdaptiveK(CostProfile(costs, 0.05), learn_costs=False))
+        seqs = engine.generate(PROMPTS, GREEDY, spec, tuner=KTuner(CostProfile(costs, 0.05), learn_costs=False))
         assert [s.generated for s in seqs] == plain_tokens(target, PROMPTS, eos={7})
         drafted[name] = drafts_accepted(seqs)[0] / sum(s.stats.target_forward_passes for s in seqs)
     assert drafted["steep"] < drafted["flat"]

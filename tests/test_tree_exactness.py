@@ -26,7 +26,7 @@ from verispec.models.runners.hf import ModelRunner
 from verispec.rejection import Verdict, verify, walk_tree
 from verispec.sampling import sample as draw
 from verispec.tree import Draft, static_parents, tree_from_parents
-from verispec.tuning import AdaptiveK, CostProfile
+from verispec.tuning import KTuner, CostProfile
 
 # --- layer 1: toy distributions -------------------------------------------------------------------
 TOY_V = 5
@@ -150,7 +150,7 @@ def sample(engine, sampling, tree, k=3, n=N, seed=0, tuner=None):
 SIZED = TreeConfig(budget=6, top_k=3)  # the one case decoded with measured costs (`sized_by`)
 
 
-class FixedCosts(AdaptiveK):
+class FixedCosts(KTuner):
     """A tuner whose costs are its profile whatever the batch's rows (these tests decode N rows at once, which a real
     tuner prices as one pass over all of them)."""
 

@@ -1,4 +1,4 @@
-"""Costs measured while decoding (`verispec.tuning.PassClock`, `AdaptiveK.costs`): a busy moment at start or a
+"""Costs measured while decoding (`verispec.tuning.PassClock`, `KTuner.costs`): a busy moment at start or a
 busy second later does not stick, and a batch's speculation shrinks as its plain pass fills the machine. No timing
 here: the seconds are given."""
 
@@ -12,7 +12,7 @@ from verispec.config import SamplingConfig, SpecConfig
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.models.runners.hf import ModelRunner
-from verispec.tuning import Acceptance, AdaptiveK, CostProfile, PassClock, expected_tokens, measure_costs
+from verispec.tuning import Acceptance, KTuner, CostProfile, PassClock, expected_tokens, measure_costs
 
 FLAT = CostProfile({w: 1.0 + 0.05 * (w - 1) for w in range(1, 10)}, 0.1)  # a GPU-like v(k), a cheap draft
 
@@ -32,18 +32,18 @@ def test_the_clock_learns_each_width_and_scales_the_rest_by_the_median_ratio():
 
 def test_a_draft_measured_slow_at_start_is_switched_back_on_by_what_decoding_measures():
     busy = CostProfile(FLAT.target_pass, 2.0)  # the draft's cost measured in a busy moment: twice a target pass
-    tuner = AdaptiveK(busy, prior=0.8, prior_weight=100.0)
+    tuner = KTuner(busy, prior=0.8, prior_weight=100.0)
     assert tuner.k() == 0  # speculation does not pay at that cost
     for _ in range(3):
         tuner.observe_draft(4, 0.4)  # what it really costs: 0.1 s a position
     assert tuner.k() > 0 and abs(tuner.costs().c - 0.1) < 1e-9
-    fixed = AdaptiveK(busy, prior=0.8, prior_weight=100.0, learn_costs=False)
+    fixed = KTuner(busy, prior=0.8, prior_weight=100.0, learn_costs=False)
     fixed.observe_draft(4, 0.4)
     assert fixed.k() == 0  # a profile given to keep is kept
 
 
 def test_a_batch_speculates_less_as_its_plain_pass_fills_the_machine():
-    tuner = AdaptiveK(CostProfile({w: 1.0 + 0.05 * (w - 1) for w in range(1, 6)}, 0.0), prior=0.6,
+    tuner = KTuner(CostProfile({w: 1.0 + 0.05 * (w - 1) for w in range(1, 6)}, 0.0), prior=0.6,
                       prior_weight=100.0)
     assert tuner.k(rows=1) == 4
     for tokens in range(8, 41):  # eight rows: a pass costs its tokens (the machine is compute bound at 8)
@@ -60,7 +60,7 @@ def test_decoding_with_the_tuner_feeds_it_and_keeps_plain_decodings_tokens():
     spec = SpecConfig(num_draft_tokens=3, max_new_tokens=16, stop_at_eos=False)
     greedy = SamplingConfig(temperature=0)
     plain = [s.generated for s in SpeculativeEngine(runner, None, set()).generate(prompts, greedy, spec)]
-    tuner = AdaptiveK(measure_costs(runner, None, k_max=3, context=8, repeats=1))
+    tuner = KTuner(measure_costs(runner, None, k_max=3, context=8, repeats=1))
     out = SpeculativeEngine(runner, PromptLookupDrafter(), set()).generate(prompts, greedy, spec, tuner=tuner)
     assert [s.generated for s in out] == plain
     assert sum(len(v) for v in tuner.clock.samples.values()) >= 8  # every decoding pass was timed
@@ -73,7 +73,7 @@ def test_a_sequence_that_names_its_k_keeps_it_beside_tuned_ones():
     model = tiny_model("llama", vocab=32, seed=2, layers=2, sharpness=20.0)
     runner = ModelRunner(model)
     engine = SpeculativeEngine(runner, PromptLookupDrafter(), set())
-    never = AdaptiveK(CostProfile({w: float(w) for w in range(1, 5)}, 0.0), prior=0.5, prior_weight=1000.0,
+    never = KTuner(CostProfile({w: float(w) for w in range(1, 5)}, 0.0), prior=0.5, prior_weight=1000.0,
                       probe_every=1000, probe_max=1000, learn_costs=False)  # each token costs a pass: K = 0
     spec = SpecConfig(num_draft_tokens=3, max_new_tokens=16, stop_at_eos=False)
     seqs = engine.make_sequences([[1, 2, 3, 1, 2, 3, 1, 2], [1, 2, 3, 1, 2, 3, 1, 2]], SamplingConfig(temperature=0),
@@ -130,7 +130,7 @@ def test_a_draft_model_reads_the_prompt_in_the_first_step_even_when_the_tuner_dr
     model = tiny_model("llama", vocab=16, seed=1, layers=2)
     drafter = DraftModelDrafter(ModelRunner(noisy_copy(model, 0.3, seed=2)), 16)
     engine = SpeculativeEngine(ModelRunner(model), drafter, set())
-    off = AdaptiveK(CostProfile({1: 1.0, 2: 2.0, 3: 3.0}, 5.0), learn_costs=False)  # drafting never pays
+    off = KTuner(CostProfile({1: 1.0, 2: 2.0, 3: 3.0}, 5.0), learn_costs=False)  # drafting never pays
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
     read = []
     original = drafter.propose
@@ -146,7 +146,7 @@ def test_a_draft_model_reads_the_prompt_in_the_first_step_even_when_the_tuner_dr
     assert len(read) == 1  # and no further calls while the tuner keeps drafting off
 
 
-class Scripted(AdaptiveK):
+class Scripted(KTuner):
     """A tuner whose K follows a script (one entry per call), recording the steps whose draft seconds it was given."""
 
     def __init__(self, script):
@@ -187,7 +187,7 @@ def test_a_draft_that_holds_tokens_back_is_charged_for_them():
 
     held = CostProfile(FLAT.target_pass, 0.1, draft_extra=1.0)
     assert expected_speedup(0.7, 2, held) == expected_tokens(0.7, 2) / (3 * held.c + held.v(2))
-    tuner = AdaptiveK(held)
+    tuner = KTuner(held)
     for _ in range(3):
         tuner.observe_draft(1, 0.4)  # two draft passes for one position: 0.2 s each
     assert tuner.costs().c == 0.2 and tuner.costs().draft_extra == 1.0
@@ -195,7 +195,7 @@ def test_a_draft_that_holds_tokens_back_is_charged_for_them():
 
 
 def test_a_new_request_starts_from_the_drafters_average_not_the_last_requests_ending():
-    tuner = AdaptiveK(FLAT, prior=0.6, prior_weight=4.0)
+    tuner = KTuner(FLAT, prior=0.6, prior_weight=4.0)
     for _ in range(60):
         tuner.observe(4, 4)  # a request the draft follows well
     for _ in range(100):
@@ -210,7 +210,7 @@ def test_a_new_request_starts_from_the_drafters_average_not_the_last_requests_en
     assert tuner.first_alpha == pytest.approx((0.6 * 4 + 60) / (4 + 60 + 100 + probes))
     assert tuner.alpha == pytest.approx((0.6 * 4 + 180) / (4 + 180))  # after an accepted first, always accepted
     assert tuner.k() > 0 and tuner.probe_gap == tuner.probe_every
-    bad = AdaptiveK(FLAT, prior=0.6, prior_weight=4.0)
+    bad = KTuner(FLAT, prior=0.6, prior_weight=4.0)
     for _ in range(200):
         bad.observe(4, 0)
     bad.restart()
@@ -220,7 +220,7 @@ def test_a_new_request_starts_from_the_drafters_average_not_the_last_requests_en
 def test_each_fresh_batch_restarts_the_tuner():
     model = tiny_model("llama", vocab=32, seed=2, layers=2, sharpness=20.0)
     runner = ModelRunner(model)
-    tuner = AdaptiveK(measure_costs(runner, None, k_max=3, context=8, repeats=1))
+    tuner = KTuner(measure_costs(runner, None, k_max=3, context=8, repeats=1))
     restarts = []
     tuner.restart = lambda: restarts.append(1)
     engine = SpeculativeEngine(runner, PromptLookupDrafter(), set())
@@ -251,7 +251,7 @@ def test_one_token_probes_feed_the_first_positions_rate_alone():
     """While speculation is off, probes draft one token: what they say is the first position's rate; the later
     positions keep what longer chains showed, and K comes back longer than one once probes are accepted."""
     steep = CostProfile({w: 1.0 + 0.3 * (w - 1) for w in range(1, 6)}, 0.1)  # a CPU-like v(k)
-    tuner = AdaptiveK(steep, learn_costs=False)
+    tuner = KTuner(steep, learn_costs=False)
     for _ in range(40):
         tuner.observe(4, 4)
     for _ in range(60):

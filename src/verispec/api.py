@@ -38,7 +38,7 @@ from verispec.models.loading import (
 )
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, cache_dir
 from verispec.stats import GenerationStats
-from verispec.tuning import AdaptiveK, cached_costs, measure_costs
+from verispec.tuning import KTuner, cached_costs, measure_costs
 
 
 @dataclass
@@ -229,7 +229,7 @@ class SpeculativeDecoder:
         spec: SpecConfig = SpecConfig(),
         seed: int | list[int | None] | None = None,
         chat: bool | None = None,
-        tuner: AdaptiveK | None = None,
+        tuner: KTuner | None = None,
         prediction: str | list[int] | list[str | list[int] | None] | None = None,
     ) -> Iterator[tuple[StepEvent, Sequence]]:
         """Yield (StepEvent, Sequence) per sequence per step, as tokens are committed.
@@ -262,8 +262,8 @@ class SpeculativeDecoder:
             if seq.finish_reason is not None and self.adapter is not None:
                 self.adapter.poke()
 
-    def auto_tuner(self, k_max: int = 8, cache: bool = False) -> AdaptiveK:
-        """Measure this machine's target and draft pass costs (a few seconds) and return an AdaptiveK.
+    def auto_tuner(self, k_max: int = 8, cache: bool = False) -> KTuner:
+        """Measure this machine's target and draft pass costs (a few seconds) and return an KTuner.
 
         `cache`: take the costs measured by an earlier process on this machine for the same models, threads and CPU
         (`tuning.cached_costs`, kept under the cache directory), measuring only the first time: a one-shot
@@ -274,7 +274,7 @@ class SpeculativeDecoder:
         head_cost = self.drafter.token_cost() if draft_runner is None else None
         profile = replace(profile, draft_token=head_cost) if head_cost else profile
         held_back = self.drafter.traits.held_back
-        return AdaptiveK(replace(profile, draft_extra=float(held_back)) if held_back else profile)
+        return KTuner(replace(profile, draft_extra=float(held_back)) if held_back else profile)
 
     def _cost_key(self, k_max: int) -> str:
         """What a cost profile depends on: the target as loaded, the draft's runner, threads and the CPU."""
@@ -290,7 +290,7 @@ class SpeculativeDecoder:
         spec: SpecConfig = SpecConfig(),
         seed: int | None = None,
         chat: bool | None = None,
-        tuner: AdaptiveK | None = None,
+        tuner: KTuner | None = None,
         prediction: str | list[int] | None = None,
     ) -> GenerationResult:
         """Generate for one prompt (text, or token ids used as they are); `prediction` as in `stream`."""
@@ -304,7 +304,7 @@ class SpeculativeDecoder:
         spec: SpecConfig = SpecConfig(),
         seed: int | list[int | None] | None = None,
         chat: bool | None = None,
-        tuner: AdaptiveK | None = None,
+        tuner: KTuner | None = None,
         predictions: list[str | list[int] | None] | None = None,
     ) -> list[GenerationResult]:
         """Generate for a batch of prompts together (ragged: each advances at its own pace); `predictions`: one

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,13 +45,14 @@ import torch
 from verispec.config import check_tree_request
 from verispec.core.drafter import EMPTY_DRAFT, Draft, Drafter
 from verispec.core.protocols import PrefixState
-from verispec.core.sequence import Sequence, StepEvent
+from verispec.core.sequence import Sequence, StepEvent, StepReport
 from verispec.errors import VerispecError, is_fault
 from verispec.faults import DraftRows, check_inputs, checkpoint, split_forward
+from verispec.step import count_step
 
 if TYPE_CHECKING:
     from verispec.step import StepParts
-    from verispec.tuning import AdaptiveK
+    from verispec.tuning import KTuner
 
 log = logging.getLogger("verispec.batch")
 
@@ -71,12 +73,16 @@ class DecodeBatch:
         prefill_chunk: prompt tokens a row reads per step while others decode (None: a prompt in one step).
     """
 
-    def __init__(self, engine: StepParts, tuner: AdaptiveK | None = None,
+    def __init__(self, engine: StepParts, tuner: KTuner | None = None,
                  prefill_chunk: int | None = None) -> None:
         if prefill_chunk is not None and prefill_chunk < 1:
             raise VerispecError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         self.engine = engine
         self.tuner = tuner
+        # what the step reports to once it has committed (`core.sequence.StepReport`): the rows' counters, the tuner
+        self.observers: list[Callable[[StepReport], None]] = [count_step]
+        if tuner is not None:
+            self.observers.append(tuner.observe_report)
         self.prefill_chunk = prefill_chunk
         self.sequences: list[Sequence] = []
         self.state = None  # the target's KV state; None while the batch is empty

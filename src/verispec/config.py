@@ -527,16 +527,16 @@ class AdaptConfig:
 
 @dataclass(frozen=True)
 class SelfDraftConfig:
-    """On-the-fly choice of the self-speculation draft's skip set (SWIFT-style; `--self-adapt`).
+    """On-the-fly choice of the self-speculation draft's skip set (SWIFT-style; `--self-retune`).
 
     Each sequence keeps an incumbent skip set and now and then tries a challenger, the incumbent with one
     sublayer flipped (skipped or run again), for `trial_steps` of its steps, alternating with the
     incumbent. The one with the better score (expected tokens per step over draft cost, from the acceptance
     those steps saw) becomes the incumbent. A choice depends only on steps already verified, so the output
-    distribution never changes (`verispec.drafters.self_adapt`).
+    distribution never changes (`verispec.drafters.self_retune`).
 
     Attributes:
-        adapt: re-choose the skip set while decoding. Default False.
+        retune: re-choose the skip set while decoding (the online form of `verispec self-tune`). Default False.
         trial_steps: steps a challenger drafts before it is judged. Default 4.
         gap: steps on the incumbent alone between two trials. Default 8.
         seed: seeds the challengers' mutations (the same for every sequence, so batched = single). Default 0.
@@ -544,7 +544,7 @@ class SelfDraftConfig:
             model's "lookup first" (`DraftModelDrafter`); 0 drafts from the skipped model only. Default 0.
     """
 
-    adapt: bool = False
+    retune: bool = False
     trial_steps: int = 4
     gap: int = 8
     seed: int = 0
@@ -554,4 +554,4 @@ class SelfDraftConfig:
         if self.lookup < 0:
             raise VerispecError(f"lookup first needs an n-gram size >= 1 (0 turns it off), got {self.lookup}")
         if self.trial_steps < 1 or self.gap < 0:
-            raise VerispecError(f"self-adaptation needs trial_steps >= 1 and gap >= 0, got {self.trial_steps}, {self.gap}")
+            raise VerispecError(f"re-tuning the skip set needs trial_steps >= 1 and gap >= 0, got {self.trial_steps}, {self.gap}")

@@ -9,7 +9,9 @@ One step, for every running sequence at once:
      recovered or bonus token, per sequence, with that sequence's own generator (a chain in one vectorized
      step, with the same draws);
   4. the target's and the drafter's `commit` keep the accepted path in their caches, tokens are committed
-     (stopping exactly at EOS, a stop string or max_new_tokens), and a StepEvent is streamed per sequence.
+     (stopping exactly at EOS, a stop string or max_new_tokens), and a StepEvent is streamed per sequence;
+  5. the step's observers read what it did (`core.sequence.StepReport`: its costs, each row's outcome): the rows'
+     counters and the auto-tuner. (The observers of each row's verification, which read p, are `StepRules`'.)
 Sequences advance by their own number of tokens; finished ones leave the batch. In a step where any sequence
 drafts a tree, the other drafting sequences draft the tree of shape (1, ..., 1), their chain.
 
@@ -35,13 +37,13 @@ from verispec.constraints import Grammars
 from verispec.core.drafter import PLAIN, Draft, Drafter
 from verispec.core.prediction import PredictionFollower
 from verispec.core.protocols import PrefixState, Runner
-from verispec.core.sequence import Sequence, StepClock, StepEvent, TokenLogprob
+from verispec.core.sequence import RowOutcome, Sequence, StepClock, StepEvent, StepReport, TokenLogprob
 from verispec.errors import VerispecError, is_fault
 from verispec.plan import StepPlan, draft, plan_step
 from verispec.core.prefix import PrefixStore
 from verispec.rejection import Verdict
 from verispec.step import StepRules, raw_logprobs, token_logprob
-from verispec.tuning import AdaptiveK
+from verispec.tuning import KTuner
 
 PROMPT_CHUNK = 256  # prompt tokens a pass reads when their log-probabilities are asked for: (256, V) logits at once
 
@@ -229,7 +231,7 @@ class SpeculativeEngine:
             return batch.fail_all(fault.stage, fault.error)
 
     def _step(self, batch: DecodeBatch) -> list[tuple[StepEvent, Sequence]]:
-        rows, absorbed, tuner = batch.sequences, len(batch.faults), batch.tuner
+        rows, absorbed = batch.sequences, len(batch.faults)
         # 1. draft: each row's shape, then the drafter's drafts (or a forced run, or the predicted output)
         t0 = time.perf_counter()
         plan = plan_step(batch)
@@ -245,16 +247,15 @@ class SpeculativeEngine:
         parents = [d.tree.parents.tolist() for d in drafts]
         logits = batch.forward(inputs, wanted, parents, failed)  # per row: (>= len(d) + 1, V)
         t2 = time.perf_counter()
-        if tuner is not None:  # costs measured while decoding (what the tuner learns from: `observe_step`)
-            tuner.observe_step(StepClock(t1 - t0, t2 - t1, sum(len(i) for i in inputs), max(plan.depths, default=0),
-                                         plan.first, any(plan.prefilling), calm=len(batch.faults) == absorbed))
+        clock = StepClock(t1 - t0, t2 - t1, sum(len(i) for i in inputs), max(plan.depths, default=0), plan.first,
+                          any(plan.prefilling), calm=len(batch.faults) == absorbed)  # costs measured while decoding
         # 3. verify the whole batch: per row, the accepted path and the recovered or bonus token
         verdicts = self._verify(batch, drafts, logits, plan.prefilling, failed)
         paths = [v.path if v is not None else () for v in verdicts]
         batch.target("commit", lambda: self.target.commit(batch.state, [list(p) for p in paths]))
         # 4. commit: each row's tokens (to EOS, a stop string or its length), then the drafter keeps the accepted
         # paths (a head keeps the target's features there; a draft model only the nodes it fed itself)
-        events, prompted = [], []
+        events, prompted, outcomes = [], [], []
         for b, (s, d, v, pre, read) in enumerate(zip(rows, drafts, verdicts, plan.prefilling, pending)):
             if b in failed or v is None and not pre:  # ended before, in the pass or in its verification: leaves below
                 continue
@@ -263,11 +264,18 @@ class SpeculativeEngine:
                 continue
             if s.num_generated == 0:
                 prompted.append(b)  # its whole prompt is in the cache now: kept for requests that share it
+            source = "forced" if b in plan.forced else "predicted" if b in plan.predicted else "drafter"
+            outcomes.append(RowOutcome(s, len(d), d.tree.depth, v.num_accepted, v.bonus, source,
+                                       len(plan.forced.get(b, ()))))
             event = self._commit(batch, plan, b, d, v, logits[b][: len(d) + 1])
             if event is not None:
                 events.append((event, s))
         batch.draft_rows.commit(rows, drafts, paths)
         batch.keep_prefixes([b for b in prompted if rows[b].finish_reason is None])
+        # 5. the step's observers: the rows' counters, the tuner (costs, and the chains its drafter drafted)
+        report = StepReport(clock, tuple(outcomes), plan.trees is not None)
+        for observe in batch.observers:
+            observe(report)
         return batch.finish_step(events, t1 - t0, t2 - t1)
 
     def _verify(self, batch: DecodeBatch, drafts: list[Draft], logits, prefilling: list[bool],
@@ -289,18 +297,10 @@ class SpeculativeEngine:
 
     def _commit(self, batch: DecodeBatch, plan: StepPlan, b: int, d: Draft, v: Verdict,
                 logits: torch.Tensor) -> StepEvent | None:
-        """Row b's tokens of this step committed, its stats and logprobs recorded; None where the row failed (its
+        """Row b's tokens of this step committed, its logprobs recorded; None where the row failed (its
         fault is kept by the batch). logits: (N + 1, V) at the root and after each of its draft's nodes."""
-        s, rules, tuner = batch.sequences[b], self.rules, batch.tuner
+        s, rules = batch.sequences[b], self.rules
         s.target_cached = len(s.tokens) + v.num_accepted
-        s.stats.record(len(d), v.num_accepted, v.bonus, depth=d.tree.depth)
-        if b in plan.forced:
-            s.stats.forced_tokens += min(v.num_accepted, len(plan.forced[b]))
-        elif b in plan.predicted:
-            s.stats.accepted_prediction_tokens += v.num_accepted
-            s.stats.rejected_prediction_tokens += len(d) - v.num_accepted
-        elif tuner is not None and plan.trees is None and len(d):
-            tuner.observe(len(d), v.num_accepted)
         entries = None
         if s.logprobs is not None:  # before the commit: a constraint's masks are this step's
             entries = batch.row(s, "logprobs", lambda: rules.logprobs(s, d, v, logits))
@@ -344,7 +344,7 @@ class SpeculativeEngine:
         sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig(),
         spec: SpecConfig = SpecConfig(),
         seeds: list[int | None] | int | None = None,
-        tuner: AdaptiveK | None = None,
+        tuner: KTuner | None = None,
         predictions: list[list[int] | None] | None = None,
     ) -> Iterator[tuple[StepEvent, Sequence]]:
         """Decode a batch, yielding (event, sequence) after every step for every running sequence.
@@ -367,7 +367,7 @@ class SpeculativeEngine:
             yield from results
 
     def generate(self, prompts: list[list[int]], sampling=SamplingConfig(), spec=SpecConfig(), seeds=None,
-                 tuner: AdaptiveK | None = None, predictions: list[list[int] | None] | None = None) -> list[Sequence]:
+                 tuner: KTuner | None = None, predictions: list[list[int] | None] | None = None) -> list[Sequence]:
         """Decode a batch to the end; returns the finished sequences in prompt order."""
         done: dict[int, Sequence] = {}
         for _, seq in self.stream(prompts, sampling, spec, seeds, tuner, predictions):

@@ -28,7 +28,7 @@ import torch
 from verispec.constraints import apply_constraint
 from verispec.core.drafter import Draft, Drafter
 from verispec.core.protocols import Runner
-from verispec.core.sequence import Sequence, StepEvent, TokenLogprob
+from verispec.core.sequence import Sequence, StepEvent, StepReport, TokenLogprob
 from verispec.detokenize import IncrementalText
 from verispec.rejection import Verdict, verify, verify_greedy
 from verispec.sampling import Processors
@@ -204,6 +204,18 @@ class StepRules:
             return False
         seq.finish_reason, seq.text_end = "stop", min(found)
         return True
+
+
+def count_step(report: StepReport) -> None:
+    """A step's observer (`DecodeBatch.observers`, always there): each verified row's counters (`GenerationStats`)."""
+    for row in report.rows:
+        stats = row.seq.stats
+        stats.record(row.drafted, row.accepted, row.bonus, depth=row.depth)
+        if row.source == "forced":
+            stats.forced_tokens += min(row.accepted, row.forced)
+        elif row.source == "predicted":
+            stats.accepted_prediction_tokens += row.accepted
+            stats.rejected_prediction_tokens += row.drafted - row.accepted
 
 
 def raw_logprobs(x: torch.Tensor) -> torch.Tensor:

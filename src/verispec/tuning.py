@@ -24,7 +24,7 @@ from pathlib import Path
 
 from verispec.atomic import atomic_write_text
 from verispec.core.protocols import Runner
-from verispec.core.sequence import StepClock
+from verispec.core.sequence import StepClock, StepReport
 from verispec.core.stopping import DraftStop
 from verispec.tree import chain_parents
 
@@ -157,14 +157,14 @@ class Acceptance:
             self.later.observe(accepted - 1, int(rejected))
 
     def restart(self) -> None:
-        """Decoding starts afresh (`AdaptiveK.restart`): each rate becomes the prior's weight at its average so far."""
+        """Decoding starts afresh (`KTuner.restart`): each rate becomes the prior's weight at its average so far."""
         self.first.restart()
         self.later.restart()
 
 
 def next_probe_gap(gap: int, accepted: int, every: int, most: int) -> int:
     """Steps to the next probe after one that had `accepted` drafts accepted: half the gap after an accepted probe,
-    twice it after a rejected one, kept within [every, most] (`AdaptiveK`, the composite's costly member)."""
+    twice it after a rejected one, kept within [every, most] (`KTuner`, the composite's costly member)."""
     return min(most, max(every, gap // 2 if accepted else gap * 2))
 
 
@@ -269,7 +269,7 @@ class PassClock:
 
 
 @dataclass
-class AdaptiveK:
+class KTuner:
     """Picks K each step from the cost profile and running estimates of acceptance (`Acceptance`: the first draft
     position's rate and each later one's). The counts decay by `decay` per observation (a window of about
     1 / (1 - decay) steps) so K follows the text being written; they start as pseudo-counts worth `prior_weight`
@@ -337,8 +337,18 @@ class AdaptiveK:
         if self.learn_costs:
             self.clock.observe(tokens, seconds)
 
+    def observe_report(self, report: StepReport) -> None:
+        """A step's observer (`DecodeBatch.observers`): its costs (`observe_step`), then each chain its drafter drafted
+        (`observe`; a constraint's forced run and a predicted output are not the drafter's, and in a step with trees
+        the rows' outcomes say nothing of a chain's K)."""
+        self.observe_step(report.clock)
+        if not report.trees:
+            for row in report.rows:
+                if row.source == "drafter" and row.drafted:
+                    self.observe(row.drafted, row.accepted)
+
     def observe_step(self, clock: StepClock) -> None:
-        """A batch step's measured costs (`DecodeBatch` calls it once a step). Decoding passes only: a step where
+        """A batch step's measured costs (`observe_report` reads them once a step). Decoding passes only: a step where
         a row still reads its prompt, or that recovered from a fault, teaches nothing. A drafting step's cost is
         taken only where the step before drafted too, and not in a row's first step: after steps with speculation
         off (a probe), or in a row's first step, a drafter with a cache of its own first reads every token it skipped

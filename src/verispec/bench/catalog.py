@@ -28,7 +28,7 @@ class SystemSpec:
     auto: K (or the tree's budget) tuned from pass costs measured at start.
     lookup: copies from the context first (self-speculation, EAGLE).
     argmax: the head drafts its argmax as one-hot drafts (vLLM's way).
-    adapt: self-speculation re-chooses its skip set while decoding (native runner only).
+    retune: self-speculation re-chooses its skip set while decoding (native runner only).
     peer: a peer's speculative setting, run once per K of BenchConfig.peer_num_draft_tokens.
     """
 
@@ -40,7 +40,7 @@ class SystemSpec:
     auto: bool = False
     lookup: bool = False
     argmax: bool = False
-    adapt: bool = False
+    retune: bool = False
     peer: bool = False
 
     @property
@@ -80,7 +80,7 @@ CATALOG: tuple[SystemSpec, ...] = (
     _verispec("verispec-self", SELF),
     _verispec("verispec-self-auto", SELF, auto=True),
     _verispec("verispec-self-lookup-auto", SELF, auto=True, lookup=True),
-    _verispec("verispec-self-adapt-auto", SELF, auto=True, adapt=True),
+    _verispec("verispec-self-retune-auto", SELF, auto=True, retune=True),
     # draft heads (BenchConfig.medusa / .eagle)
     _verispec("verispec-medusa", MEDUSA),
     _verispec("verispec-medusa-auto", MEDUSA, auto=True),

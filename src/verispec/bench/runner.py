@@ -264,11 +264,11 @@ def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> Spec
             return SpeculativeDecoder(target, draft)
         return m.decoder("draft", lambda: SpeculativeDecoder(target, draft, options=DrafterOptions(cross=config.cross)))
     if spec.drafter == SELF:
-        if spec.adapt and target.backend != "native":
+        if spec.retune and target.backend != "native":
             return None  # the on-the-fly choice runs on the native runner's shared caches
         from verispec.config import SelfDraftConfig
 
-        self_draft = SelfDraftConfig(adapt=spec.adapt, lookup=2 if spec.lookup else 0)
+        self_draft = SelfDraftConfig(retune=spec.retune, lookup=2 if spec.lookup else 0)
         return SpeculativeDecoder(target, config.self_draft, self_draft=self_draft)
     # EAGLE: lookup first only where named (a shipped head's manifest may turn it on), n-grams of 2 and more
     options = DrafterOptions(draft_lookup=2 if spec.lookup else 0, head_argmax=spec.argmax) \

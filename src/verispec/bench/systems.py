@@ -16,7 +16,7 @@ from verispec.api import SpeculativeDecoder
 from verispec.config import SamplingConfig, SpecConfig, TreeConfig
 from verispec.errors import VerispecError
 from verispec.stats import GenerationStats
-from verispec.tuning import AdaptiveK
+from verispec.tuning import KTuner
 
 
 @dataclass
@@ -73,7 +73,7 @@ class VerispecSystem(System):
     """verispec with a given drafter; `tuner` set means K is auto-tuned from measured costs; `tree` set
     means it drafts that tree per step instead of a chain."""
 
-    def __init__(self, name: str, decoder: SpeculativeDecoder, num_draft_tokens: int, tuner: AdaptiveK | None = None,
+    def __init__(self, name: str, decoder: SpeculativeDecoder, num_draft_tokens: int, tuner: KTuner | None = None,
                  tree: TreeConfig | None = None):
         self.name, self.decoder, self.k, self.tuner, self.tree = name, decoder, num_draft_tokens, tuner, tree
 

@@ -87,7 +87,7 @@ def add_model_options(p: argparse.ArgumentParser, draft: str = DEFAULT_DRAFT) ->
                         "(the Medusa repository's format), 'eagle:DIR' (an EAGLE-3 head, SpecForge's format), "
                         "'suffix[:FILE]' (suffix decoding), lookups and one costly drafter joined by '+' and chosen per "
                         "step (suffix+MODEL, ngram+eagle) or 'none' (plain decoding) (default: %(default)s)")
-    p.add_argument("--self-adapt", action="store_true",
+    p.add_argument("--self-retune", action="store_true",
                    help="--draft self: re-choose the skipped sublayers while decoding, from each request's verified "
                         "steps (SWIFT-style; native runner)")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["auto", *DTYPES],
@@ -250,7 +250,7 @@ def decoder_kwargs(args: argparse.Namespace, suffix_scope: str | None = None) ->
                 target_weights=args.target_weights, draft_weights=args.draft_weights, backend=args.backend,
                 draft_lookup=getattr(args, "draft_lookup", None), draft_context=getattr(args, "draft_context", None),
                 draft_vocab=getattr(args, "draft_vocab", None), cross=build_config(CrossTokenizerConfig, args, CROSS_OPTIONS),
-                self_draft=SelfDraftConfig(adapt=getattr(args, "self_adapt", False)), device=args.device,
+                self_draft=SelfDraftConfig(retune=getattr(args, "self_retune", False)), device=args.device,
                 compile=args.compile)
 
 

@@ -91,7 +91,7 @@ class Drafter(ABC):
     def restart(self, prefill_chunk: int | None = None) -> None:
         """Decoding starts afresh: a batch that was empty takes new requests, just before `start`, reading joining
         prompts `prefill_chunk` tokens a step (None: whole). A drafter that estimates its own acceptance (the
-        composite) starts those estimates again from its averages (see `tuning.AdaptiveK.restart`); one that
+        composite) starts those estimates again from its averages (see `tuning.KTuner.restart`); one that
         overrides this calls it."""
         self.prefill_chunk = prefill_chunk
 

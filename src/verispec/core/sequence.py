@@ -131,7 +131,7 @@ class StepEvent:
 @dataclass(frozen=True)
 class StepClock:
     """What one batch step cost and read, for an observer that learns costs from decoding (the auto-tuner:
-    `tuning.AdaptiveK.observe_step`).
+    `tuning.KTuner.observe_step`).
 
     draft_seconds: the drafter's proposing, forced runs and constraint cuts included.
     pass_seconds: the target's one pass over every row.
@@ -150,3 +150,36 @@ class StepClock:
     prefilling: bool
     calm: bool
 
+
+
+@dataclass(frozen=True)
+class RowOutcome:
+    """One row's verification in a step, as the step's observers see it (`StepReport`).
+
+    seq: the row's sequence.
+    drafted: the nodes its draft held; depth: the draft's depth (a chain's is its length).
+    accepted: of them accepted; bonus: the step's last token came from p after the last one.
+    source: who drafted: "drafter", "forced" (a constraint's forced run, `forced` tokens of it) or "predicted" (the
+        request's predicted output).
+    """
+
+    seq: Sequence
+    drafted: int
+    depth: int
+    accepted: int
+    bonus: bool
+    source: str = "drafter"
+    forced: int = 0
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one batch step did, handed to the step's observers once it has committed (`DecodeBatch.observers`: the
+    sequences' counters, `step.count_step`, and the auto-tuner, `tuning.KTuner.observe_report`).
+
+    clock: its costs; rows: every row verified in it; trees: some row drafted a tree.
+    """
+
+    clock: StepClock
+    rows: tuple[RowOutcome, ...]
+    trees: bool

@@ -10,12 +10,12 @@ drafts with whichever source promises the most tokens per second, or not at all.
     no drafting: value 1.
 
 alpha is each member's acceptance (accepted drafts in a row until the first rejection; two rates, the first
-position's and each later one's, decayed as in `tuning.AdaptiveK`: `tuning.Acceptance`). A lookup's chain is scored
+position's and each later one's, decayed as in `tuning.KTuner`: `tuning.Acceptance`). A lookup's chain is scored
 against the tokens each step commits whether or not it was chosen (`matched`: the verification's own outcome at
 temperature 0, an unbiased estimate when sampling), so a lookup that loses to the model keeps up-to-date rates;
 the costly member learns from the steps it drafts. c_m is the costly member's seconds per drafted position timed on
 its own steps (median of its last ones, so a busy second does not stick) over a one-token target pass, and v(k) a
-(k + 1)-token target pass over a one-token one, both as the batch measures them (`tuning.AdaptiveK.costs`).
+(k + 1)-token target pass over a one-token one, both as the batch measures them (`tuning.KTuner.costs`).
 Without `--auto-k` every row takes the first free member with a draft, else the costly member at the row's K. A
 costly member that is off drafts one token on probe steps (16 steps after it went off, the gap doubling after a
 rejected probe) so that a rising acceptance turns it back on. Within a tree step (a static shape or a budget) the
@@ -45,7 +45,7 @@ from verispec.core.sequence import Sequence
 from verispec.errors import VerispecError
 from verispec.tuning import Acceptance, CostProfile, _timed, next_probe_gap
 
-PROBE_EVERY, PROBE_MAX = 16, 128  # steps between probes of a costly member that is off (as tuning.AdaptiveK)
+PROBE_EVERY, PROBE_MAX = 16, 128  # steps between probes of a costly member that is off (as tuning.KTuner)
 READ_TOKENS = 64  # tokens of the pass that times a costly member's catch-up reading
 NONE = -1  # a row's choice: no drafting this step
 
@@ -75,7 +75,7 @@ class MemberRecord(Acceptance):
 
     def restart(self) -> None:
         """Decoding starts afresh: the member's average rate so far at the prior's weight, the probe clock's first gap
-        (as `tuning.AdaptiveK.restart`)."""
+        (as `tuning.KTuner.restart`)."""
         super().restart()
         self.steps_off, self.probe_gap, self.probing = 0, PROBE_EVERY, False
 
@@ -178,7 +178,7 @@ class CompositeDrafter(Drafter):
         super().restart(prefill_chunk)
         for m in self.members:
             m.restart(prefill_chunk)
-        for record in self.records:  # new text: see `tuning.AdaptiveK.restart`
+        for record in self.records:  # new text: see `tuning.KTuner.restart`
             record.restart()
 
     def bind_target(self, state) -> None:

@@ -29,8 +29,8 @@ Torch runner: the draft keeps a cache of its own (`skipping_module`, run by a `M
 cache cannot be viewed column by column), read from the prompt through the draft's layers and rolled back
 like a draft model's. The skip set is then fixed for the run.
 
-On-the-fly choice of the skip set (`SelfDraftConfig.adapt`, SWIFT-style, native runner): one
-`SkipChooser` per row picks each step's set from that row's verified steps (see `self_adapt`); rows with
+On-the-fly choice of the skip set (`SelfDraftConfig.retune`, SWIFT-style, native runner): one
+`SkipChooser` per row picks each step's set from that row's verified steps (see `self_retune`); rows with
 different sets run as separate passes, so a row drafts the same whatever batch it is in.
 """
 
@@ -44,7 +44,7 @@ from verispec.config import PromptLookupConfig, SelfDraftConfig, TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft
 from verispec.core.sequence import Sequence
 from verispec.drafters.draft_model import DraftModelDrafter
-from verispec.drafters.self_adapt import SkipChooser, SublayerCosts
+from verispec.drafters.self_retune import SkipChooser, SublayerCosts
 from verispec.errors import VerispecError
 from verispec.models.skip import SkipSet, check_skippable
 from verispec.models.runners.skipping import SkipRunner, skipping_module
@@ -55,7 +55,7 @@ class SelfDrafter(DraftModelDrafter):
 
     Args:
         target: the target's runner (native or torch).
-        skip: the sublayers the draft skips (each row's starting set when adapting).
+        skip: the sublayers the draft skips (each row's starting set when re-tuning).
         config: on-the-fly choice of the skip set (native runner only).
         lookup: "lookup first" n-gram sizes, as for a draft model (None: off).
     """
@@ -69,8 +69,8 @@ class SelfDrafter(DraftModelDrafter):
         if self.shared:
             runner = SkipRunner(target, skip)
         else:
-            if config.adapt:
-                raise VerispecError("choosing the skip set while decoding (--self-adapt) needs the native runner "
+            if config.retune:
+                raise VerispecError("choosing the skip set while decoding (--self-retune) needs the native runner "
                                     "(--backend native): the torch draft keeps its own cache for one fixed set")
             from verispec.models.runners.hf import ModelRunner
 
@@ -82,8 +82,8 @@ class SelfDrafter(DraftModelDrafter):
         self.target = target
         self.skip = skip
         self.config = config
-        self.costs = SublayerCosts.of(target) if config.adapt else None
-        self.choosers: list[SkipChooser] = []  # per row, when adapting
+        self.costs = SublayerCosts.of(target) if config.retune else None
+        self.choosers: list[SkipChooser] = []  # per row, when re-tuning
         self.skips: list[SkipSet] = []  # per row: the set of the step being drafted
         self.target_state = None
         # on the native runner its rows are views of the target's own rows (`Traits.restartable`); the torch draft
@@ -105,7 +105,7 @@ class SelfDrafter(DraftModelDrafter):
         if not self.shared:
             return super().extend(sequences)
         for _ in sequences:
-            if self.config.adapt:
+            if self.config.retune:
                 self.choosers.append(SkipChooser(self.skip, self.costs, self.config))
             self.skips.append(self.skip)
             self.cached.append(0)
@@ -157,7 +157,7 @@ class SelfDrafter(DraftModelDrafter):
 
     def adapt(self, examples: list) -> None:
         raise VerispecError("the self drafter has no weights of its own to train (--adapt); "
-                            "--self-adapt re-chooses its skip set instead")
+                            "--self-retune re-chooses its skip set instead")
 
     def check_adaptable(self, config=None) -> None:
         self.adapt([])

@@ -32,7 +32,7 @@ import torch
 
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.console import progress
-from verispec.drafters.self_adapt import SublayerCosts
+from verispec.drafters.self_retune import SublayerCosts
 from verispec.drafters.self_draft import SelfDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError

@@ -89,7 +89,7 @@ class ServeConfig:
         header_timeout: seconds a client has to send a request's headers before its connection is closed
             (clients that trickle headers byte by byte hold no connection for long). Default 10.
         body_timeout: seconds a client has to send a request's body once its headers arrived. Default 30.
-        auto_k: choose K every step from costs measured while serving (`tuning.AdaptiveK`), for the batch's rows
+        auto_k: choose K every step from costs measured while serving (`tuning.KTuner`), for the batch's rows
             together: the pass over every row's drafts against the plain pass over the rows, so speculation
             shrinks, then stops, as concurrency fills the machine, and returns as it falls. A request that names
             its K or a tree keeps it (a seeded sampled request's draws follow K: naming K keeps its tokens the same

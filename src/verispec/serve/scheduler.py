@@ -38,7 +38,7 @@ from verispec.errors import is_fault
 from verispec.serve.tenants import Ledger, share_of
 from verispec.serve.tickets import (  # noqa: F401 - the names a caller of the scheduler meets, importable here too
     QueueFull, ServeError, ShuttingDown, Ticket, TooLarge, Unavailable, Update, error_for)
-from verispec.tuning import AdaptiveK
+from verispec.tuning import KTuner
 
 log = logging.getLogger("verispec.serve")
 
@@ -83,7 +83,7 @@ class Scheduler:
 
     def __init__(self, engine: SpeculativeEngine, max_batch_size: int, max_queue: int,
                  on_idle: Callable[[], None] | None = None, prefill_chunk: int | None = None,
-                 max_cache_bytes: int | None = None, tuner: AdaptiveK | None = None,
+                 max_cache_bytes: int | None = None, tuner: KTuner | None = None,
                  key_share: float | None = None) -> None:
         self.engine = engine
         self.on_idle = on_idle

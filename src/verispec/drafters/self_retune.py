@@ -57,7 +57,7 @@ class SublayerCosts:
 
 
 class _Record:
-    """A skip set's accepted drafts and rejections (a geometric count per step, as `tuning.AdaptiveK`)."""
+    """A skip set's accepted drafts and rejections (a geometric count per step, as `tuning.KTuner`)."""
 
     def __init__(self, prior: float = 0.5, weight: float = 1.0) -> None:
         self.accepted, self.rejections, self.drafted, self.steps = prior * weight, (1 - prior) * weight, 0, 0
