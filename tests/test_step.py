@@ -165,3 +165,30 @@ def test_a_sampled_rows_p_made_as_the_walk_reads_it_gives_the_whole_pass_verdict
         made.append(len(rows))
         seen_accepted.add(alone.num_accepted)
     assert {0, n} <= seen_accepted and sum(made) < 0.8 * 60 * (n + 1)  # rejections early and late; rows saved
+
+
+def test_the_steps_observers_see_every_rows_outcome_and_the_counters_are_one_of_them(greedy_pair):
+    """A step hands its StepReport to the batch's observers once it has committed: the rows' counters
+    (`step.count_step`) are one observer, the tuner another, and one added beside them sees the same outcomes."""
+    from verispec.step import count_step
+    from verispec.tuning import KTuner
+    target, draft = greedy_pair
+    engine = SpeculativeEngine(ModelRunner(target), DraftModelDrafter(ModelRunner(draft), 64), set())
+    tuner = KTuner.__new__(KTuner)  # only its observer is looked at here
+    assert DecodeBatch(engine, tuner).observers == [count_step, tuner.observe_report]
+    batch, reports = DecodeBatch(engine), []
+    assert batch.observers == [count_step]
+    batch.observers.append(reports.append)
+    batch.add(engine.make_sequences(PROMPTS, GREEDY, SPEC, None))
+    done = {}
+    while batch:
+        for _, seq in engine.step(batch):
+            if seq.finish_reason is not None:
+                done[seq.index] = seq
+    for index, seq in done.items():
+        rows = [row for report in reports for row in report.rows if row.seq is seq]
+        assert sum(row.accepted for row in rows) == seq.stats.accepted_tokens
+        assert sum(row.drafted for row in rows) == seq.stats.draft_tokens
+        assert len(rows) == seq.stats.target_forward_passes
+    assert all(report.clock.pass_tokens > 0 for report in reports) and not any(report.trees for report in reports)
+    assert sum(seq.stats.accepted_tokens for seq in done.values()) > 0 and len(done) == len(PROMPTS)
