@@ -321,6 +321,19 @@ class Processors:
         # anything between the logits and the argmax (a greedy row is verified by a bare argmax only without)
         self.penalised = self.repeats or self.counts or bool(config.logit_bias)
 
+    def q_row(self, q: torch.Tensor | None, token: int, vocab: int, device: torch.device | None = None
+              ) -> torch.Tensor | None:
+        """The row of q a drafted token carries to the verifier: None when greedy (argmax on both sides, no q), else
+        the q it was drawn from, padded with zeros to the target's `vocab` ids (a draft with fewer), or one-hot at
+        `token` where q is None (a copied, deterministic token beside drawn ones). q: (V',) -> (vocab,)."""
+        if self.greedy:
+            return None
+        if q is None:
+            row = torch.zeros(vocab, device=device)  # (vocab,)
+            row[token] = 1.0
+            return row
+        return torch.nn.functional.pad(q, (0, vocab - q.shape[-1])) if q.shape[-1] < vocab else q
+
     def seen(self, tokens: list[int], vocab: int) -> Seen | None:
         """What the penalties read after `tokens` (the context, with drafts after it): one row; None without a history
         penalty."""

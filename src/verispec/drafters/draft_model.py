@@ -152,10 +152,6 @@ class DraftModelDrafter(RowStates):
         """(..., Vd) draft logits -> (..., min(Vd, Vt)) logits restricted to target token ids."""
         return logits[..., : self.target_vocab_size]
 
-    def _pad_q(self, q: torch.Tensor) -> torch.Tensor:
-        missing = self.target_vocab_size - q.shape[-1]
-        return torch.nn.functional.pad(q, (0, missing)) if missing > 0 else q
-
     def propose(self, sequences: list[Sequence], depths: list[int],
                 trees: list[TreeConfig] | None = None) -> list[Draft]:
         assert self.state is not None, "start() must be called before propose()"
@@ -218,10 +214,9 @@ class DraftModelDrafter(RowStates):
                     self.stop_keys[b].append(key)
                     if p_all[b] < stop.go_on_at(step + 1):
                         limits[b] = step + 1  # no next draft could pay for its draft pass and its width
-                if not seq.processors.greedy:
-                    q_rows[b].append(self._pad_q(q) if q is not None else
-                                     torch.nn.functional.one_hot(torch.tensor(token), self.target_vocab_size).float()
-                                     .to(logits.device))
+                q_row = seq.processors.q_row(q, token, self.target_vocab_size, logits.device)  # None when greedy
+                if q_row is not None:
+                    q_rows[b].append(q_row)
                 drafted[b].append(token)
                 if step + 1 < limits[b]:
                     inputs[b] = [token]  # the last draft token is never fed: the target scores it
@@ -317,7 +312,7 @@ class DraftModelDrafter(RowStates):
     def _stop_key(self, seq: Sequence, logits: torch.Tensor, q: torch.Tensor | None, token: int, match: int) -> tuple:
         """The calibration key of a draft token: the length of the match it was copied after, or the draft's confidence
         in it (q(x) when sampled; at temperature 0 the draft's softmax at the argmax). logits: (V,)."""
-        greedy = seq.sampling.greedy
+        greedy = seq.processors.greedy
         if match:
             return AcceptanceCalibration.copy_key(match, greedy)
         confidence = float(q[token]) if q is not None else float(torch.softmax(logits.float(), -1)[token])

@@ -205,8 +205,9 @@ class EagleDrafter(AdaptiveHead, RowStates):
                         break
                 if copied is not None:
                     tokens.append(copied)
-                    if not seq.processors.greedy and not self.argmax:
-                        q_rows.append(torch.nn.functional.one_hot(torch.tensor(copied), self.vocab_size).float())
+                    q_row = None if self.argmax else seq.processors.q_row(None, copied, self.vocab_size)
+                    if q_row is not None:
+                        q_rows.append(q_row)
                     continue
                 logits = constrained_logits(self.head.logits(h[None]), seq, tokens)  # (1, V)
                 if logits is None:  # the constraint allows nothing the head can write: the chain ends

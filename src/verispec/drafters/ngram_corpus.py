@@ -201,7 +201,7 @@ class CorpusNGramDrafter(RowStates):
     def _chain(self, seq: Sequence, counts: NGramCounts, budget: int) -> Draft:
         width = self.model.max_n - 1  # context tokens the longest order reads
         tail = seq.tokens[max(0, len(seq.tokens) - width) :] if width else []
-        greedy = seq.sampling.greedy
+        greedy = seq.processors.greedy
         temperature = seq.sampling.temperature if self.config.match_temperature and not greedy else 1.0
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []

@@ -134,7 +134,7 @@ class PromptLookupDrafter(Drafter):
             keys = []
             if found and seq.draft_stop is not None:
                 # Copied token s (from 0) follows a match `match + s` tokens long: the copies before it extend it.
-                keys = [AcceptanceCalibration.copy_key(match + s, seq.sampling.greedy) for s in range(len(found))]
+                keys = [AcceptanceCalibration.copy_key(match + s, seq.processors.greedy) for s in range(len(found))]
                 found = found[: chain_length(keys, seq.draft_stop, self.calibration)]
                 keys = keys[: len(found)]
             self.stop_keys.append(keys)
