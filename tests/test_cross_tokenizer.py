@@ -249,3 +249,39 @@ def test_bad_pairs_are_one_clear_line_or_a_notice_and_plain_decoding(tmp_path, c
     assert json.loads(out.out)["token_ids"] == plain and "decoding without a draft" in out.err
     with pytest.raises(VerispecError, match="unknown cross-tokenizer scheme"):
         CrossTokenizerConfig(scheme="words")
+
+
+# --- prefix reuse -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_cross_tokenizer_drafts_cache_follows_the_reused_prefixes(scheme):
+    """On the native runner the draft keeps its finished rows' caches by its own ids: a conversation's later turns
+    start the draft from the turn before's (up to where the whole text's tokenization parts from the pieces it read),
+    with the same drafts and the same bits as without."""
+    import exactness_harness as grid
+    from verispec.core.prefix import PrefixStore
+
+    target = tiny_model("qwen2", vocab=8, seed=3, layers=2, sharpness=30.0)
+    native = grid.BACKENDS["native"](target)
+    draft = grid.BACKENDS["native"](translated_draft(target, TARGET_CHARS, DRAFT_TOKENS, 0.2))
+    spec = SpecConfig(num_draft_tokens=4, max_new_tokens=16, stop_at_eos=False)
+    system = [(3 * i + 1) % 8 for i in range(40)]
+
+    def conversation(engine):
+        prompt, turns = system + [1, 2], []
+        for turn in range(3):
+            turns.append(engine.generate([prompt], GREEDY, spec)[0])
+            prompt = turns[-1].tokens + [5, turn]
+        return turns
+
+    cold = conversation(SpeculativeEngine(native, CrossTokenizerDrafter(draft, bridge(), 8,
+                                                                        CrossTokenizerConfig(scheme=scheme)), set()))
+    drafter = CrossTokenizerDrafter(draft, bridge(), 8, CrossTokenizerConfig(scheme=scheme))
+    engine = SpeculativeEngine(native, drafter, set())
+    engine.prefixes = PrefixStore(1 << 30)
+    drafter.reuse_prefixes(1 << 30)
+    warm = conversation(engine)
+    assert [s.generated for s in warm] == [s.generated for s in cold]
+    assert [s.stats.accepted_tokens for s in warm] == [s.stats.accepted_tokens for s in cold] and \
+        sum(s.stats.accepted_tokens for s in warm) > 0
+    stats = drafter.prefixes.stats
+    assert stats.hits == 2 and stats.tokens_reused >= 30  # most of each earlier turn, in the draft's ids

@@ -580,3 +580,45 @@ def test_a_composite_of_suffix_decoding_and_a_head_keeps_the_heads_cache_and_equ
     assert [s.generated for s in out] == expected
     drafts_accepted(out)
     assert all(composite.shares().values()), composite.shares()
+
+
+SYSTEM = [(7 * i + 3) % 64 for i in range(30)]  # a long shared beginning
+
+
+def _conversation(engine, sampling, spec, seed=4):
+    """Three turns, each prompt the last prompt and answer and a new user turn."""
+    prompt, turns = SYSTEM + [1, 2, 3], []
+    for turn in range(3):
+        seq = engine.generate([prompt], sampling, spec, seeds=seed + turn)[0]
+        turns.append(seq)
+        prompt = seq.tokens + [5, 6, turn]
+    return turns
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=0.9, top_k=20)], ids=["greedy", "sampled"])
+def test_an_eagle_heads_cache_follows_the_reused_prefixes(pair, trained, sampling):
+    """With the target's prefix store on, the head keeps its finished rows' entries by their tokens and a joining row
+    starts from them; the target takes as many positions (their features are never made again), so each later turn
+    reads only what is new, and the answers are the same bits as without. Without a store of the head's own, the
+    target reuses nothing for it."""
+    from verispec.core.prefix import PrefixStore
+    _, native = pair
+    spec = SpecConfig(max_new_tokens=12, num_draft_tokens=3, stop_at_eos=False)
+    cold = _conversation(SpeculativeEngine(native, EagleDrafter(native, trained[0]), set()), sampling, spec)
+    drafter = EagleDrafter(native, trained[0])
+    engine = SpeculativeEngine(native, drafter, set())
+    engine.prefixes = PrefixStore(1 << 30)
+    drafter.reuse_prefixes(1 << 30)
+    warm = _conversation(engine, sampling, spec)
+    assert [s.generated for s in warm] == [s.generated for s in cold]
+    assert warm[0].stats.cached_tokens == 0 and drafter.prefixes.stats.hits == 2
+    for before, seq in zip(warm, warm[1:]):  # the head's entries end a step or so short of its row's tokens
+        assert len(before.tokens) - 2 - spec.num_draft_tokens <= seq.stats.cached_tokens <= len(before.tokens) - 2
+    assert sum(s.stats.accepted_tokens for s in warm) > 0
+    assert [s.stats.accepted_tokens for s in warm] == [s.stats.accepted_tokens for s in cold]  # the same drafts
+
+    alone = SpeculativeEngine(native, EagleDrafter(native, trained[0]), set())  # the head keeps no store
+    alone.prefixes = PrefixStore(1 << 30)
+    turns = _conversation(alone, sampling, spec)
+    assert [s.generated for s in turns] == [s.generated for s in cold]
+    assert all(s.stats.cached_tokens == 0 for s in turns) and alone.prefixes.stats.hits == 0

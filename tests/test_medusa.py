@@ -346,3 +346,31 @@ def test_constrained_heads_keep_the_targets_features_and_equal_constrained_plain
         out = engine.generate(PROMPTS, FORCING, SpecConfig(num_draft_tokens=3, max_new_tokens=30, tree=tree))
         assert [s.generated for s in out] == expected, tree
         assert sum(s.stats.forced_tokens for s in out) > 0
+
+
+def test_medusa_heads_follow_the_reused_prefixes(pair):
+    """Medusa heads read the last position's state only, which the pass over a joining row's unread tokens gives: with
+    the target's prefix store on, each later turn of a conversation reads only what is new, with the same drafts and
+    the same bits as without."""
+    from verispec.core.prefix import PrefixStore
+    model, native = pair
+    heads = random_heads(model)
+    system = [(7 * i + 3) % 64 for i in range(30)]
+    spec = SpecConfig(max_new_tokens=12, num_draft_tokens=3, stop_at_eos=False)
+    sampling = SamplingConfig(temperature=0.9, top_k=20)
+
+    def conversation(engine):
+        prompt, turns = system + [1, 2, 3], []
+        for turn in range(3):
+            turns.append(engine.generate([prompt], sampling, spec, seeds=4 + turn)[0])
+            prompt = turns[-1].tokens + [5, 6, turn]
+        return turns
+
+    cold = conversation(SpeculativeEngine(native, MedusaDrafter(native, heads), set()))
+    engine = SpeculativeEngine(native, MedusaDrafter(native, heads), set())
+    engine.prefixes = PrefixStore(1 << 30)
+    warm = conversation(engine)
+    assert [s.generated for s in warm] == [s.generated for s in cold]
+    assert [s.stats.cached_tokens for s in warm] == [0, len(warm[0].tokens) - 1, len(warm[1].tokens) - 1]
+    assert [s.stats.accepted_tokens for s in warm] == [s.stats.accepted_tokens for s in cold]
+    assert sum(s.stats.draft_tokens for s in warm) > 0

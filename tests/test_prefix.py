@@ -104,8 +104,8 @@ def test_reuse_is_used_only_where_it_is_exact(model, native):
         seq = torch_engine.generate([SYSTEM], greedy, spec)[0]
     assert seq.stats.cached_tokens == 0 and torch_engine.prefixes.stats.lookups == 0
 
-    class ReadsThePass(PromptLookupDrafter):  # as heads and self-speculation do: they need the prompt's own pass
-        traits = dataclasses.replace(PromptLookupDrafter.traits, chunked_prefill=False)
+    class ReadsThePass(PromptLookupDrafter):  # a drafter that needs the prompt's own pass, every position of it
+        traits = dataclasses.replace(PromptLookupDrafter.traits, follows_prefixes=False)
 
     engine = SpeculativeEngine(native, ReadsThePass(), set())
     engine.prefixes = PrefixStore(1 << 30)

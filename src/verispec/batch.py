@@ -129,10 +129,10 @@ class DecodeBatch:
 
     # --- prefix reuse ------------------------------------------------------------------------------
     def _store(self):
-        """The engine's prefix store where this batch can use it: the target's state copies rows, and the drafter reads
-        only tokens (heads and self-speculation read the target's own prompt pass); else None."""
+        """The engine's prefix store where this batch can use it: the target's state copies rows, and the drafter follows
+        a row that joins with its prompt's first positions cached (`Traits.follows_prefixes`); else None."""
         store = self.engine.prefixes
-        if store is None or not isinstance(self.state, PrefixState) or not self.drafter.traits.chunked_prefill:
+        if store is None or not isinstance(self.state, PrefixState) or not self.drafter.traits.follows_prefixes:
             return None
         return store
 
@@ -141,7 +141,7 @@ class DecodeBatch:
         on, the drafter reads only tokens, and the target's rows copy. The server then lets the second of two rows
         with one prompt (a request's n choices) join once the first has read it, rather than read it twice."""
         if self.engine.prefixes is None or not self.drafter.traits.chunked_prefill:
-            return False
+            return False  # (a head follows a stored prefix, but holds no entries of a prompt read a step ago)
         if self._copies is None:
             try:
                 state = self.state if self.state is not None else self.engine.target.new_state(0)
@@ -159,8 +159,8 @@ class DecodeBatch:
         if store is None:
             return
         for b, seq in enumerate(joining, start=first_row):
-            try:
-                seq.target_cached = store.take(self.state, b, seq.tokens)
+            try:  # as far as the drafter can follow (an EAGLE head: as far as its own store reaches)
+                seq.target_cached = store.take(self.state, b, seq.tokens, self.drafter.prefix_limit(seq))
             except BaseException as err:
                 if not is_fault(err):
                     raise

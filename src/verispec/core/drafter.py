@@ -40,6 +40,11 @@ class Traits:
         stops_chains: its chains honour a sequence's `draft_stop` (core.stopping).
         chunked_prefill: follows a prompt the target reads over several steps (chunked prefill, verispec.batch):
             drafters that read only the sequence's tokens. Heads and self-speculation read the target's pass itself.
+        follows_prefixes: follows a row that joins with the first positions of its prompt already in the target's
+            cache, copied from an earlier row (`verispec.core.prefix`) and read by no pass here: drafters that read
+            the tokens themselves, Medusa heads (they need the last position's state only), an EAGLE head (it keeps
+            its own entries by their tokens and says how far it can follow: `prefix_limit`). Without it the batch
+            reuses no prefix.
         reads_prompt: has a cache of its own (a draft model): `propose` is called in a row's first step even when no
             row drafts (all depths 0), so that it reads the prompt then, before the first output.
         catches_up: reads a row's tokens into a cache of its own before drafting after them (a draft model,
@@ -66,6 +71,7 @@ class Traits:
     adaptive: bool = False
     stops_chains: bool = False
     chunked_prefill: bool = False
+    follows_prefixes: bool = False
     reads_prompt: bool = False
     catches_up: bool = False
     restartable: bool = True
@@ -151,6 +157,13 @@ class Drafter(ABC):
         the same starts from it (`verispec.core.prefix`), as the target's rows do; 0 turns it off. Drafters without a cache
         of their own, or whose runner's rows do not copy exactly, ignore it."""
 
+    def prefix_limit(self, seq: Sequence) -> int | None:
+        """How many positions of `seq`'s tokens a row joining now may take from the target's prefix store
+        (`verispec.core.prefix`), asked once the drafter holds the row: None where any will do (drafters that read
+        the tokens themselves); a drafter whose rows need the target's features of every position (an EAGLE head)
+        says how far its own store reaches."""
+        return None
+
     def retire_all(self) -> None:
         """Every current row is done, as if `keep` dropped it, for drafters that learn from finished outputs (the
         suffix store): a server calls it before it discards a batch without `keep` (at shutdown). The rows stay;
@@ -208,7 +221,7 @@ class PlainDrafter(Drafter):
     (`plain`), and a row decodes exactly as the target alone would."""
 
     name = "none"
-    traits = Traits(plain=True, chunked_prefill=True)  # it reads nothing: a long prompt is read in chunks
+    traits = Traits(plain=True, chunked_prefill=True, follows_prefixes=True)  # it reads nothing
 
     def propose(self, sequences: list[Sequence], depths: list[int],
                 trees: list[TreeConfig | None] | None = None) -> list[Draft]:

@@ -50,10 +50,11 @@ class PrefixStore:
         self._lock = threading.Lock()
         self.stats = PrefixStats()
 
-    def take(self, state: PrefixState, row: int, tokens: list[int]) -> int:
+    def take(self, state: PrefixState, row: int, tokens: list[int], limit: int | None = None) -> int:
         """Start empty row `row` from the longest stored prefix of `tokens` (at most all but the last: the pass must
-        read one token to give the logits after them). Returns the positions taken (0: none)."""
-        want = np.asarray(tokens[:-1], dtype=np.int64)
+        read one token to give the logits after them; at most `limit` positions where given). Returns the positions
+        taken (0: none)."""
+        want = np.asarray(tokens[: len(tokens) - 1 if limit is None else min(len(tokens) - 1, limit)], dtype=np.int64)
         with self._lock:
             self.stats.lookups += 1
             best, best_len = None, 0

@@ -133,6 +133,7 @@ class CompositeDrafter(Drafter):
         members = [m.traits for m in self.members]
         limits = [t.input_vocab for t in members if t.input_vocab is not None]
         return Traits(trees=all(t.trees for t in members), chunked_prefill=all(t.chunked_prefill for t in members),
+                      follows_prefixes=all(t.follows_prefixes for t in members),
                       restartable=all(t.restartable for t in members), input_vocab=min(limits) if limits else None)
 
     def cache_bytes(self, tokens: int) -> int:
@@ -200,6 +201,10 @@ class CompositeDrafter(Drafter):
     def reuse_prefixes(self, budget_bytes: int) -> None:
         for m in self.members:
             m.reuse_prefixes(budget_bytes)
+
+    def prefix_limit(self, seq: Sequence) -> int | None:
+        limits = [limit for limit in (m.prefix_limit(seq) for m in self.members) if limit is not None]
+        return min(limits) if limits else None
 
     def flush_store(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -34,6 +34,7 @@ prompt. Rows under a structured-output constraint are not drafted (the target de
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 from itertools import takewhile
@@ -42,9 +43,12 @@ import torch
 
 from verispec.config import CrossTokenizerConfig, TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, RowStates, Traits
-from verispec.core.protocols import Runner, RunnerState
+from verispec.core.prefix import PrefixStore
+from verispec.core.protocols import PrefixState, Runner, RunnerState
 from verispec.core.sequence import Sequence
 from verispec.drafters.token_text import VocabBridge
+
+log = logging.getLogger("verispec.cross_tokenizer")
 
 
 @dataclass
@@ -72,7 +76,7 @@ class CrossTokenizerDrafter(RowStates):
 
     name = "cross-tokenizer"
     # reads only committed tokens; a row given no drafts reads `prefill_chunk` ids a step
-    traits = Traits(reads_prompt=True, chunked_prefill=True)
+    traits = Traits(reads_prompt=True, chunked_prefill=True, follows_prefixes=True)
 
     def __init__(self, runner: Runner, bridge: VocabBridge, target_vocab_size: int,
                  config: CrossTokenizerConfig = CrossTokenizerConfig()) -> None:
@@ -82,6 +86,7 @@ class CrossTokenizerDrafter(RowStates):
         self.traits = replace(self.traits, held_back=1 if config.scheme == "string" else 0)
         self.state: RunnerState | None = None
         self.rows: list[_Row] = []
+        self.prefixes: PrefixStore | None = None  # finished rows' caches by their draft ids (`reuse_prefixes`)
         # (Vd,) draft ids the string scheme may write: those with text. Intersection: only the shared ones.
         self.writable = bridge.draft.usable
         self.shared = bridge.draft_to_target >= 0
@@ -104,16 +109,55 @@ class CrossTokenizerDrafter(RowStates):
     def start(self, sequences: list[Sequence]) -> None:
         self.state = self.runner.new_state(len(sequences))
         super().start(sequences)
+        self._reuse(0, sequences)
 
     def extend(self, sequences: list[Sequence]) -> None:
         assert self.state is not None, "start() must be called before extend()"
         self.state.extend(len(sequences))
+        first = len(self.rows)
         super().extend(sequences)
+        self._reuse(first, sequences)
 
     def keep(self, rows: list[int]) -> None:
         assert self.state is not None
+        store, kept = self._store(), set(rows)
+        for b, row in enumerate(self.rows if store is not None else ()):
+            if b not in kept and row.ids:  # leaving: its cache over the draft ids it holds, kept for later rows
+                try:
+                    store.keep(self.state, b, row.ids)
+                except Exception as err:  # noqa: BLE001 - optional: nothing is lost but the reuse
+                    log.warning("the cross-tokenizer draft kept no prefix (%s: %s)", type(err).__name__, err)
         self.state.select(torch.tensor(rows, dtype=torch.long))
         super().keep(rows)
+
+    # --- prefix reuse ------------------------------------------------------------------------------------------
+    def reuse_prefixes(self, budget_bytes: int) -> None:
+        self.prefixes = PrefixStore(budget_bytes) if budget_bytes > 0 else None
+
+    def _store(self) -> PrefixStore | None:
+        """The draft's own prefix store where its rows copy exactly (the native runner's)."""
+        return self.prefixes if self.prefixes is not None and isinstance(self.state, PrefixState) else None
+
+    def _reuse(self, first: int, sequences: list[Sequence]) -> None:
+        """Joining rows start from the longest stored prefix of their text in the draft's own ids (its BOS, then the
+        text's encoding): the cache over those ids and the bytes they hold. Stored rows read their text in pieces
+        (seams), so a prefix matches up to the first place the two tokenizations part."""
+        store = self._store()
+        for b, seq in enumerate(sequences if store is not None else (), start=first):
+            row = self.rows[b]
+            self._sync(row, seq)
+            text = self.bridge.draft.encode(bytes(row.text))
+            if self.bridge.draft.bytes_of(text) != bytes(row.text):  # (an encoding that does not give the bytes back)
+                continue
+            ids = self.bridge.draft.prefix + text
+            try:
+                taken = store.take(self.state, b, ids)
+            except Exception as err:  # noqa: BLE001 - reuse is optional: the row reads its text itself
+                log.warning("the cross-tokenizer draft reused no prefix (%s: %s)", type(err).__name__, err)
+                continue
+            if taken:
+                row.ids = ids[:taken]
+                row.covered = len(self.bridge.draft.bytes_of(ids[len(self.bridge.draft.prefix) : taken]))
 
     def _sync(self, row: _Row, seq: Sequence) -> None:
         """Append the sequence's new committed tokens to the row's text."""

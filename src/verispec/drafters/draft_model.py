@@ -64,8 +64,8 @@ class DraftModelDrafter(RowStates):
     """
 
     name = "draft-model"
-    traits = Traits(trees=True, adaptive=True, stops_chains=True, chunked_prefill=True, reads_prompt=True,
-                    catches_up=True)  # and input_vocab, its model's (the constructor)
+    traits = Traits(trees=True, adaptive=True, stops_chains=True, chunked_prefill=True, follows_prefixes=True,
+                    reads_prompt=True, catches_up=True)  # and input_vocab, its model's (the constructor)
 
     def __init__(self, runner: Runner, target_vocab_size: int, lookup: PromptLookupConfig | None = None,
                  context: int | None = None) -> None:

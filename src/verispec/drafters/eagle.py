@@ -21,6 +21,13 @@ of the context) and the head goes on from the copied token; in trees it is a nod
 
 Rows are drafted one by one, so a row's drafts are the same alone or in a batch.
 
+Prefix reuse (`reuse_prefixes`, on where the target's prefix store is): a row's entries read the target's features,
+which a position taken from the target's store never gets again, so the head keeps finished rows' entries by the
+tokens they were made from (entry t: the features at t and token t + 1) in a store of its own, a joining row starts
+from the longest stored prefix of its tokens, and the batch lets the target take at most as many positions
+(`prefix_limit`); at its first catch-up the row keeps as many entries as the target took. A conversation's later turns
+then run the head's layer over what is new only, as the target reads only that.
+
 Online adaptation (`--adapt`, `drafters.head_adapt`): the target's features of the committed positions are
 logged in windows, a copy of the head trains on them with the training-time test, and the new head drafts
 from the next step on.
@@ -29,6 +36,7 @@ from the next step on.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -36,6 +44,7 @@ import torch
 
 from verispec.config import AdaptConfig, PromptLookupConfig, TreeConfig
 from verispec.core.drafter import EMPTY_DRAFT, Draft, RowStates, Traits
+from verispec.core.prefix import PrefixStore
 from verispec.core.protocols import FeatureRunner, NativeWeights
 from verispec.core.sequence import Sequence
 from verispec.drafters.drawing import constrained_logits, draw_token, penalty_seen
@@ -44,6 +53,8 @@ from verispec.drafters.prompt_lookup import lookup
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.models.heads.eagle3 import Eagle3Head
+
+log = logging.getLogger("verispec.eagle")
 
 
 @dataclass
@@ -54,6 +65,8 @@ class _Row:
     values: torch.Tensor  # (capacity, Hkv, D)
     length: int = 0  # committed entries: positions 0 .. length - 1, made from the target's features
     pending: list[torch.Tensor] = field(default_factory=list)  # (n, E) fused features of positions length ..
+    tokens: list[int] = field(default_factory=list)  # the sequence's tokens (its own list, growing as it commits)
+    reused: bool = False  # its first entries came from the head's prefix store: fitted to the target's at catch-up
 
     def write(self, column: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (n, Hkv, D) into columns column .. column + n - 1 (growing the cache when needed)."""
@@ -64,6 +77,41 @@ class _Row:
             self.values = torch.cat([self.values, self.values.new_zeros(grow, *self.values.shape[1:])])
         self.keys[column:end] = k
         self.values[column:end] = v
+
+
+@dataclass(frozen=True)
+class _HeadPrefix:
+    """A row's first entries of the head's layer, kept by the tokens they were made from: entry t reads the target's
+    features at t and the token after it, so the entries over n tokens are the first n - 1. keys, values: (n - 1,
+    Hkv, D)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def head(self, tokens: int) -> _HeadPrefix:
+        return _HeadPrefix(self.keys[: tokens - 1], self.values[: tokens - 1])
+
+
+class _HeadRows:
+    """The head's rows as a `core.protocols.PrefixState` for its `PrefixStore` (positions are tokens; see
+    `_HeadPrefix`)."""
+
+    def __init__(self, rows: list[_Row]) -> None:
+        self.rows = rows
+
+    def read_prefix(self, row: int, tokens: int) -> _HeadPrefix:
+        r = self.rows[row]
+        return _HeadPrefix(r.keys[: tokens - 1].clone(), r.values[: tokens - 1].clone())
+
+    def write_prefix(self, row: int, prefix: _HeadPrefix) -> None:
+        r = self.rows[row]
+        n = prefix.keys.shape[0]
+        r.write(0, prefix.keys, prefix.values)
+        r.length, r.reused = n, n > 0
 
 
 class EagleDrafter(AdaptiveHead, RowStates):
@@ -82,7 +130,7 @@ class EagleDrafter(AdaptiveHead, RowStates):
     def traits(self) -> Traits:
         """Its rows hold the target's features of every position (not rebuilt mid-answer: not restartable); argmax
         drafts (`argmax`, which the registry may set after construction) are chains only."""
-        return Traits(trees=not self.argmax, adaptive=True, restartable=False)
+        return Traits(trees=not self.argmax, adaptive=True, restartable=False, follows_prefixes=True)
 
     def __init__(self, target, head: Eagle3Head, argmax: bool = False, native: bool | None = None,
                  lookup: PromptLookupConfig | None = None) -> None:
@@ -100,6 +148,10 @@ class EagleDrafter(AdaptiveHead, RowStates):
         self.vocab_size = target.vocab_size
         self.rows: list[_Row] = []
         target.aux_layers = tuple(head.config.aux_layers)
+        # finished rows' entries by their tokens (`reuse_prefixes`; None: off), and the entries each row joining now
+        # took from it (by id of its sequence, until the batch asks `prefix_limit`)
+        self.prefixes: PrefixStore | None = None
+        self.taken: dict[int, int] = {}
 
     def _serving(self, head: Eagle3Head) -> Eagle3Head:
         """The head to draft with: a copy on the native kernels (Q8_0 linears) where the drafter uses them."""
@@ -113,9 +165,30 @@ class EagleDrafter(AdaptiveHead, RowStates):
 
 
     def new_row(self, seq: Sequence | None = None) -> _Row:
-        """An empty key / value cache of the head's layer (filled from the target's features as the row decodes)."""
+        """A key / value cache of the head's layer, filled from the target's features as the row decodes: empty, or
+        the entries of the longest stored prefix of the sequence's tokens (`reuse_prefixes`)."""
         c = self.head.config
-        return _Row(torch.zeros(64, c.kv_heads, c.head_dim), torch.zeros(64, c.kv_heads, c.head_dim))
+        row = _Row(torch.zeros(64, c.kv_heads, c.head_dim), torch.zeros(64, c.kv_heads, c.head_dim))
+        if seq is None:
+            return row
+        row.tokens = seq.tokens
+        if self.prefixes is not None:
+            try:
+                self.prefixes.take(_HeadRows([row]), 0, seq.tokens)
+            except Exception as err:  # noqa: BLE001 - reuse is optional: the row then takes no prefix of the target's
+                log.warning("the EAGLE head reused no prefix (%s: %s)", type(err).__name__, err)
+                row = _Row(torch.zeros(64, c.kv_heads, c.head_dim), torch.zeros(64, c.kv_heads, c.head_dim))
+                row.tokens = seq.tokens
+        self.taken[id(seq)] = row.length
+        return row
+
+    def reuse_prefixes(self, budget_bytes: int) -> None:
+        self.prefixes = PrefixStore(budget_bytes) if budget_bytes > 0 else None
+
+    def prefix_limit(self, seq: Sequence) -> int | None:
+        """The positions a joining row may take from the target's store: as many as the head's entries it took (the
+        target's features of a reused position are never made again); None for a row the head does not hold."""
+        return self.taken.pop(id(seq), None)
 
     def cache_bytes(self, tokens: int) -> int:
         """The head's one layer: float32 keys and values, grown by doubling from 64 columns (`_Row.write`)."""
@@ -134,8 +207,17 @@ class EagleDrafter(AdaptiveHead, RowStates):
         self._rows_started(len(sequences), add=True)
 
     def keep(self, rows: list[int]) -> None:
+        if self.prefixes is not None:  # rows leaving: their entries kept by the tokens they were made from
+            kept = set(rows)
+            for b, row in enumerate(self.rows):
+                if b not in kept and row.length:
+                    try:
+                        self.prefixes.keep(_HeadRows(self.rows), b, row.tokens[: row.length + 1])
+                    except Exception as err:  # noqa: BLE001 - optional: nothing is lost but the reuse
+                        log.warning("the EAGLE head kept no prefix (%s: %s)", type(err).__name__, err)
         super().keep(rows)
         self._rows_kept(rows)
+        self.taken.clear()  # asked of joining rows in the step they joined
 
     # --- online adaptation -----------------------------------------------------------------------
     def check_adaptable(self, config: AdaptConfig | None = None) -> None:
@@ -167,6 +249,11 @@ class EagleDrafter(AdaptiveHead, RowStates):
             return None
         features = torch.cat(row.pending)  # (n, E)
         n, start = features.shape[0], row.length
+        if row.reused:  # entries from the store: the target took as many of its positions, or fewer (the rest go)
+            taken = len(seq.tokens) - 1 - n
+            if 0 <= taken <= start:
+                start = row.length = taken
+            row.reused = False
         if start + n != len(seq.tokens) - 1:
             raise VerispecError(f"the EAGLE head holds features of {start + n} positions for a sequence of "
                                 f"{len(seq.tokens)} tokens (expected one fewer)")

@@ -43,7 +43,8 @@ class MedusaDrafter(AdaptiveHead, RowStates):
     """
 
     name = "medusa"
-    traits = Traits(trees=True, adaptive=True, restartable=False)  # its rows are the target's, from its own passes
+    # its rows are the target's, from its own passes; a reused prefix changes nothing: it reads the last position only
+    traits = Traits(trees=True, adaptive=True, restartable=False, follows_prefixes=True)
     head_attribute = "heads"
 
     def __init__(self, target, heads: MedusaHeads) -> None:

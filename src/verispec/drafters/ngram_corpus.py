@@ -140,7 +140,7 @@ class CorpusNGramDrafter(RowStates):
     """
 
     name = SPEC_PREFIX
-    traits = Traits(trees=True, chunked_prefill=True, adaptive=True)
+    traits = Traits(trees=True, chunked_prefill=True, follows_prefixes=True, adaptive=True)
 
     def __init__(self, table: NGramTable | None, vocab_size: int, config: NGramConfig = NGramConfig()) -> None:
         if table is not None and table.vocab_size > vocab_size:

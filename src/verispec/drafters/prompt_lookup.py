@@ -113,7 +113,7 @@ class PromptLookupDrafter(Drafter):
     """n-gram match in the sequence's own context (prompt and generated tokens)."""
 
     name = "ngram"
-    traits = Traits(trees=True, stops_chains=True, chunked_prefill=True)
+    traits = Traits(trees=True, stops_chains=True, chunked_prefill=True, follows_prefixes=True)
 
     def __init__(self, config: PromptLookupConfig = PromptLookupConfig()) -> None:
         self.config = config

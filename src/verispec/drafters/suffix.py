@@ -53,7 +53,7 @@ class SuffixDrafter(RowStates):
     """Suffix decoding over each row's own context and the outputs of earlier requests (see the module doc)."""
 
     name = "suffix"
-    traits = Traits(trees=True, chunked_prefill=True)
+    traits = Traits(trees=True, chunked_prefill=True, follows_prefixes=True)
 
     def __init__(self, config: SuffixConfig = SuffixConfig(), store_path: str | Path | None = None,
                  tokenizer: dict | None = None, vocab_size: int | None = None) -> None:
