@@ -41,7 +41,8 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
                     tied: bool = False, context: int = 512, rope_factors: np.ndarray | None = None,
                     vocab_tokens: bool = False, extra: dict | None = None, metadata: dict | None = None,
                     head_dim: int | None = None) -> Path:
-    """Write a random Llama / Qwen2 model; matmul weights take `types` in turn (cycled). rope_factors (D/2,): Llama 3's
+    """Write a random Llama / Qwen2 model; matmul weights take `types` in turn (cycled), or `types(name)` where it is a
+    function of the tensor's name. rope_factors (D/2,): Llama 3's
     RoPE scaling as its files carry it (rope_freqs.weight); vocab_tokens: a placeholder vocabulary (llama.cpp needs
     one); extra: more tensors by name; metadata: more key/value pairs (name -> (value, GGUFValueType)); head_dim: the
     heads' size where it is not hidden / heads (Qwen3's is not; written as attention.key_length). "qwen3": Qwen2's
@@ -60,11 +61,11 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
         writer.add_key_value(key, value, vtype)
     if vocab_tokens:
         add_placeholder_vocab(writer, vocab)
-    order = [types[i % len(types)] for i in range(8 * layers + 2)]
+    order = [] if callable(types) else [types[i % len(types)] for i in range(8 * layers + 2)]
     picks = iter(order)
 
     def matrix(name: str, rows: int, cols: int) -> None:
-        qtype = next(picks)
+        qtype = types(name) if callable(types) else next(picks)
         raw = random_raw(rng, qtype, rows, cols)
         if qtype == T.BF16:
             raw = raw.view(np.uint8)  # gguf's writer takes a BF16 tensor as its bytes
