@@ -21,6 +21,17 @@ SPEC = SpecConfig(num_draft_tokens=3, max_new_tokens=16, stop_at_eos=False)
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 11, 12], [3], [20, 21, 22, 20, 21]]
 
 
+def decode_all(engine, batch):
+    """PROMPTS added to the batch and stepped to the end: the finished sequences by index."""
+    batch.add(engine.make_sequences(PROMPTS, GREEDY, SPEC, None))
+    done = {}
+    while batch:
+        for _, seq in engine.step(batch):
+            if seq.finish_reason is not None:
+                done[seq.index] = seq
+    return done
+
+
 def test_batched_verdicts_equal_each_rows_own_verdict_ties_included():
     gen = torch.Generator().manual_seed(0)
     rows, vocab, width = 6, 40, 6
@@ -71,12 +82,7 @@ def test_a_row_whose_logits_hold_nan_is_left_out_and_fails_alone_in_a_batch(gree
 
     monkeypatch.setattr(ModelRunner, "forward", poisoned)
     batch = DecodeBatch(engine)
-    batch.add(engine.make_sequences(PROMPTS, GREEDY, SPEC, None))
-    done = {}
-    while batch:
-        for _, seq in engine.step(batch):
-            if seq.finish_reason is not None:
-                done[seq.index] = seq
+    done = decode_all(engine, batch)
     assert done[2].finish_reason == "error" and "NaN" in str(done[2].error)
     assert {i: s.generated for i, s in done.items() if i != 2} == {i: t for i, t in expected.items() if i != 2}
     assert [stage for stage, _ in batch.faults] == ["verify"]
@@ -179,12 +185,7 @@ def test_the_steps_observers_see_every_rows_outcome_and_the_counters_are_one_of_
     batch, reports = DecodeBatch(engine), []
     assert batch.observers == [count_step]
     batch.observers.append(reports.append)
-    batch.add(engine.make_sequences(PROMPTS, GREEDY, SPEC, None))
-    done = {}
-    while batch:
-        for _, seq in engine.step(batch):
-            if seq.finish_reason is not None:
-                done[seq.index] = seq
+    done = decode_all(engine, batch)
     for index, seq in done.items():
         rows = [row for report in reports for row in report.rows if row.seq is seq]
         assert sum(row.accepted for row in rows) == seq.stats.accepted_tokens
