@@ -188,3 +188,25 @@ def test_a_draft_models_cache_follows_the_reused_prefixes(model, native, tmp_pat
     assert stats.hits == 2 and sum(len(s.tokens) - 1 - spec.num_draft_tokens for s in warm[:2]) <= \
         stats.tokens_reused <= sum(len(s.tokens) - 1 for s in warm[:2])
     assert sum(s.stats.draft_tokens for s in warm) > 0
+
+
+def test_a_drafters_optional_take_or_keep_that_fails_logs_one_line_and_takes_nothing(native, caplog):
+    """`try_take` / `try_keep` (a drafter's own store, where reuse is optional): a state that cannot copy rows costs the
+    reuse only, with a warning naming the drafter."""
+    store, state = PrefixStore(1 << 30), native.new_state(1)
+    native.forward(state, [SYSTEM], [1])
+    store.keep(state, 0, SYSTEM)
+
+    class Broken:
+        def write_prefix(self, row, prefix):
+            raise RuntimeError("no room")
+
+        def read_prefix(self, row, n):
+            raise RuntimeError("no room")
+
+    with caplog.at_level("WARNING", logger="verispec.prefix"):
+        assert store.try_take(Broken(), 0, SYSTEM + [1], "the test draft") == 0
+        store.try_keep(Broken(), 0, SYSTEM + [1, 2], "the test draft")
+    assert [r.getMessage() for r in caplog.records] == ["the test draft reused no prefix (RuntimeError: no room)",
+                                                        "the test draft kept no prefix (RuntimeError: no room)"]
+    assert store.try_take(native.new_state(1), 0, SYSTEM + [1], "the test draft") == len(SYSTEM)

@@ -127,7 +127,7 @@ class SpeculativeDecoder:
         whose reused positions are the same bits as recomputed ones). 0 turns it off. The store lives as long as this
         decoder: a conversation's later turns read only what is new. A draft model keeps its own rows the same way, in
         a store of its own with the same budget, and so does an EAGLE head (its layer's entries)."""
-        self.engine.prefixes = PrefixStore(budget_bytes) if budget_bytes > 0 else None
+        self.engine.prefixes = PrefixStore.of(budget_bytes)
         self.engine.drafter.reuse_prefixes(budget_bytes)  # a draft model's own cache, an EAGLE head's entries
 
     @property

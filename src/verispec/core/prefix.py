@@ -15,6 +15,7 @@ millisecond, far less than reading one token.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from verispec.core.protocols import PrefixState
+
+log = logging.getLogger("verispec.prefix")
 
 
 @dataclass
@@ -49,6 +52,26 @@ class PrefixStore:
         self._next = 0
         self._lock = threading.Lock()
         self.stats = PrefixStats()
+
+    @classmethod
+    def of(cls, budget_bytes: int) -> PrefixStore | None:
+        """A store of `budget_bytes`, or None for 0 (reuse off): what every `reuse_prefixes` keeps."""
+        return cls(budget_bytes) if budget_bytes > 0 else None
+
+    def try_take(self, state: PrefixState, row: int, tokens: list[int], who: str, limit: int | None = None) -> int:
+        """`take` where reuse is optional (a drafter's own store): a failure is logged, naming `who`, and takes 0."""
+        try:
+            return self.take(state, row, tokens, limit)
+        except Exception as err:  # noqa: BLE001 - the row then reads its tokens itself
+            log.warning("%s reused no prefix (%s: %s)", who, type(err).__name__, err)
+            return 0
+
+    def try_keep(self, state: PrefixState, row: int, tokens: list[int], who: str) -> None:
+        """`keep` where reuse is optional: a failure is logged, naming `who`; nothing is lost but the reuse."""
+        try:
+            self.keep(state, row, tokens)
+        except Exception as err:  # noqa: BLE001
+            log.warning("%s kept no prefix (%s: %s)", who, type(err).__name__, err)
 
     def take(self, state: PrefixState, row: int, tokens: list[int], limit: int | None = None) -> int:
         """Start empty row `row` from the longest stored prefix of `tokens` (at most all but the last: the pass must

@@ -151,7 +151,6 @@ class StepClock:
     calm: bool
 
 
-
 @dataclass(frozen=True)
 class RowOutcome:
     """One row's verification in a step, as the step's observers see it (`StepReport`).

@@ -34,7 +34,6 @@ prompt. Rows under a structured-output constraint are not drafted (the target de
 
 from __future__ import annotations
 
-import logging
 from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 from itertools import takewhile
@@ -47,8 +46,6 @@ from verispec.core.prefix import PrefixStore
 from verispec.core.protocols import PrefixState, Runner, RunnerState
 from verispec.core.sequence import Sequence
 from verispec.drafters.token_text import VocabBridge
-
-log = logging.getLogger("verispec.cross_tokenizer")
 
 
 @dataclass
@@ -123,16 +120,13 @@ class CrossTokenizerDrafter(RowStates):
         store, kept = self._store(), set(rows)
         for b, row in enumerate(self.rows if store is not None else ()):
             if b not in kept and row.ids:  # leaving: its cache over the draft ids it holds, kept for later rows
-                try:
-                    store.keep(self.state, b, row.ids)
-                except Exception as err:  # noqa: BLE001 - optional: nothing is lost but the reuse
-                    log.warning("the cross-tokenizer draft kept no prefix (%s: %s)", type(err).__name__, err)
+                store.try_keep(self.state, b, row.ids, "the cross-tokenizer draft")
         self.state.select(torch.tensor(rows, dtype=torch.long))
         super().keep(rows)
 
     # --- prefix reuse ------------------------------------------------------------------------------------------
     def reuse_prefixes(self, budget_bytes: int) -> None:
-        self.prefixes = PrefixStore(budget_bytes) if budget_bytes > 0 else None
+        self.prefixes = PrefixStore.of(budget_bytes)
 
     def _store(self) -> PrefixStore | None:
         """The draft's own prefix store where its rows copy exactly (the native runner's)."""
@@ -150,11 +144,7 @@ class CrossTokenizerDrafter(RowStates):
             if self.bridge.draft.bytes_of(text) != bytes(row.text):  # (an encoding that does not give the bytes back)
                 continue
             ids = self.bridge.draft.prefix + text
-            try:
-                taken = store.take(self.state, b, ids)
-            except Exception as err:  # noqa: BLE001 - reuse is optional: the row reads its text itself
-                log.warning("the cross-tokenizer draft reused no prefix (%s: %s)", type(err).__name__, err)
-                continue
+            taken = store.try_take(self.state, b, ids, "the cross-tokenizer draft")
             if taken:
                 row.ids = ids[:taken]
                 row.covered = len(self.bridge.draft.bytes_of(ids[len(self.bridge.draft.prefix) : taken]))

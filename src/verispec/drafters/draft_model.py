@@ -28,7 +28,6 @@ which swaps them in and restarts the draft's cache (it holds keys and values of 
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import replace
 
@@ -45,8 +44,6 @@ from verispec.drafters.prompt_lookup import lookup, lookup_match
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.sampling import sample
-
-log = logging.getLogger("verispec.draft_model")
 
 
 class DraftModelDrafter(RowStates):
@@ -116,7 +113,7 @@ class DraftModelDrafter(RowStates):
         self._reuse(first, sequences)
 
     def reuse_prefixes(self, budget_bytes: int) -> None:
-        self.prefixes = PrefixStore(budget_bytes) if budget_bytes > 0 else None
+        self.prefixes = PrefixStore.of(budget_bytes)
 
     def _store(self) -> PrefixStore | None:
         """The draft's own prefix store where it is exact: rows that copy (the native runner's), a whole context."""
@@ -129,20 +126,14 @@ class DraftModelDrafter(RowStates):
         its tokens itself)."""
         store = self._store()
         for b, seq in enumerate(sequences if store is not None else (), start=first):
-            try:
-                self.cached[b] = store.take(self.state, b, seq.tokens)
-            except Exception as err:  # noqa: BLE001 - reuse is optional
-                log.warning("the draft reused no prefix (%s: %s)", type(err).__name__, err)
+            self.cached[b] = store.try_take(self.state, b, seq.tokens, "the draft")
 
     def _keep_leaving(self, rows: list[int]) -> None:
         """Rows leaving (not in `rows`): their cache over the tokens it holds is kept for later rows."""
         store, kept = self._store(), set(rows)
         for b in range(len(self.cached)) if store is not None else ():
             if b not in kept:
-                try:
-                    store.keep(self.state, b, self.rows[b][: self.cached[b]])
-                except Exception as err:  # noqa: BLE001 - optional: nothing is lost but the reuse
-                    log.warning("the draft kept no prefix (%s: %s)", type(err).__name__, err)
+                store.try_keep(self.state, b, self.rows[b][: self.cached[b]], "the draft")
 
     def _skipped(self, seq: Sequence) -> int:
         """Tokens at the start of the sequence that the draft never reads (see `context`)."""

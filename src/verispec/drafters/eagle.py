@@ -36,7 +36,6 @@ from the next step on.
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -53,8 +52,6 @@ from verispec.drafters.prompt_lookup import lookup
 from verispec.drafters.tree_growth import TreeGrowth
 from verispec.errors import VerispecError
 from verispec.models.heads.eagle3 import Eagle3Head
-
-log = logging.getLogger("verispec.eagle")
 
 
 @dataclass
@@ -172,18 +169,13 @@ class EagleDrafter(AdaptiveHead, RowStates):
         if seq is None:
             return row
         row.tokens = seq.tokens
-        if self.prefixes is not None:
-            try:
-                self.prefixes.take(_HeadRows([row]), 0, seq.tokens)
-            except Exception as err:  # noqa: BLE001 - reuse is optional: the row then takes no prefix of the target's
-                log.warning("the EAGLE head reused no prefix (%s: %s)", type(err).__name__, err)
-                row = _Row(torch.zeros(64, c.kv_heads, c.head_dim), torch.zeros(64, c.kv_heads, c.head_dim))
-                row.tokens = seq.tokens
+        if self.prefixes is not None:  # a failed take leaves the row empty: its length is set once the entries are in
+            self.prefixes.try_take(_HeadRows([row]), 0, seq.tokens, "the EAGLE head")
         self.taken[id(seq)] = row.length
         return row
 
     def reuse_prefixes(self, budget_bytes: int) -> None:
-        self.prefixes = PrefixStore(budget_bytes) if budget_bytes > 0 else None
+        self.prefixes = PrefixStore.of(budget_bytes)
 
     def prefix_limit(self, seq: Sequence) -> int | None:
         """The positions a joining row may take from the target's store: as many as the head's entries it took (the
@@ -211,10 +203,7 @@ class EagleDrafter(AdaptiveHead, RowStates):
             kept = set(rows)
             for b, row in enumerate(self.rows):
                 if b not in kept and row.length:
-                    try:
-                        self.prefixes.keep(_HeadRows(self.rows), b, row.tokens[: row.length + 1])
-                    except Exception as err:  # noqa: BLE001 - optional: nothing is lost but the reuse
-                        log.warning("the EAGLE head kept no prefix (%s: %s)", type(err).__name__, err)
+                    self.prefixes.try_keep(_HeadRows(self.rows), b, row.tokens[: row.length + 1], "the EAGLE head")
         super().keep(rows)
         self._rows_kept(rows)
         self.taken.clear()  # asked of joining rows in the step they joined
