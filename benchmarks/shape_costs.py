@@ -44,6 +44,14 @@ def write(shape: str, path: Path) -> Path:
     return path
 
 
+def cpu_name() -> str:
+    """`lscpu`'s model name (platform.processor() is empty on Linux), and whether AMX tiles are listed."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    return f"{name}, {'AMX' if 'amx_tile' in flags else 'no AMX'}"
+
+
 def costs(runner, max_tokens: int, context: int, repeats: int) -> dict[int, float]:
     from verispec.tuning import measure_costs
     return measure_costs(runner, None, k_max=max_tokens - 1, context=context, repeats=repeats).target_pass
@@ -70,14 +78,14 @@ def main() -> None:
     path = args.dir / f"{args.shape}-q4_k_m-random.gguf"
     if not path.is_file():
         write(args.shape, path)
-    result = {"shape": args.shape, "threads": args.threads, "context": args.context, "cpu": platform.processor(),
+    result = {"shape": args.shape, "threads": args.threads, "context": args.context, "cpu": cpu_name(),
               "kernel_path": native.path(), "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 2)}
     runner = NativeRunner(load_gguf(path, show_progress=False))
     result["native"] = costs(runner, args.max_tokens, args.context, args.repeats)
     del runner
     result["llama.cpp"] = costs(LlamaCppRunner(path, context_window=args.context + args.max_tokens + 64,
                                                threads=args.threads), args.max_tokens, args.context, args.repeats)
-    print(f"{args.shape}, {args.threads} threads, {args.context} cached tokens, kernel path {result['kernel_path']}, "
+    print(f"{result['cpu']}; {args.shape}, {args.threads} threads, {args.context} cached tokens, kernel path {result['kernel_path']}, "
           f"probe {result['memory_bandwidth_gbs']} GB/s; ms per pass (v)")
     print(f"{'tokens':>6} {'native':>16} {'llama.cpp':>16} {'native / llama.cpp':>19}")
     for width in sorted(result["native"]):
