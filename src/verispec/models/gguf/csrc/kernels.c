@@ -624,15 +624,18 @@ VS_INLINE VS_AVX512 void unpack8_as(const uint8_t *pl, const int bits, __m512i v
 }
 VS_INLINE VS_AVX512 void unpack8(const uint8_t *pl, const int bits, __m512i v[8]) { unpack8_as(pl, bits, v, 0); }
 
+/* p += vpdpbusd(v, the 4 bytes at a in every lane), the 4 bytes read as the instruction's own {1to16} memory operand:
+ * GCC does not fold a broadcast into vpdpbusd (its pattern is opaque), and a separate vpbroadcastd per product was
+ * half the uops of a wide pass's inner loop. */
+VS_INLINE VS_AVX512 void dpbusd_bcast(__m512i *p, __m512i v, const int8_t *a) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(*p) : "v"(v), "m"(*(const int32_t *)a));
+}
+
 /* sum over slots first..first+3 of vpdpbusd(v[i], 4 activation bytes): one chain of 4 (two chains per sub-block
  * run side by side; integer sums, so their order changes no bit). */
 VS_INLINE VS_AVX512 __m512i dot_slots(const __m512i v[8], const int8_t *a, int first, int count) {
     __m512i p = _mm512_setzero_si512();
-    for (int i = first; i < first + count; i++) {
-        int32_t a4;
-        memcpy(&a4, a + 4 * i, 4);
-        p = _mm512_dpbusd_epi32(p, v[i], _mm512_set1_epi32(a4));
-    }
+    for (int i = first; i < first + count; i++) dpbusd_bcast(&p, v[i], a + 4 * i);
     return p;
 }
 
