@@ -12,9 +12,10 @@ from gguf import quants
 from verispec.models.gguf.reference import (SUPPORTED, activation_block, block_shape, dequantize,
                                             quantize_activations, reference_matmul)
 
-QUANTIZED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+QUANTIZED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
 # Byte offsets of the fp16 scale fields in each block: random bytes there could be NaN / inf / huge.
-FP16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+FP16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+               T.IQ4_NL: [0], T.IQ4_XS: [0]}
 
 
 def random_rows(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -25,7 +26,7 @@ def random_rows(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     blocks = rng.integers(0, 256, size=(rows * cols // block, nbytes), dtype=np.uint8)  # (B, nbytes)
     for off in FP16_FIELDS[qtype]:
         value = rng.uniform(1e-3, 1e-1, size=blocks.shape[0])
-        if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q6_K):
+        if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q6_K, T.IQ4_NL, T.IQ4_XS):
             value *= rng.choice([-1.0, 1.0], size=blocks.shape[0])
         blocks[:, off:off + 2] = value.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
@@ -38,8 +39,9 @@ def bits(y: torch.Tensor) -> np.ndarray:
 
 def test_block_shapes_and_activation_blocks():
     assert block_shape(T.Q4_K) == (256, 144) and block_shape(T.F32) == (1, 4) and block_shape(T.BF16) == (1, 2)
-    assert [block_shape(t) for t in QUANTIZED] == [(32, 18), (32, 20), (32, 22), (32, 24), (32, 34), (256, 144), (256, 176), (256, 210)]
-    assert [activation_block(t) for t in QUANTIZED] == [32, 32, 32, 32, 32, 256, 256, 256]
+    assert [block_shape(t) for t in QUANTIZED] == [(32, 18), (32, 20), (32, 22), (32, 24), (32, 34), (256, 144), (256, 176), (256, 210),
+                                                       (32, 18), (256, 136)]
+    assert [activation_block(t) for t in QUANTIZED] == [32, 32, 32, 32, 32, 256, 256, 256, 32, 256]
     assert activation_block(T.F32) == activation_block(T.F16) == activation_block(T.BF16) == 0
     assert SUPPORTED == frozenset({T.F32, T.F16, T.BF16, *QUANTIZED})
     assert block_shape(int(T.Q6_K)) == (256, 210)  # plain ints are accepted too

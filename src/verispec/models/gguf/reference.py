@@ -17,6 +17,8 @@ Block layouts (little-endian; fp16 fields read with `.view(torch.float16)`):
   Q4_K 256 weights, 144 bytes: d, dmin, scales[12], qs[128]           y = (d*sc) * q - (dmin*m)
   Q5_K 256 weights, 176 bytes: d, dmin, scales[12], qh[32], qs[128]   same, q gets a 5th bit from qh
   Q6_K 256 weights, 210 bytes: ql[128], qh[64], scales[16] int8, d    y = (d*sc) * (q - 32)
+  IQ4_NL  32 weights, 18 bytes:  d, qs[16]                  y = d * K[q], K = ggml's kvalues_iq4nl
+  IQ4_XS 256 weights, 136 bytes: d, scales_h, scales_l[4], qs[128]    y = (d * (ls - 32)) * K[q], ls 6 bits a 32
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 T = GGMLQuantizationType
 FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
-SUPPORTED = FLOAT_TYPES | {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K}
+SUPPORTED = FLOAT_TYPES | {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS}
 
 
 def _qtype(qtype: GGMLQuantizationType | int) -> GGMLQuantizationType:
@@ -49,7 +51,8 @@ def block_shape(qtype: GGMLQuantizationType | int) -> tuple[int, int]:
 
 def activation_block(qtype: GGMLQuantizationType | int) -> int:
     """How many activations share one int8 scale when multiplied with weights of this type:
-    256 for Q4_K / Q5_K / Q6_K, 32 for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, 0 for float types (activations stay float32)."""
+    256 for Q4_K / Q5_K / Q6_K / IQ4_XS, 32 for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL (llama.cpp's Q8_K and Q8_0
+    activations), 0 for float types (activations stay float32)."""
     qtype = _qtype(qtype)
     return 0 if qtype in FLOAT_TYPES else block_shape(qtype)[0]
 
@@ -144,7 +147,34 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return ((d[:, None] * sc)[..., None] * q).flatten(1)  # (B, 256): (d * sc) * q, as ggml
 
 
-_BLOCK_DEQUANT = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+# ggml's kvalues_iq4nl: the 16 non-linear values the 4-bit indices of IQ4_NL and IQ4_XS stand for
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_values(qs: torch.Tensor) -> torch.Tensor:
+    """(..., 16) uint8 index pairs -> (..., 32) float32: K[low nibbles] (weights 0-15), then K[high] (16-31)."""
+    table = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=qs.device)  # (16,)
+    return table[_nibbles(qs).flatten(-2).long()]  # (..., 32)
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[:, 0:2])  # (B,)
+    return d[:, None] * _iq4_values(b[:, 2:18])  # (B, 32): d * K[q], as ggml
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[:, 0:2])  # (B,)
+    sh = b[:, 2].long() | (b[:, 3].long() << 8)  # (B,) scales_h: 2 bits a sub-block
+    j = torch.arange(8, device=b.device)  # (8,)
+    low = (b[:, 4 + j // 2].long() >> (4 * (j % 2))) & 0xF  # (B, 8) scales_l: a nibble a sub-block
+    ls = low | (((sh[:, None] >> (2 * j)) & 3) << 4)  # (B, 8) 6-bit scales
+    dl = d[:, None] * (ls - 32).float()  # (B, 8) float32, as ggml's dl = d * (ls - 32)
+    q = _iq4_values(b[:, 8:136].reshape(-1, 8, 16))  # (B, 8, 32)
+    return (dl[..., None] * q).flatten(1)  # (B, 256)
+
+
+_BLOCK_DEQUANT = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k,
+                  T.Q6_K: _q6_k, T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs}
 
 
 def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType | int, cols: int) -> torch.Tensor:

@@ -65,7 +65,7 @@ static void amx_operands_portable(const layout_t *L, const uint8_t *sb, uint8_t 
         for (int r = 0; r < GROUP; r++) {
             const int sc = L->scsub ? ((const int8_t *)sb)[hdr + u * GROUP + r] : 0;
             for (int k = 0; k < 32; k++) {
-                const int i = 512 * u + 64 * (k / 4) + 4 * r + k % 4, q = unpack_value(sb + poff + u * pb, L->bits, r, k);
+                const int i = 512 * u + 64 * (k / 4) + 4 * r + k % 4, q = unpack_weight(L, sb + poff + u * pb, r, k);
                 if (L->scsub && lo) {
                     hi[i] = (uint8_t)((sc >> 3) * q), lo[i] = (uint8_t)((sc & 7) * q);
                 } else {

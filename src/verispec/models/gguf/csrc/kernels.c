@@ -23,6 +23,10 @@
  *   A row's weight is  d * sc * q - dmin * m  with q >= 0 (unsigned: vpdpbusd multiplies u8 x s8);
  *   sc, m per sub-block of 32 (Q4_K, Q5_K) or 16 (Q6_K, where m = sc and dmin = 32 d); Q4_0: sc = m = 1,
  *   dmin = 8 d; Q5_0: dmin = 16 d; Q8_0: q + 128 stored, dmin = 128 d; Q4_1, Q5_1: dmin = -min.
+ *   IQ4_NL and IQ4_XS (lut): the 4-bit planes hold indices into ggml's 16 non-linear values (kvalues_iq4nl); the
+ *   value q is IQ4_LUT[index] = that value + 128 (1..241, unsigned), looked up as the planes are unpacked, and
+ *   dmin = 128 d as for Q8_0. IQ4_NL has Q4_0's shape (32 a block, no scales); IQ4_XS Q6_K's with a scale per 32
+ *   (sc = its 6-bit scale - 32, signed; m = sc).
  *
  * With int8 activations a (scale da per super-block, bsum = sums of a over 16), a token's output is
  *   acc += (d da) * float(sum_j sc_j dot_j)  -  (dmin da) * float(sum_j m_j bsum_j)   per super-block,
@@ -57,7 +61,8 @@ PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&vs_module); }
  * VerispecError or a MemoryError. Nothing here divides by a size it was given without checking it first. */
 enum { VS_OK = 0, VS_EINVAL = -1, VS_ERANGE = -2, VS_ENOMEM = -3 };
 
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
+       T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30 };
 /* TILE: the most tokens one AVX2 / generic tile kernel call takes; TILE_AVX512 the most the AVX-512 one can take,
  * vs_avx512_tile() the most it is given on this CPU (its per-token operations do not depend on the tile, so any
  * tiling gives the same bits). */
@@ -74,7 +79,11 @@ typedef struct {
     int has_m;      /* an m array is stored (else m = sc, or 1) */
     int dmin_kind;  /* 0: stored; else dmin = d * dmin_kind */
     int src_bytes;  /* bytes of one GGUF block */
+    int lut;        /* the planes hold 4-bit indices into IQ4_LUT, not the values */
 } layout_t;
+
+/* ggml's kvalues_iq4nl (-127, -104, ..., 113) + 128: the unsigned values vpdpbusd multiplies, indexed by the 4 bits */
+static const uint8_t IQ4_LUT[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 static int get_layout(int type, layout_t *L) {
     switch (type) {
@@ -86,6 +95,8 @@ static int get_layout(int type, layout_t *L) {
         case T_Q4_K: *L = (layout_t){256, 4, 32, 1, 0, 144}; return 0;
         case T_Q5_K: *L = (layout_t){256, 5, 32, 1, 0, 176}; return 0;
         case T_Q6_K: *L = (layout_t){256, 6, 16, 0, 32, 210}; return 0;
+        case T_IQ4_NL: *L = (layout_t){32, 4, 0, 0, 128, 18, 1}; return 0;
+        case T_IQ4_XS: *L = (layout_t){256, 4, 32, 0, 128, 136, 1}; return 0;
         default: return -1;
     }
 }
@@ -316,6 +327,20 @@ static void decode_block(int type, const uint8_t *b, uint8_t *q, int8_t *sc, int
             *d = rd16(b);
             for (int l = 0; l < 32; l++) q[l] = (uint8_t)((int)(int8_t)b[2 + l] + 128);
             break;
+        case T_IQ4_NL: /* indices: the low nibbles are weights 0-15, the high 16-31 */
+            *d = rd16(b);
+            for (int l = 0; l < 16; l++) { q[l] = b[2 + l] & 0xF; q[l + 16] = b[2 + l] >> 4; }
+            break;
+        case T_IQ4_XS: { /* d, scales_h (2 bits a sub-block), scales_l (4), then 16 bytes of indices a sub-block */
+            *d = rd16(b);
+            const uint16_t sh = rd16(b + 2);
+            const uint8_t *sl = b + 4, *qs = b + 8;
+            for (int j = 0; j < 8; j++) {
+                sc[j] = (int8_t)((((sl[j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32);
+                for (int l = 0; l < 16; l++) { q[32 * j + l] = qs[16 * j + l] & 0xF; q[32 * j + 16 + l] = qs[16 * j + l] >> 4; }
+            }
+            break;
+        }
         case T_Q4_K: {
             *d = rd16(b); *dmin = rd16(b + 2);
             const uint8_t *scales = b + 4, *qs = b + 16;
@@ -418,6 +443,11 @@ static int unpack_value(const uint8_t *pl, int bits, int r, int k) {
     return v;
 }
 
+/* The value vpdpbusd multiplies at weight k of row r (unpack_value, through IQ4_LUT for the lut types). */
+static int unpack_weight(const layout_t *L, const uint8_t *pl, int r, int k) {
+    const int v = unpack_value(pl, L->bits, r, k);
+    return L->lut ? IQ4_LUT[v] : v;
+}
 static float sb_d(const uint8_t *sb, int r) { return half_to_float(rd16(sb + 2 * r)); }
 static float sb_dmin(const layout_t *L, const uint8_t *sb, int r) {
     return L->dmin_kind ? sb_d(sb, r) * (float)L->dmin_kind : half_to_float(rd16(sb + 32 + 2 * r));
@@ -445,7 +475,7 @@ int vs_dequantize_rows(int type, const uint8_t *packed, int64_t rows, int64_t co
             float d = sb_d(sb, r), dmin = sb_dmin(&L, sb, r);
             for (int k = 0; k < L.q; k++) {
                 int j = L.scsub ? k / L.scsub : 0;
-                int v = unpack_value(sb + planes_offset(&L) + (k / 32) * plane_bytes(L.bits), L.bits, r, k % 32);
+                int v = unpack_weight(&L, sb + planes_offset(&L) + (k / 32) * plane_bytes(L.bits), r, k % 32);
                 out[i * cols + s * L.q + k] = d * (float)sb_sc(&L, sb, j, r) * (float)v - dmin * (float)sb_m(&L, sb, j, r);
             }
         }
@@ -545,7 +575,7 @@ static void group_generic(const layout_t *L, const uint8_t *grp, int64_t nsb, co
                 const int32_t *bs = tok[t].bsum + (s * L->q + 32 * u) / 16;
                 for (int r = 0; r < GROUP; r++) {
                     int32_t dot[2] = {0, 0};
-                    for (int k = 0; k < 32; k++) dot[k / 16] += unpack_value(pl, L->bits, r, k) * (int32_t)a[k];
+                    for (int k = 0; k < 32; k++) dot[k / 16] += unpack_weight(L, pl, r, k) * (int32_t)a[k];
                     if (L->scsub == 16) {
                         for (int h = 0; h < 2; h++) {
                             int sc = sb_sc(L, sb, 2 * u + h, r);
@@ -583,7 +613,7 @@ static void group_generic(const layout_t *L, const uint8_t *grp, int64_t nsb, co
  * their values (the high nibble in place, one and instead of a shift and an and); the caller divides those slots'
  * dot by 16 (exact: 16 divides it). Bits 4-5 of the 6-bit values: h shifted so they land on bits 4-5 of each
  * byte (16-bit lane shifts by at most 4 keep them within their byte), masked, and merged in one ternary op. */
-VS_INLINE VS_AVX512 void unpack8_as(const uint8_t *pl, const int bits, __m512i v[8], const int hi16) {
+VS_INLINE VS_AVX512 void unpack8_as(const uint8_t *pl, const int bits, const int lut, __m512i v[8], const int hi16) {
     if (bits == 8) {
         for (int i = 0; i < 8; i++) v[i] = _mm512_loadu_si512(pl + 64 * i);
         return;
@@ -615,6 +645,10 @@ VS_INLINE VS_AVX512 void unpack8_as(const uint8_t *pl, const int bits, __m512i v
         v[t] = _mm512_and_si512(p, m4);
         v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
     }
+    if (lut) { /* indices to values: one byte shuffle each (the 16 entries repeated in every 128-bit lane) */
+        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_LUT));
+        for (int i = 0; i < 8; i++) v[i] = _mm512_shuffle_epi8(table, v[i]);
+    }
     if (bits == 5) {
         const __m512i one = _mm512_set1_epi8(1);
         __m512i h = _mm512_loadu_si512(pl + 256);
@@ -622,7 +656,7 @@ VS_INLINE VS_AVX512 void unpack8_as(const uint8_t *pl, const int bits, __m512i v
             v[i] = _mm512_or_si512(v[i], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, i), one), 4));
     }
 }
-VS_INLINE VS_AVX512 void unpack8(const uint8_t *pl, const int bits, __m512i v[8]) { unpack8_as(pl, bits, v, 0); }
+VS_INLINE VS_AVX512 void unpack8(const uint8_t *pl, const int bits, const int lut, __m512i v[8]) { unpack8_as(pl, bits, lut, v, 0); }
 
 /* p += vpdpbusd(v, the 4 bytes at a in every lane), the 4 bytes read as the instruction's own {1to16} memory operand:
  * GCC does not fold a broadcast into vpdpbusd (its pattern is opaque), and a separate vpbroadcastd per product was
@@ -670,7 +704,7 @@ VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const ui
     layout_t L;
     get_layout(type, &L);
     const int64_t SB = sb_bytes(&L), poff = planes_offset(&L);
-    const int hdr = header_bytes(&L), nsc = nscales(&L), pb = plane_bytes(L.bits), hi16 = L.bits == 4;
+    const int hdr = header_bytes(&L), nsc = nscales(&L), pb = plane_bytes(L.bits), hi16 = L.bits == 4 && !L.lut;
     const int kind_shift = L.dmin_kind ? __builtin_ctz((unsigned)L.dmin_kind) : -1; /* kinds are powers of two */
     __m512 acc[TILE_AVX512];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
@@ -683,7 +717,7 @@ VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const ui
         for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
         for (int u = 0; u < L.q / 32; u++) {
             __m512i v[8];
-            unpack8_as(sb + poff + u * pb, L.bits, v, hi16);
+            unpack8_as(sb + poff + u * pb, L.bits, L.lut, v, hi16);
             if (L.scsub == 16) {
                 __m512i sc0 = load_i8x16(sb + hdr + (2 * u) * GROUP), sc1 = load_i8x16(sb + hdr + (2 * u + 1) * GROUP);
                 for (int t = 0; t < T; t++) {
@@ -760,6 +794,8 @@ static VS_AVX512 void group_avx512(int type, const uint8_t *grp, int64_t nsb, co
         case T_Q4_K: VS_TILES(T_Q4_K); break;
         case T_Q5_K: VS_TILES(T_Q5_K); break;
         case T_Q6_K: VS_TILES(T_Q6_K); break;
+        case T_IQ4_NL: VS_TILES(T_IQ4_NL); break;
+        case T_IQ4_XS: VS_TILES(T_IQ4_XS); break;
     }
 }
 
@@ -771,7 +807,7 @@ static VS_AVX512 void group_avx512(int type, const uint8_t *grp, int64_t nsb, co
  * epilogue is the same fma sequence, so the results are the AVX-512 path's bits. */
 #define VS_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-VS_INLINE VS_AVX2 void unpack8_avx2(const uint8_t *pl, const int bits, const int o, __m256i v[8]) {
+VS_INLINE VS_AVX2 void unpack8_avx2(const uint8_t *pl, const int bits, const int lut, const int o, __m256i v[8]) {
     if (bits == 8) {
         for (int i = 0; i < 8; i++) v[i] = _mm256_loadu_si256((const __m256i *)(pl + 64 * i + o));
         return;
@@ -781,6 +817,10 @@ VS_INLINE VS_AVX2 void unpack8_avx2(const uint8_t *pl, const int bits, const int
         __m256i p = _mm256_loadu_si256((const __m256i *)(pl + 64 * t + o));
         v[t] = _mm256_and_si256(p, m4);
         v[t + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+    }
+    if (lut) { /* indices to values (1..241: dot_slots_avx2 takes them as 8-bit values) */
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LUT));
+        for (int i = 0; i < 8; i++) v[i] = _mm256_shuffle_epi8(table, v[i]);
     }
     if (bits == 5) {
         const __m256i one = _mm256_set1_epi8(1);
@@ -830,6 +870,8 @@ VS_INLINE VS_AVX2 void half_tile_avx2(const int type, const int T, const uint8_t
     get_layout(type, &L);
     const int64_t SB = sb_bytes(&L), poff = planes_offset(&L);
     const int hdr = header_bytes(&L), nsc = nscales(&L), pb = plane_bytes(L.bits), r0 = 8 * half;
+    const int vbits = L.lut ? 8 : L.bits; /* how dot_slots_avx2 takes the unpacked values */
+    const int mrow = L.has_m ? nsc : 0; /* where the m factors start (m = sc where none are stored) */
     const int kind_shift = L.dmin_kind ? __builtin_ctz((unsigned)L.dmin_kind) : -1; /* kinds are powers of two */
     __m256 acc[TILE];
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
@@ -844,13 +886,13 @@ VS_INLINE VS_AVX2 void half_tile_avx2(const int type, const int T, const uint8_t
         for (int t = 0; t < T; t++) { isum[t] = _mm256_setzero_si256(); imin[t] = _mm256_setzero_si256(); }
         for (int u = 0; u < L.q / 32; u++) {
             __m256i v[8];
-            unpack8_avx2(sb + poff + u * pb, L.bits, 4 * r0, v);
+            unpack8_avx2(sb + poff + u * pb, L.bits, L.lut, 4 * r0, v);
             if (L.scsub == 32) {
-                __m256i sc = load_i8x8(sb + hdr + u * GROUP + r0), m = load_i8x8(sb + hdr + (nsc + u) * GROUP + r0);
+                __m256i sc = load_i8x8(sb + hdr + u * GROUP + r0), m = load_i8x8(sb + hdr + (mrow + u) * GROUP + r0);
                 for (int t = 0; t < T; t++) {
                     const int8_t *a = tok[t].q + s * L.q + 32 * u;
                     const int32_t *bs = tok[t].bsum + (s * L.q + 32 * u) / 16;
-                    isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc, dot_slots_avx2(v, a, 0, 8, L.bits)));
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc, dot_slots_avx2(v, a, 0, 8, vbits)));
                     imin[t] = _mm256_add_epi32(imin[t], _mm256_mullo_epi32(m, _mm256_set1_epi32(bs[0] + bs[1])));
                 }
             } else if (L.scsub == 16) {
@@ -858,15 +900,15 @@ VS_INLINE VS_AVX2 void half_tile_avx2(const int type, const int T, const uint8_t
                 for (int t = 0; t < T; t++) {
                     const int8_t *a = tok[t].q + s * L.q + 32 * u;
                     const int32_t *bs = tok[t].bsum + (s * L.q + 32 * u) / 16;
-                    isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc0, dot_slots_avx2(v, a, 0, 4, L.bits)));
-                    isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc1, dot_slots_avx2(v, a, 4, 4, L.bits)));
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc0, dot_slots_avx2(v, a, 0, 4, vbits)));
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc1, dot_slots_avx2(v, a, 4, 4, vbits)));
                     imin[t] = _mm256_add_epi32(imin[t], _mm256_mullo_epi32(sc0, _mm256_set1_epi32(bs[0])));
                     imin[t] = _mm256_add_epi32(imin[t], _mm256_mullo_epi32(sc1, _mm256_set1_epi32(bs[1])));
                 }
             } else {
                 for (int t = 0; t < T; t++) {
                     const int32_t *bs = tok[t].bsum + (s * L.q) / 16;
-                    isum[t] = dot_slots_avx2(v, tok[t].q + s * L.q, 0, 8, L.bits);
+                    isum[t] = dot_slots_avx2(v, tok[t].q + s * L.q, 0, 8, vbits);
                     imin[t] = _mm256_set1_epi32(bs[0] + bs[1]);
                 }
             }
@@ -903,6 +945,8 @@ static VS_AVX2 void group_avx2(int type, const uint8_t *grp, int64_t nsb, const 
         case T_Q4_K: VS_HALF_TILES(T_Q4_K); break;
         case T_Q5_K: VS_HALF_TILES(T_Q5_K); break;
         case T_Q6_K: VS_HALF_TILES(T_Q6_K); break;
+        case T_IQ4_NL: VS_HALF_TILES(T_IQ4_NL); break;
+        case T_IQ4_XS: VS_HALF_TILES(T_IQ4_XS); break;
     }
 }
 #endif
@@ -948,7 +992,7 @@ VS_INLINE VS_AMX void amx_operands_avx512(const layout_t *L, const uint8_t *sb, 
     const int pb = plane_bytes(L->bits), hdr = header_bytes(L);
     for (int u = 0; u < L->q / 32; u++) {
         __m512i v[8];
-        unpack8(sb + poff + u * pb, L->bits, v);
+        unpack8(sb + poff + u * pb, L->bits, L->lut, v);
         if (!L->scsub || !lo) {
             for (int i = 0; i < 8; i++) _mm512_store_si512(hi + 512 * u + 64 * i, v[i]);
             continue;
@@ -1012,7 +1056,9 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
     layout_t L;
     if (get_layout(type, &L) || rows < 0 || cols < 0 || cols % L.q) return VS_EINVAL;
     const int64_t nsb = cols / L.q, SB = sb_bytes(&L), ngroups = (rows + GROUP - 1) / GROUP;
-    const int path = vs_get_path();
+    int path = vs_get_path();
+    if (L.lut && L.scsub) /* IQ4_XS: signed scales over values up to 241 fit neither tile kernel's split */
+        path = path == PATH_AMX ? PATH_AVX512 : path == PATH_AMX_EMULATED ? PATH_GENERIC : path;
     const int amx = path == PATH_AMX || path == PATH_AMX_EMULATED;
     const int tile = amx ? AMX_TOKENS : path == PATH_AVX512 ? vs_avx512_tile() : TILE, amx_min = type == T_Q6_K ? AMX_MIN_UNIT_TOKENS : AMX_MIN_TOKENS;
     int32_t *pairs = NULL; /* the tile kernel's sub-block sum pairs of each token and super-block */
