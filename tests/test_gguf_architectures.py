@@ -133,12 +133,12 @@ def test_a_hugging_face_llama3_converted_for_the_native_runner_keeps_its_rope_sc
 
 
 @needs_llamacpp
-@pytest.mark.parametrize("qtype, tolerance", [(T.F32, 1e-4), (T.Q4_K, 1e-2), (T.Q4_0, 1e-2), (T.IQ4_NL, 2e-2),
-                                              (T.IQ4_XS, 1e-2)])
+@pytest.mark.parametrize("qtype, tolerance", [(T.F32, 1e-4), (T.Q4_K, 1e-2), (T.Q4_0, 1e-2), (T.Q2_K, 1e-2),
+                                              (T.Q3_K, 1e-2), (T.IQ4_NL, 2e-2), (T.IQ4_XS, 1e-2)])
 def test_qwen3_agrees_with_llamacpp(tmp_path, qtype, tolerance):
     """Qwen3: each query and key head RMS-normed before RoPE, heads of 64 over a width of 256 (its head size is not
     the width over the heads), no biases. Quantized weights: both runners quantize the activations the same way (8-bit
-    blocks of 256 for the K-quants and IQ4_XS, of 32 with a half-precision scale for the others: llama.cpp's Q8_K and
+    blocks of 256 for the K-quants (Q2_K and Q3_K among them) and IQ4_XS, of 32 with a half-precision scale for the others: llama.cpp's Q8_K and
     Q8_0), but where the order of a float
     sum moves a value across a rounding boundary one int8 activation differs by one step, which moves a logit by up
     to about 1% of the logits' spread (measured: 2e-6 to 3e-3 of it here; IQ4_NL: below 1e-4 for 35 positions,

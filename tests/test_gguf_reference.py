@@ -12,9 +12,9 @@ from gguf import quants
 from verispec.models.gguf.reference import (SUPPORTED, activation_block, block_shape, dequantize,
                                             quantize_activations, reference_matmul)
 
-QUANTIZED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
+QUANTIZED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
 # Byte offsets of the fp16 scale fields in each block: random bytes there could be NaN / inf / huge.
-FP16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+FP16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
                T.IQ4_NL: [0], T.IQ4_XS: [0]}
 
 
@@ -26,7 +26,7 @@ def random_rows(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     blocks = rng.integers(0, 256, size=(rows * cols // block, nbytes), dtype=np.uint8)  # (B, nbytes)
     for off in FP16_FIELDS[qtype]:
         value = rng.uniform(1e-3, 1e-1, size=blocks.shape[0])
-        if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q6_K, T.IQ4_NL, T.IQ4_XS):
+        if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q3_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS):
             value *= rng.choice([-1.0, 1.0], size=blocks.shape[0])
         blocks[:, off:off + 2] = value.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
@@ -39,9 +39,9 @@ def bits(y: torch.Tensor) -> np.ndarray:
 
 def test_block_shapes_and_activation_blocks():
     assert block_shape(T.Q4_K) == (256, 144) and block_shape(T.F32) == (1, 4) and block_shape(T.BF16) == (1, 2)
-    assert [block_shape(t) for t in QUANTIZED] == [(32, 18), (32, 20), (32, 22), (32, 24), (32, 34), (256, 144), (256, 176), (256, 210),
+    assert [block_shape(t) for t in QUANTIZED] == [(32, 18), (32, 20), (32, 22), (32, 24), (32, 34), (256, 84), (256, 110), (256, 144), (256, 176), (256, 210),
                                                        (32, 18), (256, 136)]
-    assert [activation_block(t) for t in QUANTIZED] == [32, 32, 32, 32, 32, 256, 256, 256, 32, 256]
+    assert [activation_block(t) for t in QUANTIZED] == [32, 32, 32, 32, 32, 256, 256, 256, 256, 256, 32, 256]
     assert activation_block(T.F32) == activation_block(T.F16) == activation_block(T.BF16) == 0
     assert SUPPORTED == frozenset({T.F32, T.F16, T.BF16, *QUANTIZED})
     assert block_shape(int(T.Q6_K)) == (256, 210)  # plain ints are accepted too
@@ -179,7 +179,7 @@ def test_quantize_activations_near_ties_match_contract():
 
 @pytest.mark.parametrize("qtype", QUANTIZED + [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
 def test_reference_matmul(qtype):
-    rows, cols = 6, 512
+    rows, cols = 16, 512
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(3, cols, generator=gen)  # (3, cols)
     if qtype in QUANTIZED:  # real weights quantized by gguf where it can, random blocks otherwise
@@ -198,11 +198,13 @@ def test_reference_matmul(qtype):
     np.testing.assert_allclose(got.numpy(), xa @ w.T, rtol=1e-12, atol=1e-12)
     approx = x @ dequantize(raw, qtype, cols).T  # (3, rows) float32, unquantized activations
     rel = (got - approx.double()).norm() / approx.double().norm()
-    assert rel < (1e-2 if activation_block(qtype) else 1e-6)
+    # int8 activations: about 0.7% of the product's size on random blocks (0.5-1.1% over seeds and types: the ratio
+    # rests on a few large outputs), against 1e-6 for float weights
+    assert rel < (2e-2 if activation_block(qtype) else 1e-6)
 
 
 def test_unsupported_type_raises_naming_it():
-    for call in (lambda: block_shape(T.Q2_K), lambda: activation_block(T.Q2_K),
-                 lambda: dequantize(torch.zeros(1, 84, dtype=torch.uint8), T.Q2_K, 256)):
-        with pytest.raises(ValueError, match=r"GGUF tensor type Q2_K is not supported \(supported: .*Q4_K"):
+    for call in (lambda: block_shape(T.IQ2_XXS), lambda: activation_block(T.IQ2_XXS),
+                 lambda: dequantize(torch.zeros(1, 66, dtype=torch.uint8), T.IQ2_XXS, 256)):
+        with pytest.raises(ValueError, match=r"GGUF tensor type IQ2_XXS is not supported \(supported: .*Q4_K"):
             call()

@@ -99,7 +99,7 @@ def _tensor_index(layout, name):
     ({"dims": [64, 64, 1, 1, 1]}, "token_embd.weight"),
     ({"dims": [2**63, 2**63]}, "token_embd.weight"),  # an element count past int64
     ({"qtype": 99}, "token_embd.weight"),
-    ({"qtype": 10}, "token_embd.weight"),  # a type the kernels lack (Q2_K)
+    ({"qtype": 16}, "token_embd.weight"),  # a type the kernels lack (IQ2_XXS)
     ({"offset": 1}, "token_embd.weight"),  # off the alignment
     ({"offset": 2**63}, "token_embd.weight"),
 ])

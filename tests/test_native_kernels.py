@@ -170,8 +170,8 @@ def test_embedding_rows_equal_the_reference_dequantization(qtype):
 
 def test_an_unsupported_type_or_a_truncated_tensor_is_one_clear_error():
     rng = np.random.default_rng(0)
-    with pytest.raises(VerispecError, match=r"blk\.3\.ffn_up\.weight.*Q2_K.*supported: "):
-        Weight.from_raw("blk.3.ffn_up.weight", int(T.Q2_K), rng.integers(0, 255, (16, 84), dtype=np.uint8), 16, 256)
+    with pytest.raises(VerispecError, match=r"blk\.3\.ffn_up\.weight.*IQ2_XXS.*supported: "):
+        Weight.from_raw("blk.3.ffn_up.weight", int(T.IQ2_XXS), rng.integers(0, 255, (16, 66), dtype=np.uint8), 16, 256)
     raw = random_raw(rng, T.Q4_K, 16, 256)
     with pytest.raises(VerispecError, match="damaged or truncated"):
         Weight.from_raw("token_embd.weight", int(T.Q4_K), raw[:-1], 16, 256)

@@ -14,10 +14,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 T = GGMLQuantizationType
-QUANTIZED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
+QUANTIZED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
 ALL_TYPES = QUANTIZED + (T.F16, T.BF16, T.F32)
 # fp16 scale fields (byte offset in the block) of each quantized type
-SCALE_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+SCALE_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
                 T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
 
 
@@ -32,7 +32,8 @@ def random_raw(rng: np.random.Generator, qtype, rows: int, cols: int, scale: flo
     blocks = rng.integers(0, 256, size=(rows * cols // per_block, block_bytes), dtype=np.uint8)
     # d such that a weight's typical size is about `scale` (IQ4_XS: values to 127 times scales to 32)
     unit = scale / (16 if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1) else 64 if qtype in (T.Q8_0, T.IQ4_NL)
-                    else 1024 if qtype == T.IQ4_XS else 256)
+                    else 1024 if qtype == T.IQ4_XS else 64 if qtype == T.Q2_K else 128 if qtype == T.Q3_K
+                    else 256)
     for offset in SCALE_FIELDS[qtype]:
         halves = rng.uniform(0.25 * unit, unit, size=blocks.shape[0]).astype(np.float16)
         blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)

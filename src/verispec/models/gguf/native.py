@@ -140,7 +140,7 @@ def set_threads(n: int) -> None:
 PROFILE_NAMES = {0: "quantize activations", 1: "attention", 2: "layers", 3: "float matmuls",
                  4: "matmuls outside layers"}
 PROFILE_TYPES = 8
-TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL",
+TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL",
               23: "IQ4_XS"}
 
 

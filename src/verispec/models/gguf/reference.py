@@ -14,6 +14,8 @@ Block layouts (little-endian; fp16 fields read with `.view(torch.float16)`):
   Q5_0  32 weights, 22 bytes:  d, qh[4], qs[16]           y = (q - 16) * d, q's 5th bit l from bit l of qh
   Q5_1  32 weights, 24 bytes:  d, m, qh[4], qs[16]        y = q * d + m
   Q8_0  32 weights, 34 bytes:  d, qs[32] int8             y = q * d
+  Q2_K 256 weights, 84 bytes:  scales[16], qs[64], d, dmin          y = (d*(sc&15)) * q - dmin*(sc>>4), per 16
+  Q3_K 256 weights, 110 bytes: hmask[32], qs[64], scales[12], d      y = (d*(sc-32)) * (q - 4), 3-bit q, per 16
   Q4_K 256 weights, 144 bytes: d, dmin, scales[12], qs[128]           y = (d*sc) * q - (dmin*m)
   Q5_K 256 weights, 176 bytes: d, dmin, scales[12], qh[32], qs[128]   same, q gets a 5th bit from qh
   Q6_K 256 weights, 210 bytes: ql[128], qh[64], scales[16] int8, d    y = (d*sc) * (q - 32)
@@ -28,7 +30,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 T = GGMLQuantizationType
 FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
-SUPPORTED = FLOAT_TYPES | {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS}
+SUPPORTED = FLOAT_TYPES | {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS}
 
 
 def _qtype(qtype: GGMLQuantizationType | int) -> GGMLQuantizationType:
@@ -51,7 +53,7 @@ def block_shape(qtype: GGMLQuantizationType | int) -> tuple[int, int]:
 
 def activation_block(qtype: GGMLQuantizationType | int) -> int:
     """How many activations share one int8 scale when multiplied with weights of this type:
-    256 for Q4_K / Q5_K / Q6_K / IQ4_XS, 32 for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL (llama.cpp's Q8_K and Q8_0
+    256 for the K-quants and IQ4_XS, 32 for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL (llama.cpp's Q8_K and Q8_0
     activations), 0 for float types (activations stay float32)."""
     qtype = _qtype(qtype)
     return 0 if qtype in FLOAT_TYPES else block_shape(qtype)[0]
@@ -137,6 +139,35 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     return _k_affine(b, (ql | (high << 4)).float())
 
 
+def _two_bit_fields(qs: torch.Tensor) -> torch.Tensor:
+    """(B, 64) uint8 -> (B, 256) uint8, Q2_K / Q3_K's order: weight 128 n + 32 j + l is bits 2j, 2j + 1 of
+    qs[32 n + l]."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device)[:, None]  # (4, 1)
+    return ((qs.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 256)  # (B, 2, 4, 32) -> (B, 256)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    sc = b[:, 0:16]  # (B, 16): 4-bit scale | 4-bit min << 4, a unit of 16 weights
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])  # (B,), (B,)
+    dl = d[:, None] * (sc & 0xF).float()  # (B, 16) float32, as ggml's dl = d * (sc & 0xF)
+    ml = dmin[:, None] * (sc >> 4).float()  # (B, 16) as ggml's ml = min * (sc >> 4)
+    q = _two_bit_fields(b[:, 16:80]).reshape(-1, 16, 16).float()  # (B, 16, 16)
+    return (dl[..., None] * q - ml[..., None]).flatten(1)  # (B, 256)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    j = torch.arange(16, device=b.device)  # (16,)
+    s12 = b[:, 96:108].long()  # (B, 12): low nibbles of 16 scales in bytes 0-7, their 2 high bits in bytes 8-11
+    low = torch.where(j < 8, s12[:, j % 8] & 0xF, s12[:, j % 8] >> 4)  # (B, 16)
+    high = (s12[:, 8 + j % 4] >> (2 * (j // 4))) & 3  # (B, 16)
+    d = _f16(b[:, 108:110])  # (B,)
+    dl = d[:, None] * ((low | (high << 4)) - 32).float()  # (B, 16) float32, as ggml's dl = d_all * (scales - 32)
+    k = torch.arange(256, device=b.device)  # (256,)
+    hbit = (b[:, k % 32].long() >> (4 * (k // 128) + k % 128 // 32)) & 1  # (B, 256): hmask bit 4n + j of byte l
+    q = _two_bit_fields(b[:, 32:96]).long() - 4 * (1 - hbit)  # (B, 256): -4..3
+    return (dl[..., None] * q.reshape(-1, 16, 16).float()).flatten(1)  # (B, 256)
+
+
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     ql = _nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(-1, 2, 128)  # (B, 2, 128) low 4 bits per half
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)[:, None]  # (4, 1)
@@ -173,7 +204,8 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (dl[..., None] * q).flatten(1)  # (B, 256)
 
 
-_BLOCK_DEQUANT = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k,
+_BLOCK_DEQUANT = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0, T.Q2_K: _q2_k, T.Q3_K: _q3_k,
+                  T.Q4_K: _q4_k, T.Q5_K: _q5_k,
                   T.Q6_K: _q6_k, T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs}
 
 

@@ -19,9 +19,11 @@
  *     5 bits: + H (64 B): bit t of H's byte is the fifth bit of slot t.
  *     6 bits: + H0, H1 (2 x 64 B): bits 2s, 2s+1 of Hh are bits 4-5 of slot 4h + s.
  *     8 bits: S0..S7 (8 x 64 B), the values themselves.
+ *     2 bits: P0, P1 (2 x 64 B); bits 2s, 2s + 1 of Pp are slot 4p + s.   3 bits: + H (64 B), bit t the third bit of slot t.
  *
  *   A row's weight is  d * sc * q - dmin * m  with q >= 0 (unsigned: vpdpbusd multiplies u8 x s8);
- *   sc, m per sub-block of 32 (Q4_K, Q5_K) or 16 (Q6_K, where m = sc and dmin = 32 d); Q4_0: sc = m = 1,
+ *   sc, m per sub-block of 32 (Q4_K, Q5_K) or 16 (Q6_K, where m = sc and dmin = 32 d; Q3_K, m = sc - 32 signed and
+ *   dmin = 4 d; Q2_K, sc and m stored); Q4_0: sc = m = 1,
  *   dmin = 8 d; Q5_0: dmin = 16 d; Q8_0: q + 128 stored, dmin = 128 d; Q4_1, Q5_1: dmin = -min.
  *   IQ4_NL and IQ4_XS (lut): the 4-bit planes hold indices into ggml's 16 non-linear values (kvalues_iq4nl); the
  *   value q is IQ4_LUT[index] = that value + 128 (1..241, unsigned), looked up as the planes are unpacked, and
@@ -61,7 +63,8 @@ PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&vs_module); }
  * VerispecError or a MemoryError. Nothing here divides by a size it was given without checking it first. */
 enum { VS_OK = 0, VS_EINVAL = -1, VS_ERANGE = -2, VS_ENOMEM = -3 };
 
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
+       T_Q5_K = 13, T_Q6_K = 14,
        T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30 };
 /* TILE: the most tokens one AVX2 / generic tile kernel call takes; TILE_AVX512 the most the AVX-512 one can take,
  * vs_avx512_tile() the most it is given on this CPU (its per-token operations do not depend on the tile, so any
@@ -92,6 +95,8 @@ static int get_layout(int type, layout_t *L) {
         case T_Q5_0: *L = (layout_t){32, 5, 0, 0, 16, 22}; return 0;
         case T_Q5_1: *L = (layout_t){32, 5, 0, 0, 0, 24}; return 0;
         case T_Q8_0: *L = (layout_t){32, 8, 0, 0, 128, 34}; return 0;
+        case T_Q2_K: *L = (layout_t){256, 2, 16, 1, 0, 84}; return 0;
+        case T_Q3_K: *L = (layout_t){256, 3, 16, 0, 4, 110}; return 0;
         case T_Q4_K: *L = (layout_t){256, 4, 32, 1, 0, 144}; return 0;
         case T_Q5_K: *L = (layout_t){256, 5, 32, 1, 0, 176}; return 0;
         case T_Q6_K: *L = (layout_t){256, 6, 16, 0, 32, 210}; return 0;
@@ -101,7 +106,7 @@ static int get_layout(int type, layout_t *L) {
     }
 }
 
-static int plane_bytes(int bits) { return bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 384 : 512; }
+static int plane_bytes(int bits) { return 64 * bits; } /* a slot of 16 rows x 4 weights is 64 bytes a bit */
 static int header_bytes(const layout_t *L) { return L->dmin_kind ? 32 : 64; }
 static int nscales(const layout_t *L) { return L->scsub ? L->q / L->scsub : 0; }
 static int64_t sb_bytes(const layout_t *L) {
@@ -327,6 +332,26 @@ static void decode_block(int type, const uint8_t *b, uint8_t *q, int8_t *sc, int
             *d = rd16(b);
             for (int l = 0; l < 32; l++) q[l] = (uint8_t)((int)(int8_t)b[2 + l] + 128);
             break;
+        case T_Q2_K: { /* scales (4-bit sc | 4-bit m << 4 a unit of 16), qs (2 bits), d, dmin */
+            *d = rd16(b + 80); *dmin = rd16(b + 82);
+            for (int j = 0; j < 16; j++) { sc[j] = (int8_t)(b[j] & 0xF); m[j] = (int8_t)(b[j] >> 4); }
+            for (int k = 0; k < 256; k++) /* weight k: bits 2j of qs[32n + l], n = k / 128, j = k % 128 / 32 */
+                q[k] = (b[16 + 32 * (k / 128) + k % 32] >> (2 * (k % 128 / 32))) & 3;
+            break;
+        }
+        case T_Q3_K: { /* hmask (bit 4n + j: the third bit), qs (2 bits, as Q2_K's), 12 bytes of 6-bit scales, d */
+            const uint8_t *hm = b, *qs = b + 32, *s12 = b + 96;
+            *d = rd16(b + 108);
+            for (int j = 0; j < 16; j++) { /* ggml's unpacking of the scales: low 4 bits, then 2 high bits */
+                const int low = j < 8 ? s12[j] & 0xF : s12[j - 8] >> 4, high = (s12[8 + j % 4] >> (2 * (j / 4))) & 3;
+                sc[j] = (int8_t)((low | (high << 4)) - 32);
+            }
+            for (int k = 0; k < 256; k++) {
+                const int n = k / 128, j = k % 128 / 32, l = k % 32;
+                q[k] = (uint8_t)(((qs[32 * n + l] >> (2 * j)) & 3) | (((hm[l] >> (4 * n + j)) & 1) << 2));
+            }
+            break;
+        }
         case T_IQ4_NL: /* indices: the low nibbles are weights 0-15, the high 16-31 */
             *d = rd16(b);
             for (int l = 0; l < 16; l++) { q[l] = b[2 + l] & 0xF; q[l + 16] = b[2 + l] >> 4; }
@@ -386,6 +411,11 @@ static void write_planes(uint8_t *pl, int bits, int r, const uint8_t *q) {
     for (int k = 0; k < 32; k++) {
         int slot = k / 4, byte = 4 * r + (k % 4), v = q[k];
         if (bits == 8) { pl[64 * slot + byte] = (uint8_t)v; continue; }
+        if (bits <= 3) {
+            pl[64 * (slot / 4) + byte] |= (uint8_t)((v & 3) << (2 * (slot % 4)));
+            if (bits == 3) pl[128 + byte] |= (uint8_t)(((v >> 2) & 1) << slot);
+            continue;
+        }
         pl[64 * (slot % 4) + byte] |= (uint8_t)((v & 0xF) << (4 * (slot / 4)));
         if (bits == 5) pl[256 + byte] |= (uint8_t)(((v >> 4) & 1) << slot);
         if (bits == 6) pl[256 + 64 * (slot / 4) + byte] |= (uint8_t)(((v >> 4) & 3) << (2 * (slot % 4)));
@@ -437,6 +467,8 @@ int vs_repack(int type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t 
 static int unpack_value(const uint8_t *pl, int bits, int r, int k) {
     int slot = k / 4, byte = 4 * r + (k % 4);
     if (bits == 8) return pl[64 * slot + byte];
+    if (bits <= 3)
+        return ((pl[64 * (slot / 4) + byte] >> (2 * (slot % 4))) & 3) | (bits == 3 ? ((pl[128 + byte] >> slot) & 1) << 2 : 0);
     int v = (pl[64 * (slot % 4) + byte] >> (4 * (slot / 4))) & 0xF;
     if (bits == 5) v |= ((pl[256 + byte] >> slot) & 1) << 4;
     if (bits == 6) v |= ((pl[256 + 64 * (slot / 4) + byte] >> (2 * (slot % 4))) & 3) << 4;
@@ -618,6 +650,19 @@ VS_INLINE VS_AVX512 void unpack8_as(const uint8_t *pl, const int bits, const int
         for (int i = 0; i < 8; i++) v[i] = _mm512_loadu_si512(pl + 64 * i);
         return;
     }
+    if (bits <= 3) { /* 2-bit fields of two planes, then the third bits from H (16-bit shifts keep within bytes) */
+        const __m512i m3 = _mm512_set1_epi8(3);
+        for (int h = 0; h < 2; h++) {
+            const __m512i p = _mm512_loadu_si512(pl + 64 * h);
+            for (int s = 0; s < 4; s++) v[4 * h + s] = _mm512_and_si512(s ? _mm512_srli_epi16(p, 2 * s) : p, m3);
+        }
+        if (bits == 3) {
+            const __m512i hb = _mm512_loadu_si512(pl + 128), four = _mm512_set1_epi8(4);
+            for (int i = 0; i < 8; i++) /* (h shifted so bit i lands on bit 2) & 4, or'ed in: ternlog 0xF8 = A | (B & C) */
+                v[i] = _mm512_ternarylogic_epi32(v[i], i < 2 ? _mm512_slli_epi16(hb, 2 - i) : i == 2 ? hb : _mm512_srli_epi16(hb, i - 2), four, 0xF8);
+        }
+        return;
+    }
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     if (bits == 4 && hi16) {
         const __m512i h4 = _mm512_set1_epi8((char)0xF0);
@@ -718,7 +763,18 @@ VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const ui
         for (int u = 0; u < L.q / 32; u++) {
             __m512i v[8];
             unpack8_as(sb + poff + u * pb, L.bits, L.lut, v, hi16);
-            if (L.scsub == 16) {
+            if (L.scsub == 16 && L.bits <= 3) {
+                /* Q2_K / Q3_K: a unit's dot fits 16 bits (16 x 7 x 128 < 2^15), so a sub-block's two units go in one
+                 * lane as an int16 pair and vpdpwssd multiplies them by (sc0, sc1): the same integer as two products */
+                const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+                const __m512i sc01 = _mm512_ternarylogic_epi32(load_i8x16(sb + hdr + (2 * u) * GROUP), low16,
+                                                               _mm512_slli_epi32(load_i8x16(sb + hdr + (2 * u + 1) * GROUP), 16), 0xEA);
+                for (int t = 0; t < T; t++) {
+                    const int8_t *a = tok[t].q + s * L.q + 32 * u;
+                    __m512i p0 = dot_slots(v, a, 0, 4), p1 = dot_slots(v, a, 4, 4);
+                    isum[t] = _mm512_dpwssd_epi32(isum[t], _mm512_ternarylogic_epi32(p0, low16, _mm512_slli_epi32(p1, 16), 0xEA), sc01);
+                }
+            } else if (L.scsub == 16) {
                 __m512i sc0 = load_i8x16(sb + hdr + (2 * u) * GROUP), sc1 = load_i8x16(sb + hdr + (2 * u + 1) * GROUP);
                 for (int t = 0; t < T; t++) {
                     const int8_t *a = tok[t].q + s * L.q + 32 * u;
@@ -791,6 +847,8 @@ static VS_AVX512 void group_avx512(int type, const uint8_t *grp, int64_t nsb, co
         case T_Q5_0: VS_TILES(T_Q5_0); break;
         case T_Q5_1: VS_TILES(T_Q5_1); break;
         case T_Q8_0: VS_TILES(T_Q8_0); break;
+        case T_Q2_K: VS_TILES(T_Q2_K); break;
+        case T_Q3_K: VS_TILES(T_Q3_K); break;
         case T_Q4_K: VS_TILES(T_Q4_K); break;
         case T_Q5_K: VS_TILES(T_Q5_K); break;
         case T_Q6_K: VS_TILES(T_Q6_K); break;
@@ -810,6 +868,19 @@ static VS_AVX512 void group_avx512(int type, const uint8_t *grp, int64_t nsb, co
 VS_INLINE VS_AVX2 void unpack8_avx2(const uint8_t *pl, const int bits, const int lut, const int o, __m256i v[8]) {
     if (bits == 8) {
         for (int i = 0; i < 8; i++) v[i] = _mm256_loadu_si256((const __m256i *)(pl + 64 * i + o));
+        return;
+    }
+    if (bits <= 3) {
+        const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+        for (int h = 0; h < 2; h++) {
+            const __m256i p = _mm256_loadu_si256((const __m256i *)(pl + 64 * h + o));
+            for (int s = 0; s < 4; s++) v[4 * h + s] = _mm256_and_si256(_mm256_srli_epi16(p, 2 * s), m3);
+        }
+        if (bits == 3) {
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(pl + 128 + o));
+            for (int i = 0; i < 8; i++)
+                v[i] = _mm256_or_si256(v[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, i), one), 2));
+        }
         return;
     }
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -897,13 +968,14 @@ VS_INLINE VS_AVX2 void half_tile_avx2(const int type, const int T, const uint8_t
                 }
             } else if (L.scsub == 16) {
                 __m256i sc0 = load_i8x8(sb + hdr + (2 * u) * GROUP + r0), sc1 = load_i8x8(sb + hdr + (2 * u + 1) * GROUP + r0);
+                __m256i m0 = load_i8x8(sb + hdr + (mrow + 2 * u) * GROUP + r0), m1 = load_i8x8(sb + hdr + (mrow + 2 * u + 1) * GROUP + r0);
                 for (int t = 0; t < T; t++) {
                     const int8_t *a = tok[t].q + s * L.q + 32 * u;
                     const int32_t *bs = tok[t].bsum + (s * L.q + 32 * u) / 16;
                     isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc0, dot_slots_avx2(v, a, 0, 4, vbits)));
                     isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc1, dot_slots_avx2(v, a, 4, 4, vbits)));
-                    imin[t] = _mm256_add_epi32(imin[t], _mm256_mullo_epi32(sc0, _mm256_set1_epi32(bs[0])));
-                    imin[t] = _mm256_add_epi32(imin[t], _mm256_mullo_epi32(sc1, _mm256_set1_epi32(bs[1])));
+                    imin[t] = _mm256_add_epi32(imin[t], _mm256_mullo_epi32(m0, _mm256_set1_epi32(bs[0])));
+                    imin[t] = _mm256_add_epi32(imin[t], _mm256_mullo_epi32(m1, _mm256_set1_epi32(bs[1])));
                 }
             } else {
                 for (int t = 0; t < T; t++) {
@@ -942,6 +1014,8 @@ static VS_AVX2 void group_avx2(int type, const uint8_t *grp, int64_t nsb, const 
         case T_Q5_0: VS_HALF_TILES(T_Q5_0); break;
         case T_Q5_1: VS_HALF_TILES(T_Q5_1); break;
         case T_Q8_0: VS_HALF_TILES(T_Q8_0); break;
+        case T_Q2_K: VS_HALF_TILES(T_Q2_K); break;
+        case T_Q3_K: VS_HALF_TILES(T_Q3_K); break;
         case T_Q4_K: VS_HALF_TILES(T_Q4_K); break;
         case T_Q5_K: VS_HALF_TILES(T_Q5_K); break;
         case T_Q6_K: VS_HALF_TILES(T_Q6_K); break;
@@ -1060,7 +1134,7 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
     if (L.lut && L.scsub) /* IQ4_XS: signed scales over values up to 241 fit neither tile kernel's split */
         path = path == PATH_AMX ? PATH_AVX512 : path == PATH_AMX_EMULATED ? PATH_GENERIC : path;
     const int amx = path == PATH_AMX || path == PATH_AMX_EMULATED;
-    const int tile = amx ? AMX_TOKENS : path == PATH_AVX512 ? vs_avx512_tile() : TILE, amx_min = type == T_Q6_K ? AMX_MIN_UNIT_TOKENS : AMX_MIN_TOKENS;
+    const int tile = amx ? AMX_TOKENS : path == PATH_AVX512 ? vs_avx512_tile() : TILE, amx_min = L.scsub == 16 ? AMX_MIN_UNIT_TOKENS : AMX_MIN_TOKENS;
     int32_t *pairs = NULL; /* the tile kernel's sub-block sum pairs of each token and super-block */
     if ((amx || path == PATH_AVX512) && L.scsub && n > 0) {
         if (!(pairs = malloc(sizeof(int32_t) * AMX_PAIRS * (size_t)(n * nsb)))) return VS_ENOMEM;
@@ -1088,10 +1162,10 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
                     tok[t] = (token_t){q + i * cols, d + i * (cols / L.q), bsum + i * (cols / 16),
                                        full ? out + i * rows + g * GROUP : spill[t], pairs ? pairs + AMX_PAIRS * i * nsb : NULL};
                 }
-                if (path == PATH_AMX_EMULATED && type == T_Q6_K) group_units_amx_emulated(&L, grp, nsb, tok, T, cols, &configured);
+                if (path == PATH_AMX_EMULATED && L.scsub == 16) group_units_amx_emulated(&L, grp, nsb, tok, T, cols, &configured);
                 else if (path == PATH_AMX_EMULATED) group_amx_emulated(&L, grp, nsb, tok, T, cols, &configured);
 #ifdef VS_X86
-                else if (path == PATH_AMX && T >= amx_min && type == T_Q6_K) group_units_amx(&L, grp, nsb, tok, T, cols, &configured);
+                else if (path == PATH_AMX && T >= amx_min && L.scsub == 16) group_units_amx(&L, grp, nsb, tok, T, cols, &configured);
                 else if (path == PATH_AMX && T >= amx_min) group_amx(&L, grp, nsb, tok, T, cols, &configured);
                 else if (path == PATH_AMX) /* too few tokens for a tile kernel: tiles of 4 on the AVX-512 one */
                     for (int t = 0; t < T; t += TILE) group_avx512(type, grp, nsb, tok + t, T - t < TILE ? T - t : TILE);
