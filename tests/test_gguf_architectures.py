@@ -156,23 +156,75 @@ def test_qwen3_agrees_with_llamacpp(tmp_path, qtype, tolerance):
         greedy(lambda t: llamacpp_logits(path, t), tokens[:8], 24)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama3"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama3", "gemma3"])
 def test_new_layouts_give_the_same_bits_fused_per_op_and_alone(tmp_path, arch):
-    """The fused layer (one C call) and the per-op path compute the head norms and the scaled RoPE the same way, and a
-    token's logits are the same bits alone as in a wider pass."""
+    """The fused layer (one C call) and the per-op path compute the head norms, the scaled RoPE, Gemma's post-norms,
+    GeGLU and sliding windows the same way, and a token's logits are the same bits alone as in a wider pass (a window
+    of 6 over 20 tokens: passes where the window cuts into the committed columns and where it does not)."""
     factors = llama3_factors(HIDDEN // HEADS, 10000.0) if arch == "llama3" else None
-    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", "qwen3" if arch == "qwen3" else "llama", (T.Q4_K, T.Q8_0),
-                           hidden=HIDDEN, heads=8 if arch == "qwen3" else HEADS, head_dim=64 if arch == "qwen3" else None,
-                           rope_factors=factors)
+    if arch == "gemma3":
+        path = gemma3_file(tmp_path / "gemma3.gguf", T.Q4_K, layers=3, window=6)
+    else:
+        path = write_tiny_gguf(tmp_path / f"{arch}.gguf", "qwen3" if arch == "qwen3" else "llama", (T.Q4_K, T.Q8_0),
+                               hidden=HIDDEN, heads=8 if arch == "qwen3" else HEADS,
+                               head_dim=64 if arch == "qwen3" else None, rope_factors=factors)
     model = load_gguf(path, show_progress=False)
     tokens = list(range(5, 25))
     fused, per_op = NativeRunner(model), NativeRunner(model, fused=False)
     a = fused.forward(fused.new_state(1), [tokens], [len(tokens)])[0]
     b = per_op.forward(per_op.new_state(1), [tokens], [len(tokens)])[0]
     assert torch_equal(a, b)
-    state = fused.new_state(1)
-    fused.forward(state, [tokens[:-1]], [1])
-    assert torch_equal(fused.forward(state, [tokens[-1:]], [1])[0][0], a[-1])
+    for split in (3, 12, 19):  # the rest of the tokens in one pass after a committed prefix
+        state = fused.new_state(1)
+        fused.forward(state, [tokens[:split]], [1])
+        assert torch_equal(fused.forward(state, [tokens[split:]], [len(tokens) - split])[0], a[split:])
+
+
+def gemma3_file(path, qtype=T.F32, layers: int = 6, window: int = 12, pattern: int = 3, seed: int = 4,
+                post_norm: float = 1.0, tied: bool = True):
+    """A tiny Gemma 3: 4 heads of 64 over 256, one key/value head, tied output; sliding-window layers of `window`
+    positions, all but the last of every `pattern` (0: every layer), whose RoPE base (10,000) is not the global
+    layers' (1,000,000), so that a runner mixing them up is caught. post_norm: about the post-norms' weights (small:
+    each token's own embedding leads) with an output of its own (tied: the token itself is the likeliest next one,
+    and greedy output is one token over and over)."""
+    meta = {"gemma3.attention.sliding_window": (window, GGUFValueType.UINT32),
+            "gemma3.attention.sliding_window_pattern": (pattern, GGUFValueType.UINT32)}
+    return write_tiny_gguf(path, "gemma3", (qtype,), seed=seed, hidden=256, heads=4, kv_heads=1, head_dim=64,
+                           vocab=300, layers=layers, tied=tied, vocab_tokens=True, metadata=meta, rope_theta=1e6,
+                           post_norm=post_norm)
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("qtype, tolerance", [(T.F32, 2e-3), (T.Q4_K, 1e-2)])
+def test_gemma3_agrees_with_llamacpp(tmp_path, qtype, tolerance):
+    """Gemma 3: the embedding times sqrt(E), head norms, each sublayer's output normed before its residual add, GeGLU,
+    sliding-window layers with their own RoPE base, a tied output. Float weights part from llama.cpp by up to 7e-4 of
+    the logits' spread (measured), not 1e-6 as the other families: llama.cpp takes GELU from a table of halves, and
+    the gate's rounding to half turns a float sum's last-bit difference into a half's step (about 5e-4 of a value)
+    about once a token here; the runner takes the same table, so only those flips remain."""
+    path = gemma3_file(tmp_path / "gemma3.gguf", qtype)
+    model = load_gguf(path, show_progress=False)
+    c = model.config
+    assert (c.gelu, c.window, c.local, c.rope_theta, c.rope_theta_local) == (True, 12, (True, True, False) * 2, 1e6, 1e4)
+    assert c.embed_scale == 16.0 and model.layers[0].attn_post_norm is not None and model.head is model.embed
+    tokens = [int(t) for t in np.random.default_rng(1).integers(4, 300, 40)]  # past the window: it is in force
+    ours, theirs = native_logits(path, tokens), llamacpp_logits(path, tokens)
+    assert np.abs(ours - theirs).max() < tolerance * float(theirs.std())
+    assert greedy(lambda t: native_logits(path, t), tokens[:8], 24) == \
+        greedy(lambda t: llamacpp_logits(path, t), tokens[:8], 24)
+
+
+@needs_llamacpp
+def test_gemma3_sliding_window_reaches_exactly_as_far_as_llamacpps(tmp_path):
+    """Two layers, both local, windows of 4: a key 4 or more positions back is masked, so the logits at position p
+    depend on tokens p - 6 .. p only. With the first token changed, positions 7 on keep their bits in both runners
+    and position 6 moves in both (an off-by-one either way would show)."""
+    path = gemma3_file(tmp_path / "local.gguf", layers=2, window=4, pattern=0)
+    tokens = [int(t) for t in np.random.default_rng(2).integers(4, 300, 16)]
+    changed = [tokens[0] + 1] + tokens[1:]
+    for logits in (native_logits, llamacpp_logits):
+        a, b = logits(path, tokens), logits(path, changed)
+        assert np.array_equal(a[7:], b[7:]) and not np.array_equal(a[6], b[6]), logits.__name__
 
 
 def torch_equal(a, b) -> bool:

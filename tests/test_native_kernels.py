@@ -289,3 +289,32 @@ def test_attention_paths_give_the_same_bits(dim, group):
                 assert np.array_equal(outs[0], other)
             for i in range(len(prefix)):  # each query alone: the same bits
                 assert np.array_equal(attend(q[i : i + 1], keys, values, prefix[i : i + 1], extra[i : i + 1])[0], outs[-1][i])
+
+
+def test_gelu_mul_is_llamacpps_geglu_through_halves():
+    """Gemma's GeGLU as llama.cpp's CPU backend computes it: the gate rounded to half, GELU's tanh form in float32
+    (libm's tanhf) rounded to half, times up; 0 at and below -10, the gate itself at and above 10. Every half in
+    (-10, 10) and random values between and beyond; the kernel reads a table, this reference computes each."""
+    import ctypes
+    import ctypes.util
+
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.tanhf.restype, libm.tanhf.argtypes = ctypes.c_float, [ctypes.c_float]
+    halves = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+    halves = halves[np.isfinite(halves) & (np.abs(halves) < 10)]
+    gate = np.concatenate([halves, np.random.default_rng(0).uniform(-12, 12, 3000), [-10, 10]]).astype(np.float32)
+    up = np.random.default_rng(1).uniform(-2, 2, gate.size).astype(np.float32)
+    h = torch.from_numpy(gate).half().float().numpy()
+    f32 = np.float32
+    inner = f32(0.79788456080286535587989211986876) * h * (f32(1) + f32(0.044715) * h * h)
+    tanh = np.array([libm.tanhf(float(v)) for v in inner], np.float32)
+    gelu = torch.from_numpy(f32(0.5) * h * (f32(1) + tanh)).half().float().numpy()
+    expected = np.where(gate <= -10, f32(0), np.where(gate >= 10, gate, gelu) * up).astype(np.float32)
+    got = ops_gelu_mul(gate[None].copy(), up[None].copy())[0]
+    assert np.array_equal(got.view(np.int32), expected.view(np.int32))
+
+
+def ops_gelu_mul(gate, up):
+    from verispec.models.gguf.ops import gelu_mul
+
+    return gelu_mul(gate, up)

@@ -427,3 +427,28 @@ def test_the_bandwidth_report_divides_each_weight_types_bytes_by_its_time(mixed,
     with native.profile() as empty:
         pass
     assert empty == {}  # a new block starts from zero
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "tree"])
+def test_greedy_speculative_decoding_equals_plain_decoding_on_a_gemma3_file(tmp_path, kind):
+    """Gemma 3's sliding-window layers (30 tokens decoded past prompts of 1-11) under a draft model's chains (a window
+    of 6) and a tree of drafts (a window of 2, shallower than the tree: a node's first ancestors fall out of it), the
+    windowed columns of drafted tokens and tree nodes give plain decoding's tokens."""
+    from test_gguf_architectures import gemma3_file
+
+    def runner(name: str, post_norm: float) -> NativeRunner:
+        path = gemma3_file(tmp_path / name, T.Q8_0, layers=3, window=2 if kind == "tree" else 6, post_norm=post_norm,
+                           tied=False)
+        return NativeRunner(load_gguf(path, show_progress=False))
+
+    # the draft: the same weights but its post-norms (the same seed): it agrees with the target often, not always
+    target, draft = runner("target.gguf", 0.05), runner("draft.gguf", 0.08)
+    expected = plain(target, PROMPTS, 30)
+    assert len({t for tokens in expected for t in tokens}) > 20  # not one token over and over
+    spec = SpecConfig(num_draft_tokens=4, max_new_tokens=30)
+    if kind == "tree":
+        spec = SpecConfig(num_draft_tokens=3, max_new_tokens=30, tree=TreeConfig(shape=(2, 2, 1)))
+    sequences = SpeculativeEngine(target, DraftModelDrafter(draft, 300), set()).generate(PROMPTS, GREEDY, spec)
+    assert [s.generated for s in sequences] == expected
+    drafted, accepted = drafts_accepted(sequences)
+    assert 0 < accepted < drafted, "both paths should be exercised"

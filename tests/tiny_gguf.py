@@ -44,13 +44,16 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
                     heads: int = 4, kv_heads: int = 2, ffn: int = 512, vocab: int = 300, layers: int = 2,
                     tied: bool = False, context: int = 512, rope_factors: np.ndarray | None = None,
                     vocab_tokens: bool = False, extra: dict | None = None, metadata: dict | None = None,
-                    head_dim: int | None = None) -> Path:
+                    head_dim: int | None = None, head_norm: float = 1.0, rope_theta: float = 10000.0,
+                    post_norm: float = 1.0) -> Path:
     """Write a random Llama / Qwen2 model; matmul weights take `types` in turn (cycled), or `types(name)` where it is a
     function of the tensor's name. rope_factors (D/2,): Llama 3's
     RoPE scaling as its files carry it (rope_freqs.weight); vocab_tokens: a placeholder vocabulary (llama.cpp needs
     one); extra: more tensors by name; metadata: more key/value pairs (name -> (value, GGUFValueType)); head_dim: the
     heads' size where it is not hidden / heads (Qwen3's is not; written as attention.key_length). "qwen3": Qwen2's
-    layout without biases, with each query and key head normed (attn_q_norm, attn_k_norm)."""
+    layout without biases, with each query and key head normed (attn_q_norm, attn_k_norm). "gemma3": Qwen3's with
+    each sublayer's output normed (post_attention_norm, post_ffw_norm); pass its sliding window in `metadata`.
+    head_norm: about what those head norms' weights are (larger: sharper attention); post_norm: Gemma's post-norms'."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
@@ -60,7 +63,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(rope_theta)
     for key, (value, vtype) in (metadata or {}).items():
         writer.add_key_value(key, value, vtype)
     if vocab_tokens:
@@ -93,14 +96,17 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
             for name, size in (("attn_q.bias", heads * head_dim), ("attn_k.bias", kv_heads * head_dim),
                                ("attn_v.bias", kv_heads * head_dim)):
                 vector(p + name, size, around=0.0)
-        if arch == "qwen3":
-            vector(p + "attn_q_norm.weight", head_dim)
-            vector(p + "attn_k_norm.weight", head_dim)
+        if arch in ("qwen3", "gemma3"):
+            vector(p + "attn_q_norm.weight", head_dim, around=head_norm)
+            vector(p + "attn_k_norm.weight", head_dim, around=head_norm)
         matrix(p + "attn_output.weight", hidden, heads * head_dim)
         vector(p + "ffn_norm.weight", hidden)
         matrix(p + "ffn_gate.weight", ffn, hidden)
         matrix(p + "ffn_up.weight", ffn, hidden)
         matrix(p + "ffn_down.weight", hidden, ffn)
+        if arch == "gemma3":
+            vector(p + "post_attention_norm.weight", hidden, around=post_norm)
+            vector(p + "post_ffw_norm.weight", hidden, around=post_norm)
     vector("output_norm.weight", hidden)
     if not tied:
         matrix("output.weight", vocab, hidden)

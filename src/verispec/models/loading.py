@@ -306,7 +306,8 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
 
 def _native_runs(spec: str) -> bool:
     """Whether `--backend auto` runs the model on the native runner: a GGUF of an architecture it has (others, as
-    Gemma 3, run on torch after a notice; a damaged file goes to the native loader, which names what is wrong)."""
+    Gemma 2 or Phi-3, run on torch after a notice; a damaged file goes to the native loader, which names what is
+    wrong)."""
     kind, path = resolve(spec)
     if kind != "gguf":
         return False

@@ -141,7 +141,7 @@ class SkipSearch:
         row = state.rows[0]
         scratch = row.length + 1
         row.reserve(scratch + len(tokens))
-        queries = [_Query(0, t, c, scratch + j, c, [scratch + j]) for j, (t, c) in enumerate(zip(tokens, positions))]
+        queries = [_Query(0, t, c, scratch + j, c, [scratch + j], [c]) for j, (t, c) in enumerate(zip(tokens, positions))]
         return self.runner._run(state, queries, [True] * len(queries), 1, len(queries), bits, head)[0]
 
     def draft_cost(self, skip: SkipSet) -> float:

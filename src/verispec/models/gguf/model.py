@@ -1,4 +1,4 @@
-"""A Llama / Qwen2 model read from a GGUF file: its configuration and its weights as kernel-ready `Weight`s.
+"""A decoder model read from a GGUF file: its configuration and its weights as kernel-ready `Weight`s.
 
 The file is read tensor by tensor (`gguf_file.GGUFFile`); each matmul weight is repacked once into the
 kernels' layout (about its size in the file) and its source buffer dropped, norms and biases become
@@ -7,8 +7,9 @@ float32 arrays. The token embedding is a weight too: a lookup dequantizes only t
 Architectures: `llama` (RoPE on adjacent pairs, as llama.cpp's converter permutes Q and K; Llama 3's RoPE scaling,
 which its files carry as per-pair frequency factors in `rope_freqs.weight`) and `qwen2` (RoPE on halves, biases on Q,
 K and V), and `qwen3` (Qwen2's layout with each query and key head RMS-normed before RoPE, `attn_q_norm` /
-`attn_k_norm`). Anything else (another architecture, a RoPE scaling named in the metadata, RoPE on part of a head) is refused
-with one line, and so is a file holding a tensor the runner would not read: a model is run whole or not at all.
+`attn_k_norm`), and `gemma3` (`FAMILIES` says what each changes). Anything else (another architecture, a RoPE scaling
+named in the metadata, RoPE on part of a head) is refused with one line, and so is a file holding a tensor the runner
+would not read: a model is run whole or not at all.
 """
 
 from __future__ import annotations
@@ -27,8 +28,28 @@ from verispec.models.gguf.gguf_file import FLOAT_KINDS, INTEGER_KINDS, GGUFFile,
 from verispec.models.gguf.native import set_threads
 from verispec.models.gguf.ops import FLOAT_TYPES, Weight, check_tensor
 
-ARCHITECTURES = {"llama": False, "qwen2": True, "qwen3": True}  # name -> RoPE on halves ("neox")
-HEAD_NORMS = {"qwen3"}  # architectures that norm each query and key head before RoPE (attn_q_norm, attn_k_norm)
+
+
+@dataclass(frozen=True)
+class Family:
+    """What an architecture changes in the one forward the runner computes (RMSNorm, attention with RoPE over a
+    cache, a gated feed-forward, residual adds), and nothing else: a family is this description, not its own code."""
+
+    neox: bool  # RoPE on halves (i, i + D/2), else on adjacent pairs (llama.cpp's converter permutes Llama's Q and K)
+    head_norms: bool = False  # each query and key head RMS-normed before RoPE (attn_q_norm, attn_k_norm)
+    post_norms: bool = False  # each sublayer's output RMS-normed before its residual add (post_attention_norm, post_ffw_norm)
+    gelu: bool = False  # a GeGLU feed-forward (GELU's tanh form, as llama.cpp takes it), else SwiGLU
+    embed_scale: bool = False  # the token embedding times sqrt(E) on the way in
+    local_layers: int = 0  # layers of sliding-window attention: of every `local_layers`, all but the last (0: none)
+
+
+FAMILIES = {
+    "llama": Family(neox=False),  # Llama 1-3 (Llama 3's RoPE scaling: rope_freqs.weight), Mistral, SmolLM2
+    "qwen2": Family(neox=True),  # biases on Q, K and V where the file has them
+    "qwen3": Family(neox=True, head_norms=True),
+    "gemma3": Family(neox=True, head_norms=True, post_norms=True, gelu=True, embed_scale=True, local_layers=6),
+}
+ARCHITECTURES = tuple(FAMILIES)
 CHUNK_BYTES = 32 << 20  # a larger tensor is read and repacked in chunks: no whole source tensor is held
 
 
@@ -48,10 +69,21 @@ class GGUFConfig:
     rope_theta: float
     rms_eps: float
     neox: bool  # RoPE pairs (i, i + D/2) instead of (2i, 2i + 1)
+    gelu: bool = False  # GeGLU feed-forward, else SwiGLU
+    embed_scale: float = 1.0  # the token embedding's rows times this (Gemma: sqrt(E) as a float32)
+    attention_scale: float | None = None  # scores' scale (None: 1 / sqrt(D))
+    window: int = 0  # local layers attend to the last `window` positions (0: no local layers)
+    local: tuple[bool, ...] = ()  # per layer: a local (sliding-window) layer
+    rope_theta_local: float = 10000.0  # the local layers' RoPE base
+    final_softcap: float = 0.0  # logits = c tanh(logits / c) (0: none)
 
     @property
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim) if self.attention_scale is None else self.attention_scale
 
 
 @dataclass
@@ -70,6 +102,8 @@ class Layer:
     down: Weight  # (E, F)
     q_norm: np.ndarray | None = None  # (D,) RMSNorm weight of every query head before RoPE (Qwen3), or None
     k_norm: np.ndarray | None = None  # (D,) the same for key heads
+    attn_post_norm: np.ndarray | None = None  # (E,) RMSNorm of the attention's output before the residual add (Gemma)
+    ffn_post_norm: np.ndarray | None = None  # (E,) the same for the feed-forward's
 
 
 @dataclass
@@ -95,7 +129,7 @@ INT32_MAX = 2**31 - 1  # the kernels take head counts, head sizes and cache colu
 def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
     """The model's configuration from the file's metadata, checked (`check_config`) before any kernel sees it."""
     arch = reader.fields.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if arch not in FAMILIES:
         raise VerispecError(f"{path.name}: architecture '{shown(arch)}' is not supported by verispec's CPU runner "
                             f"(supported: {', '.join(ARCHITECTURES)}); use --backend torch or llama.cpp")
     scaling = reader.fields.get(f"{arch}.rope.scaling.type")
@@ -133,16 +167,38 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
     if rotated != head_dim:
         raise VerispecError(f"{path.name}: metadata '{arch}.rope.dimension_count' ({rotated}) rotates part of each "
                             f"head ({head_dim}); verispec's CPU runner rotates whole heads: use --backend llama.cpp")
+    family, layers = FAMILIES[arch], field("block_count", INTEGER_KINDS)
+    window = field("attention.sliding_window", INTEGER_KINDS, 0) if family.local_layers else 0
     config = GGUFConfig(
-        architecture=arch, layers=field("block_count", INTEGER_KINDS), hidden=hidden, heads=heads,
+        architecture=arch, layers=layers, hidden=hidden, heads=heads,
         kv_heads=field("attention.head_count_kv", INTEGER_KINDS, heads), head_dim=head_dim,
         ffn=field("feed_forward_length", INTEGER_KINDS), vocab=int(embed.shape[1]),
         context=field("context_length", INTEGER_KINDS),
         rope_theta=float(field("rope.freq_base", number, 10000.0)),
-        rms_eps=float(field("attention.layer_norm_rms_epsilon", number)), neox=ARCHITECTURES[arch],
+        rms_eps=float(field("attention.layer_norm_rms_epsilon", number)), neox=family.neox, gelu=family.gelu,
+        embed_scale=float(np.sqrt(np.float32(hidden))) if family.embed_scale else 1.0,
+        # llama.cpp's Gemma 3 27B (62 layers) scales by the width per head, the others by the heads' size
+        attention_scale=1.0 / math.sqrt(hidden // heads) if arch == "gemma3" and layers == 62 and heads else None,
+        window=window, local=_local_layers(reader, path, arch, family, layers) if window > 0 else (),
+        rope_theta_local=float(field("rope.freq_base_swa", number, 10000.0)),
+        final_softcap=float(field("final_logit_softcapping", number, 0.0)) if family.gelu else 0.0,
     )
     check_config(config, path.name)
     return config
+
+
+def _local_layers(reader: GGUFFile, path: Path, arch: str, family: Family, layers: int) -> tuple[bool, ...]:
+    """Which layers attend through the sliding window: `{arch}.attention.sliding_window_pattern` as one flag a layer,
+    or as n (of every n layers all but the last), else the family's n, as llama.cpp reads them."""
+    name = f"{arch}.attention.sliding_window_pattern"
+    pattern = reader.fields.get(name, family.local_layers)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != layers or not all(isinstance(v, bool) for v in pattern):
+            raise VerispecError(f"{path.name}: metadata '{name}' should hold one flag per layer ({layers})")
+        return tuple(pattern)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
+        raise VerispecError(f"{path.name}: metadata '{name}' is {shown(pattern)}, not a layer count")
+    return tuple(pattern == 0 or i % pattern < pattern - 1 for i in range(layers))
 
 
 def check_config(c: GGUFConfig, where: str) -> None:
@@ -172,6 +228,13 @@ def check_config(c: GGUFConfig, where: str) -> None:
     if not (math.isfinite(c.rms_eps) and c.rms_eps >= 0):
         raise VerispecError(f"{where}: metadata '{arch}.attention.layer_norm_rms_epsilon' is {c.rms_eps}; it must "
                             "be a finite number >= 0")
+    if not 0 <= c.window <= INT32_MAX:
+        raise VerispecError(f"{where}: metadata '{arch}.attention.sliding_window' is {c.window}; it must be >= 0")
+    if c.local and not (math.isfinite(c.rope_theta_local) and c.rope_theta_local > 0):
+        raise VerispecError(f"{where}: metadata '{arch}.rope.freq_base_swa' is {c.rope_theta_local}; it must be positive")
+    if not (math.isfinite(c.final_softcap) and c.final_softcap >= 0):
+        raise VerispecError(f"{where}: metadata '{arch}.final_logit_softcapping' is {c.final_softcap}; it must be "
+                            "a finite number >= 0")
 
 
 def _tensor(reader: GGUFFile, name: str, path: Path, required: bool = True) -> TensorInfo | None:
@@ -222,6 +285,7 @@ def _load_gguf(path: Path, show_progress: bool) -> GGUFModel:
     reader = GGUFFile(path)
     set_threads(torch.get_num_threads())  # repacking runs on the kernels' threads
     c = read_config(reader, path)
+    family = FAMILIES[c.architecture]
     qkv = (c.heads * c.head_dim, c.kv_dim, c.kv_dim)
     layers = []
     with progress(f"repacking {path.name}", c.layers, enabled=show_progress) as advance:
@@ -242,7 +306,10 @@ def _load_gguf(path: Path, show_progress: bool) -> GGUFModel:
                 down=_weight(reader, p + "ffn_down.weight", path, c.hidden, c.ffn),
                 **({"q_norm": _vector(reader, p + "attn_q_norm.weight", path, c.head_dim),
                     "k_norm": _vector(reader, p + "attn_k_norm.weight", path, c.head_dim)}
-                   if c.architecture in HEAD_NORMS else {}),
+                   if family.head_norms else {}),
+                **({"attn_post_norm": _vector(reader, p + "post_attention_norm.weight", path, c.hidden),
+                    "ffn_post_norm": _vector(reader, p + "post_ffw_norm.weight", path, c.hidden)}
+                   if family.post_norms else {}),
             ))
             advance()
     embed = _weight(reader, "token_embd.weight", path, c.vocab, c.hidden)

@@ -37,6 +37,7 @@ _SIGNATURES = {
     "vs_rope_table": ([_P, _I64, _I, _D, _P, _P], None),
     "vs_rope": ([_P, _I64, _I, _I, _P, _I], None),
     "vs_silu_mul": ([_P, _P, _I64, _P], None),
+    "vs_gelu_mul": ([_P, _P, _I64, _P], None),
     "vs_attention": ([_P, _I64, _I, _I, _I, _F, _P, _P, _I64, _P, _P, _P, _P], _I),
     "vs_layer_forward": ([_P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _I], _I),
     "vs_profile_start": ([], None),
@@ -66,16 +67,18 @@ class WeightStruct(ctypes.Structure):
 
 
 class LayerStruct(ctypes.Structure):
-    """csrc's vs_layer_t: a layer's norms, biases and per-head query / key norms (NULL where absent) and weights."""
+    """csrc's vs_layer_t: a layer's norms, biases, per-head query / key norms and post-sublayer norms (NULL where
+    absent) and weights."""
 
-    _fields_ = [(name, _P) for name in ("attn_norm", "ffn_norm", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm")] + [
+    _fields_ = [(name, _P) for name in ("attn_norm", "ffn_norm", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm",
+                                        "attn_post_norm", "ffn_post_norm")] + [
         (name, WeightStruct) for name in ("q", "k", "v", "out", "gate", "up", "down")]
 
 
 class DimsStruct(ctypes.Structure):
     """csrc's vs_dims_t."""
 
-    _fields_ = [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "neox")] + [
+    _fields_ = [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "neox", "gelu")] + [
         ("eps", _D), ("scale", _D)]
 
 

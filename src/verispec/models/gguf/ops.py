@@ -160,3 +160,10 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     out = np.empty_like(gate)
     lib().vs_silu_mul(ptr(gate), ptr(up), gate.size, ptr(out))
     return out
+
+
+def gelu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """(N, F), (N, F) -> gelu(gate) * up (N, F), GELU's tanh form through half precision as llama.cpp takes it."""
+    out = np.empty_like(gate)
+    lib().vs_gelu_mul(ptr(gate), ptr(up), gate.size, ptr(out))
+    return out

@@ -149,8 +149,9 @@ class _Query:
     token: int
     position: int
     column: int
-    prefix: int  # attends to columns 0 .. prefix - 1
+    prefix: int  # attends to columns 0 .. prefix - 1 (whose positions are their columns)
     extra: list[int]  # then to these columns (increasing)
+    extra_positions: list[int] = field(default_factory=list)  # their positions (read by sliding windows)
 
 
 class NativeRunner:
@@ -192,8 +193,8 @@ class NativeRunner:
         c = model.config
         self._gguf = model
         self._heads: dict[int, ops.Weight] = {}  # draft LM heads over the first n token ids (Weight.first_rows)
-        self._dims = DimsStruct(c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, int(c.neox), c.rms_eps,
-                                1.0 / float(np.sqrt(c.head_dim)))
+        self._dims = DimsStruct(c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, int(c.neox), int(c.gelu), c.rms_eps,
+                                c.scale)
 
         def weight(w: ops.Weight) -> WeightStruct:
             return WeightStruct(w.qtype, w.address, w.rows, w.cols)
@@ -203,7 +204,8 @@ class NativeRunner:
 
         self._layers_c = [LayerStruct(vector(layer.attn_norm), vector(layer.ffn_norm), vector(layer.q_bias),
                                     vector(layer.k_bias), vector(layer.v_bias), vector(layer.q_norm),
-                                    vector(layer.k_norm), weight(layer.q), weight(layer.k),
+                                    vector(layer.k_norm), vector(layer.attn_post_norm), vector(layer.ffn_post_norm),
+                                    weight(layer.q), weight(layer.k),
                                     weight(layer.v), weight(layer.out), weight(layer.gate), weight(layer.up),
                                     weight(layer.down)) for layer in model.layers]
 
@@ -233,12 +235,19 @@ class NativeRunner:
         """(n, E) final hidden states -> (n, V) float32 logits of the LM head, or of its first `rows` rows
         (`Weight.first_rows`, made once per size) with -inf above."""
         if rows is None or rows >= self.vocab_size:
-            return self.gguf.head(ops.Activations(final))
+            return self._softcap(self.gguf.head(ops.Activations(final)))
         if rows not in self._heads:
             self._heads[rows] = self.gguf.head.first_rows(rows)
         logits = np.full((final.shape[0], self.vocab_size), -np.inf, np.float32)  # (n, V)
-        logits[:, :rows] = self._heads[rows](ops.Activations(final))
+        logits[:, :rows] = self._softcap(self._heads[rows](ops.Activations(final)))
         return logits
+
+    def _softcap(self, logits: np.ndarray) -> np.ndarray:
+        """c tanh(logits / c) where the model caps its logits (as llama.cpp: a float32 scale by 1 / c, tanh, scale by c)."""
+        cap = np.float32(self.config.final_softcap)
+        if not cap:
+            return logits
+        return np.tanh(logits * (np.float32(1.0) / cap)) * cap
 
     def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
         """(n,) token ids -> (n, E) float32 rows of the target's token embedding (draft heads embed with it)."""
@@ -324,8 +333,9 @@ class NativeRunner:
                 depth = row.spec_depths[-1]
                 if path[0] == base + depth - 1:  # ancestors in columns base, base + 1, ...: a causal query
                     queries.append(_Query(b, token, base + depth - 1, base + held + j, base + depth, []))
-                else:
-                    queries.append(_Query(b, token, base + depth - 1, base + held + j, base, path[::-1]))
+                else:  # an ancestor at depth d sits at position base + d - 1
+                    queries.append(_Query(b, token, base + depth - 1, base + held + j, base, path[::-1],
+                                          list(range(base, base + depth))))
                 wanted.append(True)
         width = max(tree_pass_counts(nodes, root), default=0)
         logits = self._run(state, queries, wanted, len(chains), max(1, width), skip, head_rows)
@@ -416,16 +426,16 @@ class NativeRunner:
         for q in queries:
             state.rows[q.row].reserve(q.column + 1)
         rows = [state.rows[q.row] for q in queries]
-        positions = np.array([q.position for q in queries], np.int64)  # (N,)
-        angles = ops.rope_table(positions, c.head_dim, c.rope_theta, model.rope_factors)  # (N, D/2, 2)
         x = model.embed.take_rows(np.array([q.token for q in queries], np.int64))  # (N, E)
+        if c.embed_scale != 1.0:
+            x *= np.float32(c.embed_scale)  # one float32 product a value, as llama.cpp scales them
         if skip is not None:
             first = int(np.flatnonzero(skip)[0]) if skip.any() else c.layers  # layers before it run in full
-            self._layers(x, queries, rows, angles, 0, first, None)
+            self._layers(x, queries, rows, 0, first, None)
             if first and self.keep_draft_prefix:
                 for i, q in enumerate(queries):
                     self._resume[self._resume_key(rows[i], q)] = _Resume(first, x[i].copy())
-            self._layers(x, queries, rows, angles, first, c.layers, skip)
+            self._layers(x, queries, rows, first, c.layers, skip)
         else:
             # with aux layers every token starts at the embedding (their states are kept on the way)
             hits = [resume.get(self._resume_key(rows[i], q)) if resume and not aux_ids else None
@@ -439,11 +449,10 @@ class NativeRunner:
             for low, high in zip(bounds, bounds[1:]):
                 active = [i for i in range(n) if starts[i] <= low]
                 if len(active) == n:
-                    self._layers(x, queries, rows, angles, low, high, None)
+                    self._layers(x, queries, rows, low, high, None)
                 else:
                     part = np.ascontiguousarray(x[active])
-                    self._layers(part, [queries[i] for i in active], [rows[i] for i in active],
-                                 np.ascontiguousarray(angles[active]), low, high, None)
+                    self._layers(part, [queries[i] for i in active], [rows[i] for i in active], low, high, None)
                     x[active] = part
                 if high in aux_ids:
                     entering[high] = x.copy()
@@ -455,46 +464,50 @@ class NativeRunner:
         final = ops.rmsnorm(np.ascontiguousarray(x[keep]), model.norm, c.rms_eps)  # (M, E)
         return self._head_logits(final, head_rows), final, aux  # (M, V), (M, E), (N, A E)
 
-    def _layers(self, x: np.ndarray, queries: list[_Query], rows: list[RowCache], angles: np.ndarray, low: int,
-                high: int, skip: np.ndarray | None) -> None:
+    def _layers(self, x: np.ndarray, queries: list[_Query], rows: list[RowCache], low: int, high: int,
+                skip: np.ndarray | None) -> None:
         """Layers low .. high - 1 on x (N, E) in place (skip[i]: sublayers of layer i to skip)."""
         if low >= high:
             return
         c = self.config
-        extra_off = np.zeros(len(queries) + 1, np.int32)  # (N + 1,)
-        extra_off[1:] = np.cumsum([len(q.extra) for q in queries])
-        attend = _Attend(
-            prefix=np.array([q.prefix for q in queries], np.int32),
-            extra_off=extra_off,
-            extra=np.array([col for q in queries for col in q.extra] or [0], np.int32),
-            key_base=np.array([r.keys.ctypes.data for r in rows], np.int64),
-            value_base=np.array([r.values.ctypes.data for r in rows], np.int64),
-            layer_bytes=np.array([r.keys.shape[1] * c.kv_dim * 4 for r in rows], np.int64),
-        )
+        bases = (np.array([r.keys.ctypes.data for r in rows], np.int64),
+                 np.array([r.values.ctypes.data for r in rows], np.int64),
+                 np.array([r.keys.shape[1] * c.kv_dim * 4 for r in rows], np.int64))
+        positions = np.array([q.position for q in queries], np.int64)  # (N,)
+        views = {False: (_Attend.of([(q.prefix, q.extra) for q in queries], *bases),
+                         ops.rope_table(positions, c.head_dim, c.rope_theta, self.gguf.rope_factors))}  # (N, D/2, 2)
+        if any(c.local[low:high]):
+            views[True] = (_Attend.of([_windowed(q, c.window) for q in queries], *bases),
+                           ops.rope_table(positions, c.head_dim, c.rope_theta_local, None))
+        layers = [(i, views[bool(c.local) and c.local[i]]) for i in range(low, high)]
         skips = np.zeros(c.layers, np.int32) if skip is None else skip
         if self.fused:
-            self._layers_fused(x, queries, angles, attend, range(low, high), skips)
+            self._layers_fused(x, queries, layers, skips)
         else:
-            x[:] = self._layers_per_op(x, queries, rows, angles, attend, range(low, high), skips)
+            x[:] = self._layers_per_op(x, queries, rows, layers, skips)
 
-    def _layers_fused(self, x: np.ndarray, queries: list[_Query], angles: np.ndarray, attend: "_Attend",
-                      layers: range, skips: np.ndarray) -> None:
-        """These layers on x (N, E) in place, one C call each (vs_layer_forward)."""
+    def _layers_fused(self, x: np.ndarray, queries: list[_Query], layers: list[tuple[int, tuple]],
+                      skips: np.ndarray) -> None:
+        """These layers on x (N, E) in place, one C call each (vs_layer_forward). layers: (index, (what its queries
+        attend to, its RoPE table))."""
         columns = np.array([q.column for q in queries], np.int32)  # (N,)
-        forward, a, dims, n, kv_dim = lib().vs_layer_forward, attend, ctypes.byref(self._dims), len(queries), self.config.kv_dim
-        # the arrays' addresses once, not once a layer (a draft model's pass is short enough for it to show)
-        xp, anglep, keys, values, layer_bytes = ptr(x), ptr(angles), ptr(a.key_base), ptr(a.value_base), ptr(a.layer_bytes)
-        columnp, prefix, extra_off, extra = ptr(columns), ptr(a.prefix), ptr(a.extra_off), ptr(a.extra)
-        for i in layers:
+        forward, dims, n, kv_dim = lib().vs_layer_forward, ctypes.byref(self._dims), len(queries), self.config.kv_dim
+        # the arrays' addresses once a view, not once a layer (a draft model's pass is short enough for it to show)
+        xp, columnp, pointers = ptr(x), ptr(columns), {}
+        for i, (a, angles) in layers:
+            if id(a) not in pointers:
+                pointers[id(a)] = (ptr(angles), ptr(a.key_base), ptr(a.value_base), ptr(a.layer_bytes), ptr(a.prefix),
+                                   ptr(a.extra_off), ptr(a.extra))
+            anglep, keys, values, layer_bytes, prefix, extra_off, extra = pointers[id(a)]
             status = forward(dims, ctypes.byref(self._layers_c[i]), xp, n, anglep, keys, values, layer_bytes, i,
                              kv_dim, columnp, prefix, extra_off, extra, int(skips[i]))
             if status:
                 check(status, f"layer {i}")
 
-    def _layers_per_op(self, x: np.ndarray, queries: list[_Query], rows: list[RowCache], angles: np.ndarray,
-                       attend: "_Attend", layers: range, skips: np.ndarray) -> np.ndarray:
+    def _layers_per_op(self, x: np.ndarray, queries: list[_Query], rows: list[RowCache],
+                       layers: list[tuple[int, tuple]], skips: np.ndarray) -> np.ndarray:
         """The same layers, one kernel call per op from Python (what vs_layer_forward does, in the same order)."""
-        c, a, n = self.config, attend, len(queries)
+        c, n = self.config, len(queries)
         # Keys and values of a row's new tokens go to consecutive columns: (row, first query, count, first column).
         runs: list[tuple[RowCache, int, int, int]] = []
         for i, q in enumerate(queries):
@@ -502,9 +515,8 @@ class NativeRunner:
                 runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1, runs[-1][3])
             else:
                 runs.append((rows[i], i, 1, q.column))
-        scale = 1.0 / float(np.sqrt(c.head_dim))
         attn = np.empty((n, c.heads * c.head_dim), np.float32)  # (N, Hq D)
-        for i in layers:
+        for i, (a, angles) in layers:
             layer = self.gguf.layers[i]
             if not skips[i] & 1:
                 h = ops.Activations(ops.rmsnorm(x, layer.attn_norm, c.rms_eps))
@@ -522,14 +534,18 @@ class NativeRunner:
                     row.keys[i, column : column + count] = k[first : first + count]
                     row.values[i, column : column + count] = v[first : first + count]
                 keys, values = a.key_base + i * a.layer_bytes, a.value_base + i * a.layer_bytes  # (N,) this layer's
-                check(lib().vs_attention(ptr(q), n, c.heads, c.kv_heads, c.head_dim, scale, ptr(keys), ptr(values),
+                check(lib().vs_attention(ptr(q), n, c.heads, c.kv_heads, c.head_dim, c.scale, ptr(keys), ptr(values),
                                          c.kv_dim, ptr(a.prefix), ptr(a.extra_off), ptr(a.extra), ptr(attn)),
                       f"attention of layer {i}")
-                x = x + layer.out(ops.Activations(attn))
+                x = x + self._post_norm(layer.out(ops.Activations(attn)), layer.attn_post_norm)
             if not skips[i] & 2:
                 h = ops.Activations(ops.rmsnorm(x, layer.ffn_norm, c.rms_eps))
-                x = x + layer.down(ops.Activations(ops.silu_mul(layer.gate(h), layer.up(h))))
+                act = ops.gelu_mul if c.gelu else ops.silu_mul
+                x = x + self._post_norm(layer.down(ops.Activations(act(layer.gate(h), layer.up(h)))), layer.ffn_post_norm)
         return x
+
+    def _post_norm(self, out: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
+        return out if weight is None else ops.rmsnorm(out, weight, self.config.rms_eps)
 
 
 @dataclass
@@ -556,3 +572,24 @@ class _Attend:
     key_base: np.ndarray  # (N,) int64: address of layer 0 of the query's row's keys
     value_base: np.ndarray  # (N,) int64: likewise for values
     layer_bytes: np.ndarray  # (N,) int64: bytes between layers in that row's cache
+
+    @staticmethod
+    def of(spans: list[tuple[int, list[int]]], key_base: np.ndarray, value_base: np.ndarray,
+           layer_bytes: np.ndarray) -> "_Attend":
+        """spans: each query's (prefix, extra columns)."""
+        extra_off = np.zeros(len(spans) + 1, np.int32)  # (N + 1,)
+        extra_off[1:] = np.cumsum([len(extra) for _, extra in spans])
+        return _Attend(np.array([prefix for prefix, _ in spans], np.int32), extra_off,
+                       np.array([col for _, extra in spans for col in extra] or [0], np.int32), key_base, value_base,
+                       layer_bytes)
+
+
+def _windowed(q: _Query, window: int) -> tuple[int, list[int]]:
+    """A query's (prefix, extra columns) in a sliding-window layer: positions after position - window only (a key
+    `window` or more positions back is not attended, as llama.cpp masks it). Columns below the prefix hold their own
+    positions; the extra columns' positions are the query's `extra_positions`. The list, and its order, depend on the
+    query alone, whatever else is in the pass: the kernels' bits stay the query's own."""
+    low = q.position - window + 1
+    if low <= 0:
+        return q.prefix, q.extra
+    return 0, list(range(low, q.prefix)) + [col for col, pos in zip(q.extra, q.extra_positions) if pos >= low]

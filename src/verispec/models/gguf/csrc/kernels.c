@@ -41,6 +41,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h> /* only so that Python can import this file (and find it); the functions use ctypes */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1315,6 +1316,37 @@ void vs_silu_mul(const float *g, const float *u, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + vs_exp(-g[i])) * u[i];
 }
 
+/* GeGLU as llama.cpp's CPU backend computes it (ggml_vec_geglu_f32 with GGML_GELU_FP16): the gate rounded to half, its
+ * tanh-approximated GELU taken from a table of halves (the float formula rounded to half), times up; 0 at and below
+ * -10, the gate itself at and above 10. Gemma's feed-forward. */
+static float gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.79788456080286535587989211986876f * x * (1.0f + 0.044715f * x * x)));
+}
+
+/* The bits of a float that is a half's value (round_to_half's result, |x| < 65520): sign, 5-bit exponent, 10 bits. */
+static uint16_t half_bits(float h) {
+    uint32_t f;
+    memcpy(&f, &h, 4);
+    const uint16_t sign = (uint16_t)((f >> 16) & 0x8000);
+    const float a = fabsf(h);
+    if (a < 6.103515625e-05f) return sign | (uint16_t)(a * 16777216.0f); /* subnormal: a multiple of 2^-24 */
+    return sign | (uint16_t)(((((f >> 23) & 0xFF) - 112) << 10) | ((f >> 13) & 0x3FF));
+}
+
+/* half(gelu(h)) for every half h, as ggml's table: a pass's GeGLU then costs a lookup, not a tanhf, per value */
+static float gelu_table[65536];
+static pthread_once_t gelu_once = PTHREAD_ONCE_INIT;
+static void gelu_fill(void) {
+    for (int i = 0; i < 65536; i++) gelu_table[i] = round_to_half(gelu_tanh(half_to_float((uint16_t)i)));
+}
+
+void vs_gelu_mul(const float *g, const float *u, int64_t n, float *out) {
+    pthread_once(&gelu_once, gelu_fill);
+#pragma omp parallel for schedule(static) num_threads(vs_threads) if (n >= 16384)
+    for (int64_t i = 0; i < n; i++)
+        out[i] = g[i] <= -10.0f ? 0.0f : g[i] >= 10.0f ? g[i] * u[i] : gelu_table[half_bits(round_to_half(g[i]))] * u[i];
+}
+
 /* score[j] = e^(score[j] - top); returns their sum, in 16 lanes then a halving tree (one fixed order). */
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 static float exp_and_sum(float *score, int64_t m, float top) {
@@ -1617,11 +1649,13 @@ typedef struct {
 typedef struct {
     const float *attn_norm, *ffn_norm, *q_bias, *k_bias, *v_bias; /* biases may be NULL */
     const float *q_norm, *k_norm; /* (head_dim,) RMSNorm of each query / key head before RoPE (Qwen3), or NULL */
+    const float *attn_post_norm, *ffn_post_norm; /* (hidden,) RMSNorm of a sublayer's output before the residual add
+                                                    (Gemma), or NULL */
     vs_weight_t q, k, v, out, gate, up, down;
 } vs_layer_t;
 
 typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, ffn, neox;
+    int64_t hidden, heads, kv_heads, head_dim, ffn, neox, gelu; /* gelu: GeGLU (vs_gelu_mul), else SwiGLU */
     double eps, scale; /* passed on as float, as the per-op path's ctypes floats are */
 } vs_dims_t;
 
@@ -1721,6 +1755,7 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
     a2 = (act_t){attn, n, QD, {0}, {0}, {0}};
     if ((status = act_matmul(&L->out, &a2, o))) goto done;
     act_free(&a2);
+    if (L->attn_post_norm) vs_rmsnorm(o, n, E, L->attn_post_norm, eps, o);
     for (int64_t i = 0; i < n * E; i++) x[i] = x[i] + o[i];
 
 mlp:
@@ -1729,10 +1764,12 @@ mlp:
     a3 = (act_t){xn, n, E, {0}, {0}, {0}};
     if ((status = act_matmul(&L->gate, &a3, g)) || (status = act_matmul(&L->up, &a3, u))) goto done;
     act_free(&a3);
-    vs_silu_mul(g, u, n * F, h);
+    if (D->gelu) vs_gelu_mul(g, u, n * F, h);
+    else vs_silu_mul(g, u, n * F, h);
     a4 = (act_t){h, n, F, {0}, {0}, {0}};
     if ((status = act_matmul(&L->down, &a4, o))) goto done;
     act_free(&a4);
+    if (L->ffn_post_norm) vs_rmsnorm(o, n, E, L->ffn_post_norm, eps, o);
     for (int64_t i = 0; i < n * E; i++) x[i] = x[i] + o[i];
 
 done:
