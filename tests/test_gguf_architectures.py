@@ -156,7 +156,7 @@ def test_qwen3_agrees_with_llamacpp(tmp_path, qtype, tolerance):
         greedy(lambda t: llamacpp_logits(path, t), tokens[:8], 24)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama3", "gemma3", "phi3"])
 def test_new_layouts_give_the_same_bits_fused_per_op_and_alone(tmp_path, arch):
     """The fused layer (one C call) and the per-op path compute the head norms, the scaled RoPE, Gemma's post-norms,
     GeGLU and sliding windows the same way, and a token's logits are the same bits alone as in a wider pass (a window
@@ -164,6 +164,8 @@ def test_new_layouts_give_the_same_bits_fused_per_op_and_alone(tmp_path, arch):
     factors = llama3_factors(HIDDEN // HEADS, 10000.0) if arch == "llama3" else None
     if arch == "gemma3":
         path = gemma3_file(tmp_path / "gemma3.gguf", T.Q4_K, layers=3, window=6)
+    elif arch == "phi3":
+        path = write_tiny_gguf(tmp_path / "phi3.gguf", "phi3", (T.Q4_K, T.Q8_0), hidden=HIDDEN, heads=HEADS)
     else:
         path = write_tiny_gguf(tmp_path / f"{arch}.gguf", "qwen3" if arch == "qwen3" else "llama", (T.Q4_K, T.Q8_0),
                                hidden=HIDDEN, heads=8 if arch == "qwen3" else HEADS,
@@ -227,7 +229,52 @@ def test_gemma3_sliding_window_reaches_exactly_as_far_as_llamacpps(tmp_path):
         assert np.array_equal(a[7:], b[7:]) and not np.array_equal(a[6], b[6]), logits.__name__
 
 
+@needs_llamacpp
+@pytest.mark.parametrize("qtype, tolerance", [(T.F32, 1e-4), (T.Q4_K, 1e-2)])
+def test_phi3_agrees_with_llamacpp(tmp_path, qtype, tolerance):
+    """Phi-3: q, k and v in one tensor (attn_qkv) and the feed-forward's gate and up in one (ffn_up, the gate's rows
+    first), read as parts of them (measured: 1.1e-6 and 1.6e-6 of the logits' spread)."""
+    path = write_tiny_gguf(tmp_path / "phi3.gguf", "phi3", (qtype,), seed=4, hidden=HIDDEN, heads=HEADS, kv_heads=2,
+                           vocab=300, vocab_tokens=True)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(4, 300, 40)]
+    ours, theirs = native_logits(path, tokens), llamacpp_logits(path, tokens)
+    assert np.abs(ours - theirs).max() < tolerance * float(theirs.std()) + 1e-5
+    assert greedy(lambda t: native_logits(path, t), tokens[:8], 24) == \
+        greedy(lambda t: llamacpp_logits(path, t), tokens[:8], 24)
+
+
+def test_phi3_longrope_is_refused_in_one_line(tmp_path):
+    """Phi-3.5 / Phi-4-mini carry LongRoPE's factors as tensors: not read by the native runner, so refused."""
+    extra = {"rope_factors_long.weight": np.ones(HIDDEN // HEADS // 2, np.float32),
+             "rope_factors_short.weight": np.ones(HIDDEN // HEADS // 2, np.float32)}
+    path = write_tiny_gguf(tmp_path / "phi35.gguf", "phi3", (T.F32,), hidden=HIDDEN, heads=HEADS, extra=extra)
+    with pytest.raises(VerispecError, match=r"tensor 'rope_factors_long.weight' \(and 1 more\) is not read .* 'phi3'"):
+        load_gguf(path, show_progress=False)
+
+
 def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "phi3"])
+def test_verispec_generate_runs_a_random_weight_file_from_its_own_metadata(tmp_path, capsys, arch):
+    """`verispec generate --target file.gguf` with nothing beside the file: its tokenizer from the GGUF's own
+    vocabulary, the native runner by default, the newer quant types among its weights; greedy output of a draft
+    model (the file itself) and of prompt lookup equal plain decoding."""
+    import json
+
+    from verispec.cli import main
+
+    meta = {"gemma3.attention.sliding_window": (6, GGUFValueType.UINT32)} if arch == "gemma3" else None
+    path = str(write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, (T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.Q4_K),
+                               hidden=HIDDEN, heads=HEADS, vocab=300, vocab_tokens=True, metadata=meta,
+                               head_dim=64 if arch in ("qwen3", "gemma3") else None))
+    outputs = {}
+    for draft in ("none", path, "ngram"):
+        assert main(["generate", "--json", "--no-auto-k", "--target", path, "--draft", draft, "--prompt",
+                     "t5 t6 t7 t5 t6", "--temperature", "0", "--max-new-tokens", "12"]) == 0
+        outputs[draft] = json.loads(capsys.readouterr().out)
+    assert len(outputs["none"]["token_ids"]) == 12 and outputs["none"]["target_weights"] == "gguf"  # the native runner
+    assert outputs[path]["token_ids"] == outputs["ngram"]["token_ids"] == outputs["none"]["token_ids"]

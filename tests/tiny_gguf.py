@@ -53,6 +53,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     heads' size where it is not hidden / heads (Qwen3's is not; written as attention.key_length). "qwen3": Qwen2's
     layout without biases, with each query and key head normed (attn_q_norm, attn_k_norm). "gemma3": Qwen3's with
     each sublayer's output normed (post_attention_norm, post_ffw_norm); pass its sliding window in `metadata`.
+    "phi3": Llama's with q, k and v in one tensor (attn_qkv) and gate and up in one (ffn_up, 2F rows).
     head_norm: about what those head norms' weights are (larger: sharper attention); post_norm: Gemma's post-norms'."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), arch)
@@ -89,9 +90,12 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     for i in range(layers):
         p = f"blk.{i}."
         vector(p + "attn_norm.weight", hidden)
-        matrix(p + "attn_q.weight", heads * head_dim, hidden)
-        matrix(p + "attn_k.weight", kv_heads * head_dim, hidden)
-        matrix(p + "attn_v.weight", kv_heads * head_dim, hidden)
+        if arch == "phi3":  # q, k and v in one tensor
+            matrix(p + "attn_qkv.weight", (heads + 2 * kv_heads) * head_dim, hidden)
+        else:
+            matrix(p + "attn_q.weight", heads * head_dim, hidden)
+            matrix(p + "attn_k.weight", kv_heads * head_dim, hidden)
+            matrix(p + "attn_v.weight", kv_heads * head_dim, hidden)
         if arch == "qwen2":
             for name, size in (("attn_q.bias", heads * head_dim), ("attn_k.bias", kv_heads * head_dim),
                                ("attn_v.bias", kv_heads * head_dim)):
@@ -101,8 +105,11 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
             vector(p + "attn_k_norm.weight", head_dim, around=head_norm)
         matrix(p + "attn_output.weight", hidden, heads * head_dim)
         vector(p + "ffn_norm.weight", hidden)
-        matrix(p + "ffn_gate.weight", ffn, hidden)
-        matrix(p + "ffn_up.weight", ffn, hidden)
+        if arch == "phi3":  # gate and up in one tensor, the gate's rows first
+            matrix(p + "ffn_up.weight", 2 * ffn, hidden)
+        else:
+            matrix(p + "ffn_gate.weight", ffn, hidden)
+            matrix(p + "ffn_up.weight", ffn, hidden)
         matrix(p + "ffn_down.weight", hidden, ffn)
         if arch == "gemma3":
             vector(p + "post_attention_norm.weight", hidden, around=post_norm)

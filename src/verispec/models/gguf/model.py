@@ -7,7 +7,7 @@ float32 arrays. The token embedding is a weight too: a lookup dequantizes only t
 Architectures: `llama` (RoPE on adjacent pairs, as llama.cpp's converter permutes Q and K; Llama 3's RoPE scaling,
 which its files carry as per-pair frequency factors in `rope_freqs.weight`) and `qwen2` (RoPE on halves, biases on Q,
 K and V), and `qwen3` (Qwen2's layout with each query and key head RMS-normed before RoPE, `attn_q_norm` /
-`attn_k_norm`), and `gemma3` (`FAMILIES` says what each changes). Anything else (another architecture, a RoPE scaling
+`attn_k_norm`), `gemma3` and `phi3` (`FAMILIES` says what each changes). Anything else (another architecture, a RoPE scaling
 named in the metadata, RoPE on part of a head) is refused with one line, and so is a file holding a tensor the runner
 would not read: a model is run whole or not at all.
 """
@@ -41,6 +41,7 @@ class Family:
     gelu: bool = False  # a GeGLU feed-forward (GELU's tanh form, as llama.cpp takes it), else SwiGLU
     embed_scale: bool = False  # the token embedding times sqrt(E) on the way in
     local_layers: int = 0  # layers of sliding-window attention: of every `local_layers`, all but the last (0: none)
+    fused_ffn: bool = False  # gate and up in one tensor, ffn_up, of 2F rows: the gate's first
 
 
 FAMILIES = {
@@ -48,6 +49,7 @@ FAMILIES = {
     "qwen2": Family(neox=True),  # biases on Q, K and V where the file has them
     "qwen3": Family(neox=True, head_norms=True),
     "gemma3": Family(neox=True, head_norms=True, post_norms=True, gelu=True, embed_scale=True, local_layers=6),
+    "phi3": Family(neox=True, fused_ffn=True),  # Phi-3 / Phi-4-mini without LongRoPE (its factor tensors are refused)
 }
 ARCHITECTURES = tuple(FAMILIES)
 CHUNK_BYTES = 32 << 20  # a larger tensor is read and repacked in chunks: no whole source tensor is held
@@ -245,18 +247,32 @@ def _tensor(reader: GGUFFile, name: str, path: Path, required: bool = True) -> T
     return tensor
 
 
-def _weight(reader: GGUFFile, name: str, path: Path, rows: int, cols: int) -> Weight:
+def _weight(reader: GGUFFile, name: str, path: Path, rows: int, cols: int, first: int = 0,
+            total: int | None = None) -> Weight:
+    """The tensor `name`, (total or rows) x cols, as a weight: its rows first .. first + rows - 1 (a part of a fused
+    tensor: Phi-3's attn_qkv and ffn_up), or all of it."""
+    total = rows if total is None else total
     tensor = _tensor(reader, name, path)
-    if list(tensor.shape) != [cols, rows]:  # ggml order: (cols, rows)
-        raise VerispecError(f"{path.name}: tensor '{name}' has shape {list(tensor.shape[::-1])}, expected [{rows}, {cols}]")
+    if list(tensor.shape) != [cols, total]:  # ggml order: (cols, rows)
+        raise VerispecError(f"{path.name}: tensor '{name}' has shape {list(tensor.shape[::-1])}, expected [{total}, {cols}]")
     try:
-        row_bytes = check_tensor(name, tensor.qtype, tensor.nbytes, rows, cols)  # before any byte is read
+        row_bytes = check_tensor(name, tensor.qtype, tensor.nbytes, total, cols)  # before any byte is read
     except VerispecError as err:
         raise VerispecError(f"{path.name}: {err}") from None
-    if tensor.qtype in FLOAT_TYPES or tensor.nbytes <= CHUNK_BYTES:
-        return Weight.from_raw(name, tensor.qtype, reader.read(name), rows, cols)
+    start = first * row_bytes
+    if tensor.qtype in FLOAT_TYPES or rows * row_bytes <= CHUNK_BYTES:
+        return Weight.from_raw(name, tensor.qtype, reader.read(name, start, start + rows * row_bytes), rows, cols)
     return Weight.from_chunks(name, tensor.qtype, rows, cols,
-                              lambda r0, r1: reader.read(name, r0 * row_bytes, r1 * row_bytes), CHUNK_BYTES // row_bytes)
+                              lambda r0, r1: reader.read(name, start + r0 * row_bytes, start + r1 * row_bytes),
+                              CHUNK_BYTES // row_bytes)
+
+
+def _attention_weights(reader: GGUFFile, p: str, path: Path, sizes: tuple[int, int, int], hidden: int) -> tuple:
+    """A layer's q, k and v: three tensors, or one fused attn_qkv (Phi-3) whose rows are q's, then k's, then v's."""
+    if _tensor(reader, p + "attn_qkv.weight", path, required=False) is None:
+        return tuple(_weight(reader, p + f"attn_{x}.weight", path, rows, hidden) for x, rows in zip("qkv", sizes))
+    return tuple(_weight(reader, p + "attn_qkv.weight", path, rows, hidden, first, sum(sizes))
+                 for rows, first in zip(sizes, (0, sizes[0], sizes[0] + sizes[1])))
 
 
 def _vector(reader: GGUFFile, name: str, path: Path, size: int, required: bool = True) -> np.ndarray | None:
@@ -291,18 +307,21 @@ def _load_gguf(path: Path, show_progress: bool) -> GGUFModel:
     with progress(f"repacking {path.name}", c.layers, enabled=show_progress) as advance:
         for i in range(c.layers):
             p = f"blk.{i}."
+            q, k, v = _attention_weights(reader, p, path, qkv, c.hidden)
+            if family.fused_ffn:
+                gate, up = (_weight(reader, p + "ffn_up.weight", path, c.ffn, c.hidden, first, 2 * c.ffn)
+                            for first in (0, c.ffn))
+            else:
+                gate = _weight(reader, p + "ffn_gate.weight", path, c.ffn, c.hidden)
+                up = _weight(reader, p + "ffn_up.weight", path, c.ffn, c.hidden)
             layers.append(Layer(
-                attn_norm=_vector(reader, p + "attn_norm.weight", path, c.hidden),
-                q=_weight(reader, p + "attn_q.weight", path, qkv[0], c.hidden),
-                k=_weight(reader, p + "attn_k.weight", path, qkv[1], c.hidden),
-                v=_weight(reader, p + "attn_v.weight", path, qkv[2], c.hidden),
+                attn_norm=_vector(reader, p + "attn_norm.weight", path, c.hidden), q=q, k=k, v=v,
                 q_bias=_vector(reader, p + "attn_q.bias", path, qkv[0], required=False),
                 k_bias=_vector(reader, p + "attn_k.bias", path, qkv[1], required=False),
                 v_bias=_vector(reader, p + "attn_v.bias", path, qkv[2], required=False),
                 out=_weight(reader, p + "attn_output.weight", path, c.hidden, qkv[0]),
                 ffn_norm=_vector(reader, p + "ffn_norm.weight", path, c.hidden),
-                gate=_weight(reader, p + "ffn_gate.weight", path, c.ffn, c.hidden),
-                up=_weight(reader, p + "ffn_up.weight", path, c.ffn, c.hidden),
+                gate=gate, up=up,
                 down=_weight(reader, p + "ffn_down.weight", path, c.hidden, c.ffn),
                 **({"q_norm": _vector(reader, p + "attn_q_norm.weight", path, c.head_dim),
                     "k_norm": _vector(reader, p + "attn_k_norm.weight", path, c.head_dim)}
