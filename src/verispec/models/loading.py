@@ -282,11 +282,26 @@ def load_tokenizer(spec: str):
         saved = _tokenizer_dir(path)
         if (saved / _COMPLETE).is_file():
             return AutoTokenizer.from_pretrained(str(saved))
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = _gguf_tokenizer(path)
     except (ValueError, OSError, KeyError) as err:
         raise VerispecError(f"cannot load the tokenizer of '{spec}': {err}") from None
     _save_tokenizer(tokenizer, saved)
     return tokenizer
+
+
+def _gguf_tokenizer(path: Path):
+    """A GGUF's tokenizer from its own metadata. transformers' AutoTokenizer first reads the file as one of the
+    architectures its GGUF loader maps to a model (it refuses SmolLM3 or Granite, whose vocabularies it builds all
+    the same); the tokenizer itself is built from `tokenizer.ggml.*`, which the fast tokenizer class reads directly
+    (the same tokens and chat template: checked on the Qwen files)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as err:
+        if "is not supported" not in str(err):
+            raise
+        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _tokenizer_dir(gguf: Path) -> Path:

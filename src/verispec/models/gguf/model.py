@@ -7,7 +7,7 @@ float32 arrays. The token embedding is a weight too: a lookup dequantizes only t
 Architectures: `llama` (RoPE on adjacent pairs, as llama.cpp's converter permutes Q and K; Llama 3's RoPE scaling,
 which its files carry as per-pair frequency factors in `rope_freqs.weight`) and `qwen2` (RoPE on halves, biases on Q,
 K and V), and `qwen3` (Qwen2's layout with each query and key head RMS-normed before RoPE, `attn_q_norm` /
-`attn_k_norm`), `gemma3` and `phi3` (`FAMILIES` says what each changes). Anything else (another architecture, a RoPE scaling
+`attn_k_norm`), `gemma3`, `phi3`, `smollm3` and `granite` (`FAMILIES` says what each changes). Anything else (another architecture, a RoPE scaling
 named in the metadata, RoPE on part of a head) is refused with one line, and so is a file holding a tensor the runner
 would not read: a model is run whole or not at all.
 """
@@ -42,6 +42,8 @@ class Family:
     embed_scale: bool = False  # the token embedding times sqrt(E) on the way in
     local_layers: int = 0  # layers of sliding-window attention: of every `local_layers`, all but the last (0: none)
     fused_ffn: bool = False  # gate and up in one tensor, ffn_up, of 2F rows: the gate's first
+    no_rope_every: int = 0  # every n-th layer (n, 2n, ...) has no RoPE (0: all have it)
+    scales: bool = False  # scalars from the metadata: embedding_scale, residual_scale, attention.scale, logit_scale
 
 
 FAMILIES = {
@@ -50,6 +52,8 @@ FAMILIES = {
     "qwen3": Family(neox=True, head_norms=True),
     "gemma3": Family(neox=True, head_norms=True, post_norms=True, gelu=True, embed_scale=True, local_layers=6),
     "phi3": Family(neox=True, fused_ffn=True),  # Phi-3 / Phi-4-mini without LongRoPE (its factor tensors are refused)
+    "smollm3": Family(neox=False, no_rope_every=4),
+    "granite": Family(neox=False, scales=True),  # Granite 3 dense
 }
 ARCHITECTURES = tuple(FAMILIES)
 CHUNK_BYTES = 32 << 20  # a larger tensor is read and repacked in chunks: no whole source tensor is held
@@ -78,6 +82,9 @@ class GGUFConfig:
     local: tuple[bool, ...] = ()  # per layer: a local (sliding-window) layer
     rope_theta_local: float = 10000.0  # the local layers' RoPE base
     final_softcap: float = 0.0  # logits = c tanh(logits / c) (0: none)
+    residual_scale: float = 1.0  # each sublayer's output times this before its residual add
+    logit_scale: float = 1.0  # logits divided by this (as a product by its float32 inverse)
+    no_rope: tuple[bool, ...] = ()  # per layer: a layer without RoPE
 
     @property
     def kv_dim(self) -> int:
@@ -171,6 +178,11 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
                             f"head ({head_dim}); verispec's CPU runner rotates whole heads: use --backend llama.cpp")
     family, layers = FAMILIES[arch], field("block_count", INTEGER_KINDS)
     window = field("attention.sliding_window", INTEGER_KINDS, 0) if family.local_layers else 0
+    # llama.cpp's Gemma 3 27B (62 layers) scales scores by the width per head, the others by the heads' size
+    scales = dict(embed_scale=float(np.sqrt(np.float32(hidden))) if family.embed_scale else 1.0,
+                  attention_scale=1.0 / math.sqrt(hidden // heads) if arch == "gemma3" and layers == 62 and heads else None)
+    if family.scales:
+        scales = _scales(field, number)
     config = GGUFConfig(
         architecture=arch, layers=layers, hidden=hidden, heads=heads,
         kv_heads=field("attention.head_count_kv", INTEGER_KINDS, heads), head_dim=head_dim,
@@ -178,15 +190,22 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
         context=field("context_length", INTEGER_KINDS),
         rope_theta=float(field("rope.freq_base", number, 10000.0)),
         rms_eps=float(field("attention.layer_norm_rms_epsilon", number)), neox=family.neox, gelu=family.gelu,
-        embed_scale=float(np.sqrt(np.float32(hidden))) if family.embed_scale else 1.0,
-        # llama.cpp's Gemma 3 27B (62 layers) scales by the width per head, the others by the heads' size
-        attention_scale=1.0 / math.sqrt(hidden // heads) if arch == "gemma3" and layers == 62 and heads else None,
         window=window, local=_local_layers(reader, path, arch, family, layers) if window > 0 else (),
         rope_theta_local=float(field("rope.freq_base_swa", number, 10000.0)),
         final_softcap=float(field("final_logit_softcapping", number, 0.0)) if family.gelu else 0.0,
+        no_rope=tuple((i + 1) % family.no_rope_every == 0 for i in range(layers)) if family.no_rope_every else (),
+        **scales,
     )
     check_config(config, path.name)
     return config
+
+
+def _scales(field, number) -> dict:
+    """Granite's scalars, each as llama.cpp reads it: 0 or missing means none (the logit scale is required)."""
+    embed, residual, attention = (float(field(key, number, 0.0)) for key in ("embedding_scale", "residual_scale",
+                                                                               "attention.scale"))
+    return dict(embed_scale=embed or 1.0, residual_scale=residual or 1.0, attention_scale=attention or None,
+                logit_scale=float(field("logit_scale", number)))
 
 
 def _local_layers(reader: GGUFFile, path: Path, arch: str, family: Family, layers: int) -> tuple[bool, ...]:
@@ -234,6 +253,10 @@ def check_config(c: GGUFConfig, where: str) -> None:
         raise VerispecError(f"{where}: metadata '{arch}.attention.sliding_window' is {c.window}; it must be >= 0")
     if c.local and not (math.isfinite(c.rope_theta_local) and c.rope_theta_local > 0):
         raise VerispecError(f"{where}: metadata '{arch}.rope.freq_base_swa' is {c.rope_theta_local}; it must be positive")
+    for name, value in (("embedding_scale", c.embed_scale), ("residual_scale", c.residual_scale),
+                        ("attention.scale", c.scale), ("logit_scale", c.logit_scale)):
+        if not (math.isfinite(value) and value > 0):
+            raise VerispecError(f"{where}: metadata '{arch}.{name}' is {value}; it must be a finite number > 0")
     if not (math.isfinite(c.final_softcap) and c.final_softcap >= 0):
         raise VerispecError(f"{where}: metadata '{arch}.final_logit_softcapping' is {c.final_softcap}; it must be "
                             "a finite number >= 0")

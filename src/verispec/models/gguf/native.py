@@ -79,7 +79,7 @@ class DimsStruct(ctypes.Structure):
     """csrc's vs_dims_t."""
 
     _fields_ = [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "neox", "gelu")] + [
-        ("eps", _D), ("scale", _D)]
+        ("eps", _D), ("scale", _D), ("residual_scale", _D)]
 
 
 @lru_cache(maxsize=1)

@@ -194,7 +194,7 @@ class NativeRunner:
         self._gguf = model
         self._heads: dict[int, ops.Weight] = {}  # draft LM heads over the first n token ids (Weight.first_rows)
         self._dims = DimsStruct(c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, int(c.neox), int(c.gelu), c.rms_eps,
-                                c.scale)
+                                c.scale, c.residual_scale)
 
         def weight(w: ops.Weight) -> WeightStruct:
             return WeightStruct(w.qtype, w.address, w.rows, w.cols)
@@ -235,16 +235,20 @@ class NativeRunner:
         """(n, E) final hidden states -> (n, V) float32 logits of the LM head, or of its first `rows` rows
         (`Weight.first_rows`, made once per size) with -inf above."""
         if rows is None or rows >= self.vocab_size:
-            return self._softcap(self.gguf.head(ops.Activations(final)))
+            return self._final(self.gguf.head(ops.Activations(final)))
         if rows not in self._heads:
             self._heads[rows] = self.gguf.head.first_rows(rows)
         logits = np.full((final.shape[0], self.vocab_size), -np.inf, np.float32)  # (n, V)
-        logits[:, :rows] = self._softcap(self._heads[rows](ops.Activations(final)))
+        logits[:, :rows] = self._final(self._heads[rows](ops.Activations(final)))
         return logits
 
-    def _softcap(self, logits: np.ndarray) -> np.ndarray:
-        """c tanh(logits / c) where the model caps its logits (as llama.cpp: a float32 scale by 1 / c, tanh, scale by c)."""
-        cap = np.float32(self.config.final_softcap)
+    def _final(self, logits: np.ndarray) -> np.ndarray:
+        """The head's logits as the model ends them, each step as llama.cpp takes it: divided by a logit scale (a
+        product by its float32 inverse: Granite), then capped, c tanh(logits / c) (Gemma)."""
+        c = self.config
+        if c.logit_scale != 1.0:
+            logits *= np.float32(1.0) / np.float32(c.logit_scale)
+        cap = np.float32(c.final_softcap)
         if not cap:
             return logits
         return np.tanh(logits * (np.float32(1.0) / cap)) * cap
@@ -480,6 +484,8 @@ class NativeRunner:
             views[True] = (_Attend.of([_windowed(q, c.window) for q in queries], *bases),
                            ops.rope_table(positions, c.head_dim, c.rope_theta_local, None))
         layers = [(i, views[bool(c.local) and c.local[i]]) for i in range(low, high)]
+        if c.no_rope:  # those layers' queries and keys go unrotated: no table
+            layers = [(i, (view[0], None) if c.no_rope[i] else view) for i, view in layers]
         skips = np.zeros(c.layers, np.int32) if skip is None else skip
         if self.fused:
             self._layers_fused(x, queries, layers, skips)
@@ -496,9 +502,10 @@ class NativeRunner:
         xp, columnp, pointers = ptr(x), ptr(columns), {}
         for i, (a, angles) in layers:
             if id(a) not in pointers:
-                pointers[id(a)] = (ptr(angles), ptr(a.key_base), ptr(a.value_base), ptr(a.layer_bytes), ptr(a.prefix),
+                pointers[id(a)] = (ptr(a.key_base), ptr(a.value_base), ptr(a.layer_bytes), ptr(a.prefix),
                                    ptr(a.extra_off), ptr(a.extra))
-            anglep, keys, values, layer_bytes, prefix, extra_off, extra = pointers[id(a)]
+            keys, values, layer_bytes, prefix, extra_off, extra = pointers[id(a)]
+            anglep = None if angles is None else ptr(angles)
             status = forward(dims, ctypes.byref(self._layers_c[i]), xp, n, anglep, keys, values, layer_bytes, i,
                              kv_dim, columnp, prefix, extra_off, extra, int(skips[i]))
             if status:
@@ -528,8 +535,9 @@ class NativeRunner:
                     q = ops.rmsnorm(q.reshape(-1, c.head_dim), layer.q_norm, c.rms_eps).reshape(n, -1)
                 if layer.k_norm is not None:
                     k = ops.rmsnorm(k.reshape(-1, c.head_dim), layer.k_norm, c.rms_eps).reshape(n, -1)
-                ops.rope(q, c.heads, angles, c.neox)
-                ops.rope(k, c.kv_heads, angles, c.neox)
+                if angles is not None:
+                    ops.rope(q, c.heads, angles, c.neox)
+                    ops.rope(k, c.kv_heads, angles, c.neox)
                 for row, first, count, column in runs:
                     row.keys[i, column : column + count] = k[first : first + count]
                     row.values[i, column : column + count] = v[first : first + count]
@@ -545,7 +553,11 @@ class NativeRunner:
         return x
 
     def _post_norm(self, out: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
-        return out if weight is None else ops.rmsnorm(out, weight, self.config.rms_eps)
+        """A sublayer's output as its residual add takes it: normed (Gemma), scaled (Granite), or as it is."""
+        out = out if weight is None else ops.rmsnorm(out, weight, self.config.rms_eps)
+        if self.config.residual_scale != 1.0:
+            out *= np.float32(self.config.residual_scale)
+        return out
 
 
 @dataclass

@@ -1657,6 +1657,7 @@ typedef struct {
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, ffn, neox, gelu; /* gelu: GeGLU (vs_gelu_mul), else SwiGLU */
     double eps, scale; /* passed on as float, as the per-op path's ctypes floats are */
+    double residual_scale; /* each sublayer's output times this before its residual add (Granite; 1: none) */
 } vs_dims_t;
 
 typedef struct {
@@ -1695,6 +1696,10 @@ static void act_free(act_t *a) { /* idempotent: the pointers are cleared */
         free(a->q[j]); free(a->d[j]); free(a->bsum[j]);
         a->q[j] = NULL; a->d[j] = NULL; a->bsum[j] = NULL;
     }
+}
+
+void scale_rows(float *x, int64_t n, float s) { /* x *= s, one float32 product a value (as ggml_scale) */
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] * s;
 }
 
 static void add_rows(float *y, const float *b, int64_t n, int64_t width) { /* y[i] += b, b one row or n rows */
@@ -1741,8 +1746,10 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
     if (L->v_bias) add_rows(v, L->v_bias, n, KD);
     if (L->q_norm) vs_rmsnorm(q, n * D->heads, D->head_dim, L->q_norm, eps, q); /* in place: a row's scale first */
     if (L->k_norm) vs_rmsnorm(k, n * D->kv_heads, D->head_dim, L->k_norm, eps, k);
-    vs_rope(q, n, (int)D->heads, (int)D->head_dim, rope_table, (int)D->neox);
-    vs_rope(k, n, (int)D->kv_heads, (int)D->head_dim, rope_table, (int)D->neox);
+    if (rope_table) { /* NULL: a layer without RoPE (SmolLM3's every fourth) */
+        vs_rope(q, n, (int)D->heads, (int)D->head_dim, rope_table, (int)D->neox);
+        vs_rope(k, n, (int)D->kv_heads, (int)D->head_dim, rope_table, (int)D->neox);
+    }
     for (int64_t i = 0; i < n; i++) {
         memcpy((float *)(intptr_t)kb[i] + columns[i] * stride, k + i * KD, sizeof(float) * (size_t)KD);
         memcpy((float *)(intptr_t)vb[i] + columns[i] * stride, v + i * KD, sizeof(float) * (size_t)KD);
@@ -1756,6 +1763,7 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
     if ((status = act_matmul(&L->out, &a2, o))) goto done;
     act_free(&a2);
     if (L->attn_post_norm) vs_rmsnorm(o, n, E, L->attn_post_norm, eps, o);
+    if (D->residual_scale != 1.0) scale_rows(o, n * E, (float)D->residual_scale);
     for (int64_t i = 0; i < n * E; i++) x[i] = x[i] + o[i];
 
 mlp:
@@ -1770,6 +1778,7 @@ mlp:
     if ((status = act_matmul(&L->down, &a4, o))) goto done;
     act_free(&a4);
     if (L->ffn_post_norm) vs_rmsnorm(o, n, E, L->ffn_post_norm, eps, o);
+    if (D->residual_scale != 1.0) scale_rows(o, n * E, (float)D->residual_scale);
     for (int64_t i = 0; i < n * E; i++) x[i] = x[i] + o[i];
 
 done:
