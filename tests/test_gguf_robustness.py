@@ -162,7 +162,7 @@ KERNEL_CASES = textwrap.dedent("""
                                   ptr(pre), ptr(off), ptr(extra), ptr(out))
 
     def layer(n, kv_heads, head_dim=16):
-        dims = DimsStruct(64, 4, kv_heads, head_dim, 128, 1, 0, 1e-6, 0.25)
+        dims = DimsStruct(64, 4, kv_heads, head_dim, 128, 1, 0, 0, 1e-6, 0.25, 1.0)
         zeros = np.zeros(max(n, 1) if n < 1 << 20 else 1, np.int64)
         return lib().vs_layer_forward(ctypes.byref(dims), ctypes.byref(LayerStruct()), ptr(zeros), n, ptr(zeros),
                                       ptr(zeros), ptr(zeros), ptr(zeros), 0, 32, ptr(zeros), ptr(zeros),

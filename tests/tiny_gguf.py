@@ -53,6 +53,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     heads' size where it is not hidden / heads (Qwen3's is not; written as attention.key_length). "qwen3": Qwen2's
     layout without biases, with each query and key head normed (attn_q_norm, attn_k_norm). "gemma3": Qwen3's with
     each sublayer's output normed (post_attention_norm, post_ffw_norm); pass its sliding window in `metadata`.
+    "olmo2": no norm before a sublayer, each one's output normed, q and k normed whole (not per head).
     "phi3": Llama's with q, k and v in one tensor (attn_qkv) and gate and up in one (ffn_up, 2F rows).
     head_norm: about what those head norms' weights are (larger: sharper attention); post_norm: Gemma's post-norms'."""
     rng = np.random.default_rng(seed)
@@ -89,7 +90,8 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     matrix("token_embd.weight", vocab, hidden)
     for i in range(layers):
         p = f"blk.{i}."
-        vector(p + "attn_norm.weight", hidden)
+        if arch != "olmo2":  # OLMo 2 norms each sublayer's output only
+            vector(p + "attn_norm.weight", hidden)
         if arch == "phi3":  # q, k and v in one tensor
             matrix(p + "attn_qkv.weight", (heads + 2 * kv_heads) * head_dim, hidden)
         else:
@@ -103,15 +105,19 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
         if arch in ("qwen3", "gemma3"):
             vector(p + "attn_q_norm.weight", head_dim, around=head_norm)
             vector(p + "attn_k_norm.weight", head_dim, around=head_norm)
+        if arch == "olmo2":  # over each token's whole q and k
+            vector(p + "attn_q_norm.weight", heads * head_dim, around=head_norm)
+            vector(p + "attn_k_norm.weight", kv_heads * head_dim, around=head_norm)
         matrix(p + "attn_output.weight", hidden, heads * head_dim)
-        vector(p + "ffn_norm.weight", hidden)
+        if arch != "olmo2":
+            vector(p + "ffn_norm.weight", hidden)
         if arch == "phi3":  # gate and up in one tensor, the gate's rows first
             matrix(p + "ffn_up.weight", 2 * ffn, hidden)
         else:
             matrix(p + "ffn_gate.weight", ffn, hidden)
             matrix(p + "ffn_up.weight", ffn, hidden)
         matrix(p + "ffn_down.weight", hidden, ffn)
-        if arch == "gemma3":
+        if arch in ("gemma3", "olmo2"):
             vector(p + "post_attention_norm.weight", hidden, around=post_norm)
             vector(p + "post_ffw_norm.weight", hidden, around=post_norm)
     vector("output_norm.weight", hidden)

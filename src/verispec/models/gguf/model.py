@@ -44,6 +44,8 @@ class Family:
     fused_ffn: bool = False  # gate and up in one tensor, ffn_up, of 2F rows: the gate's first
     no_rope_every: int = 0  # every n-th layer (n, 2n, ...) has no RoPE (0: all have it)
     scales: bool = False  # scalars from the metadata: embedding_scale, residual_scale, attention.scale, logit_scale
+    pre_norms: bool = True  # an RMSNorm before each sublayer (attn_norm, ffn_norm); OLMo 2 has only the post-norms
+    whole_qk_norm: bool = False  # the head norms norm each token's whole q and k (their weights: Hq D and Hkv D)
 
 
 FAMILIES = {
@@ -54,6 +56,7 @@ FAMILIES = {
     "phi3": Family(neox=True, fused_ffn=True),  # Phi-3 / Phi-4-mini without LongRoPE (its factor tensors are refused)
     "smollm3": Family(neox=False, no_rope_every=4),
     "granite": Family(neox=False, scales=True),  # Granite 3 dense
+    "olmo2": Family(neox=True, head_norms=True, whole_qk_norm=True, post_norms=True, pre_norms=False),
 }
 ARCHITECTURES = tuple(FAMILIES)
 CHUNK_BYTES = 32 << 20  # a larger tensor is read and repacked in chunks: no whole source tensor is held
@@ -76,6 +79,7 @@ class GGUFConfig:
     rms_eps: float
     neox: bool  # RoPE pairs (i, i + D/2) instead of (2i, 2i + 1)
     gelu: bool = False  # GeGLU feed-forward, else SwiGLU
+    whole_qk_norm: bool = False  # q_norm / k_norm over each token's whole q / k, not each head
     embed_scale: float = 1.0  # the token embedding's rows times this (Gemma: sqrt(E) as a float32)
     attention_scale: float | None = None  # scores' scale (None: 1 / sqrt(D))
     window: int = 0  # local layers attend to the last `window` positions (0: no local layers)
@@ -97,7 +101,7 @@ class GGUFConfig:
 
 @dataclass
 class Layer:
-    attn_norm: np.ndarray  # (E,)
+    attn_norm: np.ndarray | None  # (E,), or None: no norm before the attention (OLMo 2)
     q: Weight  # (Hq D, E)
     k: Weight  # (Hkv D, E)
     v: Weight  # (Hkv D, E)
@@ -105,12 +109,12 @@ class Layer:
     k_bias: np.ndarray | None  # (Hkv D,)
     v_bias: np.ndarray | None  # (Hkv D,)
     out: Weight  # (E, Hq D)
-    ffn_norm: np.ndarray  # (E,)
+    ffn_norm: np.ndarray | None  # (E,), or None
     gate: Weight  # (F, E)
     up: Weight  # (F, E)
     down: Weight  # (E, F)
-    q_norm: np.ndarray | None = None  # (D,) RMSNorm weight of every query head before RoPE (Qwen3), or None
-    k_norm: np.ndarray | None = None  # (D,) the same for key heads
+    q_norm: np.ndarray | None = None  # (D,) RMSNorm weight of every query head before RoPE (Qwen3), (Hq D) of the
+    k_norm: np.ndarray | None = None  # whole q (OLMo 2), or None; the same for keys
     attn_post_norm: np.ndarray | None = None  # (E,) RMSNorm of the attention's output before the residual add (Gemma)
     ffn_post_norm: np.ndarray | None = None  # (E,) the same for the feed-forward's
 
@@ -178,6 +182,9 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
                             f"head ({head_dim}); verispec's CPU runner rotates whole heads: use --backend llama.cpp")
     family, layers = FAMILIES[arch], field("block_count", INTEGER_KINDS)
     window = field("attention.sliding_window", INTEGER_KINDS, 0) if family.local_layers else 0
+    if arch == "olmo2" and field("attention.sliding_window", INTEGER_KINDS, 0):  # OLMo 3: llama.cpp reads it
+        raise VerispecError(f"{path.name}: metadata '{arch}.attention.sliding_window' asks for sliding-window layers, "
+                            f"which verispec's CPU runner does not read for '{arch}'; use --backend llama.cpp")
     # llama.cpp's Gemma 3 27B (62 layers) scales scores by the width per head, the others by the heads' size
     scales = dict(embed_scale=float(np.sqrt(np.float32(hidden))) if family.embed_scale else 1.0,
                   attention_scale=1.0 / math.sqrt(hidden // heads) if arch == "gemma3" and layers == 62 and heads else None)
@@ -190,6 +197,7 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
         context=field("context_length", INTEGER_KINDS),
         rope_theta=float(field("rope.freq_base", number, 10000.0)),
         rms_eps=float(field("attention.layer_norm_rms_epsilon", number)), neox=family.neox, gelu=family.gelu,
+        whole_qk_norm=family.whole_qk_norm,
         window=window, local=_local_layers(reader, path, arch, family, layers) if window > 0 else (),
         rope_theta_local=float(field("rope.freq_base_swa", number, 10000.0)),
         final_softcap=float(field("final_logit_softcapping", number, 0.0)) if family.gelu else 0.0,
@@ -338,16 +346,17 @@ def _load_gguf(path: Path, show_progress: bool) -> GGUFModel:
                 gate = _weight(reader, p + "ffn_gate.weight", path, c.ffn, c.hidden)
                 up = _weight(reader, p + "ffn_up.weight", path, c.ffn, c.hidden)
             layers.append(Layer(
-                attn_norm=_vector(reader, p + "attn_norm.weight", path, c.hidden), q=q, k=k, v=v,
+                attn_norm=_vector(reader, p + "attn_norm.weight", path, c.hidden) if family.pre_norms else None,
+                q=q, k=k, v=v,
                 q_bias=_vector(reader, p + "attn_q.bias", path, qkv[0], required=False),
                 k_bias=_vector(reader, p + "attn_k.bias", path, qkv[1], required=False),
                 v_bias=_vector(reader, p + "attn_v.bias", path, qkv[2], required=False),
                 out=_weight(reader, p + "attn_output.weight", path, c.hidden, qkv[0]),
-                ffn_norm=_vector(reader, p + "ffn_norm.weight", path, c.hidden),
+                ffn_norm=_vector(reader, p + "ffn_norm.weight", path, c.hidden) if family.pre_norms else None,
                 gate=gate, up=up,
                 down=_weight(reader, p + "ffn_down.weight", path, c.hidden, c.ffn),
-                **({"q_norm": _vector(reader, p + "attn_q_norm.weight", path, c.head_dim),
-                    "k_norm": _vector(reader, p + "attn_k_norm.weight", path, c.head_dim)}
+                **({"q_norm": _vector(reader, p + "attn_q_norm.weight", path, qkv[0] if family.whole_qk_norm else c.head_dim),
+                    "k_norm": _vector(reader, p + "attn_k_norm.weight", path, qkv[1] if family.whole_qk_norm else c.head_dim)}
                    if family.head_norms else {}),
                 **({"attn_post_norm": _vector(reader, p + "post_attention_norm.weight", path, c.hidden),
                     "ffn_post_norm": _vector(reader, p + "post_ffw_norm.weight", path, c.hidden)}

@@ -78,7 +78,8 @@ class LayerStruct(ctypes.Structure):
 class DimsStruct(ctypes.Structure):
     """csrc's vs_dims_t."""
 
-    _fields_ = [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "neox", "gelu")] + [
+    _fields_ = [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "neox", "gelu",
+                                                 "whole_qk_norm")] + [
         ("eps", _D), ("scale", _D), ("residual_scale", _D)]
 
 

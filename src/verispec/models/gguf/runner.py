@@ -193,8 +193,8 @@ class NativeRunner:
         c = model.config
         self._gguf = model
         self._heads: dict[int, ops.Weight] = {}  # draft LM heads over the first n token ids (Weight.first_rows)
-        self._dims = DimsStruct(c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, int(c.neox), int(c.gelu), c.rms_eps,
-                                c.scale, c.residual_scale)
+        self._dims = DimsStruct(c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, int(c.neox), int(c.gelu),
+                                int(c.whole_qk_norm), c.rms_eps, c.scale, c.residual_scale)
 
         def weight(w: ops.Weight) -> WeightStruct:
             return WeightStruct(w.qtype, w.address, w.rows, w.cols)
@@ -526,15 +526,18 @@ class NativeRunner:
         for i, (a, angles) in layers:
             layer = self.gguf.layers[i]
             if not skips[i] & 1:
-                h = ops.Activations(ops.rmsnorm(x, layer.attn_norm, c.rms_eps))
+                h = ops.Activations(x if layer.attn_norm is None else ops.rmsnorm(x, layer.attn_norm, c.rms_eps))
                 q, k, v = layer.q(h), layer.k(h), layer.v(h)  # (N, Hq D), (N, Hkv D), (N, Hkv D)
                 for t, bias in ((q, layer.q_bias), (k, layer.k_bias), (v, layer.v_bias)):
                     if bias is not None:
                         t += bias
-                if layer.q_norm is not None:  # each head normed before RoPE (Qwen3)
-                    q = ops.rmsnorm(q.reshape(-1, c.head_dim), layer.q_norm, c.rms_eps).reshape(n, -1)
+                width = None if c.whole_qk_norm else c.head_dim  # each head normed (Qwen3), or each token's whole q / k
+                if layer.q_norm is not None:
+                    q = ops.rmsnorm(q.reshape(n if width is None else -1, width or q.shape[1]), layer.q_norm,
+                                    c.rms_eps).reshape(n, -1)
                 if layer.k_norm is not None:
-                    k = ops.rmsnorm(k.reshape(-1, c.head_dim), layer.k_norm, c.rms_eps).reshape(n, -1)
+                    k = ops.rmsnorm(k.reshape(n if width is None else -1, width or k.shape[1]), layer.k_norm,
+                                    c.rms_eps).reshape(n, -1)
                 if angles is not None:
                     ops.rope(q, c.heads, angles, c.neox)
                     ops.rope(k, c.kv_heads, angles, c.neox)
@@ -547,7 +550,7 @@ class NativeRunner:
                       f"attention of layer {i}")
                 x = x + self._post_norm(layer.out(ops.Activations(attn)), layer.attn_post_norm)
             if not skips[i] & 2:
-                h = ops.Activations(ops.rmsnorm(x, layer.ffn_norm, c.rms_eps))
+                h = ops.Activations(x if layer.ffn_norm is None else ops.rmsnorm(x, layer.ffn_norm, c.rms_eps))
                 act = ops.gelu_mul if c.gelu else ops.silu_mul
                 x = x + self._post_norm(layer.down(ops.Activations(act(layer.gate(h), layer.up(h)))), layer.ffn_post_norm)
         return x

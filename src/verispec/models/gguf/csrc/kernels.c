@@ -1647,7 +1647,8 @@ typedef struct {
 } vs_weight_t;
 
 typedef struct {
-    const float *attn_norm, *ffn_norm, *q_bias, *k_bias, *v_bias; /* biases may be NULL */
+    const float *attn_norm, *ffn_norm, *q_bias, *k_bias, *v_bias; /* biases may be NULL; norms too (OLMo 2: no
+                                                                       norm before a sublayer) */
     const float *q_norm, *k_norm; /* (head_dim,) RMSNorm of each query / key head before RoPE (Qwen3), or NULL */
     const float *attn_post_norm, *ffn_post_norm; /* (hidden,) RMSNorm of a sublayer's output before the residual add
                                                     (Gemma), or NULL */
@@ -1656,8 +1657,10 @@ typedef struct {
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, ffn, neox, gelu; /* gelu: GeGLU (vs_gelu_mul), else SwiGLU */
+    int64_t whole_qk_norm; /* q_norm / k_norm RMS-norm each token's whole q / k (OLMo 2), not each head */
     double eps, scale; /* passed on as float, as the per-op path's ctypes floats are */
-    double residual_scale; /* each sublayer's output times this before its residual add (Granite; 1: none) */
+    double residual_scale; /* each sublayer's output times this before its residual add (Granite; 1 or 0: none, as
+                              llama.cpp reads an unset scale) */
 } vs_dims_t;
 
 typedef struct {
@@ -1736,16 +1739,17 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
     for (int64_t i = 0; i < n; i++) { kb[i] = kbase0[i] + layer * layer_bytes[i]; vb[i] = vbase0[i] + layer * layer_bytes[i]; }
 
     if (skip & 1) goto mlp;
-    vs_rmsnorm(x, n, E, L->attn_norm, eps, xn);
-    a = (act_t){xn, n, E, {0}, {0}, {0}};
+    if (L->attn_norm) vs_rmsnorm(x, n, E, L->attn_norm, eps, xn);
+    a = (act_t){L->attn_norm ? xn : x, n, E, {0}, {0}, {0}};
     if ((status = act_matmul(&L->q, &a, q)) || (status = act_matmul(&L->k, &a, k)) || (status = act_matmul(&L->v, &a, v)))
         goto done;
     act_free(&a);
     if (L->q_bias) add_rows(q, L->q_bias, n, QD);
     if (L->k_bias) add_rows(k, L->k_bias, n, KD);
     if (L->v_bias) add_rows(v, L->v_bias, n, KD);
-    if (L->q_norm) vs_rmsnorm(q, n * D->heads, D->head_dim, L->q_norm, eps, q); /* in place: a row's scale first */
-    if (L->k_norm) vs_rmsnorm(k, n * D->kv_heads, D->head_dim, L->k_norm, eps, k);
+    if (L->q_norm) /* in place: a row's scale first */
+        vs_rmsnorm(q, D->whole_qk_norm ? n : n * D->heads, D->whole_qk_norm ? QD : D->head_dim, L->q_norm, eps, q);
+    if (L->k_norm) vs_rmsnorm(k, D->whole_qk_norm ? n : n * D->kv_heads, D->whole_qk_norm ? KD : D->head_dim, L->k_norm, eps, k);
     if (rope_table) { /* NULL: a layer without RoPE (SmolLM3's every fourth) */
         vs_rope(q, n, (int)D->heads, (int)D->head_dim, rope_table, (int)D->neox);
         vs_rope(k, n, (int)D->kv_heads, (int)D->head_dim, rope_table, (int)D->neox);
@@ -1763,13 +1767,13 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
     if ((status = act_matmul(&L->out, &a2, o))) goto done;
     act_free(&a2);
     if (L->attn_post_norm) vs_rmsnorm(o, n, E, L->attn_post_norm, eps, o);
-    if (D->residual_scale != 1.0) scale_rows(o, n * E, (float)D->residual_scale);
+    if (D->residual_scale != 1.0 && D->residual_scale != 0.0) scale_rows(o, n * E, (float)D->residual_scale);
     for (int64_t i = 0; i < n * E; i++) x[i] = x[i] + o[i];
 
 mlp:
     if (skip & 2) goto done;
-    vs_rmsnorm(x, n, E, L->ffn_norm, eps, xn);
-    a3 = (act_t){xn, n, E, {0}, {0}, {0}};
+    if (L->ffn_norm) vs_rmsnorm(x, n, E, L->ffn_norm, eps, xn);
+    a3 = (act_t){L->ffn_norm ? xn : x, n, E, {0}, {0}, {0}};
     if ((status = act_matmul(&L->gate, &a3, g)) || (status = act_matmul(&L->up, &a3, u))) goto done;
     act_free(&a3);
     if (D->gelu) vs_gelu_mul(g, u, n * F, h);
@@ -1778,7 +1782,7 @@ mlp:
     if ((status = act_matmul(&L->down, &a4, o))) goto done;
     act_free(&a4);
     if (L->ffn_post_norm) vs_rmsnorm(o, n, E, L->ffn_post_norm, eps, o);
-    if (D->residual_scale != 1.0) scale_rows(o, n * E, (float)D->residual_scale);
+    if (D->residual_scale != 1.0 && D->residual_scale != 0.0) scale_rows(o, n * E, (float)D->residual_scale);
     for (int64_t i = 0; i < n * E; i++) x[i] = x[i] + o[i];
 
 done:
