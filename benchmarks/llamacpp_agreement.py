@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/llamacpp_agreement.py [--tokens 40] [--file model.gguf ...]
 
-For each architecture (llama, qwen2, qwen3, gemma3 with a sliding window of 12, phi3) and weight type, a tiny random-weight file is written with gguf's writer
+For each architecture (llama, qwen2, qwen3, gemma3 with a sliding window of 12, phi3, smollm3, granite, olmo2) and
+weight type, a tiny random-weight file is written with gguf's writer
 (as tests/tiny_gguf.py does); both runners read the same token ids, llama.cpp one token a pass (as it decodes) with
 its key/value cache in float32. Printed: the largest logit difference over the logits' spread (their standard
 deviation) and how many positions' argmax agree; then the same for each --file (real models).
@@ -19,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from gguf import GGUFValueType  # noqa: E402
-from test_gguf_architectures import llamacpp_logits, native_logits  # noqa: E402
+from test_gguf_architectures import GRANITE, llamacpp_logits, native_logits  # noqa: E402
 from tiny_gguf import T, write_tiny_gguf  # noqa: E402
 
 TYPES = [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
@@ -40,10 +41,11 @@ def main() -> None:
     tokens = [int(t) for t in np.random.default_rng(1).integers(4, 300, args.tokens)]
     print(f"{'file':<28} {'difference / spread':>19}")
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in ("llama", "qwen2", "qwen3", "gemma3", "phi3"):
+        for arch in ("llama", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "granite", "olmo2"):
             for qtype in TYPES:
                 shape = dict(hidden=256, heads=8, head_dim=64) if arch == "qwen3" else dict(hidden=256, heads=4)
-                meta = {"gemma3.attention.sliding_window": (12, GGUFValueType.UINT32)} if arch == "gemma3" else None
+                meta = {"gemma3": {"gemma3.attention.sliding_window": (12, GGUFValueType.UINT32)},
+                        "granite": GRANITE}.get(arch)
                 path = write_tiny_gguf(Path(tmp) / "tiny.gguf", arch, (qtype,), seed=4, kv_heads=2, vocab=300,
                                        vocab_tokens=True, metadata=meta, **shape)
                 print(f"{arch + ' ' + qtype.name:<28} {compare(path, tokens)}")

@@ -156,7 +156,7 @@ def test_qwen3_agrees_with_llamacpp(tmp_path, qtype, tolerance):
         greedy(lambda t: llamacpp_logits(path, t), tokens[:8], 24)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama3", "gemma3", "phi3", "smollm3", "granite", "olmo2"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2"])
 def test_new_layouts_give_the_same_bits_fused_per_op_and_alone(tmp_path, arch):
     """The fused layer (one C call) and the per-op path compute the head norms, the scaled RoPE, Gemma's post-norms,
     GeGLU and sliding windows the same way, and a token's logits are the same bits alone as in a wider pass (a window
@@ -164,6 +164,8 @@ def test_new_layouts_give_the_same_bits_fused_per_op_and_alone(tmp_path, arch):
     factors = llama3_factors(HIDDEN // HEADS, 10000.0) if arch == "llama3" else None
     if arch == "gemma3":
         path = gemma3_file(tmp_path / "gemma3.gguf", T.Q4_K, layers=3, window=6)
+    elif arch == "gemma2":
+        path = gemma2_file(tmp_path / "gemma2.gguf", T.Q4_K)
     elif arch in ("phi3", "smollm3", "granite", "olmo2"):
         path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, (T.Q4_K, T.Q8_0), hidden=HIDDEN, heads=HEADS, layers=4,
                                metadata=GRANITE if arch == "granite" else None)
@@ -253,6 +255,37 @@ def test_phi3_longrope_is_refused_in_one_line(tmp_path):
         load_gguf(path, show_progress=False)
 
 
+def gemma2_file(path, qtype=T.F32, caps: tuple[float, float] = (0.5, 0.3)):
+    """A tiny Gemma 2: Gemma 3's layout without head norms, every other layer local (a window of 12), the scores and
+    the logits soft-capped (caps small enough to bind on random weights: 0.5 and 0.3)."""
+    meta = {"gemma2.attention.sliding_window": (12, GGUFValueType.UINT32),
+            "gemma2.attn_logit_softcapping": (caps[0], GGUFValueType.FLOAT32),
+            "gemma2.final_logit_softcapping": (caps[1], GGUFValueType.FLOAT32)}
+    return write_tiny_gguf(path, "gemma2", (qtype,), seed=4, hidden=HIDDEN, heads=HEADS, kv_heads=2, vocab=300,
+                           layers=4, tied=True, vocab_tokens=True, metadata=meta)
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("qtype, tolerance", [(T.F32, 2e-3), (T.Q4_K, 1e-2)])
+def test_gemma2_agrees_with_llamacpp(tmp_path, qtype, tolerance):
+    """Gemma 2: Gemma 3's post-norms, GeGLU, embedding scale and windows (every other layer, the global RoPE base),
+    no head norms, and soft-caps on the attention's scores (in the kernel, before the softmax) and on the logits.
+    Measured: 7.6e-4 (F32: llama.cpp's half-precision GELU, as for Gemma 3) and 9e-5 (Q4_K) of the logits' spread.
+    The same weights with caps too large to bind part from llama.cpp by over 10 times that: the caps are in force."""
+    path = gemma2_file(tmp_path / "gemma2.gguf", qtype)
+    c = load_gguf(path, show_progress=False).config
+    assert (c.attn_softcap, c.final_softcap, c.window, c.local, c.rope_theta_local) == \
+        (0.5, pytest.approx(0.3), 12, (True, False, True, False), c.rope_theta)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(4, 300, 40)]
+    ours, theirs = native_logits(path, tokens), llamacpp_logits(path, tokens)
+    error = np.abs(ours - theirs).max()
+    assert error < tolerance * float(theirs.std())
+    loose = native_logits(gemma2_file(tmp_path / "loose.gguf", qtype, caps=(1e6, 1e6)), tokens)
+    assert np.abs(loose - theirs).max() > 10 * error
+    assert greedy(lambda t: native_logits(path, t), tokens[:8], 24) == \
+        greedy(lambda t: llamacpp_logits(path, t), tokens[:8], 24)
+
+
 GRANITE = {"granite.logit_scale": (8.0, GGUFValueType.FLOAT32), "granite.residual_scale": (0.22, GGUFValueType.FLOAT32),
            "granite.embedding_scale": (12.0, GGUFValueType.FLOAT32),
            "granite.attention.scale": (0.0078125, GGUFValueType.FLOAT32)}
@@ -287,7 +320,7 @@ def torch_equal(a, b) -> bool:
     return bool(torch.equal(a, b))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "granite", "olmo2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2"])
 def test_verispec_generate_runs_a_random_weight_file_from_its_own_metadata(tmp_path, capsys, arch):
     """`verispec generate --target file.gguf` with nothing beside the file: its tokenizer from the GGUF's own
     vocabulary, the native runner by default, the newer quant types among its weights; greedy output of a draft
@@ -296,10 +329,11 @@ def test_verispec_generate_runs_a_random_weight_file_from_its_own_metadata(tmp_p
 
     from verispec.cli import main
 
-    meta = {"gemma3": {"gemma3.attention.sliding_window": (6, GGUFValueType.UINT32)}, "granite": GRANITE}.get(arch)
+    meta = {"gemma3": {"gemma3.attention.sliding_window": (6, GGUFValueType.UINT32)}, "granite": GRANITE,
+            "gemma2": {"gemma2.attention.sliding_window": (6, GGUFValueType.UINT32)}}.get(arch)
     path = str(write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, (T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.Q4_K),
                                hidden=HIDDEN, heads=HEADS, vocab=300, vocab_tokens=True, metadata=meta,
-                               head_dim=64 if arch in ("qwen3", "gemma3") else None))
+                               head_dim=64 if arch in ("qwen3", "gemma3") else None, tied=arch.startswith("gemma")))
     outputs = {}
     for draft in ("none", path, "ngram"):
         assert main(["generate", "--json", "--no-auto-k", "--target", path, "--draft", draft, "--prompt",

@@ -213,8 +213,9 @@ def test_rmsnorm_and_swiglu_equal_torch_and_are_row_invariant():
     assert np.array_equal(part, out[1, 3:20])
 
 
-def attend(q, keys, values, prefix, extra):
-    """vs_attention on one cache for all queries. q (N, Hq, D); keys, values (L, Hkv, D)."""
+def attend(q, keys, values, prefix, extra, cap: float = 0.0):
+    """vs_attention on one cache for all queries (scores soft-capped at `cap`: vs_attention_capped). q (N, Hq, D);
+    keys, values (L, Hkv, D)."""
     n, hq, d = q.shape
     hkv = keys.shape[1]
     keys, values = np.ascontiguousarray(keys), np.ascontiguousarray(values)
@@ -226,7 +227,12 @@ def attend(q, keys, values, prefix, extra):
     flat = np.array([c for e in extra for c in e] or [0], np.int32)
     pre = np.array(prefix, np.int32)
     out = np.empty((n, hq * d), np.float32)
-    lib().vs_attention(ptr(q), n, hq, hkv, d, 1 / np.sqrt(d), ptr(kb), ptr(vb), hkv * d, ptr(pre), ptr(off), ptr(flat), ptr(out))
+    if cap:
+        lib().vs_attention_capped(ptr(q), n, hq, hkv, d, 1 / np.sqrt(d), ptr(kb), ptr(vb), hkv * d, ptr(pre), ptr(off),
+                                  ptr(flat), ptr(out), cap)
+    else:
+        lib().vs_attention(ptr(q), n, hq, hkv, d, 1 / np.sqrt(d), ptr(kb), ptr(vb), hkv * d, ptr(pre), ptr(off), ptr(flat),
+                           ptr(out))
     return out.reshape(n, hq, d)
 
 
@@ -244,6 +250,31 @@ def test_attention_equals_torch_and_each_query_is_the_same_bits_alone():
         weights = torch.softmax(torch.einsum("hd,chd->hc", torch.from_numpy(q[i]), k) / np.sqrt(32), -1)  # (Hq, C)
         torch.testing.assert_close(torch.from_numpy(out[i]), torch.einsum("hc,chd->hd", weights, v), rtol=1e-5, atol=1e-5)
         assert np.array_equal(attend(q[i : i + 1], keys, values, prefix[i : i + 1], extra[i : i + 1])[0], out[i])
+
+
+def test_soft_capped_attention_equals_torch_on_every_path_and_alone():
+    """Gemma 2's soft-cap, c tanh(s / c) on each score before the softmax, against torch; the AVX-512 kernel (which
+    reads a run's shared prefix once) and the portable one give the same bits, and each query alone the same."""
+    rng = np.random.default_rng(12)
+    keys = (rng.standard_normal((40, 2, 32)) * 3).astype(np.float32)  # (L, Hkv, D): large scores, the cap binds
+    values = rng.standard_normal((40, 2, 32)).astype(np.float32)
+    q = (rng.standard_normal((5, 4, 32)) * 3).astype(np.float32)
+    prefix, extra, cap = [20, 33, 21, 21, 40], [[], [], [24, 30], [22], []], 5.0
+    outs = []
+    for path in PATHS:
+        native.set_path(path)
+        outs.append(attend(q, keys, values, prefix, extra, cap))
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    out = outs[0]
+    for i in range(5):
+        columns = list(range(prefix[i])) + extra[i]
+        k = torch.from_numpy(keys[columns]).repeat_interleave(2, dim=1)  # (C, Hq, D)
+        v = torch.from_numpy(values[columns]).repeat_interleave(2, dim=1)
+        scores = torch.einsum("hd,chd->hc", torch.from_numpy(q[i]), k) / np.sqrt(32)  # (Hq, C)
+        assert scores.abs().max() > 2 * cap  # the cap binds
+        weights = torch.softmax(cap * torch.tanh(scores / cap), -1)
+        torch.testing.assert_close(torch.from_numpy(out[i]), torch.einsum("hc,chd->hd", weights, v), rtol=1e-5, atol=1e-5)
+        assert np.array_equal(attend(q[i : i + 1], keys, values, prefix[i : i + 1], extra[i : i + 1], cap)[0], out[i])
 
 
 def test_a_tree_nodes_attention_equals_the_chains_over_the_same_entries_bit_for_bit():

@@ -53,6 +53,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     heads' size where it is not hidden / heads (Qwen3's is not; written as attention.key_length). "qwen3": Qwen2's
     layout without biases, with each query and key head normed (attn_q_norm, attn_k_norm). "gemma3": Qwen3's with
     each sublayer's output normed (post_attention_norm, post_ffw_norm); pass its sliding window in `metadata`.
+    "gemma2": Gemma 3's without the head norms.
     "olmo2": no norm before a sublayer, each one's output normed, q and k normed whole (not per head).
     "phi3": Llama's with q, k and v in one tensor (attn_qkv) and gate and up in one (ffn_up, 2F rows).
     head_norm: about what those head norms' weights are (larger: sharper attention); post_norm: Gemma's post-norms'."""
@@ -117,7 +118,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
             matrix(p + "ffn_gate.weight", ffn, hidden)
             matrix(p + "ffn_up.weight", ffn, hidden)
         matrix(p + "ffn_down.weight", hidden, ffn)
-        if arch in ("gemma3", "olmo2"):
+        if arch in ("gemma2", "gemma3", "olmo2"):
             vector(p + "post_attention_norm.weight", hidden, around=post_norm)
             vector(p + "post_ffw_norm.weight", hidden, around=post_norm)
     vector("output_norm.weight", hidden)

@@ -7,7 +7,7 @@ float32 arrays. The token embedding is a weight too: a lookup dequantizes only t
 Architectures: `llama` (RoPE on adjacent pairs, as llama.cpp's converter permutes Q and K; Llama 3's RoPE scaling,
 which its files carry as per-pair frequency factors in `rope_freqs.weight`) and `qwen2` (RoPE on halves, biases on Q,
 K and V), and `qwen3` (Qwen2's layout with each query and key head RMS-normed before RoPE, `attn_q_norm` /
-`attn_k_norm`), `gemma3`, `phi3`, `smollm3` and `granite` (`FAMILIES` says what each changes). Anything else (another architecture, a RoPE scaling
+`attn_k_norm`), `gemma2`, `gemma3`, `phi3`, `smollm3`, `granite` and `olmo2` (`FAMILIES` says what each changes). Anything else (another architecture, a RoPE scaling
 named in the metadata, RoPE on part of a head) is refused with one line, and so is a file holding a tensor the runner
 would not read: a model is run whole or not at all.
 """
@@ -41,6 +41,10 @@ class Family:
     gelu: bool = False  # a GeGLU feed-forward (GELU's tanh form, as llama.cpp takes it), else SwiGLU
     embed_scale: bool = False  # the token embedding times sqrt(E) on the way in
     local_layers: int = 0  # layers of sliding-window attention: of every `local_layers`, all but the last (0: none)
+    window: int = 0  # the sliding window where the file does not say it (`attention.sliding_window`)
+    local_rope_base: float | None = 10000.0  # local layers' RoPE base where the file does not say it (None: the global)
+    softcaps: tuple[float | None, float | None] = (None, None)  # attention's and the logits' soft-caps where the file
+    # does not say them (attn_logit_softcapping, final_logit_softcapping); None: the family has none to read
     fused_ffn: bool = False  # gate and up in one tensor, ffn_up, of 2F rows: the gate's first
     no_rope_every: int = 0  # every n-th layer (n, 2n, ...) has no RoPE (0: all have it)
     scales: bool = False  # scalars from the metadata: embedding_scale, residual_scale, attention.scale, logit_scale
@@ -52,7 +56,10 @@ FAMILIES = {
     "llama": Family(neox=False),  # Llama 1-3 (Llama 3's RoPE scaling: rope_freqs.weight), Mistral, SmolLM2
     "qwen2": Family(neox=True),  # biases on Q, K and V where the file has them
     "qwen3": Family(neox=True, head_norms=True),
-    "gemma3": Family(neox=True, head_norms=True, post_norms=True, gelu=True, embed_scale=True, local_layers=6),
+    "gemma3": Family(neox=True, head_norms=True, post_norms=True, gelu=True, embed_scale=True, local_layers=6,
+                     softcaps=(None, 0.0)),
+    "gemma2": Family(neox=True, post_norms=True, gelu=True, embed_scale=True, local_layers=2, window=4096,
+                     local_rope_base=None, softcaps=(50.0, 30.0)),
     "phi3": Family(neox=True, fused_ffn=True),  # Phi-3 / Phi-4-mini without LongRoPE (its factor tensors are refused)
     "smollm3": Family(neox=False, no_rope_every=4),
     "granite": Family(neox=False, scales=True),  # Granite 3 dense
@@ -86,6 +93,7 @@ class GGUFConfig:
     local: tuple[bool, ...] = ()  # per layer: a local (sliding-window) layer
     rope_theta_local: float = 10000.0  # the local layers' RoPE base
     final_softcap: float = 0.0  # logits = c tanh(logits / c) (0: none)
+    attn_softcap: float = 0.0  # scores = c tanh(scores / c) before the softmax (0: none)
     residual_scale: float = 1.0  # each sublayer's output times this before its residual add
     logit_scale: float = 1.0  # logits divided by this (as a product by its float32 inverse)
     no_rope: tuple[bool, ...] = ()  # per layer: a layer without RoPE
@@ -181,13 +189,17 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
         raise VerispecError(f"{path.name}: metadata '{arch}.rope.dimension_count' ({rotated}) rotates part of each "
                             f"head ({head_dim}); verispec's CPU runner rotates whole heads: use --backend llama.cpp")
     family, layers = FAMILIES[arch], field("block_count", INTEGER_KINDS)
-    window = field("attention.sliding_window", INTEGER_KINDS, 0) if family.local_layers else 0
+    window = field("attention.sliding_window", INTEGER_KINDS, family.window) if family.local_layers else 0
     if arch == "olmo2" and field("attention.sliding_window", INTEGER_KINDS, 0):  # OLMo 3: llama.cpp reads it
         raise VerispecError(f"{path.name}: metadata '{arch}.attention.sliding_window' asks for sliding-window layers, "
                             f"which verispec's CPU runner does not read for '{arch}'; use --backend llama.cpp")
-    # llama.cpp's Gemma 3 27B (62 layers) scales scores by the width per head, the others by the heads' size
+    # llama.cpp's Gemma 2 / 3 27B (46 / 62 layers) scale scores by the width per head, the others by the heads' size
+    big = (arch, layers) in (("gemma2", 46), ("gemma3", 62)) and heads
     scales = dict(embed_scale=float(np.sqrt(np.float32(hidden))) if family.embed_scale else 1.0,
-                  attention_scale=1.0 / math.sqrt(hidden // heads) if arch == "gemma3" and layers == 62 and heads else None)
+                  attention_scale=1.0 / math.sqrt(hidden // heads) if big else None)
+    rope_theta = float(field("rope.freq_base", number, 10000.0))
+    caps = [float(field(key, number, default)) if default is not None else 0.0
+            for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"), family.softcaps)]
     if family.scales:
         scales = _scales(field, number)
     config = GGUFConfig(
@@ -195,12 +207,12 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
         kv_heads=field("attention.head_count_kv", INTEGER_KINDS, heads), head_dim=head_dim,
         ffn=field("feed_forward_length", INTEGER_KINDS), vocab=int(embed.shape[1]),
         context=field("context_length", INTEGER_KINDS),
-        rope_theta=float(field("rope.freq_base", number, 10000.0)),
+        rope_theta=rope_theta,
         rms_eps=float(field("attention.layer_norm_rms_epsilon", number)), neox=family.neox, gelu=family.gelu,
         whole_qk_norm=family.whole_qk_norm,
         window=window, local=_local_layers(reader, path, arch, family, layers) if window > 0 else (),
-        rope_theta_local=float(field("rope.freq_base_swa", number, 10000.0)),
-        final_softcap=float(field("final_logit_softcapping", number, 0.0)) if family.gelu else 0.0,
+        rope_theta_local=float(field("rope.freq_base_swa", number, family.local_rope_base or rope_theta)),
+        attn_softcap=caps[0], final_softcap=caps[1],
         no_rope=tuple((i + 1) % family.no_rope_every == 0 for i in range(layers)) if family.no_rope_every else (),
         **scales,
     )
@@ -265,9 +277,9 @@ def check_config(c: GGUFConfig, where: str) -> None:
                         ("attention.scale", c.scale), ("logit_scale", c.logit_scale)):
         if not (math.isfinite(value) and value > 0):
             raise VerispecError(f"{where}: metadata '{arch}.{name}' is {value}; it must be a finite number > 0")
-    if not (math.isfinite(c.final_softcap) and c.final_softcap >= 0):
-        raise VerispecError(f"{where}: metadata '{arch}.final_logit_softcapping' is {c.final_softcap}; it must be "
-                            "a finite number >= 0")
+    for name, value in (("final_logit_softcapping", c.final_softcap), ("attn_logit_softcapping", c.attn_softcap)):
+        if not (math.isfinite(value) and value >= 0):
+            raise VerispecError(f"{where}: metadata '{arch}.{name}' is {value}; it must be a finite number >= 0")
 
 
 def _tensor(reader: GGUFFile, name: str, path: Path, required: bool = True) -> TensorInfo | None:

@@ -194,7 +194,7 @@ class NativeRunner:
         self._gguf = model
         self._heads: dict[int, ops.Weight] = {}  # draft LM heads over the first n token ids (Weight.first_rows)
         self._dims = DimsStruct(c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, int(c.neox), int(c.gelu),
-                                int(c.whole_qk_norm), c.rms_eps, c.scale, c.residual_scale)
+                                int(c.whole_qk_norm), c.rms_eps, c.scale, c.residual_scale, c.attn_softcap)
 
         def weight(w: ops.Weight) -> WeightStruct:
             return WeightStruct(w.qtype, w.address, w.rows, w.cols)
@@ -545,8 +545,9 @@ class NativeRunner:
                     row.keys[i, column : column + count] = k[first : first + count]
                     row.values[i, column : column + count] = v[first : first + count]
                 keys, values = a.key_base + i * a.layer_bytes, a.value_base + i * a.layer_bytes  # (N,) this layer's
-                check(lib().vs_attention(ptr(q), n, c.heads, c.kv_heads, c.head_dim, c.scale, ptr(keys), ptr(values),
-                                         c.kv_dim, ptr(a.prefix), ptr(a.extra_off), ptr(a.extra), ptr(attn)),
+                check(lib().vs_attention_capped(ptr(q), n, c.heads, c.kv_heads, c.head_dim, c.scale, ptr(keys),
+                                                ptr(values), c.kv_dim, ptr(a.prefix), ptr(a.extra_off), ptr(a.extra),
+                                                ptr(attn), c.attn_softcap),
                       f"attention of layer {i}")
                 x = x + self._post_norm(layer.out(ops.Activations(attn)), layer.attn_post_norm)
             if not skips[i] & 2:

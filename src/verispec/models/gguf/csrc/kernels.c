@@ -1349,6 +1349,14 @@ void vs_gelu_mul(const float *g, const float *u, int64_t n, float *out) {
 
 /* score[j] = e^(score[j] - top); returns their sum, in 16 lanes then a halving tree (one fixed order). */
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+/* Gemma 2's attention soft-cap on a head's scores, in place: cap tanh(s / cap), as llama.cpp takes it (a product
+ * by the float 1 / cap, tanhf, a product by cap); 0: none. Elementwise, so every path and batch gives the same bits. */
+static void soft_cap(float *score, int64_t m, float cap) {
+    if (cap == 0.0f) return;
+    const float inv = 1.0f / cap;
+    for (int64_t j = 0; j < m; j++) score[j] = tanhf(score[j] * inv) * cap;
+}
+
 static float exp_and_sum(float *score, int64_t m, float top) {
     float lane[16] = {0};
     for (int64_t j = 0; j < m; j++) score[j] = vs_exp(score[j] - top);
@@ -1366,13 +1374,12 @@ static float exp_and_sum(float *score, int64_t m, float top) {
  * columns in order; score (G, m) scratch; og (G, dim) out. Per head: score_j = dot16(q, k_j) * scale, then
  * e^(score - max) and their sum (exp_and_sum), then o = sum_j p_j v_j in column order (fmaf), o / total. */
 static void attend_group_generic(const float *qg, int G, int dim, const float *K, const float *V, int64_t stride,
-                                 const int32_t *cols, int64_t m, float scale, float *score, float *og) {
+                                 const int32_t *cols, int64_t m, float scale, float cap, float *score, float *og) {
     for (int g = 0; g < G; g++) {
         float *sg = score + g * m, top = -INFINITY;
-        for (int64_t j = 0; j < m; j++) {
-            sg[j] = dot16(qg + g * dim, K + cols[j] * stride, dim) * scale;
-            top = sg[j] > top ? sg[j] : top;
-        }
+        for (int64_t j = 0; j < m; j++) sg[j] = dot16(qg + g * dim, K + cols[j] * stride, dim) * scale;
+        soft_cap(sg, m, cap);
+        for (int64_t j = 0; j < m; j++) top = sg[j] > top ? sg[j] : top;
         float total = exp_and_sum(sg, m, top);
         float *o = og + g * dim;
         for (int k = 0; k < dim; k++) o[k] = 0.0f;
@@ -1511,9 +1518,10 @@ static VS_AVX512 void weigh_columns(int G, int dim, const float *V, int64_t stri
 
 /* e^(score - max) and the sums of one query's G heads (the maximum in 16 lanes: a maximum is the same whatever
  * the order, and with a NaN among the scores the sum is NaN whatever the maximum, as in the generic path). */
-static VS_AVX512 void softmax_heads(int G, int64_t m, float *score, float *total) {
+static VS_AVX512 void softmax_heads(int G, int64_t m, float *score, float *total, float cap) {
     for (int g = 0; g < G; g++) {
         float *sg = score + g * m;
+        soft_cap(sg, m, cap);
         __m512 most = _mm512_set1_ps(-INFINITY);
         int64_t i = 0;
         for (; i + 16 <= m; i += 16) most = _mm512_max_ps(most, _mm512_loadu_ps(sg + i));
@@ -1531,8 +1539,8 @@ static VS_AVX512 void softmax_heads(int G, int64_t m, float *score, float *total
  * og[i] (G, dim) out. */
 static VS_AVX512 void attend_queries_avx512(int nq, const float *const *q, int G, int dim, const float *K,
                                             const float *V, int64_t stride, int32_t *const *cols, const int64_t *m,
-                                            int64_t shared, float scale, float *const *score, float *total,
-                                            float *const *og) {
+                                            int64_t shared, float scale, float cap, float *const *score,
+                                            float *total, float *const *og) {
     prefetch_columns(K, V, stride, cols[0], 0, m[0] < ATTEND_AHEAD ? m[0] : ATTEND_AHEAD, dim);
     const int64_t scored = shared / 16 * 16, weighed = shared / WEIGH_BLOCK * WEIGH_BLOCK;
     for (int64_t j = 0; j < scored; j += 16)
@@ -1540,7 +1548,7 @@ static VS_AVX512 void attend_queries_avx512(int nq, const float *const *q, int G
             score_columns(q[i], G, dim, K, V, stride, cols[i], m[i], j, j + 16, scale, score[i], i == 0);
     for (int i = 0; i < nq; i++) {
         score_columns(q[i], G, dim, K, V, stride, cols[i], m[i], scored, m[i], scale, score[i], 1);
-        softmax_heads(G, m[i], score[i], total + i * G);
+        softmax_heads(G, m[i], score[i], total + i * G, cap);
     }
     for (int64_t j = 0; j < weighed; j += WEIGH_BLOCK)
         for (int i = 0; i < nq; i++) weigh_columns(G, dim, V, stride, cols[i], m[i], j, j + WEIGH_BLOCK, score[i], og[i]);
@@ -1564,8 +1572,9 @@ static VS_AVX512 void attend_queries_avx512(int nq, const float *const *q, int G
  * same whatever other queries the call has, and a tree node's equals the chain's over the same entries.
  * Work is split by key/value head and by runs of consecutive queries on one cache (at most `span` of them, fewer
  * where the threads would otherwise idle); the AVX-512 path reads a run's shared prefix once for all of it. */
-int vs_attention(const float *q, int64_t n, int hq, int hkv, int dim, float scale, const int64_t *kbase, const int64_t *vbase,
-                 int64_t stride, const int32_t *prefix, const int32_t *extra_off, const int32_t *extra, float *out) {
+int vs_attention_capped(const float *q, int64_t n, int hq, int hkv, int dim, float scale, const int64_t *kbase,
+                        const int64_t *vbase, int64_t stride, const int32_t *prefix, const int32_t *extra_off,
+                        const int32_t *extra, float *out, float cap) {
     if (n < 0 || hq <= 0 || hkv <= 0 || hq % hkv || dim <= 0) return VS_EINVAL; /* G = hq / hkv below */
     if (n == 0) return VS_OK;
     int64_t most = 0;
@@ -1622,10 +1631,11 @@ int vs_attention(const float *q, int64_t n, int hq, int hkv, int dim, float scal
                 shared = prefix[i] < shared ? prefix[i] : shared;
             }
 #ifdef VS_X86
-            if (simd) attend_queries_avx512((int)nq, qs, G, dim, K, V, stride, cs, ms, shared, scale, ss, total, os);
+            if (simd) attend_queries_avx512((int)nq, qs, G, dim, K, V, stride, cs, ms, shared, scale, cap, ss, total, os);
             else
 #endif
-                for (int64_t t = 0; t < nq; t++) attend_group_generic(qs[t], G, dim, K, V, stride, cs[t], ms[t], scale, ss[t], os[t]);
+                for (int64_t t = 0; t < nq; t++)
+                    attend_group_generic(qs[t], G, dim, K, V, stride, cs[t], ms[t], scale, cap, ss[t], os[t]);
         }
         free(score);
         free(colbuf);
@@ -1634,6 +1644,11 @@ int vs_attention(const float *q, int64_t n, int hq, int hkv, int dim, float scal
     free(first);
     (void)simd;
     return failed ? VS_ENOMEM : VS_OK;
+}
+
+int vs_attention(const float *q, int64_t n, int hq, int hkv, int dim, float scale, const int64_t *kbase, const int64_t *vbase,
+                 int64_t stride, const int32_t *prefix, const int32_t *extra_off, const int32_t *extra, float *out) {
+    return vs_attention_capped(q, n, hq, hkv, dim, scale, kbase, vbase, stride, prefix, extra_off, extra, out, 0.0f);
 }
 
 /* ------------------------------------------------------------------ one whole layer */
@@ -1661,6 +1676,7 @@ typedef struct {
     double eps, scale; /* passed on as float, as the per-op path's ctypes floats are */
     double residual_scale; /* each sublayer's output times this before its residual add (Granite; 1 or 0: none, as
                               llama.cpp reads an unset scale) */
+    double attn_softcap; /* scores soft-capped before the softmax (Gemma 2; 0: none) */
 } vs_dims_t;
 
 typedef struct {
@@ -1759,8 +1775,8 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
         memcpy((float *)(intptr_t)vb[i] + columns[i] * stride, v + i * KD, sizeof(float) * (size_t)KD);
     }
     double t_attention = profile_now();
-    status = vs_attention(q, n, (int)D->heads, (int)D->kv_heads, (int)D->head_dim, (float)D->scale, kb, vb, stride, prefix,
-                          extra_off, extra, attn);
+    status = vs_attention_capped(q, n, (int)D->heads, (int)D->kv_heads, (int)D->head_dim, (float)D->scale, kb, vb, stride,
+                                 prefix, extra_off, extra, attn, (float)D->attn_softcap);
     profile_add(PROFILE_ATTENTION, t_attention);
     if (status) goto done;
     a2 = (act_t){attn, n, QD, {0}, {0}, {0}};
