@@ -78,6 +78,32 @@ def test_llama3_rope_scaling_is_read_and_agrees_with_llamacpp(tmp_path):
         greedy(lambda t: llamacpp_logits(path, t), tokens[:8], 24)
 
 
+@needs_llamacpp
+@pytest.mark.parametrize("arch, metadata", [
+    ("llama", {"llama.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32)}),  # a factor alone: linear, as llama.cpp reads it
+    ("gemma3", {"gemma3.rope.scaling.type": ("linear", GGUFValueType.STRING),
+                "gemma3.rope.scaling.factor": (8.0, GGUFValueType.FLOAT32)}),  # Gemma 3 4B+: global layers only
+])
+def test_linear_rope_scaling_agrees_with_llamacpp(tmp_path, arch, metadata):
+    """Linear RoPE scaling (positions divided by the factor) where llama.cpp applies it: a llama file with only a
+    factor (llama.cpp's default type is linear), and Gemma 3's global layers (its local ones keep their own base,
+    unscaled). Without the scaling the logits part by over 100 times the agreement."""
+    shape = dict(hidden=HIDDEN, heads=HEADS, vocab=300, vocab_tokens=True, seed=3, layers=3)
+    if arch == "gemma3":
+        metadata = {**metadata, "gemma3.attention.sliding_window": (12, GGUFValueType.UINT32),
+                    "gemma3.attention.sliding_window_pattern": (2, GGUFValueType.UINT32)}
+        shape.update(tied=True, head_dim=64, rope_theta=1e6)
+    path = write_tiny_gguf(tmp_path / "scaled.gguf", arch, (T.F32,), metadata=metadata, **shape)
+    plain = write_tiny_gguf(tmp_path / "plain.gguf", arch, (T.F32,), metadata={k: v for k, v in metadata.items()
+                                                                               if "scaling" not in k}, **shape)
+    assert load_gguf(path, show_progress=False).config.rope_scale == metadata[f"{arch}.rope.scaling.factor"][0]
+    tokens = [int(t) for t in np.random.default_rng(0).integers(4, 300, 48)]
+    ours, theirs = native_logits(path, tokens), llamacpp_logits(path, tokens)
+    error = np.abs(ours - theirs).max()
+    assert error < 2e-3 * float(theirs.std())
+    assert np.abs(native_logits(plain, tokens) - theirs).max() > 100 * max(error, 1e-6 * float(theirs.std()))
+
+
 def test_a_tensor_the_runner_does_not_read_is_refused(tmp_path):
     extra = {"blk.0.attn_q_norm.weight": np.ones(HIDDEN // HEADS, np.float32)}  # a Qwen3-style norm in a llama file
     path = write_tiny_gguf(tmp_path / "extra.gguf", "llama", (T.F32,), hidden=HIDDEN, heads=HEADS, extra=extra)

@@ -42,7 +42,8 @@ class Family:
     embed_scale: bool = False  # the token embedding times sqrt(E) on the way in
     local_layers: int = 0  # layers of sliding-window attention: of every `local_layers`, all but the last (0: none)
     window: int = 0  # the sliding window where the file does not say it (`attention.sliding_window`)
-    local_rope_base: float | None = 10000.0  # local layers' RoPE base where the file does not say it (None: the global)
+    local_rope_base: float | None = 10000.0  # local layers' RoPE base where the file does not say it, unscaled (None:
+    # the global base and scaling)
     softcaps: tuple[float | None, float | None] = (None, None)  # attention's and the logits' soft-caps where the file
     # does not say them (attn_logit_softcapping, final_logit_softcapping); None: the family has none to read
     fused_ffn: bool = False  # gate and up in one tensor, ffn_up, of 2F rows: the gate's first
@@ -92,6 +93,8 @@ class GGUFConfig:
     window: int = 0  # local layers attend to the last `window` positions (0: no local layers)
     local: tuple[bool, ...] = ()  # per layer: a local (sliding-window) layer
     rope_theta_local: float = 10000.0  # the local layers' RoPE base
+    rope_scale: float = 1.0  # linear RoPE scaling: positions divided by this (the global layers')
+    local_rope_scaled: bool = False  # the local layers take the global layers' scaling too (Gemma 2)
     final_softcap: float = 0.0  # logits = c tanh(logits / c) (0: none)
     attn_softcap: float = 0.0  # scores = c tanh(scores / c) before the softmax (0: none)
     residual_scale: float = 1.0  # each sublayer's output times this before its residual add
@@ -153,8 +156,8 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
     if arch not in FAMILIES:
         raise VerispecError(f"{path.name}: architecture '{shown(arch)}' is not supported by verispec's CPU runner "
                             f"(supported: {', '.join(ARCHITECTURES)}); use --backend torch or llama.cpp")
-    scaling = reader.fields.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    scaling = reader.fields.get(f"{arch}.rope.scaling.type", "linear")  # llama.cpp's default: a factor alone is linear
+    if scaling not in ("none", "linear"):
         raise VerispecError(f"{path.name}: RoPE scaling '{shown(scaling)}' is not supported by verispec's CPU runner; "
                             "use --backend llama.cpp")
 
@@ -198,6 +201,10 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
     scales = dict(embed_scale=float(np.sqrt(np.float32(hidden))) if family.embed_scale else 1.0,
                   attention_scale=1.0 / math.sqrt(hidden // heads) if big else None)
     rope_theta = float(field("rope.freq_base", number, 10000.0))
+    # linear RoPE scaling: positions divided by the factor (rope.scaling.factor, or the older rope.scale_linear), as
+    # llama.cpp applies it unless the type is "none" (Gemma 3 4B+: 8, on its global layers only)
+    factor = float(field("rope.scaling.factor", number, 0.0)) or float(field("rope.scale_linear", number, 0.0))
+    rope_scale = factor if scaling == "linear" and factor else 1.0
     caps = [float(field(key, number, default)) if default is not None else 0.0
             for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"), family.softcaps)]
     if family.scales:
@@ -207,11 +214,12 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
         kv_heads=field("attention.head_count_kv", INTEGER_KINDS, heads), head_dim=head_dim,
         ffn=field("feed_forward_length", INTEGER_KINDS), vocab=int(embed.shape[1]),
         context=field("context_length", INTEGER_KINDS),
-        rope_theta=rope_theta,
+        rope_theta=rope_theta, rope_scale=rope_scale,
         rms_eps=float(field("attention.layer_norm_rms_epsilon", number)), neox=family.neox, gelu=family.gelu,
         whole_qk_norm=family.whole_qk_norm,
         window=window, local=_local_layers(reader, path, arch, family, layers) if window > 0 else (),
         rope_theta_local=float(field("rope.freq_base_swa", number, family.local_rope_base or rope_theta)),
+        local_rope_scaled=family.local_rope_base is None,
         attn_softcap=caps[0], final_softcap=caps[1],
         no_rope=tuple((i + 1) % family.no_rope_every == 0 for i in range(layers)) if family.no_rope_every else (),
         **scales,
@@ -271,6 +279,8 @@ def check_config(c: GGUFConfig, where: str) -> None:
                             "be a finite number >= 0")
     if not 0 <= c.window <= INT32_MAX:
         raise VerispecError(f"{where}: metadata '{arch}.attention.sliding_window' is {c.window}; it must be >= 0")
+    if not (math.isfinite(c.rope_scale) and c.rope_scale > 0):
+        raise VerispecError(f"{where}: metadata '{arch}.rope.scaling.factor' is {c.rope_scale}; it must be positive")
     if c.local and not (math.isfinite(c.rope_theta_local) and c.rope_theta_local > 0):
         raise VerispecError(f"{where}: metadata '{arch}.rope.freq_base_swa' is {c.rope_theta_local}; it must be positive")
     for name, value in (("embedding_scale", c.embed_scale), ("residual_scale", c.residual_scale),

@@ -478,11 +478,15 @@ class NativeRunner:
                  np.array([r.values.ctypes.data for r in rows], np.int64),
                  np.array([r.keys.shape[1] * c.kv_dim * 4 for r in rows], np.int64))
         positions = np.array([q.position for q in queries], np.int64)  # (N,)
-        views = {False: (_Attend.of([(q.prefix, q.extra) for q in queries], *bases),
-                         ops.rope_table(positions, c.head_dim, c.rope_theta, self.gguf.rope_factors))}  # (N, D/2, 2)
+        factors = self.gguf.rope_factors  # (D/2,) Llama 3's, times a linear scaling's factor, or None
+        if c.rope_scale != 1.0:
+            factors = (np.ones(c.head_dim // 2, np.float32) if factors is None else factors) * np.float32(c.rope_scale)
+        table = ops.rope_table(positions, c.head_dim, c.rope_theta, factors)  # (N, D/2, 2)
+        views = {False: (_Attend.of([(q.prefix, q.extra) for q in queries], *bases), table)}
         if any(c.local[low:high]):
             views[True] = (_Attend.of([_windowed(q, c.window) for q in queries], *bases),
-                           ops.rope_table(positions, c.head_dim, c.rope_theta_local, None))
+                           table if c.local_rope_scaled and c.rope_theta_local == c.rope_theta else
+                           ops.rope_table(positions, c.head_dim, c.rope_theta_local, factors if c.local_rope_scaled else None))
         layers = [(i, views[bool(c.local) and c.local[i]]) for i in range(low, high)]
         if c.no_rope:  # those layers' queries and keys go unrotated: no table
             layers = [(i, (view[0], None) if c.no_rope[i] else view) for i, view in layers]
