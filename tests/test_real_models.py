@@ -117,3 +117,38 @@ def test_structured_output_on_the_native_runner_greedy_equals_constrained_plain_
             out = SpeculativeDecoder(target, drafter).generate(p.text, sampling, spec)
             assert out.token_ids == reference.token_ids, (p.question_id, drafter)
             assert out.stats.forced_tokens > 0
+
+
+def test_gemma3_270m_runs_natively_agrees_with_llamacpp_and_drafts_for_the_default_target():
+    """The shipped Gemma 3 270M (Q4_K_M) on the native runner: its argmax equals llama.cpp's on the same file at every
+    position of a prompt (logits part by a few % of the spread where one int8 activation rounds the other way, as for
+    every real file), and as the default target's cross-tokenizer draft greedy output equals plain decoding."""
+    import importlib.util
+
+    import numpy as np
+
+    from verispec.models.gguf.model import load_gguf
+    from verispec.models.gguf.runner import NativeRunner
+    from verispec.models.registry import NAMED_MODELS, assemble
+
+    gemma = load_model("gemma-3-270m")
+    assert gemma.backend == "native"
+    if importlib.util.find_spec("llama_cpp") is not None:
+        from llama_cpp import Llama
+
+        path = assemble(NAMED_MODELS["gemma-3-270m"])
+        llm = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0)
+        tokens = llm.tokenize(b"Once upon a time, in a small village by the sea, there lived", add_bos=True)
+        for t in tokens:
+            llm.eval([t])
+        theirs = np.array(llm.scores[: len(tokens)], np.float32)
+        runner = NativeRunner(load_gguf(path, show_progress=False))
+        ours = runner.forward(runner.new_state(1), [tokens], [len(tokens)])[0].numpy()
+        assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    target = load_model(DEFAULT_TARGET)
+    greedy = SamplingConfig(temperature=0)
+    for prompt in PROMPTS:
+        reference = SpeculativeDecoder(target, "none").generate(prompt, greedy, SpecConfig(max_new_tokens=N))
+        out = SpeculativeDecoder(target, gemma).generate(prompt, greedy, SpecConfig(num_draft_tokens=4, max_new_tokens=N))
+        assert out.token_ids == reference.token_ids
+        assert out.stats.tokens_per_target_pass > 1.0
