@@ -55,6 +55,8 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     each sublayer's output normed (post_attention_norm, post_ffw_norm); pass its sliding window in `metadata`.
     "gemma2": Gemma 3's without the head norms.
     "olmo2": no norm before a sublayer, each one's output normed, q and k normed whole (not per head).
+    "qwen3moe": Qwen3's with a mixture of 4 experts of ffn / 2 for a feed-forward, 2 a token (the metadata is written
+    here: expert_count, expert_used_count, expert_feed_forward_length).
     "phi3": Llama's with q, k and v in one tensor (attn_qkv) and gate and up in one (ffn_up, 2F rows).
     head_norm: about what those head norms' weights are (larger: sharper attention); post_norm: Gemma's post-norms'."""
     rng = np.random.default_rng(seed)
@@ -67,6 +69,10 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(rope_theta)
+    if arch == "qwen3moe":
+        writer.add_expert_count(4)
+        writer.add_expert_used_count(2)
+        writer.add_expert_feed_forward_length(ffn // 2)
     for key, (value, vtype) in (metadata or {}).items():
         writer.add_key_value(key, value, vtype)
     if vocab_tokens:
@@ -80,6 +86,13 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
         if qtype == T.BF16:
             raw = raw.view(np.uint8)  # gguf's writer takes a BF16 tensor as its bytes
         writer.add_tensor(name, raw, raw_dtype=qtype if qtype in QUANTIZED or qtype == T.BF16 else None)
+
+    def experts(name: str, count: int, rows: int, cols: int) -> None:  # a 3-D tensor: count x rows x cols
+        qtype = types(name) if callable(types) else next(picks)
+        raw = random_raw(rng, qtype, count * rows, cols)
+        raw = raw.view(np.uint8) if qtype == T.BF16 else raw
+        writer.add_tensor(name, raw.reshape(count, rows, -1),
+                          raw_dtype=qtype if qtype in QUANTIZED or qtype == T.BF16 else None)
 
     def vector(name: str, size: int, around: float = 1.0) -> None:
         writer.add_tensor(name, (around + 0.1 * rng.standard_normal(size)).astype(np.float32))
@@ -103,7 +116,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
             for name, size in (("attn_q.bias", heads * head_dim), ("attn_k.bias", kv_heads * head_dim),
                                ("attn_v.bias", kv_heads * head_dim)):
                 vector(p + name, size, around=0.0)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             vector(p + "attn_q_norm.weight", head_dim, around=head_norm)
             vector(p + "attn_k_norm.weight", head_dim, around=head_norm)
         if arch == "olmo2":  # over each token's whole q and k
@@ -112,12 +125,18 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
         matrix(p + "attn_output.weight", hidden, heads * head_dim)
         if arch != "olmo2":
             vector(p + "ffn_norm.weight", hidden)
-        if arch == "phi3":  # gate and up in one tensor, the gate's rows first
+        if arch == "qwen3moe":  # 4 experts of ffn // 2, 2 a token
+            writer.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((4, hidden)) * 0.5).astype(np.float32))
+            experts(p + "ffn_gate_exps.weight", 4, ffn // 2, hidden)
+            experts(p + "ffn_up_exps.weight", 4, ffn // 2, hidden)
+            experts(p + "ffn_down_exps.weight", 4, hidden, ffn // 2)
+        elif arch == "phi3":  # gate and up in one tensor, the gate's rows first
             matrix(p + "ffn_up.weight", 2 * ffn, hidden)
         else:
             matrix(p + "ffn_gate.weight", ffn, hidden)
             matrix(p + "ffn_up.weight", ffn, hidden)
-        matrix(p + "ffn_down.weight", hidden, ffn)
+        if arch != "qwen3moe":
+            matrix(p + "ffn_down.weight", hidden, ffn)
         if arch in ("gemma2", "gemma3", "olmo2"):
             vector(p + "post_attention_norm.weight", hidden, around=post_norm)
             vector(p + "post_ffw_norm.weight", hidden, around=post_norm)

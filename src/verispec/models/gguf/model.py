@@ -51,6 +51,7 @@ class Family:
     scales: bool = False  # scalars from the metadata: embedding_scale, residual_scale, attention.scale, logit_scale
     pre_norms: bool = True  # an RMSNorm before each sublayer (attn_norm, ffn_norm); OLMo 2 has only the post-norms
     whole_qk_norm: bool = False  # the head norms norm each token's whole q and k (their weights: Hq D and Hkv D)
+    moe: bool = False  # a mixture of experts for a feed-forward: a router picks `expert_used_count` of them a token
 
 
 FAMILIES = {
@@ -65,6 +66,7 @@ FAMILIES = {
     "smollm3": Family(neox=False, no_rope_every=4),
     "granite": Family(neox=False, scales=True),  # Granite 3 dense
     "olmo2": Family(neox=True, head_norms=True, whole_qk_norm=True, post_norms=True, pre_norms=False),
+    "qwen3moe": Family(neox=True, head_norms=True, moe=True),  # softmax routing, the picked weights renormalized
 }
 ARCHITECTURES = tuple(FAMILIES)
 CHUNK_BYTES = 32 << 20  # a larger tensor is read and repacked in chunks: no whole source tensor is held
@@ -100,6 +102,9 @@ class GGUFConfig:
     residual_scale: float = 1.0  # each sublayer's output times this before its residual add
     logit_scale: float = 1.0  # logits divided by this (as a product by its float32 inverse)
     no_rope: tuple[bool, ...] = ()  # per layer: a layer without RoPE
+    experts: int = 0  # a mixture of experts' size (0: dense feed-forwards)
+    experts_used: int = 0  # experts a token's feed-forward runs
+    expert_ffn: int = 0  # an expert's feed-forward width
 
     @property
     def kv_dim(self) -> int:
@@ -121,13 +126,15 @@ class Layer:
     v_bias: np.ndarray | None  # (Hkv D,)
     out: Weight  # (E, Hq D)
     ffn_norm: np.ndarray | None  # (E,), or None
-    gate: Weight  # (F, E)
-    up: Weight  # (F, E)
-    down: Weight  # (E, F)
+    gate: Weight | None  # (F, E); None in a mixture-of-experts layer
+    up: Weight | None  # (F, E)
+    down: Weight | None  # (E, F)
     q_norm: np.ndarray | None = None  # (D,) RMSNorm weight of every query head before RoPE (Qwen3), (Hq D) of the
     k_norm: np.ndarray | None = None  # whole q (OLMo 2), or None; the same for keys
     attn_post_norm: np.ndarray | None = None  # (E,) RMSNorm of the attention's output before the residual add (Gemma)
     ffn_post_norm: np.ndarray | None = None  # (E,) the same for the feed-forward's
+    router: Weight | None = None  # (X, E): the experts' logits (a mixture-of-experts layer), or None
+    experts: list[tuple[Weight, Weight, Weight]] | None = None  # each expert's (gate (F_x, E), up, down (E, F_x))
 
 
 @dataclass
@@ -143,7 +150,9 @@ class GGUFModel:
     @property
     def nbytes(self) -> int:
         weights = [self.embed, self.head] + [w for layer in self.layers for w in (layer.q, layer.k, layer.v, layer.out,
-                                                                                 layer.gate, layer.up, layer.down)]
+                                                                                 layer.gate, layer.up, layer.down,
+                                                                                 layer.router) if w is not None]
+        weights += [w for layer in self.layers for expert in layer.experts or () for w in expert]
         return sum({id(w): w.data.nbytes for w in weights}.values())
 
 
@@ -222,10 +231,19 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
         local_rope_scaled=family.local_rope_base is None,
         attn_softcap=caps[0], final_softcap=caps[1],
         no_rope=tuple((i + 1) % family.no_rope_every == 0 for i in range(layers)) if family.no_rope_every else (),
+        **(_experts(field, layers) if family.moe else {}),
         **scales,
     )
     check_config(config, path.name)
     return config
+
+
+def _experts(field, layers: int) -> dict:
+    """A mixture of experts' sizes (an expert's width: llama.cpp's default, the dense width over the experts used)."""
+    count, used = field("expert_count", INTEGER_KINDS), field("expert_used_count", INTEGER_KINDS)
+    width = field("expert_feed_forward_length", INTEGER_KINDS, 0) or (field("feed_forward_length", INTEGER_KINDS) //
+                                                                     max(used, 1))
+    return dict(experts=count, experts_used=used, expert_ffn=width)
 
 
 def _scales(field, number) -> dict:
@@ -277,6 +295,10 @@ def check_config(c: GGUFConfig, where: str) -> None:
     if not (math.isfinite(c.rms_eps) and c.rms_eps >= 0):
         raise VerispecError(f"{where}: metadata '{arch}.attention.layer_norm_rms_epsilon' is {c.rms_eps}; it must "
                             "be a finite number >= 0")
+    if c.experts and not (0 < c.experts_used <= c.experts <= 4096 and 0 < c.expert_ffn <= INT32_MAX):
+        raise VerispecError(f"{where}: metadata '{arch}.expert_count' ({c.experts}), 'expert_used_count' "
+                            f"({c.experts_used}) and 'expert_feed_forward_length' ({c.expert_ffn}) do not make a "
+                            "mixture of experts")
     if not 0 <= c.window <= INT32_MAX:
         raise VerispecError(f"{where}: metadata '{arch}.attention.sliding_window' is {c.window}; it must be >= 0")
     if not (math.isfinite(c.rope_scale) and c.rope_scale > 0):
@@ -301,13 +323,15 @@ def _tensor(reader: GGUFFile, name: str, path: Path, required: bool = True) -> T
 
 
 def _weight(reader: GGUFFile, name: str, path: Path, rows: int, cols: int, first: int = 0,
-            total: int | None = None) -> Weight:
+            total: int | None = None, experts: int = 0) -> Weight:
     """The tensor `name`, (total or rows) x cols, as a weight: its rows first .. first + rows - 1 (a part of a fused
-    tensor: Phi-3's attn_qkv and ffn_up), or all of it."""
+    tensor: Phi-3's attn_qkv and ffn_up; an expert of a 3-D experts tensor, experts x rows x cols, read as its
+    experts rows x cols), or all of it."""
     total = rows if total is None else total
     tensor = _tensor(reader, name, path)
-    if list(tensor.shape) != [cols, total]:  # ggml order: (cols, rows)
-        raise VerispecError(f"{path.name}: tensor '{name}' has shape {list(tensor.shape[::-1])}, expected [{total}, {cols}]")
+    shape = [cols, total // experts, experts] if experts else [cols, total]  # ggml order: (cols, rows[, experts])
+    if list(tensor.shape) != shape:
+        raise VerispecError(f"{path.name}: tensor '{name}' has shape {list(tensor.shape[::-1])}, expected {shape[::-1]}")
     try:
         row_bytes = check_tensor(name, tensor.qtype, tensor.nbytes, total, cols)  # before any byte is read
     except VerispecError as err:
@@ -361,7 +385,15 @@ def _load_gguf(path: Path, show_progress: bool) -> GGUFModel:
         for i in range(c.layers):
             p = f"blk.{i}."
             q, k, v = _attention_weights(reader, p, path, qkv, c.hidden)
-            if family.fused_ffn:
+            router = experts = None
+            if family.moe:
+                gate = up = down = None
+                router = _weight(reader, p + "ffn_gate_inp.weight", path, c.experts, c.hidden)
+                x, f = c.experts, c.expert_ffn
+                experts = [tuple(_weight(reader, p + f"ffn_{name}_exps.weight", path, rows, cols, e * rows, x * rows, x)
+                                 for name, rows, cols in (("gate", f, c.hidden), ("up", f, c.hidden), ("down", c.hidden, f)))
+                           for e in range(x)]
+            elif family.fused_ffn:
                 gate, up = (_weight(reader, p + "ffn_up.weight", path, c.ffn, c.hidden, first, 2 * c.ffn)
                             for first in (0, c.ffn))
             else:
@@ -376,7 +408,8 @@ def _load_gguf(path: Path, show_progress: bool) -> GGUFModel:
                 out=_weight(reader, p + "attn_output.weight", path, c.hidden, qkv[0]),
                 ffn_norm=_vector(reader, p + "ffn_norm.weight", path, c.hidden) if family.pre_norms else None,
                 gate=gate, up=up,
-                down=_weight(reader, p + "ffn_down.weight", path, c.hidden, c.ffn),
+                down=None if family.moe else _weight(reader, p + "ffn_down.weight", path, c.hidden, c.ffn),
+                router=router, experts=experts,
                 **({"q_norm": _vector(reader, p + "attn_q_norm.weight", path, qkv[0] if family.whole_qk_norm else c.head_dim),
                     "k_norm": _vector(reader, p + "attn_k_norm.weight", path, qkv[1] if family.whole_qk_norm else c.head_dim)}
                    if family.head_norms else {}),

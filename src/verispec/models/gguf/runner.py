@@ -196,8 +196,8 @@ class NativeRunner:
         self._dims = DimsStruct(c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, int(c.neox), int(c.gelu),
                                 int(c.whole_qk_norm), c.rms_eps, c.scale, c.residual_scale, c.attn_softcap)
 
-        def weight(w: ops.Weight) -> WeightStruct:
-            return WeightStruct(w.qtype, w.address, w.rows, w.cols)
+        def weight(w: ops.Weight | None) -> WeightStruct:
+            return WeightStruct() if w is None else WeightStruct(w.qtype, w.address, w.rows, w.cols)
 
         def vector(a: np.ndarray | None) -> int | None:
             return None if a is None else ptr(a)
@@ -491,7 +491,7 @@ class NativeRunner:
         if c.no_rope:  # those layers' queries and keys go unrotated: no table
             layers = [(i, (view[0], None) if c.no_rope[i] else view) for i, view in layers]
         skips = np.zeros(c.layers, np.int32) if skip is None else skip
-        if self.fused:
+        if self.fused and not c.experts:  # (a mixture of experts runs its layers op by op)
             self._layers_fused(x, queries, layers, skips)
         else:
             x[:] = self._layers_per_op(x, queries, rows, layers, skips)
@@ -555,7 +555,11 @@ class NativeRunner:
                       f"attention of layer {i}")
                 x = x + self._post_norm(layer.out(ops.Activations(attn)), layer.attn_post_norm)
             if not skips[i] & 2:
-                h = ops.Activations(x if layer.ffn_norm is None else ops.rmsnorm(x, layer.ffn_norm, c.rms_eps))
+                normed = x if layer.ffn_norm is None else ops.rmsnorm(x, layer.ffn_norm, c.rms_eps)
+                if layer.experts:
+                    x = x + self._post_norm(_experts(layer, normed, c.experts_used), layer.ffn_post_norm)
+                    continue
+                h = ops.Activations(normed)
                 act = ops.gelu_mul if c.gelu else ops.silu_mul
                 x = x + self._post_norm(layer.down(ops.Activations(act(layer.gate(h), layer.up(h)))), layer.ffn_post_norm)
         return x
@@ -566,6 +570,34 @@ class NativeRunner:
         if self.config.residual_scale != 1.0:
             out *= np.float32(self.config.residual_scale)
         return out
+
+
+def _experts(layer, h: np.ndarray, used: int) -> np.ndarray:
+    """A mixture of experts' feed-forward on h (N, E), each token alone as llama.cpp's softmax routing computes it: the
+    router's logits, their softmax, the `used` likeliest experts (ties to the lower index), their probabilities over
+    their sum; each picked expert's SwiGLU on the tokens that picked it, and a token's outputs summed weighted in the
+    order of its picks. A token's bits are its own whatever the pass holds: its routing is computed row by row, each
+    expert's kernels are batch invariant, and its sum runs over its own picks."""
+    logits = layer.router(ops.Activations(h))  # (N, X) float32
+    picks, weights = [], []
+    for row in logits:  # one token at a time: the same arithmetic alone or in a batch
+        p = np.exp(row.astype(np.float64) - row.max())
+        p = (p / p.sum()).astype(np.float32)  # (X,)
+        top = np.argsort(-p, kind="stable")[:used]  # (K,) the likeliest, ties to the lower index
+        picks.append(top)
+        weights.append(p[top] / np.float32(p[top].sum(dtype=np.float32)))  # (K,) renormalized
+    outputs = {}  # expert -> (token rows, their outputs)
+    for e in sorted({int(x) for top in picks for x in top}):
+        rows = np.array([i for i, top in enumerate(picks) if e in top], np.int64)
+        gate, up, down = layer.experts[e]
+        a = ops.Activations(np.ascontiguousarray(h[rows]))
+        outputs[e] = (rows, down(ops.Activations(ops.silu_mul(gate(a), up(a)))))  # (n_e, E)
+    out = np.zeros_like(h)
+    for i, (top, w) in enumerate(zip(picks, weights)):
+        for e, weight in zip(top.tolist(), w):
+            rows, y = outputs[e]
+            out[i] = out[i] + y[int(np.searchsorted(rows, i))] * weight
+    return out
 
 
 @dataclass
