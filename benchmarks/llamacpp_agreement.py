@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/llamacpp_agreement.py [--tokens 40] [--file model.gguf ...]
 
 For each architecture (llama, qwen2, qwen3, gemma2 and gemma3 with a sliding window of 12, phi3, smollm3, granite,
-olmo2) and weight type, a tiny random-weight file is written with gguf's writer
+olmo2, qwen3moe) and weight type, a tiny random-weight file is written with gguf's writer
 (as tests/tiny_gguf.py does); both runners read the same token ids, llama.cpp one token a pass (as it decodes) with
 its key/value cache in float32. Printed: the largest logit difference over the logits' spread (their standard
 deviation) and how many positions' argmax agree; then the same for each --file (real models).
@@ -41,9 +41,9 @@ def main() -> None:
     tokens = [int(t) for t in np.random.default_rng(1).integers(4, 300, args.tokens)]
     print(f"{'file':<28} {'difference / spread':>19}")
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2"):
+        for arch in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2", "qwen3moe"):
             for qtype in TYPES:
-                shape = dict(hidden=256, heads=8, head_dim=64) if arch in ("qwen3", "gemma3") else dict(hidden=256, heads=4)
+                shape = dict(hidden=256, heads=8, head_dim=64) if arch in ("qwen3", "gemma3", "qwen3moe") else dict(hidden=256, heads=4)
                 meta = {"gemma2": {"gemma2.attention.sliding_window": (12, GGUFValueType.UINT32)},
                         "gemma3": {"gemma3.attention.sliding_window": (12, GGUFValueType.UINT32)},
                         "granite": GRANITE}.get(arch)
