@@ -644,4 +644,7 @@ def _windowed(q: _Query, window: int) -> tuple[int, list[int]]:
     low = q.position - window + 1
     if low <= 0:
         return q.prefix, q.extra
+    if len(q.extra_positions) != len(q.extra):  # a caller that did not say where its extra columns sit
+        raise ValueError(f"a query at position {q.position} attends to {len(q.extra)} extra columns but gives "
+                         f"{len(q.extra_positions)} positions for them: a sliding window cannot place them")
     return 0, list(range(low, q.prefix)) + [col for col, pos in zip(q.extra, q.extra_positions) if pos >= low]
