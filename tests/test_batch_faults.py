@@ -326,15 +326,15 @@ def test_a_target_pass_that_fails_for_one_row_ends_that_row_alone(greedy_pair, r
     if runner_kind == "native":
         layers = target._layers
 
-        def faulty_layers(x, queries, rows, angles, low, high, skip):
-            layers(x, queries, rows, angles, low, min(high, low + 1), skip)  # the first layer writes its entries
+        def faulty_layers(x, queries, rows, low, high, skip):
+            layers(x, queries, rows, low, min(high, low + 1), skip)  # the first layer writes its entries
             by_row: dict[int, list[int]] = {}
             for q in queries:
                 if q.position == len(by_row.get(q.row, [])):
                     by_row.setdefault(q.row, []).append(q.token)
             if reads_poison(list(by_row.values())):
                 raise MemoryError("injected: the pass broke on the marked row")
-            layers(x, queries, rows, angles, low + 1, high, skip)
+            layers(x, queries, rows, low + 1, high, skip)
 
         monkeypatch.setattr(target, "_layers", faulty_layers)
     else:
