@@ -8,7 +8,7 @@ import torch
 from tiny_gguf import ALL_TYPES, QUANTIZED, T, random_raw
 from verispec.errors import VerispecError
 from verispec.models.gguf import native, reference
-from verispec.models.gguf.ops import Activations, Weight, rmsnorm, rope, rope_table, silu_mul
+from verispec.models.gguf.ops import Activations, Weight, gelu_mul, rmsnorm, rope, rope_table, silu_mul
 from verispec.models.gguf.native import lib, ptr
 
 BEST = native.path()
@@ -341,11 +341,5 @@ def test_gelu_mul_is_llamacpps_geglu_through_halves():
     tanh = np.array([libm.tanhf(float(v)) for v in inner], np.float32)
     gelu = torch.from_numpy(f32(0.5) * h * (f32(1) + tanh)).half().float().numpy()
     expected = np.where(gate <= -10, f32(0), np.where(gate >= 10, gate, gelu) * up).astype(np.float32)
-    got = ops_gelu_mul(gate[None].copy(), up[None].copy())[0]
+    got = gelu_mul(gate[None].copy(), up[None].copy())[0]
     assert np.array_equal(got.view(np.int32), expected.view(np.int32))
-
-
-def ops_gelu_mul(gate, up):
-    from verispec.models.gguf.ops import gelu_mul
-
-    return gelu_mul(gate, up)

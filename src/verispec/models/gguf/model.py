@@ -7,9 +7,9 @@ float32 arrays. The token embedding is a weight too: a lookup dequantizes only t
 Architectures: `llama` (RoPE on adjacent pairs, as llama.cpp's converter permutes Q and K; Llama 3's RoPE scaling,
 which its files carry as per-pair frequency factors in `rope_freqs.weight`) and `qwen2` (RoPE on halves, biases on Q,
 K and V), and `qwen3` (Qwen2's layout with each query and key head RMS-normed before RoPE, `attn_q_norm` /
-`attn_k_norm`), `gemma2`, `gemma3`, `phi3`, `smollm3`, `granite` and `olmo2` (`FAMILIES` says what each changes). Anything else (another architecture, a RoPE scaling
-named in the metadata, RoPE on part of a head) is refused with one line, and so is a file holding a tensor the runner
-would not read: a model is run whole or not at all.
+`attn_k_norm`), `gemma2`, `gemma3`, `phi3`, `smollm3`, `granite`, `olmo2` and `qwen3moe` (`FAMILIES` says what each
+changes). Anything else (another architecture, a RoPE scaling other than linear, RoPE on part of a head) is refused with
+one line, and so is a file holding a tensor the runner would not read: a model is run whole or not at all.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from verispec.errors import VerispecError
 from verispec.models.gguf.gguf_file import FLOAT_KINDS, INTEGER_KINDS, GGUFFile, TensorInfo, shown
 from verispec.models.gguf.native import set_threads
 from verispec.models.gguf.ops import FLOAT_TYPES, Weight, check_tensor
-
 
 
 @dataclass(frozen=True)
@@ -231,14 +230,14 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
         local_rope_scaled=family.local_rope_base is None,
         attn_softcap=caps[0], final_softcap=caps[1],
         no_rope=tuple((i + 1) % family.no_rope_every == 0 for i in range(layers)) if family.no_rope_every else (),
-        **(_experts(field, layers) if family.moe else {}),
+        **(_expert_sizes(field) if family.moe else {}),
         **scales,
     )
     check_config(config, path.name)
     return config
 
 
-def _experts(field, layers: int) -> dict:
+def _expert_sizes(field) -> dict:
     """A mixture of experts' sizes (an expert's width: llama.cpp's default, the dense width over the experts used)."""
     count, used = field("expert_count", INTEGER_KINDS), field("expert_used_count", INTEGER_KINDS)
     width = field("expert_feed_forward_length", INTEGER_KINDS, 0) or (field("feed_forward_length", INTEGER_KINDS) //

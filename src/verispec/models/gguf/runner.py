@@ -193,6 +193,11 @@ class NativeRunner:
         c = model.config
         self._gguf = model
         self._heads: dict[int, ops.Weight] = {}  # draft LM heads over the first n token ids (Weight.first_rows)
+        # (D/2,) each RoPE pair's frequency divisor: Llama 3's factors times a linear scaling's factor, or None
+        self._rope_factors = model.rope_factors
+        if c.rope_scale != 1.0:
+            self._rope_factors = (np.ones(c.head_dim // 2, np.float32) if model.rope_factors is None
+                                  else model.rope_factors) * np.float32(c.rope_scale)
         self._dims = DimsStruct(c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, int(c.neox), int(c.gelu),
                                 int(c.whole_qk_norm), c.rms_eps, c.scale, c.residual_scale, c.attn_softcap)
 
@@ -478,9 +483,7 @@ class NativeRunner:
                  np.array([r.values.ctypes.data for r in rows], np.int64),
                  np.array([r.keys.shape[1] * c.kv_dim * 4 for r in rows], np.int64))
         positions = np.array([q.position for q in queries], np.int64)  # (N,)
-        factors = self.gguf.rope_factors  # (D/2,) Llama 3's, times a linear scaling's factor, or None
-        if c.rope_scale != 1.0:
-            factors = (np.ones(c.head_dim // 2, np.float32) if factors is None else factors) * np.float32(c.rope_scale)
+        factors = self._rope_factors
         table = ops.rope_table(positions, c.head_dim, c.rope_theta, factors)  # (N, D/2, 2)
         views = {False: (_Attend.of([(q.prefix, q.extra) for q in queries], *bases), table)}
         if any(c.local[low:high]):
@@ -527,6 +530,11 @@ class NativeRunner:
             else:
                 runs.append((rows[i], i, 1, q.column))
         attn = np.empty((n, c.heads * c.head_dim), np.float32)  # (N, Hq D)
+
+        def qk_normed(t: np.ndarray, weight: np.ndarray) -> np.ndarray:  # each head (Qwen3) or each token's whole
+            rows = t.reshape(n, -1) if c.whole_qk_norm else t.reshape(-1, c.head_dim)
+            return ops.rmsnorm(rows, weight, c.rms_eps).reshape(n, -1)
+
         for i, (a, angles) in layers:
             layer = self.gguf.layers[i]
             if not skips[i] & 1:
@@ -535,13 +543,10 @@ class NativeRunner:
                 for t, bias in ((q, layer.q_bias), (k, layer.k_bias), (v, layer.v_bias)):
                     if bias is not None:
                         t += bias
-                width = None if c.whole_qk_norm else c.head_dim  # each head normed (Qwen3), or each token's whole q / k
                 if layer.q_norm is not None:
-                    q = ops.rmsnorm(q.reshape(n if width is None else -1, width or q.shape[1]), layer.q_norm,
-                                    c.rms_eps).reshape(n, -1)
+                    q = qk_normed(q, layer.q_norm)
                 if layer.k_norm is not None:
-                    k = ops.rmsnorm(k.reshape(n if width is None else -1, width or k.shape[1]), layer.k_norm,
-                                    c.rms_eps).reshape(n, -1)
+                    k = qk_normed(k, layer.k_norm)
                 if angles is not None:
                     ops.rope(q, c.heads, angles, c.neox)
                     ops.rope(k, c.kv_heads, angles, c.neox)
