@@ -41,13 +41,13 @@ def native_logits(path, tokens: list[int]) -> np.ndarray:
     return runner.forward(runner.new_state(1), [tokens], [len(tokens)])[0].numpy()  # (T, V)
 
 
-def llamacpp_logits(path, tokens: list[int]) -> np.ndarray:
+def llamacpp_logits(path, tokens: list[int], n_ctx: int = 256) -> np.ndarray:
     """llama.cpp's logits after each token, fed one token a pass as it decodes: its batched kernels for wider passes
     (tinyBLAS, repacked Q8_0) quantize activations in their own ways, which a decoding step does not meet (the native
     runner's logits are the same bits in any pass)."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=1, type_k=0, type_v=0)
+    llm = Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_threads=1, type_k=0, type_v=0)
     for token in tokens:
         llm.eval([token])
     return np.array(llm.scores[: len(tokens)], dtype=np.float32)  # (T, V)
@@ -113,11 +113,35 @@ def test_a_tensor_the_runner_does_not_read_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("metadata, message", [
-    ({"llama.rope.dimension_count": (32, GGUFValueType.UINT32)}, r"rope.dimension_count' \(32\) rotates part"),
-    ({"llama.rope.scaling.type": ("yarn", GGUFValueType.STRING)}, r"RoPE scaling 'yarn' is not supported"),
+    ({"llama.rope.dimension_count": (66, GGUFValueType.UINT32)}, r"rope.dimension_count' \(66\) must be an even number "
+                                                                 r"of a head's 64 values"),
+    ({"llama.rope.dimension_count": (33, GGUFValueType.UINT32)}, r"rope.dimension_count' \(33\) must be an even"),
+    ({"llama.rope.dimension_count": (0, GGUFValueType.UINT32)}, r"rope.dimension_count' \(0\) must be an even"),
+    ({"llama.rope.scaling.type": ("dynamic", GGUFValueType.STRING)}, r"RoPE scaling 'dynamic' is not supported .*"
+                                                                     r"\(supported: none, linear, yarn, longrope\)"),
+    ({"llama.rope.scaling.type": (3, GGUFValueType.UINT32)}, r"RoPE scaling '3' is not supported"),
+    ({"llama.rope.scaling.attn_factor": (-1.0, GGUFValueType.FLOAT32)}, r"attn_factor' is -1.0; it must be a finite"),
+    ({"llama.rope.scaling.attn_factor": (float("nan"), GGUFValueType.FLOAT32)}, r"attn_factor' is nan"),
+    ({"llama.rope.scaling.attn_factor": ("big", GGUFValueType.STRING)}, r"attn_factor' is big \(GGUF type 8\), not a number"),
+    ({"llama.rope.scaling.original_context_length": (-5, GGUFValueType.INT32)},
+     r"original_context_length' is -5; it must be between 0"),
+    ({"llama.rope.scaling.factor": (float("inf"), GGUFValueType.FLOAT32)}, r"scaling.factor' is inf; it must be positive"),
 ])
 def test_rope_the_runner_cannot_run_is_refused(tmp_path, metadata, message):
     path = write_tiny_gguf(tmp_path / "rope.gguf", "llama", (T.F32,), hidden=HIDDEN, heads=HEADS, metadata=metadata)
+    with pytest.raises(VerispecError, match=message):
+        load_gguf(path, show_progress=False)
+
+
+@pytest.mark.parametrize("names, message", [
+    (("rope_factors_long",), r"RoPE factors 'rope_factors_long.weight': LongRoPE needs both"),
+    (("rope_freqs", "rope_factors_long", "rope_factors_short"), r"and no rope_freqs beside them"),
+])
+def test_rope_factor_tensors_that_do_not_make_one_rope_are_refused(tmp_path, names, message):
+    """LongRoPE's factors come in pairs (long, short); Llama 3's rope_freqs beside them would leave which to use
+    a guess."""
+    extra = {f"{name}.weight": np.ones(HIDDEN // HEADS // 2, np.float32) for name in names}
+    path = write_tiny_gguf(tmp_path / "rope.gguf", "phi3", (T.F32,), hidden=HIDDEN, heads=HEADS, extra=extra)
     with pytest.raises(VerispecError, match=message):
         load_gguf(path, show_progress=False)
 
@@ -152,10 +176,32 @@ def test_a_hugging_face_llama3_converted_for_the_native_runner_keeps_its_rope_sc
     with torch.no_grad():
         theirs = model(torch.tensor([tokens])).logits[0]
     assert torch.allclose(ours, theirs, atol=2e-4, rtol=1e-4)
-    model.config.rope_scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-                                 "rope_theta": 10000.0}
-    with pytest.raises(VerispecError, match="RoPE scaling 'yarn' is not supported"):
+    model.config.rope_scaling = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    with pytest.raises(VerispecError, match="RoPE scaling 'dynamic' is not supported .* for converted drafts"):
         model_from_torch(model, qtype=0)
+
+
+def test_a_hugging_face_yarn_draft_converted_for_the_native_runner_keeps_its_scaling():
+    """YaRN from transformers (a Qwen2 draft with a long-context config): the rotary embedding's inverse frequencies
+    as divisors and its attention scaling on cos and sin give the torch model's logits to float tolerance."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from verispec.models.gguf.convert import model_from_torch
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+    model = Qwen2ForCausalLM(config).eval()
+    gguf = model_from_torch(model, qtype=0)
+    assert gguf.config.rope_attn_factor > 1.1 and gguf.rope_factors.max() > 3.9
+    tokens = list(range(3, 60))
+    runner = NativeRunner(gguf)
+    ours = runner.forward(runner.new_state(1), [tokens], [len(tokens)])[0]
+    with torch.no_grad():
+        theirs = model(torch.tensor([tokens])).logits[0]
+    assert torch.allclose(ours, theirs, atol=2e-4, rtol=1e-4)
 
 
 @needs_llamacpp
@@ -183,7 +229,7 @@ def test_qwen3_agrees_with_llamacpp(tmp_path, qtype, tolerance):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2",
-                                  "qwen3moe"])
+                                  "qwen3moe", "mixtral", "phi4mini", "yarn"])
 def test_new_layouts_give_the_same_bits_fused_per_op_and_alone(tmp_path, arch):
     """The fused layer (one C call) and the per-op path compute the head norms, the scaled RoPE, Gemma's post-norms,
     GeGLU and sliding windows the same way, and a token's logits are the same bits alone as in a wider pass (a window
@@ -193,8 +239,16 @@ def test_new_layouts_give_the_same_bits_fused_per_op_and_alone(tmp_path, arch):
         path = gemma3_file(tmp_path / "gemma3.gguf", T.Q4_K, layers=3, window=6)
     elif arch == "gemma2":
         path = gemma2_file(tmp_path / "gemma2.gguf", T.Q4_K)
-    elif arch == "qwen3moe":
+    elif arch in ("qwen3moe", "mixtral"):
         path = write_tiny_gguf(tmp_path / "moe.gguf", arch, (T.Q4_K, T.Q8_0), hidden=HIDDEN, heads=HEADS, head_dim=64)
+    elif arch == "phi4mini":  # LongRoPE over a partial RoPE
+        path = phi4_mini_file(tmp_path / "phi4.gguf", 16, T.Q4_K)
+    elif arch == "yarn":
+        path = write_tiny_gguf(tmp_path / "yarn.gguf", "qwen3", (T.Q4_K, T.Q8_0), hidden=HIDDEN, heads=HEADS,
+                               head_dim=64, metadata={"qwen3.rope.scaling.type": ("yarn", GGUFValueType.STRING),
+                                                      "qwen3.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
+                                                      "qwen3.rope.scaling.original_context_length":
+                                                          (8, GGUFValueType.UINT32)})
     elif arch in ("phi3", "smollm3", "granite", "olmo2"):
         path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, (T.Q4_K, T.Q8_0), hidden=HIDDEN, heads=HEADS, layers=4,
                                metadata=GRANITE if arch == "granite" else None)
@@ -275,24 +329,77 @@ def test_phi3_agrees_with_llamacpp(tmp_path, qtype, tolerance):
         greedy(lambda t: llamacpp_logits(path, t), tokens[:8], 24)
 
 
-def test_phi3_longrope_is_refused_in_one_line(tmp_path):
-    """Phi-3.5 / Phi-4-mini carry LongRoPE's factors as tensors: not read by the native runner, so refused."""
-    extra = {"rope_factors_long.weight": np.ones(HIDDEN // HEADS // 2, np.float32),
-             "rope_factors_short.weight": np.ones(HIDDEN // HEADS // 2, np.float32)}
-    path = write_tiny_gguf(tmp_path / "phi35.gguf", "phi3", (T.F32,), hidden=HIDDEN, heads=HEADS, extra=extra)
-    with pytest.raises(VerispecError, match=r"tensor 'rope_factors_long.weight' \(and 1 more\) is not read .* 'phi3'"):
-        load_gguf(path, show_progress=False)
+def phi4_mini_file(path, original: int, qtype=T.F32, longrope: bool = True):
+    """A tiny Phi-4-mini: RoPE on the first 48 of each head's 64 values, LongRoPE's long and short factors (1 to 6,
+    over the 24 pairs) with an attention factor of 1.2, an original context of `original` in a context of 512, a
+    tied output. longrope False: the same weights without the factors and the attention factor."""
+    rng = np.random.default_rng(7)
+    extra = {f"rope_factors_{name}.weight": rng.uniform(1.0, 6.0, 24).astype(np.float32) for name in ("long", "short")}
+    meta = {"phi3.rope.dimension_count": (48, GGUFValueType.UINT32)}
+    if longrope:
+        meta.update({"phi3.rope.scaling.type": ("longrope", GGUFValueType.STRING),
+                     "phi3.rope.scaling.attn_factor": (1.2, GGUFValueType.FLOAT32),
+                     "phi3.rope.scaling.original_context_length": (original, GGUFValueType.UINT32)})
+    return write_tiny_gguf(path, "phi3", (qtype,), seed=4, hidden=HIDDEN, heads=HEADS, kv_heads=2, vocab=300,
+                           vocab_tokens=True, tied=True, metadata=meta, extra=extra if longrope else None)
 
 
 @needs_llamacpp
+@pytest.mark.parametrize("original, factors", [(16, "long"), (512, "short")])
+def test_phi4_mini_longrope_and_partial_rope_agree_with_llamacpp(tmp_path, original, factors):
+    """Phi-3.5 / Phi-4-mini: LongRoPE (per-pair divisors, the long ones where the model's context, 512, exceeds the
+    original one, else the short ones, as llama.cpp picks them when run past the original context; cos and sin times
+    the attention factor) over a partial RoPE (each head's first 48 of 64 values; the pairs are (j, j + 24)). Measured:
+    2e-6 of the logits' spread; without the factors over 100 times that."""
+    path = phi4_mini_file(tmp_path / "phi4.gguf", original)
+    model = load_gguf(path, show_progress=False)
+    assert model.config.rotated == 48 and model.config.rope_kind == "longrope"
+    rng = np.random.default_rng(7)
+    expected = dict(zip(("long", "short"), (rng.uniform(1.0, 6.0, 24).astype(np.float32) for _ in range(2))))
+    assert np.array_equal(model.rope_factors, expected[factors])
+    tokens = [int(t) for t in np.random.default_rng(1).integers(4, 300, 40)]
+    ours, theirs = native_logits(path, tokens), llamacpp_logits(path, tokens, n_ctx=256 if original == 16 else 512)
+    error = np.abs(ours - theirs).max()
+    assert error < 1e-4 * float(theirs.std()) + 1e-5
+    plain = native_logits(phi4_mini_file(tmp_path / "plain.gguf", original, longrope=False), tokens)
+    assert np.abs(plain - theirs).max() > 100 * max(error, 1e-7 * float(theirs.std()))
+    assert greedy(lambda t: native_logits(path, t), tokens[:8], 24) == \
+        greedy(lambda t: llamacpp_logits(path, t, n_ctx=256 if original == 16 else 512), tokens[:8], 24)
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_yarn_agrees_with_llamacpp(tmp_path, arch):
+    """YaRN (Qwen3's long-context files): each pair's angle mixes the scaled and the original one by a ramp over the
+    pairs, cos and sin times 1 + 0.1 ln s. An original context of 32 puts the ramp's ends at pairs 0 and 6 of 32, so
+    every regime is in force; without the scaling the logits part by over 100 times the agreement."""
+    meta = {f"{arch}.rope.scaling.type": ("yarn", GGUFValueType.STRING),
+            f"{arch}.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
+            f"{arch}.rope.scaling.original_context_length": (32, GGUFValueType.UINT32)}
+    shape = dict(seed=4, hidden=HIDDEN, heads=HEADS, kv_heads=2, vocab=300, vocab_tokens=True,
+                 head_dim=64 if arch == "qwen3" else None)
+    path = write_tiny_gguf(tmp_path / "yarn.gguf", arch, (T.F32,), metadata=meta, **shape)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(4, 300, 48)]
+    ours, theirs = native_logits(path, tokens), llamacpp_logits(path, tokens)
+    error = np.abs(ours - theirs).max()
+    assert error < 1e-4 * float(theirs.std()) + 1e-5
+    plain = native_logits(write_tiny_gguf(tmp_path / "plain.gguf", arch, (T.F32,), **shape), tokens)
+    assert np.abs(plain - theirs).max() > 100 * max(error, 1e-7 * float(theirs.std()))
+    assert greedy(lambda t: native_logits(path, t), tokens[:8], 24) == \
+        greedy(lambda t: llamacpp_logits(path, t), tokens[:8], 24)
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
 @pytest.mark.parametrize("qtype, tolerance", [(T.F32, 1e-4), (T.Q4_K, 1e-2)])
-def test_qwen3moe_agrees_with_llamacpp(tmp_path, qtype, tolerance):
-    """Qwen3's mixture of experts (4 experts, 2 a token, softmax routing, the picked weights renormalized), each
-    expert read from the 3-D experts tensors. Measured: 1.9e-6 (F32) and 3.8e-4 (Q4_K) of the logits' spread."""
-    path = write_tiny_gguf(tmp_path / "moe.gguf", "qwen3moe", (qtype,), seed=4, hidden=HIDDEN, heads=HEADS, kv_heads=2,
+def test_mixtures_of_experts_agree_with_llamacpp(tmp_path, arch, qtype, tolerance):
+    """Qwen3's and Mixtral's mixtures of experts (4 experts, 2 a token, softmax routing, the picked weights
+    renormalized), each expert read from the 3-D experts tensors; Mixtral's experts are a llama file's feed-forward
+    length wide, Qwen3's their own key's. Measured: 1.9e-6 (F32) and 3.8e-4 (Q4_K) of the logits' spread."""
+    path = write_tiny_gguf(tmp_path / "moe.gguf", arch, (qtype,), seed=4, hidden=HIDDEN, heads=HEADS, kv_heads=2,
                            head_dim=64, vocab=300, layers=2, vocab_tokens=True)
     c = load_gguf(path, show_progress=False).config
-    assert (c.experts, c.experts_used, c.expert_ffn) == (4, 2, 256)
+    assert (c.experts, c.experts_used, c.expert_ffn) == (4, 2, 256 if arch == "qwen3moe" else 512)
     tokens = [int(t) for t in np.random.default_rng(1).integers(4, 300, 40)]
     ours, theirs = native_logits(path, tokens), llamacpp_logits(path, tokens)
     assert np.abs(ours - theirs).max() < tolerance * float(theirs.std()) + 1e-5
@@ -366,7 +473,7 @@ def torch_equal(a, b) -> bool:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2",
-                                  "qwen3moe"])
+                                  "qwen3moe", "mixtral"])
 def test_verispec_generate_runs_a_random_weight_file_from_its_own_metadata(tmp_path, capsys, arch):
     """`verispec generate --target file.gguf` with nothing beside the file: its tokenizer from the GGUF's own
     vocabulary, the native runner by default, the newer quant types among its weights; greedy output of a draft
@@ -379,7 +486,7 @@ def test_verispec_generate_runs_a_random_weight_file_from_its_own_metadata(tmp_p
             "gemma2": {"gemma2.attention.sliding_window": (6, GGUFValueType.UINT32)}}.get(arch)
     path = str(write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, (T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.Q4_K),
                                hidden=HIDDEN, heads=HEADS, vocab=300, vocab_tokens=True, metadata=meta,
-                               head_dim=64 if arch in ("qwen3", "gemma3", "qwen3moe") else None,
+                               head_dim=64 if arch in ("qwen3", "gemma3", "qwen3moe", "mixtral") else None,
                                tied=arch.startswith("gemma")))
     outputs = {}
     for draft in ("none", path, "ngram"):

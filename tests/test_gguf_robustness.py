@@ -161,8 +161,8 @@ KERNEL_CASES = textwrap.dedent("""
         return lib().vs_attention(ptr(q), n, hq, hkv, dim, 0.125, ptr(base), ptr(base), max(hkv, 1) * dim,
                                   ptr(pre), ptr(off), ptr(extra), ptr(out))
 
-    def layer(n, kv_heads, head_dim=16):
-        dims = DimsStruct(64, 4, kv_heads, head_dim, 128, 1, 0, 0, 1e-6, 0.25, 1.0)
+    def layer(n, kv_heads, head_dim=16, rope_dim=None):
+        dims = DimsStruct(64, 4, kv_heads, head_dim, 128, 1, 0, 0, rope_dim or head_dim, 1e-6, 0.25, 1.0)
         zeros = np.zeros(max(n, 1) if n < 1 << 20 else 1, np.int64)
         return lib().vs_layer_forward(ctypes.byref(dims), ctypes.byref(LayerStruct()), ptr(zeros), n, ptr(zeros),
                                       ptr(zeros), ptr(zeros), ptr(zeros), 0, 32, ptr(zeros), ptr(zeros),
@@ -190,6 +190,7 @@ KERNEL_CASES = textwrap.dedent("""
         "attention with heads not a multiple": lambda: attention(1, 4, 3, 16, 1),
         "a layer with no key/value heads": lambda: layer(1, 0),
         "a layer with an odd head size": lambda: layer(1, 2, head_dim=15),
+        "a layer rotating more than its heads": lambda: layer(1, 2, head_dim=16, rope_dim=18),
         "quantizing in blocks of 0": lambda: quantize(0),
         "a layer whose scratch cannot be allocated": lambda: (limit_memory(), layer(1 << 40, 2))[1],
         "attention whose scratch cannot be allocated": lambda: (limit_memory(), attention(1, 1, 1, 16, 1 << 30))[1],
@@ -200,7 +201,8 @@ KERNEL_CASES = textwrap.dedent("""
         print(json.dumps({"case": name, "status": CASES[name]()}), flush=True)
 """)
 EXPECTED = {"attention with no key/value heads": -1, "attention with heads not a multiple": -1,
-            "a layer with no key/value heads": -1, "a layer with an odd head size": -1, "quantizing in blocks of 0": -1,
+            "a layer with no key/value heads": -1, "a layer with an odd head size": -1,
+            "a layer rotating more than its heads": -1, "quantizing in blocks of 0": -1,
             "a layer whose scratch cannot be allocated": -3, "attention whose scratch cannot be allocated": -3,
             "a float matmul whose row cannot be allocated": -3}
 

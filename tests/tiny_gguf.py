@@ -56,10 +56,12 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     "gemma2": Gemma 3's without the head norms.
     "olmo2": no norm before a sublayer, each one's output normed, q and k normed whole (not per head).
     "qwen3moe": Qwen3's with a mixture of 4 experts of ffn / 2 for a feed-forward, 2 a token (the metadata is written
-    here: expert_count, expert_used_count, expert_feed_forward_length).
+    here: expert_count, expert_used_count, expert_feed_forward_length). "mixtral": a llama file with 4 experts of ffn,
+    2 a token.
     "phi3": Llama's with q, k and v in one tensor (attn_qkv) and gate and up in one (ffn_up, 2F rows).
     head_norm: about what those head norms' weights are (larger: sharper attention); post_norm: Gemma's post-norms'."""
     rng = np.random.default_rng(seed)
+    mixtral, arch = arch == "mixtral", "llama" if arch == "mixtral" else arch
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
     writer.add_context_length(context)
@@ -69,9 +71,10 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(rope_theta)
-    if arch == "qwen3moe":
+    if arch == "qwen3moe" or mixtral:
         writer.add_expert_count(4)
         writer.add_expert_used_count(2)
+    if arch == "qwen3moe":
         writer.add_expert_feed_forward_length(ffn // 2)
     for key, (value, vtype) in (metadata or {}).items():
         writer.add_key_value(key, value, vtype)
@@ -125,17 +128,18 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
         matrix(p + "attn_output.weight", hidden, heads * head_dim)
         if arch != "olmo2":
             vector(p + "ffn_norm.weight", hidden)
-        if arch == "qwen3moe":  # 4 experts of ffn // 2, 2 a token
+        if arch == "qwen3moe" or mixtral:  # 4 experts of ffn // 2 (Mixtral: of ffn), 2 a token
+            width = ffn if mixtral else ffn // 2
             writer.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((4, hidden)) * 0.5).astype(np.float32))
-            experts(p + "ffn_gate_exps.weight", 4, ffn // 2, hidden)
-            experts(p + "ffn_up_exps.weight", 4, ffn // 2, hidden)
-            experts(p + "ffn_down_exps.weight", 4, hidden, ffn // 2)
+            experts(p + "ffn_gate_exps.weight", 4, width, hidden)
+            experts(p + "ffn_up_exps.weight", 4, width, hidden)
+            experts(p + "ffn_down_exps.weight", 4, hidden, width)
         elif arch == "phi3":  # gate and up in one tensor, the gate's rows first
             matrix(p + "ffn_up.weight", 2 * ffn, hidden)
         else:
             matrix(p + "ffn_gate.weight", ffn, hidden)
             matrix(p + "ffn_up.weight", ffn, hidden)
-        if arch != "qwen3moe":
+        if arch != "qwen3moe" and not mixtral:
             matrix(p + "ffn_down.weight", hidden, ffn)
         if arch in ("gemma2", "gemma3", "olmo2"):
             vector(p + "post_attention_norm.weight", hidden, around=post_norm)

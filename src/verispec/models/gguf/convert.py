@@ -43,14 +43,14 @@ def model_from_torch(model: torch.nn.Module, source: str = "", qtype: int = Q8_0
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     theta = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    factors, mscale = _rope_factors(model, float(theta), head_dim)
     c = GGUFConfig(
         architecture=config.model_type, layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
         kv_heads=config.num_key_value_heads, head_dim=head_dim, ffn=config.intermediate_size,
         vocab=int(model.get_output_embeddings().weight.shape[0]), context=config.max_position_embeddings,
-        rope_theta=float(theta), rms_eps=float(config.rms_norm_eps), neox=True,
+        rope_theta=float(theta), rms_eps=float(config.rms_norm_eps), neox=True, rope_attn_factor=mscale,
     )
     check_config(c, source or type(model).__name__)  # the kernels' limits hold for converted drafts too
-    factors = _rope_factors(model, float(theta), head_dim)
     base = model.model
     layers = []
     for i, block in enumerate(base.layers):
@@ -72,19 +72,26 @@ def model_from_torch(model: torch.nn.Module, source: str = "", qtype: int = Q8_0
     return GGUFModel(Path(source), c, embed, layers, _vector(base.norm.weight), head, factors)
 
 
-def _rope_factors(model: torch.nn.Module, theta: float, head_dim: int) -> np.ndarray | None:
-    """Llama 3's RoPE scaling as per-pair frequency factors (what its GGUF files carry as rope_freqs.weight), read
-    from the model's own rotary embedding; None without scaling. Any other scaling is refused: it would be ignored."""
+STATIC_ROPE = ("llama3", "linear", "yarn")  # scalings whose frequencies do not change with the sequence's length
+
+
+def _rope_factors(model: torch.nn.Module, theta: float, head_dim: int) -> tuple[np.ndarray | None, float]:
+    """A scaled RoPE (Llama 3's, linear, YaRN) as per-pair frequency divisors and cos / sin's factor, read from the
+    model's own rotary embedding (its inverse frequencies, its attention scaling); (None, 1.0) without scaling. A
+    scaling whose frequencies follow the sequence's length (dynamic, LongRoPE in transformers) is refused: a cache
+    written at one length would be read at another."""
     config = model.config
     params = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind == "default":
-        return None
-    if kind != "llama3":
-        raise VerispecError(f"RoPE scaling '{kind}' is not supported by verispec's CPU runner (Llama 3's is)")
-    inv_freq = model.model.rotary_emb.inv_freq.detach().double().numpy()  # (D/2,) scaled
+        return None, 1.0
+    if kind not in STATIC_ROPE:
+        raise VerispecError(f"RoPE scaling '{kind}' is not supported by verispec's CPU runner for converted drafts "
+                            f"(supported: {', '.join(STATIC_ROPE)})")
+    rotary = model.model.rotary_emb
+    inv_freq = rotary.inv_freq.detach().double().numpy()  # (D/2,) scaled
     plain = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # (D/2,)
-    return (plain / inv_freq).astype(np.float32)
+    return (plain / inv_freq).astype(np.float32), float(getattr(rotary, "attention_scaling", 1.0))
 
 
 class NativeLinear(torch.nn.Module):

@@ -4,12 +4,13 @@ The file is read tensor by tensor (`gguf_file.GGUFFile`); each matmul weight is 
 kernels' layout (about its size in the file) and its source buffer dropped, norms and biases become
 float32 arrays. The token embedding is a weight too: a lookup dequantizes only the rows asked for.
 
-Architectures: `llama` (RoPE on adjacent pairs, as llama.cpp's converter permutes Q and K; Llama 3's RoPE scaling,
-which its files carry as per-pair frequency factors in `rope_freqs.weight`) and `qwen2` (RoPE on halves, biases on Q,
-K and V), and `qwen3` (Qwen2's layout with each query and key head RMS-normed before RoPE, `attn_q_norm` /
-`attn_k_norm`), `gemma2`, `gemma3`, `phi3`, `smollm3`, `granite`, `olmo2` and `qwen3moe` (`FAMILIES` says what each
-changes). Anything else (another architecture, a RoPE scaling other than linear, RoPE on part of a head) is refused with
-one line, and so is a file holding a tensor the runner would not read: a model is run whole or not at all.
+Architectures: `llama` (RoPE on adjacent pairs, as llama.cpp's converter permutes Q and K; Mistral, SmolLM2, and
+Mixtral where the file has experts) and `qwen2` (RoPE on halves, biases on Q, K and V), and `qwen3` (Qwen2's layout
+with each query and key head RMS-normed before RoPE, `attn_q_norm` / `attn_k_norm`), `gemma2`, `gemma3`, `phi3`,
+`smollm3`, `granite`, `olmo2` and `qwen3moe` (`FAMILIES` says what each changes). RoPE: whole heads or their first
+`rope.dimension_count` values, with linear, Llama 3, LongRoPE or YaRN scaling (`rope.py`). Anything else (another
+architecture or RoPE scaling) is refused with one line, and so is a file holding a tensor the runner would not read:
+a model is run whole or not at all.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from verispec.errors import VerispecError
 from verispec.models.gguf.gguf_file import FLOAT_KINDS, INTEGER_KINDS, GGUFFile, TensorInfo, shown
 from verispec.models.gguf.native import set_threads
 from verispec.models.gguf.ops import FLOAT_TYPES, Weight, check_tensor
+from verispec.models.gguf.rope import KINDS as ROPE_KINDS
 
 
 @dataclass(frozen=True)
@@ -51,17 +53,19 @@ class Family:
     pre_norms: bool = True  # an RMSNorm before each sublayer (attn_norm, ffn_norm); OLMo 2 has only the post-norms
     whole_qk_norm: bool = False  # the head norms norm each token's whole q and k (their weights: Hq D and Hkv D)
     moe: bool = False  # a mixture of experts for a feed-forward: a router picks `expert_used_count` of them a token
+    experts_if_counted: bool = False  # a mixture of experts where the file counts experts (`expert_count` > 0), each
+    # `feed_forward_length` wide (Mixtral is a llama file with experts)
 
 
 FAMILIES = {
-    "llama": Family(neox=False),  # Llama 1-3 (Llama 3's RoPE scaling: rope_freqs.weight), Mistral, SmolLM2
+    "llama": Family(neox=False, experts_if_counted=True),  # Llama 1-3, Mistral, SmolLM2, Mixtral
     "qwen2": Family(neox=True),  # biases on Q, K and V where the file has them
     "qwen3": Family(neox=True, head_norms=True),
     "gemma3": Family(neox=True, head_norms=True, post_norms=True, gelu=True, embed_scale=True, local_layers=6,
                      softcaps=(None, 0.0)),
     "gemma2": Family(neox=True, post_norms=True, gelu=True, embed_scale=True, local_layers=2, window=4096,
                      local_rope_base=None, softcaps=(50.0, 30.0)),
-    "phi3": Family(neox=True, fused_ffn=True),  # Phi-3 / Phi-4-mini without LongRoPE (its factor tensors are refused)
+    "phi3": Family(neox=True, fused_ffn=True),  # Phi-3, Phi-3.5, Phi-4-mini (LongRoPE, partial RoPE)
     "smollm3": Family(neox=False, no_rope_every=4),
     "granite": Family(neox=False, scales=True),  # Granite 3 dense
     "olmo2": Family(neox=True, head_norms=True, whole_qk_norm=True, post_norms=True, pre_norms=False),
@@ -94,7 +98,11 @@ class GGUFConfig:
     window: int = 0  # local layers attend to the last `window` positions (0: no local layers)
     local: tuple[bool, ...] = ()  # per layer: a local (sliding-window) layer
     rope_theta_local: float = 10000.0  # the local layers' RoPE base
-    rope_scale: float = 1.0  # linear RoPE scaling: positions divided by this (the global layers')
+    rope_scale: float = 1.0  # RoPE's scaling factor s (1: none), applied as `rope_kind` says (the global layers')
+    rope_kind: str = "linear"  # how: "none", "linear", "yarn" or "longrope" (`rope.rope_frequencies`)
+    rope_dim: int | None = None  # RoPE turns each head's first rope_dim values (None: the whole head)
+    rope_original_context: int = 0  # the context before scaling (rope.scaling.original_context_length; 0: context)
+    rope_attn_factor: float = 1.0  # RoPE's cos and sin times this (rope.scaling.attn_factor)
     local_rope_scaled: bool = False  # the local layers take the global layers' scaling too (Gemma 2)
     final_softcap: float = 0.0  # logits = c tanh(logits / c) (0: none)
     attn_softcap: float = 0.0  # scores = c tanh(scores / c) before the softmax (0: none)
@@ -108,6 +116,11 @@ class GGUFConfig:
     @property
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def rotated(self) -> int:
+        """The values of each head RoPE turns (R)."""
+        return self.head_dim if self.rope_dim is None else self.rope_dim
 
     @property
     def scale(self) -> float:
@@ -144,7 +157,8 @@ class GGUFModel:
     layers: list[Layer]
     norm: np.ndarray  # (E,)
     head: Weight  # (V, E); the embedding itself where the file ties them
-    rope_factors: np.ndarray | None = None  # (D/2,) float32: each RoPE pair's frequency divided by it (Llama 3)
+    rope_factors: np.ndarray | None = None  # (R/2,) float32: each RoPE pair's frequency divided by it (Llama 3's,
+    # LongRoPE's long or short ones)
 
     @property
     def nbytes(self) -> int:
@@ -165,9 +179,9 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
         raise VerispecError(f"{path.name}: architecture '{shown(arch)}' is not supported by verispec's CPU runner "
                             f"(supported: {', '.join(ARCHITECTURES)}); use --backend torch or llama.cpp")
     scaling = reader.fields.get(f"{arch}.rope.scaling.type", "linear")  # llama.cpp's default: a factor alone is linear
-    if scaling not in ("none", "linear"):
-        raise VerispecError(f"{path.name}: RoPE scaling '{shown(scaling)}' is not supported by verispec's CPU runner; "
-                            "use --backend llama.cpp")
+    if not isinstance(scaling, str) or scaling not in ROPE_KINDS:
+        raise VerispecError(f"{path.name}: RoPE scaling '{shown(scaling)}' is not supported by verispec's CPU runner "
+                            f"(supported: {', '.join(ROPE_KINDS)}); use --backend llama.cpp")
 
     def field(key: str, kinds: frozenset, default=None):
         """The value of `{arch}.{key}`, of one of these GGUF types; missing: `default`, or an error if None."""
@@ -196,10 +210,8 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
     if len(embed.shape) != 2:
         raise VerispecError(f"{path.name}: tensor 'token_embd.weight' has {len(embed.shape)} dimensions, not 2")
     rotated = field("rope.dimension_count", INTEGER_KINDS, head_dim)
-    if rotated != head_dim:
-        raise VerispecError(f"{path.name}: metadata '{arch}.rope.dimension_count' ({rotated}) rotates part of each "
-                            f"head ({head_dim}); verispec's CPU runner rotates whole heads: use --backend llama.cpp")
     family, layers = FAMILIES[arch], field("block_count", INTEGER_KINDS)
+    experts = family.experts_if_counted and field("expert_count", INTEGER_KINDS, 0) > 0  # Mixtral
     window = field("attention.sliding_window", INTEGER_KINDS, family.window) if family.local_layers else 0
     if arch == "olmo2" and field("attention.sliding_window", INTEGER_KINDS, 0):  # OLMo 3: llama.cpp reads it
         raise VerispecError(f"{path.name}: metadata '{arch}.attention.sliding_window' asks for sliding-window layers, "
@@ -209,10 +221,10 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
     scales = dict(embed_scale=float(np.sqrt(np.float32(hidden))) if family.embed_scale else 1.0,
                   attention_scale=1.0 / math.sqrt(hidden // heads) if big else None)
     rope_theta = float(field("rope.freq_base", number, 10000.0))
-    # linear RoPE scaling: positions divided by the factor (rope.scaling.factor, or the older rope.scale_linear), as
-    # llama.cpp applies it unless the type is "none" (Gemma 3 4B+: 8, on its global layers only)
+    # RoPE's scaling factor (rope.scaling.factor, or the older rope.scale_linear), applied as llama.cpp does unless the
+    # type is "none" (Gemma 3 4B+: linear, 8, on its global layers only)
     factor = float(field("rope.scaling.factor", number, 0.0)) or float(field("rope.scale_linear", number, 0.0))
-    rope_scale = factor if scaling == "linear" and factor else 1.0
+    rope_scale = factor if scaling != "none" and factor else 1.0
     caps = [float(field(key, number, default)) if default is not None else 0.0
             for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"), family.softcaps)]
     if family.scales:
@@ -222,7 +234,9 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
         kv_heads=field("attention.head_count_kv", INTEGER_KINDS, heads), head_dim=head_dim,
         ffn=field("feed_forward_length", INTEGER_KINDS), vocab=int(embed.shape[1]),
         context=field("context_length", INTEGER_KINDS),
-        rope_theta=rope_theta, rope_scale=rope_scale,
+        rope_theta=rope_theta, rope_scale=rope_scale, rope_kind=scaling, rope_dim=rotated,
+        rope_original_context=field("rope.scaling.original_context_length", INTEGER_KINDS, 0),
+        rope_attn_factor=float(field("rope.scaling.attn_factor", number, 1.0)),
         rms_eps=float(field("attention.layer_norm_rms_epsilon", number)), neox=family.neox, gelu=family.gelu,
         whole_qk_norm=family.whole_qk_norm,
         window=window, local=_local_layers(reader, path, arch, family, layers) if window > 0 else (),
@@ -230,18 +244,20 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
         local_rope_scaled=family.local_rope_base is None,
         attn_softcap=caps[0], final_softcap=caps[1],
         no_rope=tuple((i + 1) % family.no_rope_every == 0 for i in range(layers)) if family.no_rope_every else (),
-        **(_expert_sizes(field) if family.moe else {}),
+        **(_expert_sizes(field, family) if family.moe or experts else {}),
         **scales,
     )
     check_config(config, path.name)
     return config
 
 
-def _expert_sizes(field) -> dict:
-    """A mixture of experts' sizes (an expert's width: llama.cpp's default, the dense width over the experts used)."""
+def _expert_sizes(field, family: Family) -> dict:
+    """A mixture of experts' sizes. An expert's width as llama.cpp reads it: Mixtral's is the feed-forward length;
+    Qwen3's is its own key, or by default the feed-forward length over the experts used."""
     count, used = field("expert_count", INTEGER_KINDS), field("expert_used_count", INTEGER_KINDS)
-    width = field("expert_feed_forward_length", INTEGER_KINDS, 0) or (field("feed_forward_length", INTEGER_KINDS) //
-                                                                     max(used, 1))
+    ffn = field("feed_forward_length", INTEGER_KINDS)
+    width = ffn if family.experts_if_counted else (field("expert_feed_forward_length", INTEGER_KINDS, 0) or
+                                                   ffn // max(used, 1))
     return dict(experts=count, experts_used=used, expert_ffn=width)
 
 
@@ -302,6 +318,17 @@ def check_config(c: GGUFConfig, where: str) -> None:
         raise VerispecError(f"{where}: metadata '{arch}.attention.sliding_window' is {c.window}; it must be >= 0")
     if not (math.isfinite(c.rope_scale) and c.rope_scale > 0):
         raise VerispecError(f"{where}: metadata '{arch}.rope.scaling.factor' is {c.rope_scale}; it must be positive")
+    if not (0 < c.rotated <= c.head_dim and c.rotated % 2 == 0):
+        raise VerispecError(f"{where}: metadata '{arch}.rope.dimension_count' ({c.rotated}) must be an even number of "
+                            f"a head's {c.head_dim} values")
+    if not (math.isfinite(c.rope_attn_factor) and c.rope_attn_factor > 0):
+        raise VerispecError(f"{where}: metadata '{arch}.rope.scaling.attn_factor' is {c.rope_attn_factor}; it must be "
+                            "a finite number > 0")
+    if not 0 <= c.rope_original_context <= INT32_MAX:
+        raise VerispecError(f"{where}: metadata '{arch}.rope.scaling.original_context_length' is "
+                            f"{c.rope_original_context}; it must be between 0 and {INT32_MAX}")
+    if c.rope_kind not in ROPE_KINDS:
+        raise VerispecError(f"{where}: RoPE scaling '{c.rope_kind}' is not one of {', '.join(ROPE_KINDS)}")
     if c.local and not (math.isfinite(c.rope_theta_local) and c.rope_theta_local > 0):
         raise VerispecError(f"{where}: metadata '{arch}.rope.freq_base_swa' is {c.rope_theta_local}; it must be positive")
     for name, value in (("embedding_scale", c.embed_scale), ("residual_scale", c.residual_scale),
@@ -385,7 +412,7 @@ def _load_gguf(path: Path, show_progress: bool) -> GGUFModel:
             p = f"blk.{i}."
             q, k, v = _attention_weights(reader, p, path, qkv, c.hidden)
             router = experts = None
-            if family.moe:
+            if c.experts:
                 gate = up = down = None
                 router = _weight(reader, p + "ffn_gate_inp.weight", path, c.experts, c.hidden)
                 x, f = c.experts, c.expert_ffn
@@ -407,7 +434,7 @@ def _load_gguf(path: Path, show_progress: bool) -> GGUFModel:
                 out=_weight(reader, p + "attn_output.weight", path, c.hidden, qkv[0]),
                 ffn_norm=_vector(reader, p + "ffn_norm.weight", path, c.hidden) if family.pre_norms else None,
                 gate=gate, up=up,
-                down=None if family.moe else _weight(reader, p + "ffn_down.weight", path, c.hidden, c.ffn),
+                down=None if c.experts else _weight(reader, p + "ffn_down.weight", path, c.hidden, c.ffn),
                 router=router, experts=experts,
                 **({"q_norm": _vector(reader, p + "attn_q_norm.weight", path, qkv[0] if family.whole_qk_norm else c.head_dim),
                     "k_norm": _vector(reader, p + "attn_k_norm.weight", path, qkv[1] if family.whole_qk_norm else c.head_dim)}
@@ -420,11 +447,29 @@ def _load_gguf(path: Path, show_progress: bool) -> GGUFModel:
     embed = _weight(reader, "token_embd.weight", path, c.vocab, c.hidden)
     head = _weight(reader, "output.weight", path, c.vocab, c.hidden) if _tensor(reader, "output.weight", path, False) else embed
     norm = _vector(reader, "output_norm.weight", path, c.hidden)
-    factors = _vector(reader, "rope_freqs.weight", path, c.head_dim // 2, required=False)
-    if factors is not None and not (np.isfinite(factors).all() and (factors > 0).all()):
-        raise VerispecError(f"{path.name}: tensor 'rope_freqs.weight' holds factors that are not finite and positive")
+    factors = _rope_factors(reader, path, c)
     _refuse_unread(reader, path, c.architecture)
     return GGUFModel(path, c, embed, layers, norm, head, None if factors is None else factors.copy())
+
+
+def _rope_factors(reader: GGUFFile, path: Path, c: GGUFConfig) -> np.ndarray | None:
+    """(R/2,) per-pair RoPE frequency divisors the file carries, or None: Llama 3's (`rope_freqs.weight`), or
+    LongRoPE's long or short ones (`rope_factors_long.weight`, `rope_factors_short.weight`): the long ones where the
+    context the runner offers (the model's, `context_length`) exceeds the original one, as llama.cpp chooses them
+    when run at the model's context."""
+    found = {name: _vector(reader, f"{name}.weight", path, c.rotated // 2, required=False)
+             for name in ("rope_freqs", "rope_factors_long", "rope_factors_short")}
+    for name, factors in found.items():
+        if factors is not None and not (np.isfinite(factors).all() and (factors > 0).all()):
+            raise VerispecError(f"{path.name}: tensor '{name}.weight' holds factors that are not finite and positive")
+    freqs, long, short = found.values()
+    if (long is None) != (short is None) or (freqs is not None and long is not None):
+        present = ", ".join(f"'{name}.weight'" for name, f in found.items() if f is not None)
+        raise VerispecError(f"{path.name}: the file holds RoPE factors {present}: LongRoPE needs both its long and "
+                            "short factors, and no rope_freqs beside them")
+    if long is None:
+        return freqs
+    return long if c.context > (c.rope_original_context or c.context) else short
 
 
 def _refuse_unread(reader: GGUFFile, path: Path, arch: str) -> None:

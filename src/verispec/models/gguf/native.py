@@ -35,7 +35,7 @@ _SIGNATURES = {
     "vs_float_rows": ([_I, _P, _I64, _I64, _P, _I64, _P], _I),
     "vs_rmsnorm": ([_P, _I64, _I64, _P, _F, _P], None),
     "vs_rope_table": ([_P, _I64, _I, _D, _P, _P], None),
-    "vs_rope": ([_P, _I64, _I, _I, _P, _I], None),
+    "vs_rope": ([_P, _I64, _I, _I, _I, _P, _I], None),
     "vs_silu_mul": ([_P, _P, _I64, _P], None),
     "vs_gelu_mul": ([_P, _P, _I64, _P], None),
     "vs_attention": ([_P, _I64, _I, _I, _I, _F, _P, _P, _I64, _P, _P, _P, _P], _I),
@@ -80,7 +80,7 @@ class DimsStruct(ctypes.Structure):
     """csrc's vs_dims_t."""
 
     _fields_ = [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "neox", "gelu",
-                                                 "whole_qk_norm")] + [
+                                                 "whole_qk_norm", "rope_dim")] + [
         ("eps", _D), ("scale", _D), ("residual_scale", _D), ("attn_softcap", _D)]
 
 

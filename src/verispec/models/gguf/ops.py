@@ -142,17 +142,22 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
-def rope_table(positions: np.ndarray, dim: int, theta: float, factors: np.ndarray | None = None) -> np.ndarray:
-    """positions (N,) int64 -> (N, D/2, 2) float32 cos, sin of each pair's angle; factors (D/2,) float32 or None:
-    each pair's frequency divided by its factor (Llama 3's RoPE scaling, a GGUF's rope_freqs.weight)."""
+def rope_table(positions: np.ndarray, dim: int, theta: float, factors: np.ndarray | None = None,
+               mscale: float = 1.0) -> np.ndarray:
+    """positions (N,) int64 -> (N, R/2, 2) float32 cos, sin of each pair's angle, R = dim the rotated dimensions;
+    factors (R/2,) float32 or None: each pair's frequency divided by its factor (`rope.rope_frequencies`); mscale: cos
+    and sin times it (YaRN's and LongRoPE's attention factor, one float32 product a value as llama.cpp takes it)."""
     table = np.empty((positions.size, dim // 2, 2), np.float32)
     lib().vs_rope_table(ptr(positions), positions.size, dim, theta, None if factors is None else ptr(factors), ptr(table))
+    if mscale != 1.0:
+        table *= np.float32(mscale)
     return table
 
 
 def rope(x: np.ndarray, heads: int, table: np.ndarray, neox: bool) -> None:
-    """In place on x (N, H D), read as (N, H, D), with a rope_table of its positions."""
-    lib().vs_rope(ptr(x), x.shape[0], heads, x.shape[1] // heads, ptr(table), int(neox))
+    """In place on x (N, H D), read as (N, H, D), with a rope_table of its positions: its R/2 pairs turn each head's
+    first R values (R < D: partial RoPE)."""
+    lib().vs_rope(ptr(x), x.shape[0], heads, x.shape[1] // heads, 2 * table.shape[1], ptr(table), int(neox))
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

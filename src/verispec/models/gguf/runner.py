@@ -31,6 +31,7 @@ from verispec.errors import VerispecError
 from verispec.models.gguf import ops
 from verispec.models.gguf.model import GGUFModel
 from verispec.models.gguf.native import DimsStruct, LayerStruct, WeightStruct, check, lib, ptr, set_threads
+from verispec.models.gguf.rope import rope_frequencies
 from verispec.models.passes import forward_nodes, tree_pass_counts
 from verispec.models.runners.hf import training_logits
 
@@ -193,13 +194,12 @@ class NativeRunner:
         c = model.config
         self._gguf = model
         self._heads: dict[int, ops.Weight] = {}  # draft LM heads over the first n token ids (Weight.first_rows)
-        # (D/2,) each RoPE pair's frequency divisor: Llama 3's factors times a linear scaling's factor, or None
-        self._rope_factors = model.rope_factors
-        if c.rope_scale != 1.0:
-            self._rope_factors = (np.ones(c.head_dim // 2, np.float32) if model.rope_factors is None
-                                  else model.rope_factors) * np.float32(c.rope_scale)
+        # the global layers' RoPE: (R/2,) each pair's frequency divisor (or None) and cos / sin's factor
+        self._rope_factors, self._rope_mscale = rope_frequencies(
+            c.rope_kind, c.rotated, c.rope_theta, c.rope_scale, c.rope_original_context or c.context,
+            c.rope_attn_factor, model.rope_factors)
         self._dims = DimsStruct(c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, int(c.neox), int(c.gelu),
-                                int(c.whole_qk_norm), c.rms_eps, c.scale, c.residual_scale, c.attn_softcap)
+                                int(c.whole_qk_norm), c.rotated, c.rms_eps, c.scale, c.residual_scale, c.attn_softcap)
 
         def weight(w: ops.Weight | None) -> WeightStruct:
             return WeightStruct() if w is None else WeightStruct(w.qtype, w.address, w.rows, w.cols)
@@ -483,13 +483,15 @@ class NativeRunner:
                  np.array([r.values.ctypes.data for r in rows], np.int64),
                  np.array([r.keys.shape[1] * c.kv_dim * 4 for r in rows], np.int64))
         positions = np.array([q.position for q in queries], np.int64)  # (N,)
-        factors = self._rope_factors
-        table = ops.rope_table(positions, c.head_dim, c.rope_theta, factors)  # (N, D/2, 2)
+        factors, mscale = self._rope_factors, self._rope_mscale
+        table = ops.rope_table(positions, c.rotated, c.rope_theta, factors, mscale)  # (N, R/2, 2)
         views = {False: (_Attend.of([(q.prefix, q.extra) for q in queries], *bases), table)}
-        if any(c.local[low:high]):
+        if any(c.local[low:high]):  # local layers: their own base, the global scaling only where the family says so
             views[True] = (_Attend.of([_windowed(q, c.window) for q in queries], *bases),
                            table if c.local_rope_scaled and c.rope_theta_local == c.rope_theta else
-                           ops.rope_table(positions, c.head_dim, c.rope_theta_local, factors if c.local_rope_scaled else None))
+                           ops.rope_table(positions, c.rotated, c.rope_theta_local, factors, mscale)
+                           if c.local_rope_scaled else
+                           ops.rope_table(positions, c.rotated, c.rope_theta_local, None, c.rope_attn_factor))
         layers = [(i, views[bool(c.local) and c.local[i]]) for i in range(low, high)]
         if c.no_rope:  # those layers' queries and keys go unrotated: no table
             layers = [(i, (view[0], None) if c.no_rope[i] else view) for i, view in layers]

@@ -1282,10 +1282,11 @@ void vs_rope_table(const int64_t *pos, int64_t n, int dim, double theta, const f
         }
 }
 
-/* Rotary embedding in place on x (n, heads, dim) with a vs_rope_table: pairs (2j, 2j+1) ("norm", Llama
- * GGUFs, whose Q and K rows llama.cpp's converter permuted) or (j, j + dim/2) ("neox", Qwen2). */
-void vs_rope(float *x, int64_t n, int heads, int dim, const float *table, int neox) {
-    const int half = dim / 2;
+/* Rotary embedding in place on x (n, heads, dim) with a vs_rope_table of `rot` dimensions: the first rot values of
+ * each head turn in pairs (2j, 2j+1) ("norm", Llama GGUFs, whose Q and K rows llama.cpp's converter permuted) or
+ * (j, j + rot/2) ("neox", Qwen2); the others are left as they are (partial RoPE, Phi-4-mini's: rot < dim). */
+void vs_rope(float *x, int64_t n, int heads, int dim, int rot, const float *table, int neox) {
+    const int half = rot / 2;
 #pragma omp parallel for schedule(static) num_threads(vs_threads) if (n > 1)
     for (int64_t i = 0; i < n; i++) {
         const float *cs = table + i * half * 2;
@@ -1673,6 +1674,7 @@ typedef struct {
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, ffn, neox, gelu; /* gelu: GeGLU (vs_gelu_mul), else SwiGLU */
     int64_t whole_qk_norm; /* q_norm / k_norm RMS-norm each token's whole q / k (OLMo 2), not each head */
+    int64_t rope_dim; /* RoPE turns the first rope_dim values of each head (even, <= head_dim) */
     double eps, scale; /* passed on as float, as the per-op path's ctypes floats are */
     double residual_scale; /* each sublayer's output times this before its residual add (Granite; 1 or 0: none, as
                               llama.cpp reads an unset scale) */
@@ -1735,7 +1737,8 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
     /* skip: bit 1 skips the attention sublayer (no keys or values written), bit 2 the MLP sublayer: the
        residual stream passes through unchanged (self-speculation's draft, verispec.drafters.self_draft). */
     if (!D || D->hidden <= 0 || D->heads <= 0 || D->kv_heads <= 0 || D->heads % D->kv_heads || D->head_dim <= 0 ||
-        D->head_dim % 2 || D->ffn <= 0 || n < 0 || D->heads > INT32_MAX || D->head_dim > INT32_MAX)
+        D->head_dim % 2 || D->ffn <= 0 || n < 0 || D->heads > INT32_MAX || D->head_dim > INT32_MAX ||
+        D->rope_dim <= 0 || D->rope_dim % 2 || D->rope_dim > D->head_dim)
         return VS_EINVAL; /* the dimensions vs_attention and vs_rope divide by, checked once here */
     if (n == 0) return VS_OK;
     const int64_t E = D->hidden, QD = D->heads * D->head_dim, KD = D->kv_heads * D->head_dim, F = D->ffn;
@@ -1767,8 +1770,8 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
         vs_rmsnorm(q, D->whole_qk_norm ? n : n * D->heads, D->whole_qk_norm ? QD : D->head_dim, L->q_norm, eps, q);
     if (L->k_norm) vs_rmsnorm(k, D->whole_qk_norm ? n : n * D->kv_heads, D->whole_qk_norm ? KD : D->head_dim, L->k_norm, eps, k);
     if (rope_table) { /* NULL: a layer without RoPE (SmolLM3's every fourth) */
-        vs_rope(q, n, (int)D->heads, (int)D->head_dim, rope_table, (int)D->neox);
-        vs_rope(k, n, (int)D->kv_heads, (int)D->head_dim, rope_table, (int)D->neox);
+        vs_rope(q, n, (int)D->heads, (int)D->head_dim, (int)D->rope_dim, rope_table, (int)D->neox);
+        vs_rope(k, n, (int)D->kv_heads, (int)D->head_dim, (int)D->rope_dim, rope_table, (int)D->neox);
     }
     for (int64_t i = 0; i < n; i++) {
         memcpy((float *)(intptr_t)kb[i] + columns[i] * stride, k + i * KD, sizeof(float) * (size_t)KD);
