@@ -21,20 +21,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the random GGUF writer the native runner's tests use
 
-SHAPES = {  # hidden, heads, kv heads, head dim, ffn, layers, vocab, arch
+SHAPES = {  # hidden, heads, kv heads, head dim, ffn, layers, vocab, arch (experts: count, a token's, width)
     "llama3-8b": dict(arch="llama", hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, layers=32, vocab=128256),
     "qwen3-8b": dict(arch="qwen3", hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=12288, layers=36, vocab=151936),
+    "qwen3-30b-a3b": dict(arch="qwen3moe", hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144, layers=48,
+                          vocab=151936, experts=(128, 8, 768)),
 }
 
 
 def q4_k_m(name: str):
     from tiny_gguf import T
-    return T.Q6_K if name.endswith(("attn_v.weight", "ffn_down.weight")) or name == "output.weight" else T.Q4_K
+    return T.Q6_K if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) or \
+        name == "output.weight" else T.Q4_K
 
 
-def write(shape: str, path: Path) -> Path:
+def write(shape: str, path: Path, layers: int | None = None) -> Path:
     from tiny_gguf import write_tiny_gguf
-    s = dict(SHAPES[shape])
+    s = dict(SHAPES[shape], **({"layers": layers} if layers else {}))
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     started = time.perf_counter()
@@ -65,6 +68,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layers", type=int, help="write only this many of the shape's layers (a mixture of experts "
+                        "too large for the machine's memory: its pass is the layers' sum, reported per layer too)")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
     from verispec.api import set_threads
@@ -75,17 +80,18 @@ def main() -> None:
     from verispec.models.runners.llamacpp import LlamaCppRunner
 
     set_threads(args.threads)
-    path = args.dir / f"{args.shape}-q4_k_m-random.gguf"
+    layers = f"-{args.layers}layers" if args.layers else ""
+    path = args.dir / f"{args.shape}{layers}-q4_k_m-random.gguf"
     if not path.is_file():
-        write(args.shape, path)
-    result = {"shape": args.shape, "threads": args.threads, "context": args.context, "cpu": cpu_name(),
+        write(args.shape, path, args.layers)
+    result = {"shape": args.shape, "layers": args.layers or SHAPES[args.shape]["layers"], "threads": args.threads, "context": args.context, "cpu": cpu_name(),
               "kernel_path": native.path(), "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 2)}
     runner = NativeRunner(load_gguf(path, show_progress=False))
     result["native"] = costs(runner, args.max_tokens, args.context, args.repeats)
     del runner
     result["llama.cpp"] = costs(LlamaCppRunner(path, context_window=args.context + args.max_tokens + 64,
                                                threads=args.threads), args.max_tokens, args.context, args.repeats)
-    print(f"{result['cpu']}; {args.shape}, {args.threads} threads, {args.context} cached tokens, kernel path {result['kernel_path']}, "
+    print(f"{result['cpu']}; {args.shape} ({result['layers']} of {SHAPES[args.shape]['layers']} layers), {args.threads} threads, {args.context} cached tokens, kernel path {result['kernel_path']}, "
           f"probe {result['memory_bandwidth_gbs']} GB/s; ms per pass (v)")
     print(f"{'tokens':>6} {'native':>16} {'llama.cpp':>16} {'native / llama.cpp':>19}")
     for width in sorted(result["native"]):

@@ -45,7 +45,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
                     tied: bool = False, context: int = 512, rope_factors: np.ndarray | None = None,
                     vocab_tokens: bool = False, extra: dict | None = None, metadata: dict | None = None,
                     head_dim: int | None = None, head_norm: float = 1.0, rope_theta: float = 10000.0,
-                    post_norm: float = 1.0) -> Path:
+                    post_norm: float = 1.0, experts: tuple[int, int, int | None] = (4, 2, None)) -> Path:
     """Write a random Llama / Qwen2 model; matmul weights take `types` in turn (cycled), or `types(name)` where it is a
     function of the tensor's name. rope_factors (D/2,): Llama 3's
     RoPE scaling as its files carry it (rope_freqs.weight); vocab_tokens: a placeholder vocabulary (llama.cpp needs
@@ -59,7 +59,8 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     here: expert_count, expert_used_count, expert_feed_forward_length). "mixtral": a llama file with 4 experts of ffn,
     2 a token.
     "phi3": Llama's with q, k and v in one tensor (attn_qkv) and gate and up in one (ffn_up, 2F rows).
-    head_norm: about what those head norms' weights are (larger: sharper attention); post_norm: Gemma's post-norms'."""
+    head_norm: about what those head norms' weights are (larger: sharper attention); post_norm: Gemma's post-norms'.
+    experts: a mixture's (experts, experts a token, an expert's width: None for the default above)."""
     rng = np.random.default_rng(seed)
     mixtral, arch = arch == "mixtral", "llama" if arch == "mixtral" else arch
     writer = GGUFWriter(str(path), arch)
@@ -71,11 +72,13 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(rope_theta)
+    count, used, width = experts
+    width = width or (ffn if mixtral else ffn // 2)
     if arch == "qwen3moe" or mixtral:
-        writer.add_expert_count(4)
-        writer.add_expert_used_count(2)
+        writer.add_expert_count(count)
+        writer.add_expert_used_count(used)
     if arch == "qwen3moe":
-        writer.add_expert_feed_forward_length(ffn // 2)
+        writer.add_expert_feed_forward_length(width)
     for key, (value, vtype) in (metadata or {}).items():
         writer.add_key_value(key, value, vtype)
     if vocab_tokens:
@@ -90,7 +93,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
             raw = raw.view(np.uint8)  # gguf's writer takes a BF16 tensor as its bytes
         writer.add_tensor(name, raw, raw_dtype=qtype if qtype in QUANTIZED or qtype == T.BF16 else None)
 
-    def experts(name: str, count: int, rows: int, cols: int) -> None:  # a 3-D tensor: count x rows x cols
+    def experts_tensor(name: str, count: int, rows: int, cols: int) -> None:  # a 3-D tensor: count x rows x cols
         qtype = types(name) if callable(types) else next(picks)
         raw = random_raw(rng, qtype, count * rows, cols)
         raw = raw.view(np.uint8) if qtype == T.BF16 else raw
@@ -128,12 +131,11 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", types=(T.Q4_K,), seed: int 
         matrix(p + "attn_output.weight", hidden, heads * head_dim)
         if arch != "olmo2":
             vector(p + "ffn_norm.weight", hidden)
-        if arch == "qwen3moe" or mixtral:  # 4 experts of ffn // 2 (Mixtral: of ffn), 2 a token
-            width = ffn if mixtral else ffn // 2
-            writer.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((4, hidden)) * 0.5).astype(np.float32))
-            experts(p + "ffn_gate_exps.weight", 4, width, hidden)
-            experts(p + "ffn_up_exps.weight", 4, width, hidden)
-            experts(p + "ffn_down_exps.weight", 4, hidden, width)
+        if arch == "qwen3moe" or mixtral:  # 4 experts of ffn // 2 (Mixtral: of ffn), 2 a token, by default
+            writer.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((count, hidden)) * 0.5).astype(np.float32))
+            experts_tensor(p + "ffn_gate_exps.weight", count, width, hidden)
+            experts_tensor(p + "ffn_up_exps.weight", count, width, hidden)
+            experts_tensor(p + "ffn_down_exps.weight", count, hidden, width)
         elif arch == "phi3":  # gate and up in one tensor, the gate's rows first
             matrix(p + "ffn_up.weight", 2 * ffn, hidden)
         else:

@@ -413,7 +413,7 @@ def _load_gguf(path: Path, show_progress: bool) -> GGUFModel:
             q, k, v = _attention_weights(reader, p, path, qkv, c.hidden)
             router = experts = None
             if c.experts:
-                gate = up = down = None
+                gate = up = None
                 router = _weight(reader, p + "ffn_gate_inp.weight", path, c.experts, c.hidden)
                 x, f = c.experts, c.expert_ffn
                 experts = [tuple(_weight(reader, p + f"ffn_{name}_exps.weight", path, rows, cols, e * rows, x * rows, x)

@@ -30,6 +30,8 @@ import torch
 from verispec.errors import VerispecError
 from verispec.models.gguf import ops
 from verispec.models.gguf.model import GGUFModel
+from verispec.models.gguf.attend import Attend, Query, windowed
+from verispec.models.gguf.per_op import experts_sublayer, layers_per_op
 from verispec.models.gguf.native import DimsStruct, LayerStruct, WeightStruct, check, lib, ptr, set_threads
 from verispec.models.gguf.rope import rope_frequencies
 from verispec.models.passes import forward_nodes, tree_pass_counts
@@ -140,19 +142,6 @@ class CachePrefix:
     def head(self, length: int) -> CachePrefix:
         """The first `length` positions (views: `write_prefix` copies them into a row)."""
         return self if length == self.length else CachePrefix(self.keys[:, :length], self.values[:, :length])
-
-
-@dataclass
-class _Query:
-    """One token of a pass: its row, id, position, cache column, and what it attends to."""
-
-    row: int
-    token: int
-    position: int
-    column: int
-    prefix: int  # attends to columns 0 .. prefix - 1 (whose positions are their columns)
-    extra: list[int]  # then to these columns (increasing)
-    extra_positions: list[int] = field(default_factory=list)  # their positions (read by sliding windows)
 
 
 class NativeRunner:
@@ -304,7 +293,7 @@ class NativeRunner:
                 raise ValueError(f"row {b}: {num_logits[b]} logits asked for {len(row_tokens)} new tokens")
             for j, token in enumerate(row_tokens):
                 column = row.length + j
-                queries.append(_Query(b, token, column, column, column + 1, []))
+                queries.append(Query(b, token, column, column, column + 1, []))
                 wanted.append(j >= len(row_tokens) - num_logits[b])
         logits = self._run(state, queries, wanted, len(tokens), max(1, max(num_logits, default=0)), skip, head_rows)
         for b, row_tokens in enumerate(tokens):
@@ -328,7 +317,7 @@ class NativeRunner:
             chain, base = chains[b], row.length + len(chains[b])
             for j, token in enumerate(chain):
                 column = row.length + j
-                queries.append(_Query(b, token, column, column, column + 1, []))
+                queries.append(Query(b, token, column, column, column + 1, []))
                 wanted.append(root[b] and j == len(chain) - 1)
             held = len(row.spec_parents)
             for j, (token, parent) in enumerate(zip(nodes[b], parents[b])):
@@ -341,9 +330,9 @@ class NativeRunner:
                     slot = row.spec_parents[slot]
                 depth = row.spec_depths[-1]
                 if path[0] == base + depth - 1:  # ancestors in columns base, base + 1, ...: a causal query
-                    queries.append(_Query(b, token, base + depth - 1, base + held + j, base + depth, []))
+                    queries.append(Query(b, token, base + depth - 1, base + held + j, base + depth, []))
                 else:  # an ancestor at depth d sits at position base + d - 1
-                    queries.append(_Query(b, token, base + depth - 1, base + held + j, base, path[::-1],
+                    queries.append(Query(b, token, base + depth - 1, base + held + j, base, path[::-1],
                                           list(range(base, base + depth))))
                 wanted.append(True)
         width = max(tree_pass_counts(nodes, root), default=0)
@@ -372,7 +361,7 @@ class NativeRunner:
 
     # ------------------------------------------------------------------ one pass
 
-    def _check(self, queries: list[_Query]) -> None:
+    def _check(self, queries: list[Query]) -> None:
         bad = [q.token for q in queries if not 0 <= q.token < self.vocab_size]
         if bad:
             raise VerispecError(f"token id {bad[0]} is outside the model's vocabulary (0..{self.vocab_size - 1})")
@@ -380,7 +369,7 @@ class NativeRunner:
             if q.position >= self.context_window:
                 raise VerispecError(f"position {q.position} is past the model's context window ({self.context_window})")
 
-    def _run(self, state: NativeState, queries: list[_Query], wanted: list[bool], batch: int, width: int,
+    def _run(self, state: NativeState, queries: list[Query], wanted: list[bool], batch: int, width: int,
              skip: np.ndarray | None = None, head_rows: int | None = None) -> torch.Tensor:
         """Evaluate the queries (in chunks of MAX_PASS_TOKENS) and return (batch, width, V) logits of the wanted ones."""
         self._check(queries)
@@ -412,11 +401,11 @@ class NativeRunner:
         return out
 
     @staticmethod
-    def _resume_key(row: RowCache, q: _Query) -> tuple:
+    def _resume_key(row: RowCache, q: Query) -> tuple:
         """What a token's first layers depend on: its row's cache, column, id, position and what it attends to."""
         return row.keys.ctypes.data, q.column, q.token, q.position, q.prefix, tuple(q.extra)
 
-    def _pass(self, state: NativeState, queries: list[_Query], wanted: list[bool], skip: np.ndarray | None = None,
+    def _pass(self, state: NativeState, queries: list[Query], wanted: list[bool], skip: np.ndarray | None = None,
               resume: dict | None = None, head_rows: int | None = None
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """One forward over these tokens: writes their keys and values, returns (n_wanted, V) float32 logits,
@@ -473,7 +462,7 @@ class NativeRunner:
         final = ops.rmsnorm(np.ascontiguousarray(x[keep]), model.norm, c.rms_eps)  # (M, E)
         return self._head_logits(final, head_rows), final, aux  # (M, V), (M, E), (N, A E)
 
-    def _layers(self, x: np.ndarray, queries: list[_Query], rows: list[RowCache], low: int, high: int,
+    def _layers(self, x: np.ndarray, queries: list[Query], rows: list[RowCache], low: int, high: int,
                 skip: np.ndarray | None) -> None:
         """Layers low .. high - 1 on x (N, E) in place (skip[i]: sublayers of layer i to skip)."""
         if low >= high:
@@ -485,9 +474,9 @@ class NativeRunner:
         positions = np.array([q.position for q in queries], np.int64)  # (N,)
         factors, mscale = self._rope_factors, self._rope_mscale
         table = ops.rope_table(positions, c.rotated, c.rope_theta, factors, mscale)  # (N, R/2, 2)
-        views = {False: (_Attend.of([(q.prefix, q.extra) for q in queries], *bases), table)}
+        views = {False: (Attend.of([(q.prefix, q.extra) for q in queries], *bases), table)}
         if any(c.local[low:high]):  # local layers: their own base, the global scaling only where the family says so
-            views[True] = (_Attend.of([_windowed(q, c.window) for q in queries], *bases),
+            views[True] = (Attend.of([windowed(q, c.window) for q in queries], *bases),
                            table if c.local_rope_scaled and c.rope_theta_local == c.rope_theta else
                            ops.rope_table(positions, c.rotated, c.rope_theta_local, factors, mscale)
                            if c.local_rope_scaled else
@@ -496,15 +485,16 @@ class NativeRunner:
         if c.no_rope:  # those layers' queries and keys go unrotated: no table
             layers = [(i, (view[0], None) if c.no_rope[i] else view) for i, view in layers]
         skips = np.zeros(c.layers, np.int32) if skip is None else skip
-        if self.fused and not c.experts:  # (a mixture of experts runs its layers op by op)
+        if self.fused:
             self._layers_fused(x, queries, layers, skips)
         else:
-            x[:] = self._layers_per_op(x, queries, rows, layers, skips)
+            x[:] = layers_per_op(self.gguf, x, queries, rows, layers, skips)
 
-    def _layers_fused(self, x: np.ndarray, queries: list[_Query], layers: list[tuple[int, tuple]],
+    def _layers_fused(self, x: np.ndarray, queries: list[Query], layers: list[tuple[int, tuple]],
                       skips: np.ndarray) -> None:
         """These layers on x (N, E) in place, one C call each (vs_layer_forward). layers: (index, (what its queries
-        attend to, its RoPE table))."""
+        attend to, its RoPE table)). A mixture of experts' layer: its attention in the C call, its experts from
+        Python (`experts.experts_forward`), as the per-op path computes them."""
         columns = np.array([q.column for q in queries], np.int32)  # (N,)
         forward, dims, n, kv_dim = lib().vs_layer_forward, ctypes.byref(self._dims), len(queries), self.config.kv_dim
         # the arrays' addresses once a view, not once a layer (a draft model's pass is short enough for it to show)
@@ -515,96 +505,14 @@ class NativeRunner:
                                    ptr(a.extra_off), ptr(a.extra))
             keys, values, layer_bytes, prefix, extra_off, extra = pointers[id(a)]
             anglep = None if angles is None else ptr(angles)
+            layer = self.gguf.layers[i]
+            skip = int(skips[i]) | (2 if layer.experts else 0)  # (bit 2: the feed-forward, here from Python)
             status = forward(dims, ctypes.byref(self._layers_c[i]), xp, n, anglep, keys, values, layer_bytes, i,
-                             kv_dim, columnp, prefix, extra_off, extra, int(skips[i]))
+                             kv_dim, columnp, prefix, extra_off, extra, skip)
             if status:
                 check(status, f"layer {i}")
-
-    def _layers_per_op(self, x: np.ndarray, queries: list[_Query], rows: list[RowCache],
-                       layers: list[tuple[int, tuple]], skips: np.ndarray) -> np.ndarray:
-        """The same layers, one kernel call per op from Python (what vs_layer_forward does, in the same order)."""
-        c, n = self.config, len(queries)
-        # Keys and values of a row's new tokens go to consecutive columns: (row, first query, count, first column).
-        runs: list[tuple[RowCache, int, int, int]] = []
-        for i, q in enumerate(queries):
-            if runs and runs[-1][0] is rows[i] and runs[-1][3] + runs[-1][2] == q.column:
-                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1, runs[-1][3])
-            else:
-                runs.append((rows[i], i, 1, q.column))
-        attn = np.empty((n, c.heads * c.head_dim), np.float32)  # (N, Hq D)
-
-        def qk_normed(t: np.ndarray, weight: np.ndarray) -> np.ndarray:  # each head (Qwen3) or each token's whole
-            rows = t.reshape(n, -1) if c.whole_qk_norm else t.reshape(-1, c.head_dim)
-            return ops.rmsnorm(rows, weight, c.rms_eps).reshape(n, -1)
-
-        for i, (a, angles) in layers:
-            layer = self.gguf.layers[i]
-            if not skips[i] & 1:
-                h = ops.Activations(x if layer.attn_norm is None else ops.rmsnorm(x, layer.attn_norm, c.rms_eps))
-                q, k, v = layer.q(h), layer.k(h), layer.v(h)  # (N, Hq D), (N, Hkv D), (N, Hkv D)
-                for t, bias in ((q, layer.q_bias), (k, layer.k_bias), (v, layer.v_bias)):
-                    if bias is not None:
-                        t += bias
-                if layer.q_norm is not None:
-                    q = qk_normed(q, layer.q_norm)
-                if layer.k_norm is not None:
-                    k = qk_normed(k, layer.k_norm)
-                if angles is not None:
-                    ops.rope(q, c.heads, angles, c.neox)
-                    ops.rope(k, c.kv_heads, angles, c.neox)
-                for row, first, count, column in runs:
-                    row.keys[i, column : column + count] = k[first : first + count]
-                    row.values[i, column : column + count] = v[first : first + count]
-                keys, values = a.key_base + i * a.layer_bytes, a.value_base + i * a.layer_bytes  # (N,) this layer's
-                check(lib().vs_attention_capped(ptr(q), n, c.heads, c.kv_heads, c.head_dim, c.scale, ptr(keys),
-                                                ptr(values), c.kv_dim, ptr(a.prefix), ptr(a.extra_off), ptr(a.extra),
-                                                ptr(attn), c.attn_softcap),
-                      f"attention of layer {i}")
-                x = x + self._post_norm(layer.out(ops.Activations(attn)), layer.attn_post_norm)
-            if not skips[i] & 2:
-                normed = x if layer.ffn_norm is None else ops.rmsnorm(x, layer.ffn_norm, c.rms_eps)
-                if layer.experts:
-                    x = x + self._post_norm(_experts(layer, normed, c.experts_used), layer.ffn_post_norm)
-                    continue
-                h = ops.Activations(normed)
-                act = ops.gelu_mul if c.gelu else ops.silu_mul
-                x = x + self._post_norm(layer.down(ops.Activations(act(layer.gate(h), layer.up(h)))), layer.ffn_post_norm)
-        return x
-
-    def _post_norm(self, out: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
-        """A sublayer's output as its residual add takes it: normed (Gemma), scaled (Granite), or as it is."""
-        out = out if weight is None else ops.rmsnorm(out, weight, self.config.rms_eps)
-        if self.config.residual_scale != 1.0:
-            out *= np.float32(self.config.residual_scale)
-        return out
-
-
-def _experts(layer, h: np.ndarray, used: int) -> np.ndarray:
-    """A mixture of experts' feed-forward on h (N, E), each token alone as llama.cpp's softmax routing computes it: the
-    router's logits, their softmax, the `used` likeliest experts (ties to the lower index), their probabilities over
-    their sum; each picked expert's SwiGLU on the tokens that picked it, and a token's outputs summed weighted in the
-    order of its picks. A token's bits are its own whatever the pass holds: its routing is computed row by row, each
-    expert's kernels are batch invariant, and its sum runs over its own picks."""
-    logits = layer.router(ops.Activations(h))  # (N, X) float32
-    picks, weights = [], []
-    for row in logits:  # one token at a time: the same arithmetic alone or in a batch
-        p = np.exp(row.astype(np.float64) - row.max())
-        p = (p / p.sum()).astype(np.float32)  # (X,)
-        top = np.argsort(-p, kind="stable")[:used]  # (K,) the likeliest, ties to the lower index
-        picks.append(top)
-        weights.append(p[top] / np.float32(p[top].sum(dtype=np.float32)))  # (K,) renormalized
-    outputs = {}  # expert -> (token rows, their outputs)
-    for e in sorted({int(x) for top in picks for x in top}):
-        rows = np.array([i for i, top in enumerate(picks) if e in top], np.int64)
-        gate, up, down = layer.experts[e]
-        a = ops.Activations(np.ascontiguousarray(h[rows]))
-        outputs[e] = (rows, down(ops.Activations(ops.silu_mul(gate(a), up(a)))))  # (n_e, E)
-    out = np.zeros_like(h)
-    for i, (top, w) in enumerate(zip(picks, weights)):
-        for e, weight in zip(top.tolist(), w):
-            rows, y = outputs[e]
-            out[i] = out[i] + y[int(np.searchsorted(rows, i))] * weight
-    return out
+            if layer.experts and not skips[i] & 2:
+                x += experts_sublayer(self.config, layer, x)
 
 
 @dataclass
@@ -619,39 +527,3 @@ class _Resume:
 
     layer: int
     hidden: np.ndarray  # (E,) float32
-
-
-@dataclass
-class _Attend:
-    """What a pass's queries attend to, as the kernels take it."""
-
-    prefix: np.ndarray  # (N,) int32: query i attends to columns 0 .. prefix[i] - 1
-    extra_off: np.ndarray  # (N + 1,) int32: then to extra[extra_off[i] : extra_off[i + 1]]
-    extra: np.ndarray  # (E,) int32 columns, increasing per query
-    key_base: np.ndarray  # (N,) int64: address of layer 0 of the query's row's keys
-    value_base: np.ndarray  # (N,) int64: likewise for values
-    layer_bytes: np.ndarray  # (N,) int64: bytes between layers in that row's cache
-
-    @staticmethod
-    def of(spans: list[tuple[int, list[int]]], key_base: np.ndarray, value_base: np.ndarray,
-           layer_bytes: np.ndarray) -> "_Attend":
-        """spans: each query's (prefix, extra columns)."""
-        extra_off = np.zeros(len(spans) + 1, np.int32)  # (N + 1,)
-        extra_off[1:] = np.cumsum([len(extra) for _, extra in spans])
-        return _Attend(np.array([prefix for prefix, _ in spans], np.int32), extra_off,
-                       np.array([col for _, extra in spans for col in extra] or [0], np.int32), key_base, value_base,
-                       layer_bytes)
-
-
-def _windowed(q: _Query, window: int) -> tuple[int, list[int]]:
-    """A query's (prefix, extra columns) in a sliding-window layer: positions after position - window only (a key
-    `window` or more positions back is not attended, as llama.cpp masks it). Columns below the prefix hold their own
-    positions; the extra columns' positions are the query's `extra_positions`. The list, and its order, depend on the
-    query alone, whatever else is in the pass: the kernels' bits stay the query's own."""
-    low = q.position - window + 1
-    if low <= 0:
-        return q.prefix, q.extra
-    if len(q.extra_positions) != len(q.extra):  # a caller that did not say where its extra columns sit
-        raise ValueError(f"a query at position {q.position} attends to {len(q.extra)} extra columns but gives "
-                         f"{len(q.extra_positions)} positions for them: a sliding window cannot place them")
-    return 0, list(range(low, q.prefix)) + [col for col, pos in zip(q.extra, q.extra_positions) if pos >= low]
