@@ -55,9 +55,36 @@ def cpu_name() -> str:
     return f"{name}, {'AMX' if 'amx_tile' in flags else 'no AMX'}"
 
 
-def costs(runner, max_tokens: int, context: int, repeats: int) -> dict[int, float]:
-    from verispec.tuning import measure_costs
-    return measure_costs(runner, None, k_max=max_tokens - 1, context=context, repeats=repeats).target_pass
+def costs(runner, max_tokens: int, context: int, repeats: int, interleave: bool = False) -> dict[int, float]:
+    """Seconds per pass by width (1..max_tokens): each width's median in turn (`measure_costs`), or with `interleave`
+    every width once a round, the order turned each round, each width's cost the median of its rounds' times scaled by
+    the median of its ratios to the same round's one-token pass (a VM's slow minutes then shift every width alike)."""
+    if not interleave:
+        from verispec.tuning import measure_costs
+        return measure_costs(runner, None, k_max=max_tokens - 1, context=context, repeats=repeats).target_pass
+    import statistics
+
+    from verispec.tree import chain_parents
+
+    vocab = runner.vocab_size
+    state = runner.new_state(1)
+    runner.forward(state, [[(i * 7919) % vocab for i in range(context)]], [1])
+
+    def one_pass(width: int) -> float:  # a chain of `width` draft nodes, dropped again
+        start = time.perf_counter()
+        runner.forward(state, [[(11 + i) % vocab for i in range(width)]], [width], [list(chain_parents(width))])
+        runner.commit(state, [[]])
+        return time.perf_counter() - start
+
+    widths = list(range(1, max_tokens + 1))
+    for width in widths:
+        one_pass(width)  # warm-up
+    rounds = []
+    for r in range(repeats):
+        order = widths[r % len(widths):] + widths[: r % len(widths)]
+        rounds.append({width: one_pass(width) for width in order})
+    one = statistics.median(t[1] for t in rounds)
+    return {width: one * statistics.median(t[width] / t[1] for t in rounds) for width in widths}
 
 
 def main() -> None:
@@ -68,6 +95,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--interleave", action="store_true", help="time the widths in rounds, taking turns (see costs)")
     parser.add_argument("--layers", type=int, help="write only this many of the shape's layers (a mixture of experts "
                         "too large for the machine's memory: its pass is the layers' sum, reported per layer too)")
     parser.add_argument("--json", type=Path, help="also write the result here")
@@ -87,10 +115,11 @@ def main() -> None:
     result = {"shape": args.shape, "layers": args.layers or SHAPES[args.shape]["layers"], "threads": args.threads, "context": args.context, "cpu": cpu_name(),
               "kernel_path": native.path(), "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 2)}
     runner = NativeRunner(load_gguf(path, show_progress=False))
-    result["native"] = costs(runner, args.max_tokens, args.context, args.repeats)
+    result["native"] = costs(runner, args.max_tokens, args.context, args.repeats, args.interleave)
     del runner
     result["llama.cpp"] = costs(LlamaCppRunner(path, context_window=args.context + args.max_tokens + 64,
-                                               threads=args.threads), args.max_tokens, args.context, args.repeats)
+                                               threads=args.threads), args.max_tokens, args.context, args.repeats,
+                             args.interleave)
     print(f"{result['cpu']}; {args.shape} ({result['layers']} of {SHAPES[args.shape]['layers']} layers), {args.threads} threads, {args.context} cached tokens, kernel path {result['kernel_path']}, "
           f"probe {result['memory_bandwidth_gbs']} GB/s; ms per pass (v)")
     print(f"{'tokens':>6} {'native':>16} {'llama.cpp':>16} {'native / llama.cpp':>19}")

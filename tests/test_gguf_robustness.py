@@ -185,7 +185,18 @@ KERNEL_CASES = textwrap.dedent("""
         d, s = np.zeros(64, np.float32), np.zeros(64, np.int32)
         return lib().vs_quantize_rows(ptr(x), 1, 64, block, ptr(q), ptr(d), ptr(s))
 
+    def experts(pick, used=1):
+        from verispec.models.gguf.native import WeightStruct
+        w = (WeightStruct * 4)()
+        x, out = np.zeros(64, np.float32), np.zeros(64, np.float32)
+        picks, weights = np.full(used, pick, np.int32), np.ones(used, np.float32)
+        return lib().vs_moe_ffn(ctypes.byref(w), ctypes.byref(w), ctypes.byref(w), 4, 32, ptr(x), 1, 64, used,
+                                ptr(picks), ptr(weights), ptr(out))
+
     CASES = {
+        "an expert picked out of range": lambda: experts(4),
+        "a negative expert picked": lambda: experts(-1),
+        "more experts a token than there are": lambda: experts(0, used=5),
         "attention with no key/value heads": lambda: attention(1, 4, 0, 16, 1),
         "attention with heads not a multiple": lambda: attention(1, 4, 3, 16, 1),
         "a layer with no key/value heads": lambda: layer(1, 0),
@@ -200,7 +211,8 @@ KERNEL_CASES = textwrap.dedent("""
     for name in names[int(sys.argv[1]):]:
         print(json.dumps({"case": name, "status": CASES[name]()}), flush=True)
 """)
-EXPECTED = {"attention with no key/value heads": -1, "attention with heads not a multiple": -1,
+EXPECTED = {"an expert picked out of range": -2, "a negative expert picked": -2,
+            "more experts a token than there are": -1,"attention with no key/value heads": -1, "attention with heads not a multiple": -1,
             "a layer with no key/value heads": -1, "a layer with an odd head size": -1,
             "a layer rotating more than its heads": -1, "quantizing in blocks of 0": -1,
             "a layer whose scratch cannot be allocated": -3, "attention whose scratch cannot be allocated": -3,

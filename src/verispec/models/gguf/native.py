@@ -41,6 +41,7 @@ _SIGNATURES = {
     "vs_attention": ([_P, _I64, _I, _I, _I, _F, _P, _P, _I64, _P, _P, _P, _P], _I),
     "vs_attention_capped": ([_P, _I64, _I, _I, _I, _F, _P, _P, _I64, _P, _P, _P, _P, _F], _I),
     "vs_layer_forward": ([_P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _I], _I),
+    "vs_moe_ffn": ([_P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _P], _I),
     "vs_profile_start": ([], None),
     "vs_profile_stop": ([_P, _I], _I),
 }

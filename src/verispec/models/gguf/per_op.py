@@ -7,7 +7,7 @@ import numpy as np
 
 from verispec.models.gguf import ops
 from verispec.models.gguf.attend import Query
-from verispec.models.gguf.experts import experts_forward
+from verispec.models.gguf.experts import ExpertStructs, experts_forward, experts_reference
 from verispec.models.gguf.model import GGUFConfig, GGUFModel
 from verispec.models.gguf.native import check, lib, ptr
 
@@ -15,7 +15,7 @@ from verispec.models.gguf.native import check, lib, ptr
 def layers_per_op(model: GGUFModel, x: np.ndarray, queries: list[Query], rows: list,
                   layers: list[tuple[int, tuple]], skips: np.ndarray) -> np.ndarray:
     """Layers of `model` on x (N, E), one kernel call per op from Python: what vs_layer_forward does, in the same
-    order (the runner's `fused=False`; a mixture of experts always). rows: each query's `RowCache`; layers: (index,
+    order (the runner's `fused=False`), a mixture of experts' too. rows: each query's `RowCache`; layers: (index,
     (what its queries attend to: an `Attend`, its RoPE table or None)); skips: (layers,) int32 sublayers to skip."""
     c, n = model.config, len(queries)
     # Keys and values of a row's new tokens go to consecutive columns: (row, first query, count, first column).
@@ -57,7 +57,7 @@ def layers_per_op(model: GGUFModel, x: np.ndarray, queries: list[Query], rows: l
             x = x + _post_norm(c, layer.out(ops.Activations(attn)), layer.attn_post_norm)
         if not skips[i] & 2:
             if layer.experts:
-                x = x + experts_sublayer(c, layer, x)
+                x = x + experts_sublayer(c, layer, x, reference=True)
                 continue
             h = ops.Activations(x if layer.ffn_norm is None else ops.rmsnorm(x, layer.ffn_norm, c.rms_eps))
             act = ops.gelu_mul if c.gelu else ops.silu_mul
@@ -65,10 +65,14 @@ def layers_per_op(model: GGUFModel, x: np.ndarray, queries: list[Query], rows: l
     return x
 
 
-def experts_sublayer(c: GGUFConfig, layer, x: np.ndarray) -> np.ndarray:
-    """A mixture-of-experts layer's feed-forward sublayer on x (N, E): (N, E), what its residual add takes."""
+def experts_sublayer(c: GGUFConfig, layer, x: np.ndarray, structs: ExpertStructs | None = None,
+                     reference: bool = False) -> np.ndarray:
+    """A mixture-of-experts layer's feed-forward sublayer on x (N, E): (N, E), what its residual add takes. The experts
+    in one C call (structs: the layer's, made once by the runner), or with `reference` one kernel at a time."""
     normed = x if layer.ffn_norm is None else ops.rmsnorm(x, layer.ffn_norm, c.rms_eps)
-    return _post_norm(c, experts_forward(layer, normed, c.experts_used), layer.ffn_post_norm)
+    out = (experts_reference(layer, normed, c.experts_used) if reference else
+           experts_forward(layer, normed, c.experts_used, structs))
+    return _post_norm(c, out, layer.ffn_post_norm)
 
 
 def _post_norm(c: GGUFConfig, out: np.ndarray, weight: np.ndarray | None) -> np.ndarray:

@@ -31,6 +31,7 @@ from verispec.errors import VerispecError
 from verispec.models.gguf import ops
 from verispec.models.gguf.model import GGUFModel
 from verispec.models.gguf.attend import Attend, Query, windowed
+from verispec.models.gguf.experts import ExpertStructs
 from verispec.models.gguf.per_op import experts_sublayer, layers_per_op
 from verispec.models.gguf.native import DimsStruct, LayerStruct, WeightStruct, check, lib, ptr, set_threads
 from verispec.models.gguf.rope import rope_frequencies
@@ -187,6 +188,7 @@ class NativeRunner:
         self._rope_factors, self._rope_mscale = rope_frequencies(
             c.rope_kind, c.rotated, c.rope_theta, c.rope_scale, c.rope_original_context or c.context,
             c.rope_attn_factor, model.rope_factors)
+        self._experts_c = {i: ExpertStructs(layer) for i, layer in enumerate(model.layers) if layer.experts}
         self._dims = DimsStruct(c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, int(c.neox), int(c.gelu),
                                 int(c.whole_qk_norm), c.rotated, c.rms_eps, c.scale, c.residual_scale, c.attn_softcap)
 
@@ -512,7 +514,7 @@ class NativeRunner:
             if status:
                 check(status, f"layer {i}")
             if layer.experts and not skips[i] & 2:
-                x += experts_sublayer(self.config, layer, x)
+                x += experts_sublayer(self.config, layer, x, self._experts_c[i])
 
 
 @dataclass

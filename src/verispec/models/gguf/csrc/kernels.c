@@ -1822,3 +1822,61 @@ int vs_layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int64_t 
     profile_add(PROFILE_LAYER, t0);
     return status;
 }
+
+/* A mixture of experts' feed-forward (Qwen3's MoE, Mixtral) once the tokens are routed: x (n, hidden) the normed
+ * inputs, token i's j-th pick picks[i * used + j] (an expert below `experts`, distinct within a token) weighted by
+ * weights[i * used + j]; out (n, hidden) = sum over j, in pick order from 0.0f, of weight * down(silu(gate(x_i)) *
+ * up(x_i)) of that expert (gate[e], up[e] (width, hidden), down[e] (hidden, width)). Each expert runs once over the
+ * tokens that picked it (in increasing order), with the same kernels, activations quantized per row, as the per-op
+ * path (verispec.models.gguf.experts.experts_reference), so a token's bits are its own in any pass. One call a layer
+ * instead of six a picked expert from Python. */
+int vs_moe_ffn(const vs_weight_t *gate, const vs_weight_t *up, const vs_weight_t *down, int64_t experts, int64_t width,
+               const float *x, int64_t n, int64_t hidden, int64_t used, const int32_t *picks, const float *weights,
+               float *out) {
+    if (experts <= 0 || width <= 0 || hidden <= 0 || n < 0 || used <= 0 || used > experts) return VS_EINVAL;
+    for (int64_t i = 0; i < n * used; i++)
+        if (picks[i] < 0 || picks[i] >= experts) return VS_ERANGE;
+    if (n == 0) return VS_OK;
+    int status = VS_OK;
+    act_t a = {0}, a2 = {0};
+    float *xs = malloc(sizeof(float) * (size_t)(n * hidden)), *g = malloc(sizeof(float) * (size_t)(n * width));
+    float *u = malloc(sizeof(float) * (size_t)(n * width)), *h = malloc(sizeof(float) * (size_t)(n * width));
+    float *y = malloc(sizeof(float) * (size_t)(n * hidden));
+    float *ys = malloc(sizeof(float) * (size_t)(n * used * hidden)); /* (n, used, hidden): each pick's output */
+    int64_t *slot = malloc(sizeof(int64_t) * (size_t)n); /* the tokens that picked the expert: their pick's index */
+    if (!xs || !g || !u || !h || !y || !ys || !slot) {
+        status = VS_ENOMEM;
+        goto done;
+    }
+    for (int64_t e = 0; e < experts; e++) {
+        int64_t m = 0;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < used; j++)
+                if (picks[i * used + j] == e) {
+                    memcpy(xs + m * hidden, x + i * hidden, sizeof(float) * (size_t)hidden);
+                    slot[m++] = i * used + j;
+                }
+        if (!m) continue;
+        a = (act_t){xs, m, hidden, {0}, {0}, {0}};
+        if ((status = act_matmul(&gate[e], &a, g)) || (status = act_matmul(&up[e], &a, u))) goto done;
+        act_free(&a);
+        vs_silu_mul(g, u, m * width, h);
+        a2 = (act_t){h, m, width, {0}, {0}, {0}};
+        if ((status = act_matmul(&down[e], &a2, y))) goto done;
+        act_free(&a2);
+        for (int64_t r = 0; r < m; r++) memcpy(ys + slot[r] * hidden, y + r * hidden, sizeof(float) * (size_t)hidden);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float *o = out + i * hidden;
+        for (int64_t k = 0; k < hidden; k++) o[k] = 0.0f;
+        for (int64_t j = 0; j < used; j++) {
+            const float w = weights[i * used + j], *v = ys + (i * used + j) * hidden;
+            for (int64_t k = 0; k < hidden; k++) o[k] = o[k] + v[k] * w;
+        }
+    }
+
+done:
+    act_free(&a); act_free(&a2);
+    free(xs); free(g); free(u); free(h); free(y); free(ys); free(slot);
+    return status;
+}
