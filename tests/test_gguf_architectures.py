@@ -495,3 +495,67 @@ def test_verispec_generate_runs_a_random_weight_file_from_its_own_metadata(tmp_p
         outputs[draft] = json.loads(capsys.readouterr().out)
     assert len(outputs["none"]["token_ids"]) == 12 and outputs["none"]["target_weights"] == "gguf"  # the native runner
     assert outputs[path]["token_ids"] == outputs["ngram"]["token_ids"] == outputs["none"]["token_ids"]
+
+
+@pytest.mark.parametrize("arch, metadata, message", [
+    ("gemma2", {"gemma2.attn_logit_softcapping": (-1.0, GGUFValueType.FLOAT32)},
+     r"'gemma2.attn_logit_softcapping' is -1.0; it must be a finite number >= 0"),
+    ("gemma2", {"gemma2.final_logit_softcapping": (float("nan"), GGUFValueType.FLOAT32)},
+     r"'gemma2.final_logit_softcapping' is nan"),
+    ("gemma3", {"gemma3.attention.sliding_window_pattern": ([True], GGUFValueType.ARRAY)},
+     r"'gemma3.attention.sliding_window_pattern' should hold one flag per layer \(2\)"),
+    ("gemma3", {"gemma3.attention.sliding_window_pattern": (-1, GGUFValueType.INT32)},
+     r"'gemma3.attention.sliding_window_pattern' is -1, not a layer count"),
+    ("gemma3", {"gemma3.rope.freq_base_swa": (0.0, GGUFValueType.FLOAT32)}, r"'gemma3.rope.freq_base_swa' is 0.0"),
+    ("granite", {**GRANITE, "granite.logit_scale": (0.0, GGUFValueType.FLOAT32)},
+     r"'granite.logit_scale' is 0.0; it must be a finite number > 0"),
+    ("granite", {**GRANITE, "granite.residual_scale": (float("inf"), GGUFValueType.FLOAT32)},
+     r"'granite.residual_scale' is inf"),
+    ("granite", {k: v for k, v in GRANITE.items() if k != "granite.logit_scale"},
+     r"metadata 'granite.logit_scale' is missing"),
+])
+def test_bad_values_of_the_families_metadata_are_one_line(tmp_path, arch, metadata, message):
+    """Each key a family adds (soft-caps, windows, the local RoPE base, Granite's scalars), given a value the runner
+    cannot run, is refused in one line naming it, before any kernel sees it."""
+    if arch == "gemma3":
+        metadata = {"gemma3.attention.sliding_window": (6, GGUFValueType.UINT32), **metadata}
+    path = write_tiny_gguf(tmp_path / "bad.gguf", arch, (T.F32,), hidden=HIDDEN, heads=HEADS, metadata=metadata,
+                           head_dim=64 if arch == "gemma3" else None, tied=arch.startswith("gemma"))
+    with pytest.raises(VerispecError, match=message):
+        load_gguf(path, show_progress=False)
+
+
+@pytest.mark.parametrize("arch, experts, drop, message", [
+    ("qwen3moe", (4, 5, None), None, r"'qwen3moe.expert_count' \(4\), 'expert_used_count' \(5\) .* do not make a "
+                                     r"mixture of experts"),
+    ("mixtral", (4, 2, None), "llama.expert_used_count", r"metadata 'llama.expert_used_count' is missing"),
+    ("mixtral", (4, 2, None), "llama.feed_forward_length", r"metadata 'llama.feed_forward_length' is missing"),
+    ("qwen3moe", (4, 2, 128), "qwen3moe.expert_feed_forward_length",
+     r"tensor 'blk.0.ffn_gate_exps.weight' has shape \[4, 128, 256\], expected \[4, 256, 256\]"),
+])
+def test_a_mixture_of_experts_whose_metadata_does_not_fit_is_one_line(tmp_path, arch, experts, drop, message):
+    """Expert counts that make no mixture, a missing count, and an expert width the tensors contradict (without its
+    own key, Qwen3's experts are the feed-forward length over the experts used: 512 / 2, not the file's 128)."""
+    from tiny_gguf import read_layout
+
+    path = write_tiny_gguf(tmp_path / "moe.gguf", arch, (T.F32,), hidden=HIDDEN, heads=HEADS, head_dim=64,
+                           experts=experts)
+    if drop:
+        path.write_bytes(read_layout(path).without_field(drop).build())
+    with pytest.raises(VerispecError, match=message):
+        load_gguf(path, show_progress=False)
+
+
+@needs_llamacpp
+def test_a_sliding_window_pattern_of_flags_is_read_as_llamacpp_reads_it(tmp_path):
+    """`sliding_window_pattern` as one flag a layer (newer converters write it so) is those flags, as llama.cpp reads
+    it: the reader once gave an array's length (3 here, read as "of every three layers, all but the last": another
+    model, silently)."""
+    meta = {"gemma3.attention.sliding_window": (4, GGUFValueType.UINT32),
+            "gemma3.attention.sliding_window_pattern": ([True, False, True], GGUFValueType.ARRAY)}
+    path = write_tiny_gguf(tmp_path / "flags.gguf", "gemma3", (T.F32,), seed=4, hidden=256, heads=4, kv_heads=1,
+                           head_dim=64, vocab=300, layers=3, tied=True, vocab_tokens=True, metadata=meta, rope_theta=1e6)
+    assert load_gguf(path, show_progress=False).config.local == (True, False, True)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(4, 300, 24)]
+    ours, theirs = native_logits(path, tokens), llamacpp_logits(path, tokens)
+    assert np.abs(ours - theirs).max() < 2e-3 * float(theirs.std())

@@ -32,6 +32,8 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 MAX_NESTING = 4  # arrays of arrays of ... (llama.cpp accepts none; gguf-py writes them)
+SMALL_ARRAY = 4096  # an array of numbers up to this long is read as its values (a flag per layer), a longer one (a
+# vocabulary's scores) as its length
 _MIN_FIELD_BYTES = 8 + 4 + 1  # key length, value type, the smallest value
 _MIN_TENSOR_BYTES = 8 + 4 + 4 + 8  # name length, dimension count, type, offset
 _MIN_ITEM_BYTES = {_STRING: 8, _ARRAY: 4 + 8}  # an array's item: its smallest encoding
@@ -60,7 +62,8 @@ class TensorInfo:
 
 
 class GGUFFile:
-    """fields: key -> scalar or str (arrays: their length); kinds: key -> its GGUF value type (4: uint32, 8: string,
+    """fields: key -> scalar or str (an array of up to SMALL_ARRAY numbers: a tuple of them; other arrays: their
+    length); kinds: key -> its GGUF value type (4: uint32, 8: string,
     9: array, ...). tensors: name -> TensorInfo."""
 
     def __init__(self, path: Path) -> None:
@@ -214,6 +217,9 @@ class GGUFFile:
         least = struct.calcsize(_SCALARS[item]) if item in _SCALARS else _MIN_ITEM_BYTES[item]
         if count * least > self._left():
             raise self._damaged(f"metadata '{shown(key)}' is an array of {count} items, more than the file holds")
+        if item in _SCALARS and count <= SMALL_ARRAY:
+            fmt = _SCALARS[item]
+            return struct.unpack(f"<{count}{fmt[1:]}", self._take(count * least))  # a tuple of the values
         if item in _SCALARS:
             self._skip(count * least)
         elif item == _STRING:
