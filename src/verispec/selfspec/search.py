@@ -136,12 +136,12 @@ class SkipSearch:
 
     def _scratch_pass(self, state, tokens: list[int], positions: list[int], bits: np.ndarray | None,
                       head: int | None = None) -> torch.Tensor:
-        from verispec.models.gguf.runner import _Query
+        from verispec.models.gguf.attend import Query
 
         row = state.rows[0]
         scratch = row.length + 1
         row.reserve(scratch + len(tokens))
-        queries = [_Query(0, t, c, scratch + j, c, [scratch + j], [c]) for j, (t, c) in enumerate(zip(tokens, positions))]
+        queries = [Query(0, t, c, scratch + j, c, [scratch + j], [c]) for j, (t, c) in enumerate(zip(tokens, positions))]
         return self.runner._run(state, queries, [True] * len(queries), 1, len(queries), bits, head)[0]
 
     def draft_cost(self, skip: SkipSet) -> float:
