@@ -1826,10 +1826,13 @@ int vs_layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int64_t 
 /* A mixture of experts' feed-forward (Qwen3's MoE, Mixtral) once the tokens are routed: x (n, hidden) the normed
  * inputs, token i's j-th pick picks[i * used + j] (an expert below `experts`, distinct within a token) weighted by
  * weights[i * used + j]; out (n, hidden) = sum over j, in pick order from 0.0f, of weight * down(silu(gate(x_i)) *
- * up(x_i)) of that expert (gate[e], up[e] (width, hidden), down[e] (hidden, width)). Each expert runs once over the
- * tokens that picked it (in increasing order), with the same kernels, activations quantized per row, as the per-op
- * path (verispec.models.gguf.experts.experts_reference), so a token's bits are its own in any pass. One call a layer
- * instead of six a picked expert from Python. */
+ * up(x_i)) of that expert (gate[e], up[e] (width, hidden), down[e] (hidden, width)). Each picked expert runs once over
+ * the tokens that picked it (in increasing order), with the same kernels, activations quantized per row, as the per-op
+ * path (verispec.models.gguf.experts.experts_reference), so a token's bits are its own in any pass. The threads take
+ * whole experts (an expert's matrices are small: split over the threads in turn, each matrix's stream was too short
+ * to keep both pulling memory); the kernels inside run on the one thread that took the expert (a nested parallel
+ * region is a team of one), and a row's bits do not depend on the thread that computes it. One call a layer instead
+ * of six a picked expert from Python. */
 int vs_moe_ffn(const vs_weight_t *gate, const vs_weight_t *up, const vs_weight_t *down, int64_t experts, int64_t width,
                const float *x, int64_t n, int64_t hidden, int64_t used, const int32_t *picks, const float *weights,
                float *out) {
@@ -1838,45 +1841,60 @@ int vs_moe_ffn(const vs_weight_t *gate, const vs_weight_t *up, const vs_weight_t
         if (picks[i] < 0 || picks[i] >= experts) return VS_ERANGE;
     if (n == 0) return VS_OK;
     int status = VS_OK;
-    act_t a = {0}, a2 = {0};
-    float *xs = malloc(sizeof(float) * (size_t)(n * hidden)), *g = malloc(sizeof(float) * (size_t)(n * width));
-    float *u = malloc(sizeof(float) * (size_t)(n * width)), *h = malloc(sizeof(float) * (size_t)(n * width));
-    float *y = malloc(sizeof(float) * (size_t)(n * hidden));
     float *ys = malloc(sizeof(float) * (size_t)(n * used * hidden)); /* (n, used, hidden): each pick's output */
-    int64_t *slot = malloc(sizeof(int64_t) * (size_t)n); /* the tokens that picked the expert: their pick's index */
-    if (!xs || !g || !u || !h || !y || !ys || !slot) {
-        status = VS_ENOMEM;
-        goto done;
+    int64_t *count = calloc((size_t)experts, sizeof(int64_t)), *picked = malloc(sizeof(int64_t) * (size_t)experts);
+    if (!ys || !count || !picked) {
+        free(ys); free(count); free(picked);
+        return VS_ENOMEM;
     }
-    for (int64_t e = 0; e < experts; e++) {
-        int64_t m = 0;
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t j = 0; j < used; j++)
-                if (picks[i * used + j] == e) {
-                    memcpy(xs + m * hidden, x + i * hidden, sizeof(float) * (size_t)hidden);
-                    slot[m++] = i * used + j;
-                }
-        if (!m) continue;
-        a = (act_t){xs, m, hidden, {0}, {0}, {0}};
-        if ((status = act_matmul(&gate[e], &a, g)) || (status = act_matmul(&up[e], &a, u))) goto done;
-        act_free(&a);
-        vs_silu_mul(g, u, m * width, h);
-        a2 = (act_t){h, m, width, {0}, {0}, {0}};
-        if ((status = act_matmul(&down[e], &a2, y))) goto done;
-        act_free(&a2);
-        for (int64_t r = 0; r < m; r++) memcpy(ys + slot[r] * hidden, y + r * hidden, sizeof(float) * (size_t)hidden);
-    }
-    for (int64_t i = 0; i < n; i++) {
-        float *o = out + i * hidden;
-        for (int64_t k = 0; k < hidden; k++) o[k] = 0.0f;
-        for (int64_t j = 0; j < used; j++) {
-            const float w = weights[i * used + j], *v = ys + (i * used + j) * hidden;
-            for (int64_t k = 0; k < hidden; k++) o[k] = o[k] + v[k] * w;
+    int64_t npicked = 0; /* the experts any token picked, in increasing order */
+    for (int64_t i = 0; i < n * used; i++) count[picks[i]]++;
+    for (int64_t e = 0; e < experts; e++)
+        if (count[e]) picked[npicked++] = e;
+#pragma omp parallel num_threads(vs_threads) if (npicked > 1)
+    {
+        act_t a = {0}, a2 = {0};
+        float *xs = malloc(sizeof(float) * (size_t)(n * hidden)), *g = malloc(sizeof(float) * (size_t)(n * width));
+        float *u = malloc(sizeof(float) * (size_t)(n * width)), *h = malloc(sizeof(float) * (size_t)(n * width));
+        float *y = malloc(sizeof(float) * (size_t)(n * hidden));
+        int64_t *slot = malloc(sizeof(int64_t) * (size_t)n); /* the tokens that picked the expert: their pick's index */
+        int mine = (xs && g && u && h && y && slot) ? VS_OK : VS_ENOMEM;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < npicked; p++) {
+            if (mine) continue;
+            const int64_t e = picked[p];
+            int64_t m = 0;
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t j = 0; j < used; j++)
+                    if (picks[i * used + j] == e) {
+                        memcpy(xs + m * hidden, x + i * hidden, sizeof(float) * (size_t)hidden);
+                        slot[m++] = i * used + j;
+                    }
+            a = (act_t){xs, m, hidden, {0}, {0}, {0}};
+            if ((mine = act_matmul(&gate[e], &a, g)) || (mine = act_matmul(&up[e], &a, u))) continue;
+            act_free(&a);
+            vs_silu_mul(g, u, m * width, h);
+            a2 = (act_t){h, m, width, {0}, {0}, {0}};
+            if ((mine = act_matmul(&down[e], &a2, y))) continue;
+            act_free(&a2);
+            for (int64_t r = 0; r < m; r++) memcpy(ys + slot[r] * hidden, y + r * hidden, sizeof(float) * (size_t)hidden);
         }
+        if (mine) {
+#pragma omp critical
+            status = mine;
+        }
+        act_free(&a); act_free(&a2);
+        free(xs); free(g); free(u); free(h); free(y); free(slot);
     }
-
-done:
-    act_free(&a); act_free(&a2);
-    free(xs); free(g); free(u); free(h); free(y); free(ys); free(slot);
+    if (status == VS_OK)
+        for (int64_t i = 0; i < n; i++) {
+            float *o = out + i * hidden;
+            for (int64_t k = 0; k < hidden; k++) o[k] = 0.0f;
+            for (int64_t j = 0; j < used; j++) {
+                const float w = weights[i * used + j], *v = ys + (i * used + j) * hidden;
+                for (int64_t k = 0; k < hidden; k++) o[k] = o[k] + v[k] * w;
+            }
+        }
+    free(ys); free(count); free(picked);
     return status;
 }
