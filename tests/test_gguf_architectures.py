@@ -473,7 +473,7 @@ def torch_equal(a, b) -> bool:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2",
-                                  "qwen3moe", "mixtral"])
+                                  "qwen3moe", "mixtral", "phi4mini", "qwen3-yarn"])
 def test_verispec_generate_runs_a_random_weight_file_from_its_own_metadata(tmp_path, capsys, arch):
     """`verispec generate --target file.gguf` with nothing beside the file: its tokenizer from the GGUF's own
     vocabulary, the native runner by default, the newer quant types among its weights; greedy output of a draft
@@ -483,11 +483,18 @@ def test_verispec_generate_runs_a_random_weight_file_from_its_own_metadata(tmp_p
     from verispec.cli import main
 
     meta = {"gemma3": {"gemma3.attention.sliding_window": (6, GGUFValueType.UINT32)}, "granite": GRANITE,
-            "gemma2": {"gemma2.attention.sliding_window": (6, GGUFValueType.UINT32)}}.get(arch)
-    path = str(write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, (T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.Q4_K),
-                               hidden=HIDDEN, heads=HEADS, vocab=300, vocab_tokens=True, metadata=meta,
-                               head_dim=64 if arch in ("qwen3", "gemma3", "qwen3moe", "mixtral") else None,
-                               tied=arch.startswith("gemma")))
+            "gemma2": {"gemma2.attention.sliding_window": (6, GGUFValueType.UINT32)},
+            "qwen3-yarn": {"qwen3.rope.scaling.type": ("yarn", GGUFValueType.STRING),
+                           "qwen3.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
+                           "qwen3.rope.scaling.original_context_length": (8, GGUFValueType.UINT32)}}.get(arch)
+    if arch == "phi4mini":  # LongRoPE over a partial RoPE
+        path = str(phi4_mini_file(tmp_path / "phi4.gguf", 16, T.Q4_K))
+    else:
+        path = str(write_tiny_gguf(tmp_path / f"{arch}.gguf", arch.removesuffix("-yarn"),
+                                   (T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.Q4_K), hidden=HIDDEN, heads=HEADS,
+                                   vocab=300, vocab_tokens=True, metadata=meta,
+                                   head_dim=64 if arch in ("qwen3", "gemma3", "qwen3moe", "mixtral", "qwen3-yarn")
+                                   else None, tied=arch.startswith("gemma")))
     outputs = {}
     for draft in ("none", path, "ngram"):
         assert main(["generate", "--json", "--no-auto-k", "--target", path, "--draft", draft, "--prompt",
