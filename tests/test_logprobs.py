@@ -127,7 +127,11 @@ def test_the_server_reports_openai_logprobs_equal_to_plain_decodings(served):
     streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
                                               logprobs=True, top_logprobs=3, stream=True)
     pieces = [c.choices[0].logprobs.content for c in streamed if c.choices and c.choices[0].logprobs]
-    assert [x.logprob for piece in pieces for x in piece] == [c.logprob for c in content]
+    # (equal to float tolerance again: the second request may start from the first one's stored prompt prefix, and
+    # the torch runner's sums over a prefix read in another split differ in the last bits; seen once in CI, 1.9e-7)
+    assert [x.logprob for piece in pieces for x in piece] == pytest.approx([c.logprob for c in content], rel=1e-5,
+                                                                           abs=1e-6)
+    assert [x.token for piece in pieces for x in piece] == [c.token for c in content]
     with httpx.Client(base_url=server.url, timeout=60) as http:
         body = {"prompt": "hello there", "max_tokens": 12, "temperature": 0}
         done = http.post("/v1/completions", json={**body, "logprobs": 2}).json()["choices"][0]
