@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from gguf import GGUFValueType  # noqa: E402
-from test_gguf_architectures import GRANITE, llamacpp_logits, native_logits, phi4_mini_file  # noqa: E402
+from test_gguf_architectures import GRANITE, llamacpp_logits, native_logits, phi4_mini_file, yarn  # noqa: E402
 from tiny_gguf import T, write_tiny_gguf  # noqa: E402
 
 TYPES = [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
@@ -53,10 +53,7 @@ def main() -> None:
                 meta = {"gemma2": {"gemma2.attention.sliding_window": (12, GGUFValueType.UINT32)},
                         "gemma3": {"gemma3.attention.sliding_window": (12, GGUFValueType.UINT32)},
                         "granite": GRANITE,
-                        "qwen3-yarn": {"qwen3.rope.scaling.type": ("yarn", GGUFValueType.STRING),
-                                       "qwen3.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
-                                       "qwen3.rope.scaling.original_context_length": (32, GGUFValueType.UINT32)},
-                        }.get(arch)
+                        "qwen3-yarn": yarn("qwen3", 32)}.get(arch)
                 path = write_tiny_gguf(Path(tmp) / "tiny.gguf", arch.removesuffix("-yarn"), (qtype,), seed=4,
                                        kv_heads=2, vocab=300, vocab_tokens=True, metadata=meta,
                                        tied=arch.startswith("gemma"), **shape)

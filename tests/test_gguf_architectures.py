@@ -154,6 +154,25 @@ def test_rope_factors_that_are_not_positive_are_refused(tmp_path):
         load_gguf(path, show_progress=False)
 
 
+def assert_native_equals_torch(gguf, model) -> None:
+    """A converted draft's native logits equal its torch model's to float tolerance over 57 positions."""
+    import torch
+
+    tokens = list(range(3, 60))
+    runner = NativeRunner(gguf)
+    ours = runner.forward(runner.new_state(1), [tokens], [len(tokens)])[0]
+    with torch.no_grad():
+        theirs = model(torch.tensor([tokens])).logits[0]
+    assert torch.allclose(ours, theirs, atol=2e-4, rtol=1e-4)
+
+
+def yarn(arch: str, original: int) -> dict:
+    """Metadata asking for YaRN, a factor of 4 over an original context of `original`."""
+    return {f"{arch}.rope.scaling.type": ("yarn", GGUFValueType.STRING),
+            f"{arch}.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
+            f"{arch}.rope.scaling.original_context_length": (original, GGUFValueType.UINT32)}
+
+
 def test_a_hugging_face_llama3_converted_for_the_native_runner_keeps_its_rope_scaling():
     """A draft converted from a Hugging Face Llama with rope_scaling 'llama3' gets the same factors: its native logits
     equal the torch model's to float tolerance (and differ without them)."""
@@ -170,12 +189,7 @@ def test_a_hugging_face_llama3_converted_for_the_native_runner_keeps_its_rope_sc
     model = LlamaForCausalLM(config).eval()
     gguf = model_from_torch(model, qtype=0)
     assert gguf.rope_factors is not None and gguf.rope_factors.max() > 1
-    tokens = list(range(3, 60))
-    runner = NativeRunner(gguf)
-    ours = runner.forward(runner.new_state(1), [tokens], [len(tokens)])[0]
-    with torch.no_grad():
-        theirs = model(torch.tensor([tokens])).logits[0]
-    assert torch.allclose(ours, theirs, atol=2e-4, rtol=1e-4)
+    assert_native_equals_torch(gguf, model)
     model.config.rope_scaling = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
     with pytest.raises(VerispecError, match="RoPE scaling 'dynamic' is not supported .* for converted drafts"):
         model_from_torch(model, qtype=0)
@@ -196,12 +210,7 @@ def test_a_hugging_face_yarn_draft_converted_for_the_native_runner_keeps_its_sca
     model = Qwen2ForCausalLM(config).eval()
     gguf = model_from_torch(model, qtype=0)
     assert gguf.config.rope_attn_factor > 1.1 and gguf.rope_factors.max() > 3.9
-    tokens = list(range(3, 60))
-    runner = NativeRunner(gguf)
-    ours = runner.forward(runner.new_state(1), [tokens], [len(tokens)])[0]
-    with torch.no_grad():
-        theirs = model(torch.tensor([tokens])).logits[0]
-    assert torch.allclose(ours, theirs, atol=2e-4, rtol=1e-4)
+    assert_native_equals_torch(gguf, model)
 
 
 @needs_llamacpp
@@ -245,10 +254,7 @@ def test_new_layouts_give_the_same_bits_fused_per_op_and_alone(tmp_path, arch):
         path = phi4_mini_file(tmp_path / "phi4.gguf", 16, T.Q4_K)
     elif arch == "yarn":
         path = write_tiny_gguf(tmp_path / "yarn.gguf", "qwen3", (T.Q4_K, T.Q8_0), hidden=HIDDEN, heads=HEADS,
-                               head_dim=64, metadata={"qwen3.rope.scaling.type": ("yarn", GGUFValueType.STRING),
-                                                      "qwen3.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
-                                                      "qwen3.rope.scaling.original_context_length":
-                                                          (8, GGUFValueType.UINT32)})
+                               head_dim=64, metadata=yarn("qwen3", 8))
     elif arch in ("phi3", "smollm3", "granite", "olmo2"):
         path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, (T.Q4_K, T.Q8_0), hidden=HIDDEN, heads=HEADS, layers=4,
                                metadata=GRANITE if arch == "granite" else None)
@@ -373,9 +379,7 @@ def test_yarn_agrees_with_llamacpp(tmp_path, arch):
     """YaRN (Qwen3's long-context files): each pair's angle mixes the scaled and the original one by a ramp over the
     pairs, cos and sin times 1 + 0.1 ln s. An original context of 32 puts the ramp's ends at pairs 0 and 6 of 32, so
     every regime is in force; without the scaling the logits part by over 100 times the agreement."""
-    meta = {f"{arch}.rope.scaling.type": ("yarn", GGUFValueType.STRING),
-            f"{arch}.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
-            f"{arch}.rope.scaling.original_context_length": (32, GGUFValueType.UINT32)}
+    meta = yarn(arch, 32)
     shape = dict(seed=4, hidden=HIDDEN, heads=HEADS, kv_heads=2, vocab=300, vocab_tokens=True,
                  head_dim=64 if arch == "qwen3" else None)
     path = write_tiny_gguf(tmp_path / "yarn.gguf", arch, (T.F32,), metadata=meta, **shape)
@@ -484,9 +488,7 @@ def test_verispec_generate_runs_a_random_weight_file_from_its_own_metadata(tmp_p
 
     meta = {"gemma3": {"gemma3.attention.sliding_window": (6, GGUFValueType.UINT32)}, "granite": GRANITE,
             "gemma2": {"gemma2.attention.sliding_window": (6, GGUFValueType.UINT32)},
-            "qwen3-yarn": {"qwen3.rope.scaling.type": ("yarn", GGUFValueType.STRING),
-                           "qwen3.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
-                           "qwen3.rope.scaling.original_context_length": (8, GGUFValueType.UINT32)}}.get(arch)
+            "qwen3-yarn": yarn("qwen3", 8)}.get(arch)
     if arch == "phi4mini":  # LongRoPE over a partial RoPE
         path = str(phi4_mini_file(tmp_path / "phi4.gguf", 16, T.Q4_K))
     else:

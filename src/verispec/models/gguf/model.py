@@ -123,6 +123,11 @@ class GGUFConfig:
         return self.head_dim if self.rope_dim is None else self.rope_dim
 
     @property
+    def rope_context(self) -> int:
+        """The context RoPE was trained at before scaling (YaRN's ramp and LongRoPE's choice read it)."""
+        return self.rope_original_context or self.context
+
+    @property
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim) if self.attention_scale is None else self.attention_scale
 
@@ -179,9 +184,6 @@ def read_config(reader: GGUFFile, path: Path) -> GGUFConfig:
         raise VerispecError(f"{path.name}: architecture '{shown(arch)}' is not supported by verispec's CPU runner "
                             f"(supported: {', '.join(ARCHITECTURES)}); use --backend torch or llama.cpp")
     scaling = reader.fields.get(f"{arch}.rope.scaling.type", "linear")  # llama.cpp's default: a factor alone is linear
-    if not isinstance(scaling, str) or scaling not in ROPE_KINDS:
-        raise VerispecError(f"{path.name}: RoPE scaling '{shown(scaling)}' is not supported by verispec's CPU runner "
-                            f"(supported: {', '.join(ROPE_KINDS)}); use --backend llama.cpp")
 
     def field(key: str, kinds: frozenset, default=None):
         """The value of `{arch}.{key}`, of one of these GGUF types; missing: `default`, or an error if None."""
@@ -327,8 +329,9 @@ def check_config(c: GGUFConfig, where: str) -> None:
     if not 0 <= c.rope_original_context <= INT32_MAX:
         raise VerispecError(f"{where}: metadata '{arch}.rope.scaling.original_context_length' is "
                             f"{c.rope_original_context}; it must be between 0 and {INT32_MAX}")
-    if c.rope_kind not in ROPE_KINDS:
-        raise VerispecError(f"{where}: RoPE scaling '{c.rope_kind}' is not one of {', '.join(ROPE_KINDS)}")
+    if not isinstance(c.rope_kind, str) or c.rope_kind not in ROPE_KINDS:
+        raise VerispecError(f"{where}: RoPE scaling '{shown(c.rope_kind)}' is not supported by verispec's CPU runner "
+                            f"(supported: {', '.join(ROPE_KINDS)}); use --backend llama.cpp")
     if c.local and not (math.isfinite(c.rope_theta_local) and c.rope_theta_local > 0):
         raise VerispecError(f"{where}: metadata '{arch}.rope.freq_base_swa' is {c.rope_theta_local}; it must be positive")
     for name, value in (("embedding_scale", c.embed_scale), ("residual_scale", c.residual_scale),
@@ -469,7 +472,7 @@ def _rope_factors(reader: GGUFFile, path: Path, c: GGUFConfig) -> np.ndarray | N
                             "short factors, and no rope_freqs beside them")
     if long is None:
         return freqs
-    return long if c.context > (c.rope_original_context or c.context) else short
+    return long if c.context > c.rope_context else short
 
 
 def _refuse_unread(reader: GGUFFile, path: Path, arch: str) -> None:

@@ -186,8 +186,7 @@ class NativeRunner:
         self._heads: dict[int, ops.Weight] = {}  # draft LM heads over the first n token ids (Weight.first_rows)
         # the global layers' RoPE: (R/2,) each pair's frequency divisor (or None) and cos / sin's factor
         self._rope_factors, self._rope_mscale = rope_frequencies(
-            c.rope_kind, c.rotated, c.rope_theta, c.rope_scale, c.rope_original_context or c.context,
-            c.rope_attn_factor, model.rope_factors)
+            c.rope_kind, c.rotated, c.rope_theta, c.rope_scale, c.rope_context, c.rope_attn_factor, model.rope_factors)
         self._experts_c = {i: ExpertStructs(layer) for i, layer in enumerate(model.layers) if layer.experts}
         self._dims = DimsStruct(c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, int(c.neox), int(c.gelu),
                                 int(c.whole_qk_norm), c.rotated, c.rms_eps, c.scale, c.residual_scale, c.attn_softcap)
@@ -478,11 +477,10 @@ class NativeRunner:
         table = ops.rope_table(positions, c.rotated, c.rope_theta, factors, mscale)  # (N, R/2, 2)
         views = {False: (Attend.of([(q.prefix, q.extra) for q in queries], *bases), table)}
         if any(c.local[low:high]):  # local layers: their own base, the global scaling only where the family says so
+            scaling = (factors, mscale) if c.local_rope_scaled else (None, c.rope_attn_factor)
+            same = c.local_rope_scaled and c.rope_theta_local == c.rope_theta
             views[True] = (Attend.of([windowed(q, c.window) for q in queries], *bases),
-                           table if c.local_rope_scaled and c.rope_theta_local == c.rope_theta else
-                           ops.rope_table(positions, c.rotated, c.rope_theta_local, factors, mscale)
-                           if c.local_rope_scaled else
-                           ops.rope_table(positions, c.rotated, c.rope_theta_local, None, c.rope_attn_factor))
+                           table if same else ops.rope_table(positions, c.rotated, c.rope_theta_local, *scaling))
         layers = [(i, views[bool(c.local) and c.local[i]]) for i in range(low, high)]
         if c.no_rope:  # those layers' queries and keys go unrotated: no table
             layers = [(i, (view[0], None) if c.no_rope[i] else view) for i, view in layers]
@@ -495,8 +493,8 @@ class NativeRunner:
     def _layers_fused(self, x: np.ndarray, queries: list[Query], layers: list[tuple[int, tuple]],
                       skips: np.ndarray) -> None:
         """These layers on x (N, E) in place, one C call each (vs_layer_forward). layers: (index, (what its queries
-        attend to, its RoPE table)). A mixture of experts' layer: its attention in the C call, its experts from
-        Python (`experts.experts_forward`), as the per-op path computes them."""
+        attend to, its RoPE table)). A mixture of experts' layer: its attention in this call, its experts in a second
+        (`experts.experts_forward`: vs_moe_ffn), the same bits as the per-op path's."""
         columns = np.array([q.column for q in queries], np.int32)  # (N,)
         forward, dims, n, kv_dim = lib().vs_layer_forward, ctypes.byref(self._dims), len(queries), self.config.kv_dim
         # the arrays' addresses once a view, not once a layer (a draft model's pass is short enough for it to show)
