@@ -13,6 +13,22 @@ from verispec.models.gguf.native import lib, ptr
 
 BEST = native.path()
 PATHS = [p for p in ("portable", "avx2", "avx512-vnni", "amx-emulated", "amx") if native.set_path(p) == p]
+# (path, the AVX-512 kernel's widest tile, the fewest tokens for the AMX tiles): every path as it runs by default, the
+# VNNI kernel's tiles of 6 (AMD) and 8 (Intel), and where the CPU has AMX its tiles forced from 1 token (every tile
+# through the real tile kernels) and from 5 (tiles of 16 and remainders on the VNNI kernel, for every type)
+SETTINGS = ([(p, 0, 0) for p in PATHS] + [("avx512-vnni", t, 0) for t in (6, 8) if "avx512-vnni" in PATHS]
+            + [("amx", 0, m) for m in (1, 5) if "amx" in PATHS])
+
+
+def use(path, tile, amx_min):
+    assert native.set_path(path) == path
+    native.set_avx512_tile(tile)
+    native.set_amx_min(amx_min)
+
+
+def restore():
+    native.set_avx512_tile(0)
+    native.set_amx_min(0)
 native.set_path(BEST)
 
 
@@ -79,7 +95,8 @@ def test_simd_and_portable_paths_give_the_same_bits(qtype):
 def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
     """The AMX kernel (emulated tiles on every machine, the real ones where the CPU has them) against the portable
     path and the other SIMD paths, bit for bit, for widths from 1 to 35 tokens (AMX tiles of 16: full, partial and
-    several; the real path sends fewer than 5 tokens (10 for Q6_K) to the VNNI kernel; the VNNI kernel's tiles of
+    several; the real path sends a type's matmuls to its tiles from the measured number of tokens (Q4_K 16, Q5_K 12,
+    other types never) and the remainder to the VNNI kernel, forced here from 1 and 5 tokens; the VNNI kernel's tiles of
     up to 6 (AMD) or 8 (Intel), both run here, and AVX2's of up to 4, split evenly: with 6, 7 as 3 + 4 and 13 as
     4 + 4 + 5; with 8, 7 and 8 in one tile, 9 as 4 + 5, 17 as 5 + 6 + 6) and rows that end mid-group."""
     raw, weight = make(qtype, 40, 512, seed=6)
@@ -91,14 +108,13 @@ def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
     try:
         for threads in (1, 2):
             native.set_threads(threads)
-            for path, tile in [(p, 0) for p in PATHS] + [("avx512-vnni", t) for t in (6, 8) if "avx512-vnni" in PATHS]:
-                assert native.set_path(path) == path
-                native.set_avx512_tile(tile)
-                for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 15, 16, 17, 24, 31, 32, 33, 35):
-                    assert np.array_equal(weight(Activations(x[:n].copy())), expected[:n]), (path, tile, n, threads)
+            for setting in SETTINGS:
+                use(*setting)
+                for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16, 17, 20, 24, 31, 32, 33, 35):
+                    assert np.array_equal(weight(Activations(x[:n].copy())), expected[:n]), (setting, n, threads)
     finally:
         native.set_threads(1)
-        native.set_avx512_tile(0)
+        restore()
 
 
 def test_the_emulated_tiles_follow_the_instructions_semantics():
@@ -125,14 +141,13 @@ def test_a_tokens_matmul_row_is_the_same_bits_in_any_batch(qtype):
     raw, weight = make(qtype, 40, 512, seed=4)
     x = np.random.default_rng(5).standard_normal((13, 512)).astype(np.float32)
     try:
-        for path, tile in [(p, 0) for p in PATHS] + [("avx512-vnni", t) for t in (6, 8) if "avx512-vnni" in PATHS]:
-            native.set_path(path)
-            native.set_avx512_tile(tile)
+        for setting in SETTINGS:
+            use(*setting)
             alone = np.concatenate([weight(Activations(x[i : i + 1].copy())) for i in range(13)])
             for n in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13):  # tiles of up to 4 (6 or 8 on AVX-512), split evenly
-                assert np.array_equal(weight(Activations(x[:n].copy())), alone[:n]), (path, tile, n)
+                assert np.array_equal(weight(Activations(x[:n].copy())), alone[:n]), (setting, n)
     finally:
-        native.set_avx512_tile(0)
+        restore()
 
 
 def test_thread_count_does_not_change_the_bits():

@@ -70,8 +70,8 @@ def test_a_tokens_logits_are_the_same_bits_in_a_pass_of_any_width(mixed):
 
 def test_every_kernel_path_gives_a_pass_the_same_bits(mixed):
     """The whole model (matmul weights of every type) on each kernel path this CPU runs, the AMX kernel on
-    emulated tiles included: a 20-token pass (AMX tiles from 5 tokens) gives the portable path's logits bit for
-    bit, and a token's logits are the same in a pass of 20 as alone."""
+    emulated tiles included, and the real ones as chosen per type and forced for every tile: a 20-token pass gives
+    the portable path's logits bit for bit, and a token's logits are the same in a pass of 20 as alone."""
     best = native.path()
     paths = [p for p in ("avx2", "avx512-vnni", "amx-emulated", "amx") if native.set_path(p) == p]
     prompt, tokens = [5, 6, 7, 8, 9, 10], list(range(20, 40))
@@ -85,11 +85,13 @@ def test_every_kernel_path_gives_a_pass_the_same_bits(mixed):
         native.set_path("portable")
         expected = wide_pass()
         assert torch.equal(logits_one_by_one(mixed, prompt, tokens), expected)
-        for path in paths:
+        for path, amx_min in [(p, 0) for p in paths] + [("amx", 1)] * ("amx" in paths):
             native.set_path(path)
-            assert torch.equal(wide_pass(), expected), path
+            native.set_amx_min(amx_min)
+            assert torch.equal(wide_pass(), expected), (path, amx_min)
     finally:
         native.set_path(best)
+        native.set_amx_min(0)
 
 
 def test_a_ragged_batch_gives_each_row_its_logits_alone(mixed):

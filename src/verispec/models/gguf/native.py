@@ -26,6 +26,7 @@ _SIGNATURES = {
     "vs_avx512_tile": ([], _I),
     "vs_set_avx512_tile": ([_I], _I),
     "vs_amx_status": ([], _I),
+    "vs_set_amx_min": ([_I], _I),
     "vs_packed_bytes": ([_I, _I64, _I64], _I64),
     "vs_repack": ([_I, _P, _I64, _I64, _P], _I),
     "vs_dequantize_rows": ([_I, _P, _I64, _I64, _P, _I64, _P], _I),
@@ -136,6 +137,13 @@ def avx512_tile() -> int:
 def set_avx512_tile(tile: int) -> int:
     """Force the AVX-512 kernel's widest tile (1-8; tests run several), 0 for the CPU's own choice; returns it."""
     return lib().vs_set_avx512_tile(int(tile))
+
+
+def set_amx_min(tokens: int) -> int:
+    """Force the fewest tokens a matmul sends through the AMX tile kernels, for every weight type (1: every tile, as
+    the tests run them); 0 restores the measured table (kernels.c, amx_min_tokens: Q4_K from 16 tokens, Q5_K from 12,
+    the other types never, where the VNNI kernel was faster). Returns the minimum in force (0: the table)."""
+    return lib().vs_set_amx_min(int(tokens))
 
 
 def set_threads(n: int) -> None:

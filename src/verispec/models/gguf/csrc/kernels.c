@@ -1118,12 +1118,28 @@ VS_INLINE VS_AMX void amx_scales_avx512(const layout_t *L, const uint8_t *sb, fl
 #include "amx_group.h"
 #endif
 
-/* Fewer tokens than these go to the AVX-512 kernel on the AMX path (the same bits; a tile product pays only past
- * a few tokens): measured on a Xeon with AMX, 1536 x 8960 matmuls on 1 thread. Q4_K: 4 tokens 0.57 ms against
- * VNNI's 0.47, 5: 0.61 / 0.66, 16: 0.77 / 1.59. Q6_K (a tile product per unit, amx_group.h): 8 tokens 1.42 / 1.23,
- * 10: 1.52 / 1.69, 16: 1.87 / 2.41. The emulated path takes every tile through the tile kernels, so the tests
- * reach every shape. */
-enum { AMX_MIN_TOKENS = 5, AMX_MIN_UNIT_TOKENS = 10 };
+/* The fewest tokens for which the AMX tile kernels beat the AVX-512 VNNI kernel on one matmul (the same bits either
+ * way), per weight type; 0: never, the VNNI kernel takes every width. Measured on a 2-core Xeon with AMX (family 6
+ * model 167, 2026-11-29), eight 8960 x 1536 matrices of each type on 2 threads, the paths taking turns, AMX time
+ * over VNNI time: Q4_K 1.67 at 5 tokens, 1.05 at 12, 0.97 at 16, 0.86 at 32 (the default target's Q4_K matmuls
+ * streamed: 1.35 at 5, 0.99 at 14, 0.95 at 16 and 128); Q5_K 1.30 at 5, 0.87-0.88 from 12; Q6_K 1.08-1.25 at every
+ * width to 32 (the target's Q6_K matmuls 1.04 at 128, its output head 1.06); the scale-free types and IQ4_NL
+ * 1.16-1.88 at every width to 32; Q2_K / Q3_K 1.08-1.64. Before the VNNI kernel's prefetching and broadcast operands
+ * the tiles paid from 5 tokens (10 for Q6_K): the tiles' operands are built per super-block and per tile of
+ * tokens, and that now costs more than the VNNI kernel's per-token work it saves. vs_set_amx_min forces one minimum
+ * for every type (1: every tile through the tile kernels where the CPU has them, as the tests run them); 0 restores
+ * the table. */
+static int vs_amx_min = 0;
+
+static int amx_min_tokens(int type) {
+    if (vs_amx_min > 0) return vs_amx_min;
+    return type == T_Q4_K ? 16 : type == T_Q5_K ? 12 : 0;
+}
+
+int vs_set_amx_min(int n) {
+    vs_amx_min = n > 0 ? n : 0;
+    return vs_amx_min;
+}
 
 /* out (n, rows) = x (n, cols) W^T with x given quantized (vs_quantize_rows with block = the type's Q). */
 static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64_t n, const int8_t *q,
@@ -1134,8 +1150,10 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
     int path = vs_get_path();
     if (L.lut && L.scsub) /* IQ4_XS: signed scales over values up to 241 fit neither tile kernel's split */
         path = path == PATH_AMX ? PATH_AVX512 : path == PATH_AMX_EMULATED ? PATH_GENERIC : path;
+    const int amx_min = amx_min_tokens(type);
+    if (path == PATH_AMX && (amx_min == 0 || n < amx_min)) path = PATH_AVX512; /* too few tokens for the tiles to pay */
     const int amx = path == PATH_AMX || path == PATH_AMX_EMULATED;
-    const int tile = amx ? AMX_TOKENS : path == PATH_AVX512 ? vs_avx512_tile() : TILE, amx_min = L.scsub == 16 ? AMX_MIN_UNIT_TOKENS : AMX_MIN_TOKENS;
+    const int tile = amx ? AMX_TOKENS : path == PATH_AVX512 ? vs_avx512_tile() : TILE;
     int32_t *pairs = NULL; /* the tile kernel's sub-block sum pairs of each token and super-block */
     if ((amx || path == PATH_AVX512) && L.scsub && n > 0) {
         if (!(pairs = malloc(sizeof(int32_t) * AMX_PAIRS * (size_t)(n * nsb)))) return VS_ENOMEM;
@@ -1168,8 +1186,12 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
 #ifdef VS_X86
                 else if (path == PATH_AMX && T >= amx_min && L.scsub == 16) group_units_amx(&L, grp, nsb, tok, T, cols, &configured);
                 else if (path == PATH_AMX && T >= amx_min) group_amx(&L, grp, nsb, tok, T, cols, &configured);
-                else if (path == PATH_AMX) /* too few tokens for a tile kernel: tiles of 4 on the AVX-512 one */
-                    for (int t = 0; t < T; t += TILE) group_avx512(type, grp, nsb, tok + t, T - t < TILE ? T - t : TILE);
+                else if (path == PATH_AMX) { /* the last tokens, too few for the tiles: the AVX-512 kernel's tiles, split
+                                              * evenly as on its own path */
+                    const int parts = (T + vs_avx512_tile() - 1) / vs_avx512_tile();
+                    for (int p = 0; p < parts; p++)
+                        group_avx512(type, grp, nsb, tok + T * p / parts, T * (p + 1) / parts - T * p / parts);
+                }
                 else if (path == PATH_AVX512) group_avx512(type, grp, nsb, tok, T);
                 else if (path == PATH_AVX2) group_avx2(type, grp, nsb, tok, T);
 #endif
