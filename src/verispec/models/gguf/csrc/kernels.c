@@ -730,10 +730,22 @@ VS_INLINE VS_AVX512 void sb_scales_avx512(const layout_t *L, const uint8_t *sb, 
                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
 }
 
+/* How far ahead of the super-block being read the kernels ask for the weights: into L1 2 KB on, into L2 8 KB on. A
+ * 2-core Xeon (model 207) read a pass's 1 GB at 15.4 GB/s without prefetching, 22.8 with 2-8 KB into L1: the hardware
+ * prefetcher alone left the cores waiting. On a Xeon with AMX (model 167) one core streamed only 10 GB/s so; the L2
+ * requests further on keep more lines in flight (`benchmarks/kernel_rates.py --widths 1,8 --rounds 11 --against`,
+ * one token: 1 thread 97.8 -> 91.2 ms, 2 threads 55.2 -> 51.8 ms; 8 tokens, bound by arithmetic, unchanged; L2 at
+ * 16 KB or L1 at 1 KB measured alike). A prefetch changes no result. */
+enum { PF_L1_BYTES = 2048, PF_L2_BYTES = 8192 };
+VS_INLINE void prefetch_ahead(const uint8_t *sb, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+        _mm_prefetch((const char *)sb + PF_L1_BYTES + o, _MM_HINT_T0);
+        _mm_prefetch((const char *)sb + PF_L2_BYTES + o, _MM_HINT_T1);
+    }
+}
+
 /* The min factors of a super-block as int16 pairs per row for vpdpwssd (m of Q4_K / Q5_K: 4 pairs; Q6_K's 16 scales:
- * 8), and PF_BYTES: how far ahead of the super-block being read the kernels ask for the weights (a 2-core Xeon read
- * a pass's 1 GB at 15.4 GB/s without it, 22.8 with 2-8 KB: the hardware prefetcher alone left the cores waiting). */
-enum { PF_BYTES = 4096 };
+ * 8). */
 VS_INLINE VS_AVX512 void min_pairs_avx512(const layout_t *L, const uint8_t *sb, __m512i *pair) {
     const uint8_t *m = sb + header_bytes(L) + (L->has_m ? nscales(L) * GROUP : 0);
     for (int j = 0; j < nscales(L) / 2; j++)
@@ -756,7 +768,7 @@ VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const ui
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *sb = grp + s * SB;
-        for (int64_t o = 0; o < SB; o += 64) _mm_prefetch((const char *)sb + PF_BYTES + o, _MM_HINT_T0);
+        prefetch_ahead(sb, SB);
         __m512 d, dmin;
         sb_scales_avx512(&L, sb, &d, &dmin);
         __m512i isum[TILE_AVX512];
@@ -949,8 +961,7 @@ VS_INLINE VS_AVX2 void half_tile_avx2(const int type, const int T, const uint8_t
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *sb = grp + s * SB;
-        if (!half) /* the first half's reading brings the super-block in for the second (PF_BYTES) */
-            for (int64_t o = 0; o < SB; o += 64) _mm_prefetch((const char *)sb + PF_BYTES + o, _MM_HINT_T0);
+        if (!half) prefetch_ahead(sb, SB); /* the first half's reading brings the super-block in for the second */
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 2 * r0)));
         __m256 dmin = L.dmin_kind ? _mm256_mul_ps(d, _mm256_set1_ps((float)L.dmin_kind))
                                   : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 32 + 2 * r0)));
