@@ -203,6 +203,7 @@ class NativeRunner:
                                     weight(layer.q), weight(layer.k),
                                     weight(layer.v), weight(layer.out), weight(layer.gate), weight(layer.up),
                                     weight(layer.down)) for layer in model.layers]
+        self._layer_refs = [ctypes.byref(layer) for layer in self._layers_c]  # made once: a draft's pass is short
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -498,20 +499,22 @@ class NativeRunner:
         columns = np.array([q.column for q in queries], np.int32)  # (N,)
         forward, dims, n, kv_dim = lib().vs_layer_forward, ctypes.byref(self._dims), len(queries), self.config.kv_dim
         # the arrays' addresses once a view, not once a layer (a draft model's pass is short enough for it to show)
-        xp, columnp, pointers = ptr(x), ptr(columns), {}
+        xp, columnp, pointers, angle_pointers = ptr(x), ptr(columns), {}, {}
+        model_layers, refs, skip_bits = self.gguf.layers, self._layer_refs, skips.tolist()
         for i, (a, angles) in layers:
             if id(a) not in pointers:
                 pointers[id(a)] = (ptr(a.key_base), ptr(a.value_base), ptr(a.layer_bytes), ptr(a.prefix),
                                    ptr(a.extra_off), ptr(a.extra))
             keys, values, layer_bytes, prefix, extra_off, extra = pointers[id(a)]
-            anglep = None if angles is None else ptr(angles)
-            layer = self.gguf.layers[i]
-            skip = int(skips[i]) | (2 if layer.experts else 0)  # (bit 2: the feed-forward, here from Python)
-            status = forward(dims, ctypes.byref(self._layers_c[i]), xp, n, anglep, keys, values, layer_bytes, i,
+            if id(angles) not in angle_pointers:
+                angle_pointers[id(angles)] = None if angles is None else ptr(angles)
+            layer = model_layers[i]
+            skip = skip_bits[i] | (2 if layer.experts else 0)  # (bit 2: the feed-forward, here from Python)
+            status = forward(dims, refs[i], xp, n, angle_pointers[id(angles)], keys, values, layer_bytes, i,
                              kv_dim, columnp, prefix, extra_off, extra, skip)
             if status:
                 check(status, f"layer {i}")
-            if layer.experts and not skips[i] & 2:
+            if layer.experts and not skip_bits[i] & 2:
                 x += experts_sublayer(self.config, layer, x, self._experts_c[i])
 
 
