@@ -61,6 +61,7 @@ static AMX_ATTR void AMX_NAME(group)(const layout_t *L, const uint8_t *grp, int6
     if (nsb > 0) AMX_OPERANDS(L, grp, ops[0][0], ops[0][1]);
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *sb = grp + s * SB;
+        AMX_PREFETCH(sb, SB);
         uint8_t(*op)[256 * GROUP] = ops[s & 1];
         int32_t(*c)[AMX_TOKENS][GROUP] = sums[s & 1];
         const int8_t *a = tok[0].q + s * L->q; /* token t's activations at a + t stride */
@@ -121,6 +122,7 @@ static AMX_ATTR void AMX_NAME(group_units)(const layout_t *L, const uint8_t *grp
     if (nsb > 0) AMX_OPERANDS(L, grp, slots[0], NULL);
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *sb = grp + s * SB, *sl = slots[s & 1];
+        AMX_PREFETCH(sb, SB);
         const int8_t *a = tok[0].q + s * L->q; /* token t's activations at a + t stride */
         for (int t = 0; t < T; t++)
             for (int r = 0; r < GROUP; r++) isum[t][r] = 0;

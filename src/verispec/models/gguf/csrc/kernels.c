@@ -1061,6 +1061,7 @@ static VS_AVX2 void group_avx2(int type, const uint8_t *grp, int64_t nsb, const 
 #define AMX_SCALE_ADD4(isum, sc, dots, t) amx_scale_add4_portable(isum, sc, dots, t)
 #define AMX_MINS(L, sb, mins) amx_mins_portable(L, sb, mins)
 #define AMX_SCALES(L, sb, d, dmin) amx_scales_portable(L, sb, d, dmin)
+#define AMX_PREFETCH(sb, bytes) ((void)0)
 #include "amx_group.h"
 #undef AMX_NAME
 #undef AMX_ATTR
@@ -1074,6 +1075,7 @@ static VS_AVX2 void group_avx2(int type, const uint8_t *grp, int64_t nsb, const 
 #undef AMX_IMIN
 #undef AMX_SCALE_ADD4
 #undef AMX_MINS
+#undef AMX_PREFETCH
 
 #ifdef VS_X86
 /* The real copy: the AMX instructions, the operands built with AVX-512 (amx_operands_portable's bytes). */
@@ -1134,20 +1136,23 @@ VS_INLINE VS_AMX void amx_scales_avx512(const layout_t *L, const uint8_t *sb, fl
 #define AMX_SCALE_ADD4(isum, sc, dots, t) amx_scale_add4_avx512(isum, sc, dots, t)
 #define AMX_MINS(L, sb, mins) amx_mins_avx512(L, sb, mins)
 #define AMX_SCALES(L, sb, d, dmin) amx_scales_avx512(L, sb, d, dmin)
+#define AMX_PREFETCH(sb, bytes) prefetch_ahead(sb, bytes)
 #include "amx_group.h"
 #endif
 
 /* The fewest tokens for which the AMX tile kernels beat the AVX-512 VNNI kernel on one matmul (the same bits either
  * way), per weight type; 0: never, the VNNI kernel takes every width. Measured on a 2-core Xeon with AMX (family 6
- * model 167, 2026-11-29), eight 8960 x 1536 matrices of each type on 2 threads, the paths taking turns, AMX time
- * over VNNI time: Q4_K 1.67 at 5 tokens, 1.05 at 12, 0.97 at 16, 0.86 at 32 (the default target's Q4_K matmuls
- * streamed: 1.35 at 5, 0.99 at 14, 0.95 at 16 and 128); Q5_K 1.30 at 5, 0.87-0.88 from 12; Q6_K 1.08-1.25 at every
- * width to 32 (the target's Q6_K matmuls 1.04 at 128, its output head 1.06); the scale-free types and IQ4_NL
- * 1.16-1.88 at every width to 32; Q2_K / Q3_K 1.08-1.64. Before the VNNI kernel's prefetching and broadcast operands
- * the tiles paid from 5 tokens (10 for Q6_K): the tiles' operands are built per super-block and per tile of
- * tokens, and that now costs more than the VNNI kernel's per-token work it saves. vs_set_amx_min forces one minimum
- * for every type (1: every tile through the tile kernels where the CPU has them, as the tests run them); 0 restores
- * the table. */
+ * model 167, 2026-11-29; both kernels prefetching), 2 threads, the paths taking turns, AMX time over VNNI time with
+ * every tile on the tiles: the default target's Q4_K matmuls streamed 1.09 at 9 tokens, 1.02 at 12 and 14, 0.91 at
+ * 16, 0.84 at 32 and 48; its Q6_K matmuls 1.06-1.24 at every width to 48 (its output head 1.08-1.24); eight
+ * 8960 x 1536 matrices of a type: Q5_K 0.92 at 12, 0.85 at 16, 0.80 at 48, Q8_0 1.10-1.24 from 16 to 48, and
+ * before the VNNI kernel's last prefetching change the scale-free types and IQ4_NL 1.16-1.88 at every width to 32,
+ * Q2_K / Q3_K 1.08-1.64. The tiles' operands are built per super-block for every tile of tokens, and that costs
+ * about what the VNNI kernel's per-token work saves. (Against earlier VNNI kernels the tiles paid from 5 tokens, 10
+ * for Q6_K.) A matmul over fewer tokens runs on the VNNI kernel whole; over more, tiles of 16 and a remainder of at
+ * least the minimum go to the tiles, a smaller remainder to the VNNI kernel. vs_set_amx_min forces one minimum for
+ * every type (1: every tile through the tile kernels where the CPU has them, as the tests run them); 0 restores the
+ * table. */
 static int vs_amx_min = 0;
 
 static int amx_min_tokens(int type) {
