@@ -499,19 +499,18 @@ class NativeRunner:
         columns = np.array([q.column for q in queries], np.int32)  # (N,)
         forward, dims, n, kv_dim = lib().vs_layer_forward, ctypes.byref(self._dims), len(queries), self.config.kv_dim
         # the arrays' addresses once a view, not once a layer (a draft model's pass is short enough for it to show)
-        xp, columnp, pointers, angle_pointers = ptr(x), ptr(columns), {}, {}
+        xp, columnp, pointers = ptr(x), ptr(columns), {}
         model_layers, refs, skip_bits = self.gguf.layers, self._layer_refs, skips.tolist()
-        for i, (a, angles) in layers:
-            if id(a) not in pointers:
-                pointers[id(a)] = (ptr(a.key_base), ptr(a.value_base), ptr(a.layer_bytes), ptr(a.prefix),
-                                   ptr(a.extra_off), ptr(a.extra))
-            keys, values, layer_bytes, prefix, extra_off, extra = pointers[id(a)]
-            if id(angles) not in angle_pointers:
-                angle_pointers[id(angles)] = None if angles is None else ptr(angles)
+        for i, view in layers:
+            if (key := (id(view[0]), id(view[1]))) not in pointers:  # (what it attends to, its RoPE table or None)
+                a, angles = view
+                pointers[key] = (ptr(a.key_base), ptr(a.value_base), ptr(a.layer_bytes), ptr(a.prefix),
+                                 ptr(a.extra_off), ptr(a.extra), None if angles is None else ptr(angles))
+            keys, values, layer_bytes, prefix, extra_off, extra, anglep = pointers[key]
             layer = model_layers[i]
             skip = skip_bits[i] | (2 if layer.experts else 0)  # (bit 2: the feed-forward, here from Python)
-            status = forward(dims, refs[i], xp, n, angle_pointers[id(angles)], keys, values, layer_bytes, i,
-                             kv_dim, columnp, prefix, extra_off, extra, skip)
+            status = forward(dims, refs[i], xp, n, anglep, keys, values, layer_bytes, i, kv_dim, columnp, prefix,
+                             extra_off, extra, skip)
             if status:
                 check(status, f"layer {i}")
             if layer.experts and not skip_bits[i] & 2:

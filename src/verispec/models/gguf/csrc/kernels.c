@@ -744,6 +744,15 @@ VS_INLINE void prefetch_ahead(const uint8_t *sb, int64_t bytes) {
     }
 }
 
+/* Sub-block u of `units`' share of a super-block's prefetches (SB bytes): the kernels spread them over the sub-blocks
+ * rather than issue them at once (on the Xeon with AMX a super-block's 72 requests in one burst streamed 9-13% slower,
+ * `kernel_rates.py --against`, one and four tokens). Shares are whole lines; the last takes the rest, which may be
+ * none (the share before it may reach past the super-block: a prefetch there is harmless). */
+VS_INLINE void prefetch_share(const uint8_t *sb, int64_t SB, int u, int units) {
+    const int64_t part = (SB / units + 63) & ~(int64_t)63;
+    prefetch_ahead(sb + u * part, u == units - 1 ? SB - u * part : part);
+}
+
 /* The min factors of a super-block as int16 pairs per row for vpdpwssd (m of Q4_K / Q5_K: 4 pairs; Q6_K's 16 scales:
  * 8). */
 VS_INLINE VS_AVX512 void min_pairs_avx512(const layout_t *L, const uint8_t *sb, __m512i *pair) {
@@ -768,17 +777,13 @@ VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const ui
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *sb = grp + s * SB;
-        /* the prefetches spread over the sub-blocks, a share each (the last may get none: a prefetch past the
-         * super-block is harmless): on the Xeon with AMX a super-block's 72 requests issued at once streamed 9-13%
-         * slower (`kernel_rates.py --against`, one and four tokens) */
-        const int64_t part = ((SB / (L.q / 32)) + 63) & ~(int64_t)63;
         __m512 d, dmin;
         sb_scales_avx512(&L, sb, &d, &dmin);
         __m512i isum[TILE_AVX512];
         for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
         for (int u = 0; u < L.q / 32; u++) {
             __m512i v[8];
-            prefetch_ahead(sb + u * part, u == L.q / 32 - 1 ? SB - u * part : part);
+            prefetch_share(sb, SB, u, L.q / 32);
             unpack8_as(sb + poff + u * pb, L.bits, L.lut, v, hi16);
             if (L.scsub == 16 && L.bits <= 3) {
                 /* Q2_K / Q3_K: a unit's dot fits 16 bits (16 x 7 x 128 < 2^15), so a sub-block's two units go in one
@@ -965,10 +970,6 @@ VS_INLINE VS_AVX2 void half_tile_avx2(const int type, const int T, const uint8_t
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *sb = grp + s * SB;
-        /* the prefetches spread over the sub-blocks as in the AVX-512 kernel (on the Xeon with AMX, this path forced:
-         * a pass's matmuls streamed 62.2 -> 57.0 ms at one token, 105.4 -> 93.8 at four); the first half's reading
-         * brings the super-block in for the second */
-        const int64_t part = ((SB / (L.q / 32)) + 63) & ~(int64_t)63;
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 2 * r0)));
         __m256 dmin = L.dmin_kind ? _mm256_mul_ps(d, _mm256_set1_ps((float)L.dmin_kind))
                                   : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 32 + 2 * r0)));
@@ -976,7 +977,9 @@ VS_INLINE VS_AVX2 void half_tile_avx2(const int type, const int T, const uint8_t
         for (int t = 0; t < T; t++) { isum[t] = _mm256_setzero_si256(); imin[t] = _mm256_setzero_si256(); }
         for (int u = 0; u < L.q / 32; u++) {
             __m256i v[8];
-            if (!half) prefetch_ahead(sb + u * part, u == L.q / 32 - 1 ? SB - u * part : part);
+            /* spread as in the AVX-512 kernel (this path forced on the Xeon with AMX: a pass's matmuls 62.2 -> 57.0 ms
+             * at one token, 105.4 -> 93.8 at four); the first half's reading brings the super-block in for the second */
+            if (!half) prefetch_share(sb, SB, u, L.q / 32);
             unpack8_avx2(sb + poff + u * pb, L.bits, L.lut, 4 * r0, v);
             if (L.scsub == 32) {
                 __m256i sc = load_i8x8(sb + hdr + u * GROUP + r0), m = load_i8x8(sb + hdr + (mrow + u) * GROUP + r0);
