@@ -1191,9 +1191,11 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
         token_t tok[AMX_TOKENS];
         float spill[AMX_TOKENS][GROUP];
         int configured = -1; /* this thread's tile shape (another library may have changed it between calls) */
-        /* dynamic: a thread the OS parks for a while leaves its groups to the others (a group's result
-         * does not depend on which thread computes it) */
-#pragma omp for schedule(dynamic, 8)
+        /* guided: a thread the OS parks for a while leaves its groups to the others (a group's result does not
+         * depend on which thread computes it), and the chunks shrink towards the end, so the threads finish
+         * together: fixed chunks of 8 groups left one thread a whole chunk (up to 27 us on a 8960-column matrix)
+         * after the other had stopped, 6% of a one-token pass's matmuls on a 2-core Xeon */
+#pragma omp for schedule(guided, 2)
         for (int64_t g = 0; g < ngroups; g++) {
             const uint8_t *grp = packed + g * nsb * SB;
             int full = (g + 1) * GROUP <= rows;
