@@ -379,9 +379,17 @@ class NativeRunner:
         resume = None
         if skip is None:
             resume, self._resume = self._resume, {}
+        aux: list[list[np.ndarray]] | None = [[] for _ in range(batch)] if skip is None and self.aux_layers else None
+        if aux is None and len(queries) <= MAX_PASS_TOKENS and (
+                [q.row for q, k in zip(queries, wanted) if k] == [b for b in range(batch) for _ in range(width)]):
+            # one chunk whose wanted logits are the (B, M) grid in order (a plain step, a chain's verification): the
+            # pass's own arrays, viewed, not zero-filled and copied (0.6 MB each a token of a 151,936-token vocabulary)
+            logits, final, _ = self._pass(state, queries, wanted, skip, resume, head_rows)
+            if skip is None and self.keep_features:
+                self.features = torch.from_numpy(final).view(batch, width, self.config.hidden)
+            return torch.from_numpy(logits).view(batch, width, self.vocab_size)
         out = torch.zeros(batch, width, self.vocab_size)  # (B, M, V)
         features = torch.zeros(batch, width, self.config.hidden) if skip is None and self.keep_features else None
-        aux: list[list[np.ndarray]] | None = [[] for _ in range(batch)] if skip is None and self.aux_layers else None
         filled = [0] * batch
         for start in range(0, len(queries), MAX_PASS_TOKENS):
             chunk, keep = queries[start : start + MAX_PASS_TOKENS], wanted[start : start + MAX_PASS_TOKENS]
