@@ -14,9 +14,9 @@ from verispec.models.gguf.native import lib, ptr
 BEST = native.path()
 PATHS = [p for p in ("portable", "avx2", "avx512-vnni", "amx-emulated", "amx") if native.set_path(p) == p]
 # (path, the AVX-512 kernel's widest tile, the fewest tokens for the AMX tiles): every path as it runs by default, the
-# VNNI kernel's tiles of 6 (AMD) and 8 (Intel), and where the CPU has AMX its tiles forced from 1 token (every tile
+# VNNI kernel's tiles of 6 (AMD), 8 and 16 (Intel; past 8 its sums spill), and where the CPU has AMX its tiles forced from 1 token (every tile
 # through the real tile kernels) and from 5 (tiles of 16 and remainders on the VNNI kernel, for every type)
-SETTINGS = ([(p, 0, 0) for p in PATHS] + [("avx512-vnni", t, 0) for t in (6, 8) if "avx512-vnni" in PATHS]
+SETTINGS = ([(p, 0, 0) for p in PATHS] + [("avx512-vnni", t, 0) for t in (6, 8, 16) if "avx512-vnni" in PATHS]
             + [("amx", 0, m) for m in (1, 5) if "amx" in PATHS])
 
 
@@ -97,8 +97,9 @@ def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
     path and the other SIMD paths, bit for bit, for widths from 1 to 35 tokens (AMX tiles of 16: full, partial and
     several; the real path sends a type's matmuls to its tiles from the measured number of tokens (Q4_K 16, Q5_K 12,
     other types never) and the remainder to the VNNI kernel, forced here from 1 and 5 tokens; the VNNI kernel's tiles of
-    up to 6 (AMD) or 8 (Intel), both run here, and AVX2's of up to 4, split evenly: with 6, 7 as 3 + 4 and 13 as
-    4 + 4 + 5; with 8, 7 and 8 in one tile, 9 as 4 + 5, 17 as 5 + 6 + 6) and rows that end mid-group."""
+    up to 6 (AMD), 8 or 16 (Intel), all run here, and AVX2's of up to 4, split evenly: with 6, 7 as 3 + 4 and 13 as
+    4 + 4 + 5; with 8, 7 and 8 in one tile, 9 as 4 + 5, 17 as 5 + 6 + 6; with 16, 9 to 16 in one tile, 17 as 8 + 9,
+    33 as 11 + 11 + 11) and rows that end mid-group."""
     raw, weight = make(qtype, 40, 512, seed=6)
     x = np.random.default_rng(7).standard_normal((35, 512)).astype(np.float32) * 3
     native.set_path("portable")
@@ -144,7 +145,7 @@ def test_a_tokens_matmul_row_is_the_same_bits_in_any_batch(qtype):
         for setting in SETTINGS:
             use(*setting)
             alone = np.concatenate([weight(Activations(x[i : i + 1].copy())) for i in range(13)])
-            for n in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13):  # tiles of up to 4 (6 or 8 on AVX-512), split evenly
+            for n in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13):  # tiles of up to 4 (6, 8 or 16 on AVX-512), split evenly
                 assert np.array_equal(weight(Activations(x[:n].copy())), alone[:n]), (setting, n)
     finally:
         restore()

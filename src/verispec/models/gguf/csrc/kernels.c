@@ -70,7 +70,7 @@ enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q
 /* TILE: the most tokens one AVX2 / generic tile kernel call takes; TILE_AVX512 the most the AVX-512 one can take,
  * vs_avx512_tile() the most it is given on this CPU (its per-token operations do not depend on the tile, so any
  * tiling gives the same bits). */
-enum { GROUP = 16, TILE = 4, TILE_AVX512 = 8 };
+enum { GROUP = 16, TILE = 4, TILE_AVX512 = 16 };
 /* AMX_PAIRS: a token's unit sum pairs kept per super-block (amx_sum_pairs; 4 used for Q4_K / Q5_K, 8 for Q6_K), read
  * by the AVX-512 and AMX kernels' min terms */
 enum { AMX_PAIRS = 8 };
@@ -231,15 +231,19 @@ int vs_set_path(int path) {
 
 void vs_set_threads(int n) { vs_threads = n > 0 ? n : 1; }
 
-/* The AVX-512 kernel's widest tile, chosen per CPU: 8 on Intel (a 2-core Xeon, family 6 model 207: a pass's
- * matmuls over 7 tokens 71.2 -> 63.8 ms, 8 tokens 76.7 -> 70.5 ms against tiles of 6, 6 tokens alike), 6 on AMD
- * (on a Zen 4 a tile of 8 was slower than 4 + 4: registers spill; 6 beat 4 + 2). vs_set_avx512_tile forces one
- * (tests run both), 0 restores the CPU's choice; returns the tile in force. */
+/* The AVX-512 kernel's widest tile, chosen per CPU: 16 on Intel, 6 on AMD (on a Zen 4 a tile of 8 was slower than
+ * 4 + 4: registers spill; 6 beat 4 + 2). On Intel a tile past 8 spills its sums too, but a token's spilled sum costs a
+ * load and a store a sub-block, where a second tile unpacks every weight again: on a 2-core Xeon with AMX (family 6
+ * model 167) a pass's matmuls over 9 tokens took 82.5 ms in tiles of 4 + 5 and 64.6 ms as one tile of 9 (8 tokens:
+ * 61.6), 10 tokens 82.8 -> 67.4, 12 tokens 94.4 -> 77.5, 14 tokens 96.5 -> 85.9, 1 to 8 tokens alike
+ * (`benchmarks/kernel_rates.py --against`, taking turns); before, tiles of 8 had beaten 6 on a Xeon of model 207 (7
+ * tokens 71.2 -> 63.8 ms). vs_set_avx512_tile forces one (tests run several), 0 restores the CPU's choice; returns
+ * the tile in force. */
 static int vs_tile512 = 0;
 
 int vs_avx512_tile(void) {
     if (vs_tile512 == 0) {
-        vs_tile512 = 8;
+        vs_tile512 = 16;
 #ifdef VS_X86
         unsigned a, b, c, d;
         if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541 /* "Auth" of AuthenticAMD */) vs_tile512 = 6;
@@ -859,7 +863,15 @@ VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const ui
         case 5: group_tile_avx512(TYPE, 5, grp, nsb, tok); break;         \
         case 6: group_tile_avx512(TYPE, 6, grp, nsb, tok); break;         \
         case 7: group_tile_avx512(TYPE, 7, grp, nsb, tok); break;         \
-        default: group_tile_avx512(TYPE, 8, grp, nsb, tok); break;        \
+        case 8: group_tile_avx512(TYPE, 8, grp, nsb, tok); break;         \
+        case 9: group_tile_avx512(TYPE, 9, grp, nsb, tok); break;         \
+        case 10: group_tile_avx512(TYPE, 10, grp, nsb, tok); break;       \
+        case 11: group_tile_avx512(TYPE, 11, grp, nsb, tok); break;       \
+        case 12: group_tile_avx512(TYPE, 12, grp, nsb, tok); break;       \
+        case 13: group_tile_avx512(TYPE, 13, grp, nsb, tok); break;       \
+        case 14: group_tile_avx512(TYPE, 14, grp, nsb, tok); break;       \
+        case 15: group_tile_avx512(TYPE, 15, grp, nsb, tok); break;       \
+        default: group_tile_avx512(TYPE, 16, grp, nsb, tok); break;       \
     }
 
 static VS_AVX512 void group_avx512(int type, const uint8_t *grp, int64_t nsb, const token_t *tok, int T) {
@@ -1169,6 +1181,7 @@ int vs_set_amx_min(int n) {
 }
 
 /* out (n, rows) = x (n, cols) W^T with x given quantized (vs_quantize_rows with block = the type's Q). */
+_Static_assert((int)TILE_AVX512 <= (int)AMX_TOKENS, "a thread's token slots (tok, spill) hold one tile of either kernel");
 static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64_t n, const int8_t *q,
                             const float *d, const int32_t *bsum, float *out) {
     layout_t L;
