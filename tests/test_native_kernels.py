@@ -14,8 +14,9 @@ from verispec.models.gguf.native import lib, ptr
 BEST = native.path()
 PATHS = [p for p in ("portable", "avx2", "avx512-vnni", "amx-emulated", "amx") if native.set_path(p) == p]
 # (path, the AVX-512 kernel's widest tile, the fewest tokens for the AMX tiles): every path as it runs by default, the
-# VNNI kernel's tiles of 6 (AMD), 8 and 16 (Intel; past 8 its sums spill), and where the CPU has AMX its tiles forced from 1 token (every tile
-# through the real tile kernels) and from 5 (tiles of 16 and remainders on the VNNI kernel, for every type)
+# VNNI kernel's tiles of 6 (AMD), 8 and 16 (Intel; past 8 its sums spill), and where the CPU has AMX its tiles forced
+# from 1 token (every tile through the real tile kernels) and from 5 (tiles of 16 and remainders on the VNNI kernel,
+# for every type)
 SETTINGS = ([(p, 0, 0) for p in PATHS] + [("avx512-vnni", t, 0) for t in (6, 8, 16) if "avx512-vnni" in PATHS]
             + [("amx", 0, m) for m in (1, 5) if "amx" in PATHS])
 

@@ -1180,8 +1180,9 @@ int vs_set_amx_min(int n) {
     return vs_amx_min;
 }
 
-/* out (n, rows) = x (n, cols) W^T with x given quantized (vs_quantize_rows with block = the type's Q). */
 _Static_assert((int)TILE_AVX512 <= (int)AMX_TOKENS, "a thread's token slots (tok, spill) hold one tile of either kernel");
+
+/* out (n, rows) = x (n, cols) W^T with x given quantized (vs_quantize_rows with block = the type's Q). */
 static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64_t cols, int64_t n, const int8_t *q,
                             const float *d, const int32_t *bsum, float *out) {
     layout_t L;
