@@ -158,8 +158,9 @@ KERNEL_CASES = textwrap.dedent("""
         pre = np.full(n, prefix, np.int32)
         off = np.zeros(n + 1, np.int32)
         extra = np.zeros(1, np.int32)
+        head_stride = np.full(n, dim, np.int64)
         return lib().vs_attention(ptr(q), n, hq, hkv, dim, 0.125, ptr(base), ptr(base), max(hkv, 1) * dim,
-                                  ptr(pre), ptr(off), ptr(extra), ptr(out))
+                                  ptr(head_stride), ptr(pre), ptr(off), ptr(extra), ptr(out))
 
     def layer(n, kv_heads, head_dim=16, rope_dim=None):
         dims = DimsStruct(64, 4, kv_heads, head_dim, 128, 1, 0, 0, rope_dim or head_dim, 1e-6, 0.25, 1.0)

@@ -230,12 +230,18 @@ def test_rmsnorm_and_swiglu_equal_torch_and_are_row_invariant():
     assert np.array_equal(part, out[1, 3:20])
 
 
-def attend(q, keys, values, prefix, extra, cap: float = 0.0):
+def attend(q, keys, values, prefix, extra, cap: float = 0.0, head_major: bool = True):
     """vs_attention on one cache for all queries (scores soft-capped at `cap`: vs_attention_capped). q (N, Hq, D);
-    keys, values (L, Hkv, D)."""
+    keys, values (L, Hkv, D), laid out for the kernel head-major (Hkv, L, D) as the runner's caches are, or as given
+    (a column holding every head)."""
     n, hq, d = q.shape
-    hkv = keys.shape[1]
-    keys, values = np.ascontiguousarray(keys), np.ascontiguousarray(values)
+    length, hkv = keys.shape[:2]
+    if head_major:
+        keys, values = np.ascontiguousarray(keys.swapaxes(0, 1)), np.ascontiguousarray(values.swapaxes(0, 1))
+        stride, head_stride = d, np.full(n, length * d, np.int64)
+    else:
+        keys, values = np.ascontiguousarray(keys), np.ascontiguousarray(values)
+        stride, head_stride = hkv * d, np.full(n, d, np.int64)
     q = np.ascontiguousarray(q)
     kb = np.full(n, keys.ctypes.data, np.int64)
     vb = np.full(n, values.ctypes.data, np.int64)
@@ -245,11 +251,12 @@ def attend(q, keys, values, prefix, extra, cap: float = 0.0):
     pre = np.array(prefix, np.int32)
     out = np.empty((n, hq * d), np.float32)
     if cap:
-        lib().vs_attention_capped(ptr(q), n, hq, hkv, d, 1 / np.sqrt(d), ptr(kb), ptr(vb), hkv * d, ptr(pre), ptr(off),
-                                  ptr(flat), ptr(out), cap)
+        status = lib().vs_attention_capped(ptr(q), n, hq, hkv, d, 1 / np.sqrt(d), ptr(kb), ptr(vb), stride,
+                                           ptr(head_stride), ptr(pre), ptr(off), ptr(flat), ptr(out), cap)
     else:
-        lib().vs_attention(ptr(q), n, hq, hkv, d, 1 / np.sqrt(d), ptr(kb), ptr(vb), hkv * d, ptr(pre), ptr(off), ptr(flat),
-                           ptr(out))
+        status = lib().vs_attention(ptr(q), n, hq, hkv, d, 1 / np.sqrt(d), ptr(kb), ptr(vb), stride, ptr(head_stride),
+                                    ptr(pre), ptr(off), ptr(flat), ptr(out))
+    assert status == 0
     return out.reshape(n, hq, d)
 
 
@@ -312,11 +319,13 @@ def test_every_supported_type_is_covered_here():
 
 
 # head sizes whose 16-float chunks the AVX-512 kernel weighs 8, 4, 2 heads, or one head, at a time (16, 32, 64;
-# 48 and 80 alone, 128 and 256 in blocks of 8 chunks), with query heads per key/value head that fill those groups
-# and leave a remainder; columns: fewer than 16 (no block of 16 scores), whole and partial blocks of 16 scores and
-# of 32 weighed columns, a tree's extra columns after the prefix; a chain of queries on one cache (which the kernel
-# reads together over their shared prefix), with one and two key/value heads (runs split for two threads)
-@pytest.mark.parametrize("dim, group", [(64, 6), (16, 11), (32, 6), (48, 3), (80, 2), (128, 7), (256, 1)])
+# 48 and 80 alone, 128 and 256 in blocks of 8 chunks, three or two heads at a time where there are several), with
+# query heads per key/value head that fill those groups and leave a remainder; columns: fewer than 16 (no block of
+# 16 scores), whole and partial blocks of 16 scores and of 32 weighed columns, a tree's extra columns after the
+# prefix; a chain of queries on one cache (which the kernel reads together over their shared prefix), with one and
+# two key/value heads (runs split for two threads); caches head-major and with every head in a column
+@pytest.mark.parametrize("dim, group", [(64, 6), (16, 11), (32, 6), (48, 3), (80, 2), (128, 7), (128, 6), (256, 1),
+                                        (256, 4)])
 def test_attention_paths_give_the_same_bits(dim, group):
     rng = np.random.default_rng(12 + dim)
     layouts = [([40, 17, 30, 9, 70], [[], [20, 33], [31], [], [71, 72, 74]]),  # rows' queries, tree nodes
@@ -332,6 +341,7 @@ def test_attention_paths_give_the_same_bits(dim, group):
                 for threads in (1, 2):
                     native.set_threads(threads)
                     outs.append(attend(q, keys, values, prefix, extra))
+                    outs.append(attend(q, keys, values, prefix, extra, head_major=False))  # every head in a column
             native.set_threads(1)
             for other in outs[1:]:
                 assert np.array_equal(outs[0], other)

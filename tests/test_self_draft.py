@@ -150,13 +150,13 @@ def test_a_rejected_draft_leaves_the_targets_cache_as_it_was(native):
         engine.step(batch)
     rows = batch.state.rows
     lengths = [r.length for r in rows]
-    committed = [(r.keys[:, : r.length].copy(), r.values[:, : r.length].copy()) for r in rows]
+    committed = [(r.keys[:, :, : r.length].copy(), r.values[:, :, : r.length].copy()) for r in rows]
     drafts = drafter.propose(batch.sequences, [4] * len(rows))
     assert any(len(d) for d in drafts)
     drafter.commit(batch.sequences, drafts, [()] * len(rows))  # every draft rejected
     assert [r.length for r in rows] == lengths
     for r, (keys, values) in zip(rows, committed):
-        assert np.array_equal(r.keys[:, : r.length], keys) and np.array_equal(r.values[:, : r.length], values)
+        assert np.array_equal(r.keys[:, :, : r.length], keys) and np.array_equal(r.values[:, :, : r.length], values)
 
 
 # ---------------------------------------------------------------- greedy equality, every mode

@@ -31,7 +31,7 @@ class Attend:
     extra: np.ndarray  # (E,) int32 columns, increasing per query
     key_base: np.ndarray  # (N,) int64: address of layer 0 of the query's row's keys
     value_base: np.ndarray  # (N,) int64: likewise for values
-    layer_bytes: np.ndarray  # (N,) int64: bytes between layers in that row's cache
+    layer_bytes: np.ndarray  # (N,) int64: bytes between layers in that row's cache (Hkv head-major blocks)
 
     @staticmethod
     def of(spans: list[tuple[int, list[int]]], key_base: np.ndarray, value_base: np.ndarray,

@@ -46,13 +46,15 @@ def layers_per_op(model: GGUFModel, x: np.ndarray, queries: list[Query], rows: l
             if angles is not None:
                 ops.rope(q, c.heads, angles, c.neox)
                 ops.rope(k, c.kv_heads, angles, c.neox)
-            for row, first, count, column in runs:
-                row.keys[i, column : column + count] = k[first : first + count]
-                row.values[i, column : column + count] = v[first : first + count]
+            for row, first, count, column in runs:  # (count, Hkv D) into the head-major (Hkv, columns, D)
+                for cache, t in ((row.keys, k), (row.values, v)):
+                    heads = t[first : first + count].reshape(count, c.kv_heads, -1)  # (count, Hkv, D)
+                    cache[i, :, column : column + count] = heads.swapaxes(0, 1)
             keys, values = a.key_base + i * a.layer_bytes, a.value_base + i * a.layer_bytes  # (N,) this layer's
+            head_stride = a.layer_bytes // (4 * c.kv_heads)  # (N,) floats between a row's key/value heads
             check(lib().vs_attention_capped(ptr(q), n, c.heads, c.kv_heads, c.head_dim, c.scale, ptr(keys),
-                                            ptr(values), c.kv_dim, ptr(a.prefix), ptr(a.extra_off), ptr(a.extra),
-                                            ptr(attn), c.attn_softcap),
+                                            ptr(values), c.head_dim, ptr(head_stride), ptr(a.prefix),
+                                            ptr(a.extra_off), ptr(a.extra), ptr(attn), c.attn_softcap),
                   f"attention of layer {i}")
             x = x + _post_norm(c, layer.out(ops.Activations(attn)), layer.attn_post_norm)
         if not skips[i] & 2:

@@ -1,8 +1,9 @@
 """The quantized CPU runner: the runner interface (`core.protocols.Runner`: new_state / forward / commit) over a
 `GGUFModel`, every op a C kernel.
 
-Caches. Each row (sequence) owns a static, position-indexed cache per layer, (capacity, Hkv D) float32
+Caches. Each row (sequence) owns a static, position-indexed cache per layer, (Hkv, capacity, D) float32
 for keys and for values, grown by doubling. Committed token c sits in column c, and rows never pad each other.
+Head-major, so that attention streams each key/value head's columns from contiguous memory.
 
 Trees. Between commits a row may hold speculative entries: slot s (numbered in the order added) sits in
 column base + s, base being the committed length, at position base + depth - 1. A node attends to columns
@@ -46,7 +47,7 @@ MAX_PASS_TOKENS = 512
 
 @dataclass
 class RowCache:
-    """One sequence: keys and values (layers, capacity, Hkv D), its committed length, its tree entries."""
+    """One sequence: keys and values (layers, Hkv, capacity, D), its committed length, its tree entries."""
 
     keys: np.ndarray
     values: np.ndarray
@@ -55,15 +56,16 @@ class RowCache:
     spec_depths: list[int] = field(default_factory=list)  # slot -> depth (1: a child of the last committed token)
 
     def reserve(self, columns: int) -> None:
-        capacity = self.keys.shape[1]
+        capacity = self.keys.shape[2]
         if columns <= capacity:
             return
         while capacity < columns:
             capacity *= 2
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = np.empty((old.shape[0], capacity, old.shape[2]), np.float32)
-            new[:, : old.shape[1]] = old
+            layers, heads, _, dim = old.shape
+            new = np.empty((layers, heads, capacity, dim), np.float32)
+            new[:, :, : old.shape[2]] = old
             setattr(self, name, new)
 
 
@@ -100,7 +102,7 @@ class NativeState:
         cache = self.rows[row]
         if not 0 <= length <= cache.length:
             raise ValueError(f"row {row} holds {cache.length} committed positions, not {length}")
-        return CachePrefix(cache.keys[:, :length].copy(), cache.values[:, :length].copy())
+        return CachePrefix(cache.keys[:, :, :length].copy(), cache.values[:, :, :length].copy())
 
     def write_prefix(self, row: int, prefix: CachePrefix) -> None:
         """An empty row takes a copied prefix as its committed positions: its keys and values are the bits a pass
@@ -109,8 +111,8 @@ class NativeState:
         if cache.length or cache.spec_parents:
             raise ValueError(f"row {row} is not empty")
         cache.reserve(prefix.length)
-        cache.keys[:, : prefix.length] = prefix.keys
-        cache.values[:, : prefix.length] = prefix.values
+        cache.keys[:, :, : prefix.length] = prefix.keys
+        cache.values[:, :, : prefix.length] = prefix.values
         cache.length = prefix.length
 
     def checkpoint(self):
@@ -127,14 +129,14 @@ class NativeState:
 
 @dataclass(frozen=True)
 class CachePrefix:
-    """A copy of a row's first `length` committed positions: keys and values (layers, length, Hkv D)."""
+    """A copy of a row's first `length` committed positions: keys and values (layers, Hkv, length, D)."""
 
     keys: np.ndarray
     values: np.ndarray
 
     @property
     def length(self) -> int:
-        return self.keys.shape[1]
+        return self.keys.shape[2]
 
     @property
     def nbytes(self) -> int:
@@ -142,7 +144,7 @@ class CachePrefix:
 
     def head(self, length: int) -> CachePrefix:
         """The first `length` positions (views: `write_prefix` copies them into a row)."""
-        return self if length == self.length else CachePrefix(self.keys[:, :length], self.values[:, :length])
+        return self if length == self.length else CachePrefix(self.keys[:, :, :length], self.values[:, :, :length])
 
 
 class NativeRunner:
@@ -255,7 +257,7 @@ class NativeRunner:
 
     def new_row(self) -> RowCache:
         c = self.config
-        shape = (c.layers, self.initial_capacity, c.kv_dim)
+        shape = (c.layers, c.kv_heads, self.initial_capacity, c.head_dim)
         return RowCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
 
     def new_state(self, batch_size: int) -> NativeState:
@@ -356,8 +358,8 @@ class NativeRunner:
             base = row.length
             for i, slot in enumerate(path):  # sources lie at or right of their destinations: copy in order
                 if slot != i:
-                    row.keys[:, base + i] = row.keys[:, base + slot]
-                    row.values[:, base + i] = row.values[:, base + slot]
+                    row.keys[:, :, base + i] = row.keys[:, :, base + slot]
+                    row.values[:, :, base + i] = row.values[:, :, base + slot]
             row.length += len(path)
             row.spec_parents, row.spec_depths = [], []
 
@@ -480,7 +482,7 @@ class NativeRunner:
         c = self.config
         bases = (np.array([r.keys.ctypes.data for r in rows], np.int64),
                  np.array([r.values.ctypes.data for r in rows], np.int64),
-                 np.array([r.keys.shape[1] * c.kv_dim * 4 for r in rows], np.int64))
+                 np.array([r.keys[0].nbytes for r in rows], np.int64))  # a layer: Hkv blocks of (capacity, D)
         positions = np.array([q.position for q in queries], np.int64)  # (N,)
         factors, mscale = self._rope_factors, self._rope_mscale
         table = ops.rope_table(positions, c.rotated, c.rope_theta, factors, mscale)  # (N, R/2, 2)
@@ -505,7 +507,7 @@ class NativeRunner:
         attend to, its RoPE table)). A mixture of experts' layer: its attention in this call, its experts in a second
         (`experts.experts_forward`: vs_moe_ffn), the same bits as the per-op path's."""
         columns = np.array([q.column for q in queries], np.int32)  # (N,)
-        forward, dims, n, kv_dim = lib().vs_layer_forward, ctypes.byref(self._dims), len(queries), self.config.kv_dim
+        forward, dims, n, dim = lib().vs_layer_forward, ctypes.byref(self._dims), len(queries), self.config.head_dim
         # the arrays' addresses once a view, not once a layer (a draft model's pass is short enough for it to show)
         xp, columnp, pointers = ptr(x), ptr(columns), {}
         model_layers, refs, skip_bits = self.gguf.layers, self._layer_refs, skips.tolist()
@@ -517,7 +519,7 @@ class NativeRunner:
             keys, values, layer_bytes, prefix, extra_off, extra, anglep = pointers[key]
             layer = model_layers[i]
             skip = skip_bits[i] | (2 if layer.experts else 0)  # (bit 2: the feed-forward, here from Python)
-            status = forward(dims, refs[i], xp, n, anglep, keys, values, layer_bytes, i, kv_dim, columnp, prefix,
+            status = forward(dims, refs[i], xp, n, anglep, keys, values, layer_bytes, i, dim, columnp, prefix,
                              extra_off, extra, skip)
             if status:
                 check(status, f"layer {i}")

@@ -1462,10 +1462,12 @@ static void attend_group_generic(const float *qg, int G, int dim, const float *K
 }
 
 #ifdef VS_X86
-/* Columns ahead whose key and value are prefetched: the cache's columns lie a whole cache row apart and go cold
- * while a pass streams the weights, so attention waited on memory (28 layers, 2 KV heads, 200 columns, 2 threads,
- * caches flushed between passes: 1.50 ms with none, 0.68 with 4, 0.63 with 8, 0.61 with 16; 1,000 columns 7.6 ms
- * with none, 5.5 with 8). A prefetch changes no result. */
+/* Columns whose keys (to L1) and values (to L2) are prefetched before a head's scores start. A head's columns lie
+ * one after another (the runner's caches are head-major) and the hardware prefetcher streams the rest. The kernel
+ * also prefetched 16 columns ahead inside the loop while a column held every head; there that stalled on its own
+ * prefetches (a third of the scores' samples; 28 layers, 2 threads, caches cold, on a 2-core Xeon with AMX: 4,000
+ * columns 17.7 ms with it, 14.2 without), and head-major it changed nothing (12.1 / 12.1 ms). A prefetch changes
+ * no result. */
 enum { ATTEND_AHEAD = 16 };
 
 /* Sixteen columns' 16-lane dot products reduced at once, each exactly as _mm512_reduce_add_ps (and dot16) reduces
@@ -1512,7 +1514,7 @@ VS_INLINE VS_AVX512 __m512 scores16(const float *qh, int dim, const float *K, in
 VS_INLINE VS_AVX512 void weigh_values(const int NH, const int NC, const float *score, int64_t m, const float *V,
                                       int64_t stride, const int32_t *cols, int64_t j0, int64_t j1, int d0, int dim,
                                       float *og) {
-    __m512 acc[16];
+    __m512 acc[24];
     for (int h = 0; h < NH; h++)
         for (int c = 0; c < NC; c++)
             acc[h * NC + c] = j0 ? _mm512_loadu_ps(og + h * dim + d0 + 16 * c) : _mm512_setzero_ps();
@@ -1546,13 +1548,10 @@ VS_INLINE VS_AVX512 void prefetch_columns(const float *K, const float *V, int64_
 
 /* One query's G heads' scores over its columns j0 .. j1-1 (j0 a multiple of 16): whole blocks of 16 by scores16,
  * the rest one by one with _mm512_reduce_add_ps, which halves as dot16 does. score (G, m). */
-static VS_AVX512 void score_columns(const float *qg, int G, int dim, const float *K, const float *V, int64_t stride,
-                                    const int32_t *cols, int64_t m, int64_t j0, int64_t j1, float scale, float *score,
-                                    int prefetch) {
+static VS_AVX512 void score_columns(const float *qg, int G, int dim, const float *K, int64_t stride,
+                                    const int32_t *cols, int64_t m, int64_t j0, int64_t j1, float scale, float *score) {
     int64_t j = j0;
     for (; j + 16 <= j1; j += 16) {
-        if (prefetch) /* the block ATTEND_AHEAD columns on */
-            prefetch_columns(K, V, stride, cols, j + ATTEND_AHEAD, j + ATTEND_AHEAD + 16 < m ? j + ATTEND_AHEAD + 16 : m, dim);
         for (int g = 0; g < G; g++)
             _mm512_storeu_ps(score + g * m + j, _mm512_mul_ps(scores16(qg + g * dim, dim, K, stride, cols + j), _mm512_set1_ps(scale)));
     }
@@ -1568,7 +1567,10 @@ static VS_AVX512 void score_columns(const float *qg, int G, int dim, const float
 }
 
 /* One query's G heads' weighed sums over columns j0 .. j1-1 added to og (zeros first where j0 is 0): short heads
- * 8 / chunks side by side (chunks 1, 2 or 4), the rest alone in chunks of 8, 4 and 1. */
+ * 8 / chunks side by side (chunks 1, 2 or 4); heads of 8 chunks or a multiple (128, 256 floats) three or two at a
+ * time, 8 chunks of each, so that a value vector loaded once serves them all (6 query heads a key/value head, 1,500
+ * columns, caches cold: 4.8 -> 4.4 ms over 28 layers with three at a time, 4.6 with two, on a 2-core Xeon); the
+ * rest alone in chunks of 8, 4 and 1. Each (head, chunk) sum runs over the columns in order whatever its company. */
 static VS_AVX512 void weigh_columns(int G, int dim, const float *V, int64_t stride, const int32_t *cols, int64_t m,
                                     int64_t j0, int64_t j1, const float *score, float *og) {
     const int chunks = dim / 16;
@@ -1580,6 +1582,14 @@ static VS_AVX512 void weigh_columns(int G, int dim, const float *V, int64_t stri
         if (chunks == 1) weigh_values(8, 1, s, m, V, stride, cols, j0, j1, 0, dim, o);
         else if (chunks == 2) weigh_values(4, 2, s, m, V, stride, cols, j0, j1, 0, dim, o);
         else weigh_values(2, 4, s, m, V, stride, cols, j0, j1, 0, dim, o);
+    }
+    if (chunks % 8 == 0) {
+        const int most = G % 3 == 0 ? 3 : 2;
+        for (; g + most <= G; g += most)
+            for (int d0 = 0; d0 < dim; d0 += 128) {
+                if (most == 3) weigh_values(3, 8, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim);
+                else weigh_values(2, 8, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim);
+            }
     }
     for (; g < G; g++) {
         int d0 = 0;
@@ -1618,9 +1628,9 @@ static VS_AVX512 void attend_queries_avx512(int nq, const float *const *q, int G
     const int64_t scored = shared / 16 * 16, weighed = shared / WEIGH_BLOCK * WEIGH_BLOCK;
     for (int64_t j = 0; j < scored; j += 16)
         for (int i = 0; i < nq; i++)
-            score_columns(q[i], G, dim, K, V, stride, cols[i], m[i], j, j + 16, scale, score[i], i == 0);
+            score_columns(q[i], G, dim, K, stride, cols[i], m[i], j, j + 16, scale, score[i]);
     for (int i = 0; i < nq; i++) {
-        score_columns(q[i], G, dim, K, V, stride, cols[i], m[i], scored, m[i], scale, score[i], 1);
+        score_columns(q[i], G, dim, K, stride, cols[i], m[i], scored, m[i], scale, score[i]);
         softmax_heads(G, m[i], score[i], total + i * G, cap);
     }
     for (int64_t j = 0; j < weighed; j += WEIGH_BLOCK)
@@ -1638,16 +1648,22 @@ static VS_AVX512 void attend_queries_avx512(int nq, const float *const *q, int G
 #endif
 
 /* Attention of n queries over their rows' caches.
- * q (n, hq, dim); for query i: keys at kbase[i] + c * stride (c a cache column; a column holds hkv * dim
- * floats), values likewise at vbase[i]; it attends to columns 0 .. prefix[i]-1, then to the columns
+ * q (n, hq, dim); for query i: key/value head h's key in cache column c at kbase[i] + h * head_stride[i] +
+ * c * stride (floats), its value likewise from vbase[i]. It attends to columns 0 .. prefix[i]-1, then to the columns
  * extra[extra_off[i] .. extra_off[i+1]-1] (increasing). out (n, hq, dim).
  * Scores, softmax and the weighted sum run over the attended columns in order: a query's result is the
  * same whatever other queries the call has, and a tree node's equals the chain's over the same entries.
  * Work is split by key/value head and by runs of consecutive queries on one cache (at most `span` of them, fewer
- * where the threads would otherwise idle); the AVX-512 path reads a run's shared prefix once for all of it. */
+ * where the threads would otherwise idle); the AVX-512 path reads a run's shared prefix once for all of it.
+ * The runner's caches are head-major (stride dim, head_stride a row's capacity times dim), so a thread streams its
+ * head's keys and values from contiguous memory; a column holding every head (stride hkv * dim, head_stride dim), as
+ * the caches were laid out before, gives the same bits. There a thread read every other run of dim floats (2
+ * key/value heads), which the hardware prefetcher streamed poorly: a one-token pass of the default target (2 threads,
+ * a 2-core Xeon with AMX) spent 1.03 / 7.2 / 19.6 ms in attention over 200 / 1,500 / 4,000 cached tokens; head-major,
+ * without the prefetches inside the loop and weighing heads three at a time, 0.91 / 5.6 / 13.35. */
 int vs_attention_capped(const float *q, int64_t n, int hq, int hkv, int dim, float scale, const int64_t *kbase,
-                        const int64_t *vbase, int64_t stride, const int32_t *prefix, const int32_t *extra_off,
-                        const int32_t *extra, float *out, float cap) {
+                        const int64_t *vbase, int64_t stride, const int64_t *head_stride, const int32_t *prefix,
+                        const int32_t *extra_off, const int32_t *extra, float *out, float cap) {
     if (n < 0 || hq <= 0 || hkv <= 0 || hq % hkv || dim <= 0) return VS_EINVAL; /* G = hq / hkv below */
     if (n == 0) return VS_OK;
     int64_t most = 0;
@@ -1667,7 +1683,8 @@ int vs_attention_capped(const float *q, int64_t n, int hq, int hkv, int dim, flo
     int64_t *first = malloc(sizeof(int64_t) * (size_t)(n + 1)), runs = 0;
     if (!first) return VS_ENOMEM;
     for (int64_t i = 0; i < n; i++) /* a run starts at a new cache or where the last one is full */
-        if (!runs || kbase[i] != kbase[i - 1] || vbase[i] != vbase[i - 1] || i - first[runs - 1] == span)
+        if (!runs || kbase[i] != kbase[i - 1] || vbase[i] != vbase[i - 1] || head_stride[i] != head_stride[i - 1] ||
+            i - first[runs - 1] == span)
             first[runs++] = i;
     first[runs] = n;
     int failed = 0;
@@ -1685,7 +1702,8 @@ int vs_attention_capped(const float *q, int64_t n, int hq, int hkv, int dim, flo
             if (!score || !colbuf || !total) continue; /* every thread still reaches the loop's barrier */
             const int64_t r = rh / hkv, i0 = first[r], nq = first[r + 1] - first[r];
             const int kvh = (int)(rh % hkv);
-            const float *K = (const float *)(intptr_t)kbase[i0] + kvh * dim, *V = (const float *)(intptr_t)vbase[i0] + kvh * dim;
+            const float *K = (const float *)(intptr_t)kbase[i0] + kvh * head_stride[i0];
+            const float *V = (const float *)(intptr_t)vbase[i0] + kvh * head_stride[i0];
             const float *qs[SPAN];
             float *os[SPAN], *ss[SPAN];
             int32_t *cs[SPAN];
@@ -1720,8 +1738,10 @@ int vs_attention_capped(const float *q, int64_t n, int hq, int hkv, int dim, flo
 }
 
 int vs_attention(const float *q, int64_t n, int hq, int hkv, int dim, float scale, const int64_t *kbase, const int64_t *vbase,
-                 int64_t stride, const int32_t *prefix, const int32_t *extra_off, const int32_t *extra, float *out) {
-    return vs_attention_capped(q, n, hq, hkv, dim, scale, kbase, vbase, stride, prefix, extra_off, extra, out, 0.0f);
+                 int64_t stride, const int64_t *head_stride, const int32_t *prefix, const int32_t *extra_off,
+                 const int32_t *extra, float *out) {
+    return vs_attention_capped(q, n, hq, hkv, dim, scale, kbase, vbase, stride, head_stride, prefix, extra_off, extra,
+                               out, 0.0f);
 }
 
 /* ------------------------------------------------------------------ one whole layer */
@@ -1800,8 +1820,9 @@ static void add_rows(float *y, const float *b, int64_t n, int64_t width) { /* y[
         for (int64_t j = 0; j < width; j++) y[i * width + j] = y[i * width + j] + b[j];
 }
 
-/* x (n, hidden) in place; query i writes its key and value to column columns[i] of its row's cache
- * (layer addresses kbase0[i] + layer * layer_bytes[i]) and attends as vs_attention says. */
+/* x (n, hidden) in place; query i writes its key and value to column columns[i] of its row's cache and attends as
+ * vs_attention says. A row's cache is head-major: layer l's keys at kbase0[i] + l * layer_bytes[i], kv_heads blocks
+ * of layer_bytes[i] / kv_heads bytes, head h's column c at + h * that + c * stride floats (values likewise). */
 static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int64_t n, const float *rope_table,
                          const int64_t *kbase0, const int64_t *vbase0, const int64_t *layer_bytes, int64_t layer,
                          int64_t stride, const int32_t *columns, const int32_t *prefix, const int32_t *extra_off,
@@ -1823,11 +1844,16 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
     float *g = malloc(sizeof(float) * (size_t)(n * F)), *u = malloc(sizeof(float) * (size_t)(n * F));
     float *h = malloc(sizeof(float) * (size_t)(n * F));
     int64_t *kb = malloc(sizeof(int64_t) * (size_t)n), *vb = malloc(sizeof(int64_t) * (size_t)n);
-    if (!xn || !q || !k || !v || !attn || !o || !g || !u || !h || !kb || !vb) {
+    int64_t *hs = malloc(sizeof(int64_t) * (size_t)n);
+    if (!xn || !q || !k || !v || !attn || !o || !g || !u || !h || !kb || !vb || !hs) {
         status = VS_ENOMEM;
         goto done;
     }
-    for (int64_t i = 0; i < n; i++) { kb[i] = kbase0[i] + layer * layer_bytes[i]; vb[i] = vbase0[i] + layer * layer_bytes[i]; }
+    for (int64_t i = 0; i < n; i++) {
+        kb[i] = kbase0[i] + layer * layer_bytes[i];
+        vb[i] = vbase0[i] + layer * layer_bytes[i];
+        hs[i] = layer_bytes[i] / (int64_t)sizeof(float) / D->kv_heads;
+    }
 
     if (skip & 1) goto mlp;
     if (L->attn_norm) vs_rmsnorm(x, n, E, L->attn_norm, eps, xn);
@@ -1845,13 +1871,15 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
         vs_rope(q, n, (int)D->heads, (int)D->head_dim, (int)D->rope_dim, rope_table, (int)D->neox);
         vs_rope(k, n, (int)D->kv_heads, (int)D->head_dim, (int)D->rope_dim, rope_table, (int)D->neox);
     }
-    for (int64_t i = 0; i < n; i++) {
-        memcpy((float *)(intptr_t)kb[i] + columns[i] * stride, k + i * KD, sizeof(float) * (size_t)KD);
-        memcpy((float *)(intptr_t)vb[i] + columns[i] * stride, v + i * KD, sizeof(float) * (size_t)KD);
-    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t kvh = 0; kvh < D->kv_heads; kvh++) {
+            const int64_t at = kvh * hs[i] + columns[i] * stride;
+            memcpy((float *)(intptr_t)kb[i] + at, k + i * KD + kvh * D->head_dim, sizeof(float) * (size_t)D->head_dim);
+            memcpy((float *)(intptr_t)vb[i] + at, v + i * KD + kvh * D->head_dim, sizeof(float) * (size_t)D->head_dim);
+        }
     double t_attention = profile_now();
     status = vs_attention_capped(q, n, (int)D->heads, (int)D->kv_heads, (int)D->head_dim, (float)D->scale, kb, vb, stride,
-                                 prefix, extra_off, extra, attn, (float)D->attn_softcap);
+                                 hs, prefix, extra_off, extra, attn, (float)D->attn_softcap);
     profile_add(PROFILE_ATTENTION, t_attention);
     if (status) goto done;
     a2 = (act_t){attn, n, QD, {0}, {0}, {0}};
@@ -1878,7 +1906,7 @@ mlp:
 
 done:
     act_free(&a); act_free(&a2); act_free(&a3); act_free(&a4);
-    free(xn); free(q); free(k); free(v); free(attn); free(o); free(g); free(u); free(h); free(kb); free(vb);
+    free(xn); free(q); free(k); free(v); free(attn); free(o); free(g); free(u); free(h); free(kb); free(vb); free(hs);
     return status;
 }
 
