@@ -95,24 +95,24 @@ def test_simd_and_portable_paths_give_the_same_bits(qtype):
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
 def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
     """The AMX kernel (emulated tiles on every machine, the real ones where the CPU has them) against the portable
-    path and the other SIMD paths, bit for bit, for widths from 1 to 35 tokens (AMX tiles of 16: full, partial and
-    several; the real path sends a type's matmuls to its tiles from the measured number of tokens (Q4_K 16, Q5_K 12,
+    path and the other SIMD paths, bit for bit, for widths from 1 to 70 tokens (AMX tiles of 16: full, partial and
+    several; from two whole tiles on, group_wide's tiles in pairs, an odd one alone (48, 49), and the rest after them; the real path sends a type's matmuls to its tiles from the measured number of tokens (Q4_K 16, Q5_K 12,
     other types never) and the remainder to the VNNI kernel, forced here from 1 and 5 tokens; the VNNI kernel's tiles of
     up to 6 (AMD), 8 or 16 (Intel), all run here, and AVX2's of up to 4, split evenly: with 6, 7 as 3 + 4 and 13 as
     4 + 4 + 5; with 8, 7 and 8 in one tile, 9 as 4 + 5, 17 as 5 + 6 + 6; with 16, 9 to 16 in one tile, 17 as 8 + 9,
     33 as 11 + 11 + 11) and rows that end mid-group."""
     raw, weight = make(qtype, 40, 512, seed=6)
-    x = np.random.default_rng(7).standard_normal((35, 512)).astype(np.float32) * 3
+    x = np.random.default_rng(7).standard_normal((70, 512)).astype(np.float32) * 3
     native.set_path("portable")
     expected = weight(Activations(x))
-    alone = np.concatenate([weight(Activations(x[i : i + 1].copy())) for i in range(35)])
+    alone = np.concatenate([weight(Activations(x[i : i + 1].copy())) for i in range(70)])
     assert np.array_equal(expected, alone)
     try:
         for threads in (1, 2):
             native.set_threads(threads)
             for setting in SETTINGS:
                 use(*setting)
-                for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16, 17, 20, 24, 31, 32, 33, 35):
+                for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16, 17, 20, 24, 31, 32, 33, 35, 48, 49, 64, 70):
                     assert np.array_equal(weight(Activations(x[:n].copy())), expected[:n]), (setting, n, threads)
     finally:
         native.set_threads(1)

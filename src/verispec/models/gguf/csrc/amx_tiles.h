@@ -13,8 +13,9 @@ typedef struct {
     uint8_t rows[16];
 } amx_config_t;
 
-/* Tile 0: A (T tokens, K bytes of activations); 1, 5: B (K / 4 rows of 64 bytes); 2, 3, 4, 6, 7: C (T rows of 16
- * int32). K: a product's depth, 64 (two sub-blocks), 32 for types without scales, 16 for Q6_K's units. */
+/* Tile 0: A (T tokens, K bytes of activations); 1, 5: B (K / 4 rows of 64 bytes); 2, 3, 4, 6: C (T rows of 16
+ * int32); 7: group_wide's second A. K: a product's depth, 64 (two sub-blocks), 32 for types without scales, 16 for
+ * Q6_K's units. */
 static void amx_configure(amx_config_t *c, int T, int K) {
     memset(c, 0, sizeof *c);
     c->palette = 1;
@@ -23,6 +24,7 @@ static void amx_configure(amx_config_t *c, int T, int K) {
         int b = i == 1 || i == 5;
         c->rows[i] = (uint8_t)(b ? K / 4 : T), c->colsb[i] = 64;
     }
+    c->colsb[7] = (uint16_t)K;
 }
 
 typedef struct {

@@ -1163,7 +1163,8 @@ VS_INLINE VS_AMX void amx_scales_avx512(const layout_t *L, const uint8_t *sb, fl
  * 8960 x 1536 matrices of a type: Q5_K 0.92 at 12, 0.85 at 16, 0.80 at 48, Q8_0 1.10-1.24 from 16 to 48, and
  * before the VNNI kernel's last prefetching change the scale-free types and IQ4_NL 1.16-1.88 at every width to 32,
  * Q2_K / Q3_K 1.08-1.64. The tiles' operands are built per super-block for every tile of tokens, and that costs
- * about what the VNNI kernel's per-token work saves. (Against earlier VNNI kernels the tiles paid from 5 tokens, 10
+ * about what the VNNI kernel's per-token work saves (from two whole tiles on, group_wide builds them once for all the
+ * tiles: these minimums are from before it and were not measured again). (Against earlier VNNI kernels the tiles paid from 5 tokens, 10
  * for Q6_K.) A matmul over fewer tokens runs on the VNNI kernel whole; over more, tiles of 16 and a remainder of at
  * least the minimum go to the tiles, a smaller remainder to the VNNI kernel. vs_set_amx_min forces one minimum for
  * every type (1: every tile through the tile kernels where the CPU has them, as the tests run them); 0 restores the
@@ -1200,11 +1201,36 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
         if (!(pairs = malloc(sizeof(int32_t) * AMX_PAIRS * (size_t)(n * nsb)))) return VS_ENOMEM;
         for (int64_t i = 0; i < n * nsb; i++) amx_sum_pairs(&L, bsum + i * (L.q / 16), pairs + AMX_PAIRS * i);
     }
+    /* Two tiles of tokens or more (a prompt's chunk): the whole tiles through group_wide, which builds each
+     * super-block's operands once for all of them (group builds them once a tile: a Q4_K matmul over 128 tokens
+     * 1.4-1.7x faster so, the same bits), with the activations copied tile-major so that a tile's rows are one run of
+     * memory; the rest of the tokens as below. Not Q6_K's units (group_units). */
+    const int64_t nwide = amx && L.scsub != 16 && n >= 2 * AMX_TOKENS ? n / AMX_TOKENS * AMX_TOKENS : 0;
+    int8_t *qa = NULL;
+    float *wacc = NULL; /* group_wide's sums: (nwide, GROUP) for each thread */
+    if (nwide) {
+        const int64_t K = L.scsub == 32 ? 64 : 32; /* group_wide's tile depth: (tile, K-chunk, 16 tokens, K bytes) */
+        qa = aligned_alloc(64, (size_t)(nwide * cols + 63) / 64 * 64);
+        wacc = malloc(sizeof(float) * GROUP * (size_t)(nwide * vs_threads));
+        if (!qa || !wacc) {
+            free(qa), free(wacc), free(pairs);
+            return VS_ENOMEM;
+        }
+        for (int64_t i = 0; i < nwide; i++)
+            for (int64_t c = 0; c < cols / K; c++)
+                memcpy(qa + ((i / AMX_TOKENS) * (cols / K) + c) * AMX_TOKENS * K + (i % AMX_TOKENS) * K, q + i * cols + c * K,
+                       (size_t)K);
+    }
 #pragma omp parallel num_threads(vs_threads)
     {
         token_t tok[AMX_TOKENS];
         float spill[AMX_TOKENS][GROUP];
         int configured = -1; /* this thread's tile shape (another library may have changed it between calls) */
+#ifdef _OPENMP
+        float(*acc)[GROUP] = nwide ? (float(*)[GROUP])(wacc + (size_t)omp_get_thread_num() * GROUP * (size_t)nwide) : NULL;
+#else
+        float(*acc)[GROUP] = (float(*)[GROUP])wacc;
+#endif
         /* guided: a thread the OS parks for a while leaves its groups to the others (a group's result does not
          * depend on which thread computes it), and the chunks shrink towards the end, so the threads finish
          * together: fixed chunks of 8 groups left one thread a whole chunk (up to 27 us on a 8960-column matrix)
@@ -1216,7 +1242,17 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
             /* but on AMX, tiles of equal size within one token: on AVX2 (tiles of 4) 5 tokens are 2 + 3, not 4 + 1
              * (a whole unpacking of the weights for one token) */
             const int64_t ntiles = (n + tile - 1) / tile;
-            for (int64_t k = 0, t0 = 0; k < ntiles; k++, t0 += tile) {
+            if (nwide) {
+                if (path == PATH_AMX_EMULATED)
+                    group_wide_amx_emulated(&L, grp, nsb, qa, d, bsum, pairs, nwide / AMX_TOKENS, cols, acc, &configured);
+#ifdef VS_X86
+                else
+                    group_wide_amx(&L, grp, nsb, qa, d, bsum, pairs, nwide / AMX_TOKENS, cols, acc, &configured);
+#endif
+                for (int64_t i = 0; i < nwide; i++)
+                    memcpy(out + i * rows + g * GROUP, acc[i], sizeof(float) * (size_t)(full ? GROUP : rows - g * GROUP));
+            }
+            for (int64_t k = nwide / tile, t0 = nwide; k < ntiles; k++, t0 += tile) {
                 if (!amx) t0 = n * k / ntiles;
                 int T = (int)(amx ? (n - t0 < tile ? n - t0 : tile) : n * (k + 1) / ntiles - t0);
                 for (int t = 0; t < T; t++) {
@@ -1246,6 +1282,8 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
             }
         }
     }
+    free(qa);
+    free(wacc);
     free(pairs);
     (void)path;
     return 0;
