@@ -1205,7 +1205,7 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
      * super-block's operands once for all of them (group builds them once a tile: a Q4_K matmul over 128 tokens
      * 1.4-1.7x faster so, the same bits), with the activations copied tile-major so that a tile's rows are one run of
      * memory; the rest of the tokens as below. Not Q6_K's units (group_units). */
-    const int64_t nwide = amx && L.scsub != 16 && n >= 2 * AMX_TOKENS ? n / AMX_TOKENS * AMX_TOKENS : 0;
+    const int64_t nwide = amx && L.scsub != 16 && nsb > 0 && n >= 2 * AMX_TOKENS ? n / AMX_TOKENS * AMX_TOKENS : 0;
     int8_t *qa = NULL;
     float *wacc = NULL; /* group_wide's sums: (nwide, GROUP) for each thread */
     if (nwide) {
