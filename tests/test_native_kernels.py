@@ -96,8 +96,9 @@ def test_simd_and_portable_paths_give_the_same_bits(qtype):
 def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
     """The AMX kernel (emulated tiles on every machine, the real ones where the CPU has them) against the portable
     path and the other SIMD paths, bit for bit, for widths from 1 to 70 tokens (AMX tiles of 16: full, partial and
-    several; from two whole tiles on, group_wide's tiles in pairs, an odd one alone (48, 49), and the rest after them; the real path sends a type's matmuls to its tiles from the measured number of tokens (Q4_K 16, Q5_K 12,
-    other types never) and the remainder to the VNNI kernel, forced here from 1 and 5 tokens; the VNNI kernel's tiles of
+    several; from two whole tiles on, group_wide's tiles in pairs, an odd one alone (48, 49), and the rest after them;
+    the real path sends a type's matmuls to its tiles from the measured number of tokens (Q4_K 16, Q5_K 12, other
+    types never) and the remainder to the VNNI kernel, forced here from 1 and 5 tokens; the VNNI kernel's tiles of
     up to 6 (AMD), 8 or 16 (Intel), all run here, and AVX2's of up to 4, split evenly: with 6, 7 as 3 + 4 and 13 as
     4 + 4 + 5; with 8, 7 and 8 in one tile, 9 as 4 + 5, 17 as 5 + 6 + 6; with 16, 9 to 16 in one tile, 17 as 8 + 9,
     33 as 11 + 11 + 11) and rows that end mid-group."""

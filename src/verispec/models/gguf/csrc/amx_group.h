@@ -47,7 +47,7 @@ static inline AMX_ATTR void AMX_NAME(configure)(int T, int K, int *configured) {
 static AMX_ATTR void AMX_NAME(group)(const layout_t *L, const uint8_t *grp, int64_t nsb, const token_t *tok, int T,
                                      int64_t stride, int *configured) {
     const int64_t SB = sb_bytes(L);
-    const int scaled = L->scsub == 32, K = scaled ? 64 : 32, chunks = L->q / K; /* K: a tile product's depth */
+    const int scaled = L->scsub == 32, K = amx_depth(L), chunks = L->q / K;
     AMX_NAME(configure)(T, K, configured);
     /* Two of each buffer, pipelined: super-block s + 1's operands are built (vector stores) while s's products
      * run, and s's sums are read after that, so no tile load waits for the stores just before it, and no vector
@@ -191,10 +191,11 @@ static AMX_ATTR void AMX_NAME(group_wide)(const layout_t *L, const uint8_t *grp,
                                           const float *d0, const int32_t *bsum, const int32_t *pairs, int64_t ntiles,
                                           int64_t cols, float (*acc)[GROUP], int *configured) {
     const int64_t SB = sb_bytes(L), n = AMX_TOKENS * ntiles, npairs = (ntiles + 1) / 2;
-    const int scaled = L->scsub == 32, K = scaled ? 64 : 32, chunks = L->q / K;
+    const int scaled = L->scsub == 32, K = amx_depth(L), chunks = L->q / K;
     AMX_NAME(configure)(AMX_TOKENS, K, configured);
     uint8_t ops[2][256 * GROUP] __attribute__((aligned(64))); /* hi, lo */
-    int32_t sums[2][4][AMX_TOKENS][GROUP] __attribute__((aligned(64))); /* a pair's C_hi, C_lo of each tile; two pairs */
+    /* a pair's C_hi, C_lo of each tile; two pairs */
+    int32_t sums[2][4][AMX_TOKENS][GROUP] __attribute__((aligned(64)));
     amx_mins_t mins;
     float d[GROUP], dmin[GROUP];
     for (int64_t i = 0; i < n; i++)

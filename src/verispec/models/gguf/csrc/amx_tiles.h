@@ -16,6 +16,11 @@ typedef struct {
 /* Tile 0: A (T tokens, K bytes of activations); 1, 5: B (K / 4 rows of 64 bytes); 2, 3, 4, 6: C (T rows of 16
  * int32); 7: group_wide's second A. K: a product's depth, 64 (two sub-blocks), 32 for types without scales, 16 for
  * Q6_K's units. */
+/* A tile product's depth for `group` and `group_wide` (bytes of A a token, K / 4 rows of B): 64, two sub-blocks, for
+ * types with scales a sub-block; 32, one block, for the others. The tile-major activations group_wide reads are
+ * laid out by it too. */
+static int amx_depth(const layout_t *L) { return L->scsub == 32 ? 64 : 32; }
+
 static void amx_configure(amx_config_t *c, int T, int K) {
     memset(c, 0, sizeof *c);
     c->palette = 1;

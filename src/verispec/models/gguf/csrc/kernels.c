@@ -1164,11 +1164,11 @@ VS_INLINE VS_AMX void amx_scales_avx512(const layout_t *L, const uint8_t *sb, fl
  * before the VNNI kernel's last prefetching change the scale-free types and IQ4_NL 1.16-1.88 at every width to 32,
  * Q2_K / Q3_K 1.08-1.64. The tiles' operands are built per super-block for every tile of tokens, and that costs
  * about what the VNNI kernel's per-token work saves (from two whole tiles on, group_wide builds them once for all the
- * tiles: these minimums are from before it and were not measured again). (Against earlier VNNI kernels the tiles paid from 5 tokens, 10
- * for Q6_K.) A matmul over fewer tokens runs on the VNNI kernel whole; over more, tiles of 16 and a remainder of at
- * least the minimum go to the tiles, a smaller remainder to the VNNI kernel. vs_set_amx_min forces one minimum for
- * every type (1: every tile through the tile kernels where the CPU has them, as the tests run them); 0 restores the
- * table. */
+ * tiles: these minimums are from before it and were not measured again). (Against earlier VNNI kernels the tiles
+ * paid from 5 tokens, 10 for Q6_K.) A matmul over fewer tokens runs on the VNNI kernel whole; over more, tiles of 16
+ * and a remainder of at least the minimum go to the tiles, a smaller remainder to the VNNI kernel. vs_set_amx_min
+ * forces one minimum for every type (1: every tile through the tile kernels where the CPU has them, as the tests run
+ * them); 0 restores the table. */
 static int vs_amx_min = 0;
 
 static int amx_min_tokens(int type) {
@@ -1209,7 +1209,7 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
     int8_t *qa = NULL;
     float *wacc = NULL; /* group_wide's sums: (nwide, GROUP) for each thread */
     if (nwide) {
-        const int64_t K = L.scsub == 32 ? 64 : 32; /* group_wide's tile depth: (tile, K-chunk, 16 tokens, K bytes) */
+        const int64_t K = amx_depth(&L); /* group_wide's layout: (tile, K-chunk, 16 tokens, K bytes) */
         qa = aligned_alloc(64, (size_t)(nwide * cols + 63) / 64 * 64);
         wacc = malloc(sizeof(float) * GROUP * (size_t)(nwide * vs_threads));
         if (!qa || !wacc) {
