@@ -5,6 +5,8 @@ environment needs only setuptools. SIMD paths are chosen at run time inside the 
 (target attributes and CPU feature checks), so one build runs on AVX2-only and AVX-512 machines alike.
 """
 
+from glob import glob
+
 from setuptools import Extension, setup
 
 setup(
@@ -12,7 +14,8 @@ setup(
         Extension(
             "verispec.models.gguf._native",
             sources=["src/verispec/models/gguf/csrc/kernels.c"],
-            depends=["src/verispec/models/gguf/csrc/amx_group.h", "src/verispec/models/gguf/csrc/amx_tiles.h"],
+            # kernels.c includes the other files of csrc/ as one translation unit
+            depends=sorted(glob("src/verispec/models/gguf/csrc/*.h")),
             # -ffp-contract=off: a multiply and an add stay two roundings unless the code asks for fmaf,
             # so every path (and the portable one on any compiler) computes the same float operations.
             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],

@@ -141,7 +141,7 @@ def set_avx512_tile(tile: int) -> int:
 
 def set_amx_min(tokens: int) -> int:
     """Force the fewest tokens a matmul sends through the AMX tile kernels, for every weight type (1: every tile, as
-    the tests run them); 0 restores the measured table (kernels.c, amx_min_tokens: Q4_K from 16 tokens, Q5_K from 12,
+    the tests run them); 0 restores the measured table (csrc/matmul.h, amx_min_tokens: Q4_K from 16 tokens, Q5_K from 12,
     the other types never, where the VNNI kernel was faster). Returns the minimum in force (0: the table)."""
     return lib().vs_set_amx_min(int(tokens))
 

@@ -15,7 +15,7 @@ from verispec.errors import VerispecError
 from verispec.models.gguf.native import ENOMEM, check, lib, ptr
 from verispec.models.gguf.reference import FLOAT_TYPES, SUPPORTED, activation_block, block_shape
 
-GROUP_ROWS = 16  # rows the kernels interleave (csrc/kernels.c, GROUP)
+GROUP_ROWS = 16  # rows the kernels interleave (csrc/layout.h, GROUP)
 
 
 def check_tensor(name: str, qtype: int, nbytes: int, rows: int, cols: int) -> int:

@@ -1,5 +1,5 @@
-/* One group of 16 weight rows against a tile of up to 16 tokens with AMX tile products. kernels.c includes this
- * file twice: once with the tile operations defined as the AMX instructions (run where the CPU has them), once as
+/* One group of 16 weight rows against a tile of up to 16 tokens with AMX tile products. matmul_amx.h includes
+ * this file twice: once with the tile operations defined as the AMX instructions (run where the CPU has them), once as
  * their software emulation (amx_tiles.h), so that the tile layout, the packing and the epilogue are tested bit for
  * bit on every machine. Before including, define:
  *   AMX_NAME(x)        the name of this copy's functions
@@ -92,7 +92,7 @@ static AMX_ATTR void AMX_NAME(group)(const layout_t *L, const uint8_t *grp, int6
                 if (!scaled) imin[r] = bs[0] + bs[1];
             }
             for (int r = 0; r < GROUP; r++) {
-                if (L->dmin_kind) { /* the offset taken off in integers, one product (kernels.c's EPILOGUE) */
+                if (L->dmin_kind) { /* the offset taken off in integers, one product (layout.h's EPILOGUE) */
                     acc[t][r] = fmaf(d[r] * da, (float)(isum[r] - L->dmin_kind * imin[r]), acc[t][r]);
                     continue;
                 }
@@ -166,7 +166,7 @@ static AMX_ATTR void AMX_NAME(group_units)(const layout_t *L, const uint8_t *grp
             int32_t imin[GROUP];
             AMX_IMIN(&mins, 8, tok[t].pairs + AMX_PAIRS * s, imin);
             for (int r = 0; r < GROUP; r++) {
-                if (L->dmin_kind) { /* the offset taken off in integers, one product (kernels.c's EPILOGUE) */
+                if (L->dmin_kind) { /* the offset taken off in integers, one product (layout.h's EPILOGUE) */
                     acc[t][r] = fmaf(d[r] * da, (float)(isum[t][r] - L->dmin_kind * imin[r]), acc[t][r]);
                     continue;
                 }

@@ -64,7 +64,7 @@ static void emu_dpbsud(int c, int a, int b) {
 
 /* A super-block's B operands, in slots (sub-block u at 512 u, slot i at 64 i, row r's 4 bytes at 4 r): with
  * scales, hi = (sc >> 3) q and lo = (sc & 7) q; without (or lo NULL: Q6_K's units), hi = q. Portable; the AVX-512
- * copy is in kernels.c. */
+ * copy is in matmul_amx.h. */
 static void amx_operands_portable(const layout_t *L, const uint8_t *sb, uint8_t *hi, uint8_t *lo) {
     const int64_t poff = planes_offset(L);
     const int pb = plane_bytes(L->bits), hdr = header_bytes(L);
