@@ -37,7 +37,8 @@ def llama3_factors(dim: int, theta: float, factor: float = 8.0, low: float = 1.0
 
 
 def native_logits(path, tokens: list[int]) -> np.ndarray:
-    runner = NativeRunner(load_gguf(path, show_progress=False))
+    """The native runner's logits, its cache in float32 as llama.cpp's is here (type_k / type_v 0)."""
+    runner = NativeRunner(load_gguf(path, show_progress=False), cache_dtype="float32")
     return runner.forward(runner.new_state(1), [tokens], [len(tokens)])[0].numpy()  # (T, V)
 
 
@@ -159,7 +160,7 @@ def assert_native_equals_torch(gguf, model) -> None:
     import torch
 
     tokens = list(range(3, 60))
-    runner = NativeRunner(gguf)
+    runner = NativeRunner(gguf, cache_dtype="float32")  # transformers keeps every bit of its keys and values
     ours = runner.forward(runner.new_state(1), [tokens], [len(tokens)])[0]
     with torch.no_grad():
         theirs = model(torch.tensor([tokens])).logits[0]

@@ -41,7 +41,7 @@ def random_heads(model, num_heads=3, noise=0.3, seed=0):
 def pair(tmp_path_factory):
     model = tiny_model("llama", vocab=64, seed=0, layers=2, sharpness=30.0)
     native = NativeRunner(load_gguf(gguf_from_hf(model, tmp_path_factory.mktemp("m") / "t.gguf", T.F32),
-                                    show_progress=False))
+                                    show_progress=False), cache_dtype="float32")  # its features match transformers'
     return model, native
 
 

@@ -231,10 +231,10 @@ def test_rmsnorm_and_swiglu_equal_torch_and_are_row_invariant():
     assert np.array_equal(part, out[1, 3:20])
 
 
-def attend(q, keys, values, prefix, extra, cap: float = 0.0, head_major: bool = True):
-    """vs_attention on one cache for all queries (scores soft-capped at `cap`: vs_attention_capped). q (N, Hq, D);
-    keys, values (L, Hkv, D), laid out for the kernel head-major (Hkv, L, D) as the runner's caches are, or as given
-    (a column holding every head)."""
+def attend(q, keys, values, prefix, extra, cap: float = 0.0, head_major: bool = True, half: bool = False):
+    """vs_attention on one cache for all queries (scores soft-capped at `cap`: vs_attention_capped; half: the cache
+    holds keys and values as float16, vs_attention_cache). q (N, Hq, D); keys, values (L, Hkv, D), laid out for the
+    kernel head-major (Hkv, L, D) as the runner's caches are, or as given (a column holding every head)."""
     n, hq, d = q.shape
     length, hkv = keys.shape[:2]
     if head_major:
@@ -251,7 +251,11 @@ def attend(q, keys, values, prefix, extra, cap: float = 0.0, head_major: bool = 
     flat = np.array([c for e in extra for c in e] or [0], np.int32)
     pre = np.array(prefix, np.int32)
     out = np.empty((n, hq * d), np.float32)
-    if cap:
+    if half:
+        assert keys.dtype == values.dtype == np.float16
+        status = lib().vs_attention_cache(ptr(q), n, hq, hkv, d, 1 / np.sqrt(d), ptr(kb), ptr(vb), stride,
+                                          ptr(head_stride), ptr(pre), ptr(off), ptr(flat), ptr(out), cap, 1)
+    elif cap:
         status = lib().vs_attention_capped(ptr(q), n, hq, hkv, d, 1 / np.sqrt(d), ptr(kb), ptr(vb), stride,
                                            ptr(head_stride), ptr(pre), ptr(off), ptr(flat), ptr(out), cap)
     else:
@@ -334,20 +338,47 @@ def test_attention_paths_give_the_same_bits(dim, group):
     for heads in (2, 1):
         keys = rng.standard_normal((75, heads, dim)).astype(np.float32) * 3
         values = rng.standard_normal((75, heads, dim)).astype(np.float32)
+        keys16, values16 = keys.astype(np.float16), values.astype(np.float16)
         for prefix, extra in layouts:
             q = rng.standard_normal((len(prefix), heads * group, dim)).astype(np.float32)
-            outs = []
+            outs, halves = [], []
             for path in PATHS:
                 native.set_path(path)
                 for threads in (1, 2):
                     native.set_threads(threads)
                     outs.append(attend(q, keys, values, prefix, extra))
                     outs.append(attend(q, keys, values, prefix, extra, head_major=False))  # every head in a column
+                    # a half cache: the float cache's values rounded to halves, read as exactly those floats
+                    halves.append(attend(q, keys16, values16, prefix, extra, half=True))
+                    halves.append(attend(q, keys16, values16, prefix, extra, head_major=False, half=True))
             native.set_threads(1)
             for other in outs[1:]:
                 assert np.array_equal(outs[0], other)
+            widened = attend(q, keys16.astype(np.float32), values16.astype(np.float32), prefix, extra)
+            assert not np.array_equal(widened, outs[0])  # the rounding shows
+            for other in halves:
+                assert np.array_equal(widened, other)
             for i in range(len(prefix)):  # each query alone: the same bits
                 assert np.array_equal(attend(q[i : i + 1], keys, values, prefix[i : i + 1], extra[i : i + 1])[0], outs[-1][i])
+
+
+def test_the_half_caches_rounding_is_numpys_float16_cast():
+    """What the fused layer writes to a half cache (vs_to_half) is what the per-op path's numpy assignment writes:
+    round to nearest, ties to even, through the subnormals, to inf from 65520, NaN kept NaN with its sign."""
+    rng = np.random.default_rng(3)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 65504, 65519.996, 65520, -65520, 1e9, 2.0**-24,
+                        2.0**-25, 3 * 2.0**-26, 2.0**-14, 2.0**-14 * (1 - 2.0**-11), 1 + 2.0**-11, 1 + 3 * 2.0**-11,
+                        np.finfo(np.float32).max, np.finfo(np.float32).tiny], np.float32)
+    bits = np.arange(0, 2**32, 4099, dtype=np.uint64).astype(np.uint32).view(np.float32)  # every exponent, signs
+    for x in (special, bits, (rng.standard_normal(100_000) * 10).astype(np.float32)):
+        out = np.empty(x.size, np.uint16)
+        assert lib().vs_to_half(ptr(x), x.size, ptr(out)) == 0
+        with np.errstate(over="ignore", invalid="ignore"):
+            expected = x.astype(np.float16)
+        nan = np.isnan(x)
+        assert np.array_equal(out[~nan], expected[~nan].view(np.uint16))
+        assert np.isnan(out[nan].view(np.float16)).all()
+        assert np.array_equal(out[nan] >> 15, x[nan].view(np.uint32) >> 31)  # the sign stays
 
 
 def test_gelu_mul_is_llamacpps_geglu_through_halves():

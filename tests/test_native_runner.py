@@ -52,11 +52,37 @@ def logits_one_by_one(runner, prompt, tokens):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_float32_runner_equals_transformers_forward(tmp_path, arch):
     model = tiny_model(arch, vocab=64, seed=0, sharpness=30.0)
-    runner = NativeRunner(load_gguf(gguf_from_hf(model, tmp_path / "m.gguf", T.F32), show_progress=False))
+    runner = NativeRunner(load_gguf(gguf_from_hf(model, tmp_path / "m.gguf", T.F32), show_progress=False),
+                          cache_dtype="float32")  # as transformers keeps its keys and values
     ids = [1, 2, 3, 4, 5, 1, 2, 3, 9, 17, 33]
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0]  # (T, V)
     torch.testing.assert_close(runner.forward(runner.new_state(1), [ids], [len(ids)])[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_half_cache_holds_the_float32_caches_values_rounded_and_stays_close_to_it(tmp_path):
+    """The default cache keeps keys and values as float16: layer 0's (computed from the embeddings alone, so the same
+    floats in both runners) are the float32 cache's rounded to the nearest half, bit for bit; the logits move by the
+    rounding only (a runner that read the halves as the wrong type, or at the wrong place, would be far off); a row
+    holds half the bytes. An unknown cache type is refused in one line."""
+    model = tiny_model("qwen2", vocab=64, seed=2, sharpness=30.0)
+    gguf = load_gguf(gguf_from_hf(model, tmp_path / "m.gguf", T.Q8_0), show_progress=False)
+    half, full = NativeRunner(gguf), NativeRunner(gguf, cache_dtype="float32")
+    ids = [1, 2, 3, 4, 5, 1, 2, 3, 9, 17, 33, 40]
+    states = [half.new_state(1), full.new_state(1)]
+    logits = [r.forward(s, [ids], [len(ids)])[0] for r, s in zip((half, full), states)]  # (T, V) each
+    h, f = states[0].rows[0], states[1].rows[0]
+    assert h.keys.dtype == h.values.dtype == np.float16 and f.keys.dtype == np.float32
+    n = len(ids)
+    for mine, theirs in ((h.keys, f.keys), (h.values, f.values)):
+        assert np.array_equal(mine[0, :, :n].view(np.uint16), theirs[0, :, :n].astype(np.float16).view(np.uint16))
+        assert not np.array_equal(mine[:, :, :n].astype(np.float32), theirs[:, :, :n])  # rounded: not the floats
+    spread = float(logits[1].std())
+    difference = float((logits[0] - logits[1]).abs().max())
+    assert 0 < difference < 0.1 * spread, (difference, spread)  # 0.024 of the spread here
+    assert half.cache_bytes(1000) * 2 == full.cache_bytes(1000)
+    with pytest.raises(VerispecError, match="cache_dtype must be one of float16, float32, got 'bfloat16'"):
+        NativeRunner(gguf, cache_dtype="bfloat16")
 
 
 def test_a_tokens_logits_are_the_same_bits_in_a_pass_of_any_width(mixed):
@@ -245,7 +271,7 @@ def test_a_converted_torch_model_runs_on_the_kernels_like_transformers():
 
     for arch in ("llama", "qwen2"):  # transformers' RoPE rotates halves: converted models run it so, unpermuted
         model = tiny_model(arch, vocab=64, seed=1, sharpness=30.0)
-        runner = NativeRunner(model_from_torch(model, qtype=0))
+        runner = NativeRunner(model_from_torch(model, qtype=0), cache_dtype="float32")
         ids = [3, 1, 4, 1, 5, 9, 2, 6]
         with torch.no_grad():
             expected = model(torch.tensor([ids])).logits[0]

@@ -41,6 +41,8 @@ _SIGNATURES = {
     "vs_gelu_mul": ([_P, _P, _I64, _P], None),
     "vs_attention": ([_P, _I64, _I, _I, _I, _F, _P, _P, _I64, _P, _P, _P, _P, _P], _I),
     "vs_attention_capped": ([_P, _I64, _I, _I, _I, _F, _P, _P, _I64, _P, _P, _P, _P, _P, _F], _I),
+    "vs_attention_cache": ([_P, _I64, _I, _I, _I, _F, _P, _P, _I64, _P, _P, _P, _P, _P, _F, _I], _I),
+    "vs_to_half": ([_P, _I64, _P], _I),
     "vs_layer_forward": ([_P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _I], _I),
     "vs_moe_ffn": ([_P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _P], _I),
     "vs_profile_start": ([], None),
@@ -83,7 +85,7 @@ class DimsStruct(ctypes.Structure):
 
     _fields_ = [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "neox", "gelu",
                                                  "whole_qk_norm", "rope_dim")] + [
-        ("eps", _D), ("scale", _D), ("residual_scale", _D), ("attn_softcap", _D)]
+        ("eps", _D), ("scale", _D), ("residual_scale", _D), ("attn_softcap", _D), ("kv_half", _I64)]
 
 
 @lru_cache(maxsize=1)

@@ -49,13 +49,15 @@ def layers_per_op(model: GGUFModel, x: np.ndarray, queries: list[Query], rows: l
             for row, first, count, column in runs:  # (count, Hkv D) into the head-major (Hkv, columns, D)
                 for cache, t in ((row.keys, k), (row.values, v)):
                     heads = t[first : first + count].reshape(count, c.kv_heads, -1)  # (count, Hkv, D)
-                    cache[i, :, column : column + count] = heads.swapaxes(0, 1)
+                    with np.errstate(over="ignore"):  # to a half cache: past 65504 inf, as the fused layer writes
+                        cache[i, :, column : column + count] = heads.swapaxes(0, 1)
             keys, values = a.key_base + i * a.layer_bytes, a.value_base + i * a.layer_bytes  # (N,) this layer's
-            head_stride = a.layer_bytes // (4 * c.kv_heads)  # (N,) floats between a row's key/value heads
-            check(lib().vs_attention_capped(ptr(q), n, c.heads, c.kv_heads, c.head_dim, c.scale, ptr(keys),
-                                            ptr(values), c.head_dim, ptr(head_stride), ptr(a.prefix),
-                                            ptr(a.extra_off), ptr(a.extra), ptr(attn), c.attn_softcap),
-                  f"attention of layer {i}")
+            item = rows[0].keys.itemsize  # every row's cache has the runner's element type
+            head_stride = a.layer_bytes // (item * c.kv_heads)  # (N,) elements between a row's key/value heads
+            check(lib().vs_attention_cache(ptr(q), n, c.heads, c.kv_heads, c.head_dim, c.scale, ptr(keys),
+                                           ptr(values), c.head_dim, ptr(head_stride), ptr(a.prefix),
+                                           ptr(a.extra_off), ptr(a.extra), ptr(attn), c.attn_softcap,
+                                           int(item == 2)), f"attention of layer {i}")
             x = x + _post_norm(c, layer.out(ops.Activations(attn)), layer.attn_post_norm)
         if not skips[i] & 2:
             if layer.experts:

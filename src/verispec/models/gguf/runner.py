@@ -1,8 +1,9 @@
 """The quantized CPU runner: the runner interface (`core.protocols.Runner`: new_state / forward / commit) over a
 `GGUFModel`, every op a C kernel.
 
-Caches. Each row (sequence) owns a static, position-indexed cache per layer, (Hkv, capacity, D) float32
-for keys and for values, grown by doubling. Committed token c sits in column c, and rows never pad each other.
+Caches. Each row (sequence) owns a static, position-indexed cache per layer, (Hkv, capacity, D) for keys and
+for values, grown by doubling: float16 by default (each value rounded to the nearest half, as llama.cpp's default
+cache keeps them: half the bytes a pass reads and a row holds), float32 with `cache_dtype="float32"`. Committed token c sits in column c, and rows never pad each other.
 Head-major, so that attention streams each key/value head's columns from contiguous memory.
 
 Trees. Between commits a row may hold speculative entries: slot s (numbered in the order added) sits in
@@ -43,6 +44,7 @@ from verispec.models.runners.hf import training_logits
 # target, 2 threads, a 1,500-token prompt read alone: 11.3 / 11.2 / 11.2 s in passes of 128 / 256 / 512 tokens,
 # 14.1 s in one pass of 1,500 (a wide pass's activations no longer stay in the caches). The bits are the same.
 MAX_PASS_TOKENS = 512
+CACHE_DTYPES = ("float16", "float32")  # a row cache's element type (NativeRunner's cache_dtype)
 
 
 @dataclass
@@ -64,7 +66,7 @@ class RowCache:
         for name in ("keys", "values"):
             old = getattr(self, name)
             layers, heads, _, dim = old.shape
-            new = np.empty((layers, heads, capacity, dim), np.float32)
+            new = np.empty((layers, heads, capacity, dim), old.dtype)
             new[:, :, : old.shape[2]] = old
             setattr(self, name, new)
 
@@ -153,11 +155,16 @@ class NativeRunner:
     device = torch.device("cpu")  # where its logits are (core.protocols.Runner)
 
     def __init__(self, model: GGUFModel, threads: int | None = None, initial_capacity: int = 256,
-                 source: torch.nn.Module | None = None, fused: bool = True) -> None:
+                 source: torch.nn.Module | None = None, fused: bool = True, cache_dtype: str = "float16") -> None:
         """source: the torch module a converted draft came from (`convert.model_from_torch`): online
         adaptation trains it, and assigning `model` converts the new weights. None for a GGUF file.
         fused: each layer in one C call (vs_layer_forward); False runs the same kernels one by one from
-        Python (the same bits, ~3 ms slower a pass on the 1.5B target; the tests compare the two)."""
+        Python (the same bits, ~3 ms slower a pass on the 1.5B target; the tests compare the two).
+        cache_dtype: "float16" (keys and values rounded to halves, as llama.cpp's default cache) or "float32"
+        (every bit the layer computed: what the tests comparing with transformers use)."""
+        if cache_dtype not in CACHE_DTYPES:
+            raise VerispecError(f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {cache_dtype!r}")
+        self.cache_dtype = np.dtype(cache_dtype)
         self._source = source
         self.fused = fused
         self.gguf = model
@@ -191,7 +198,8 @@ class NativeRunner:
             c.rope_kind, c.rotated, c.rope_theta, c.rope_scale, c.rope_context, c.rope_attn_factor, model.rope_factors)
         self._experts_c = {i: ExpertStructs(layer) for i, layer in enumerate(model.layers) if layer.experts}
         self._dims = DimsStruct(c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, int(c.neox), int(c.gelu),
-                                int(c.whole_qk_norm), c.rotated, c.rms_eps, c.scale, c.residual_scale, c.attn_softcap)
+                                int(c.whole_qk_norm), c.rotated, c.rms_eps, c.scale, c.residual_scale, c.attn_softcap,
+                                int(self.cache_dtype == np.float16))
 
         def weight(w: ops.Weight | None) -> WeightStruct:
             return WeightStruct() if w is None else WeightStruct(w.qtype, w.address, w.rows, w.cols)
@@ -258,19 +266,19 @@ class NativeRunner:
     def new_row(self) -> RowCache:
         c = self.config
         shape = (c.layers, c.kv_heads, self.initial_capacity, c.head_dim)
-        return RowCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+        return RowCache(np.zeros(shape, self.cache_dtype), np.zeros(shape, self.cache_dtype))
 
     def new_state(self, batch_size: int) -> NativeState:
         return NativeState(self, [self.new_row() for _ in range(batch_size)])
 
     def cache_bytes(self, tokens: int) -> int:
-        """Bytes one row's cache holds once it holds `tokens` tokens: float32 keys and values per layer, the
+        """Bytes one row's cache holds once it holds `tokens` tokens: keys and values per layer (`cache_dtype`), the
         capacity doubled from `initial_capacity` until it fits (`RowCache.reserve`)."""
         capacity = self.initial_capacity
         while capacity < tokens:
             capacity *= 2
         c = self.config
-        return 2 * c.layers * capacity * c.kv_dim * 4
+        return 2 * c.layers * capacity * c.kv_dim * self.cache_dtype.itemsize
 
     # ------------------------------------------------------------------ the interface
 

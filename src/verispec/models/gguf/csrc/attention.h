@@ -29,23 +29,16 @@ static float exp_and_sum(float *score, int64_t m, float top) {
     return lane[0];
 }
 
-/* One query's attention for the G query heads that share one key/value head (grouped-query attention).
- * qg (G, dim); K, V: that head's first key / value, column c at + c * stride; cols (m): the attended
- * columns in order; score (G, m) scratch; og (G, dim) out. Per head: score_j = dot16(q, k_j) * scale, then
- * e^(score - max) and their sum (exp_and_sum), then o = sum_j p_j v_j in column order (fmaf), o / total. */
-static void attend_group_generic(const float *qg, int G, int dim, const float *K, const float *V, int64_t stride,
-                                 const int32_t *cols, int64_t m, float scale, float cap, float *score, float *og) {
-    for (int g = 0; g < G; g++) {
-        float *sg = score + g * m, top = -INFINITY;
-        for (int64_t j = 0; j < m; j++) sg[j] = dot16(qg + g * dim, K + cols[j] * stride, dim) * scale;
-        soft_cap(sg, m, cap);
-        for (int64_t j = 0; j < m; j++) top = sg[j] > top ? sg[j] : top;
-        float total = exp_and_sum(sg, m, top);
-        float *o = og + g * dim;
-        for (int k = 0; k < dim; k++) o[k] = 0.0f;
-        for (int64_t j = 0; j < m; j++) axpy(o, sg[j], V + cols[j] * stride, dim);
-        for (int k = 0; k < dim; k++) o[k] = o[k] / total;
-    }
+/* n half-precision values (IEEE binary16 bits) to floats: exact, so any instruction that converts them gives
+ * these bits; cloned per CPU so that the F16C build converts 8 or 16 at a time. */
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+static void half_row_to_float(const uint16_t *h, float *out, int64_t n) {
+#ifdef __FLT16_MAX__
+    const _Float16 *v = (const _Float16 *)h;
+    for (int64_t i = 0; i < n; i++) out[i] = (float)v[i];
+#else
+    for (int64_t i = 0; i < n; i++) out[i] = half_to_float(h[i]);
+#endif
 }
 
 #ifdef VS_X86
@@ -79,112 +72,12 @@ VS_INLINE VS_AVX512 __m512 reduce16(const __m512 a[16]) {
     return _mm512_permutexvar_ps(order, r);
 }
 
-/* One head's scores over 16 columns: 16 independent chains of fused multiply-adds (one per column, in the
- * dimension's order, as dot16 runs them), then reduce16. */
-VS_INLINE VS_AVX512 __m512 scores16(const float *qh, int dim, const float *K, int64_t stride, const int32_t *cols) {
-    __m512 acc[16];
-    const float *k[16];
-    for (int c = 0; c < 16; c++) {
-        acc[c] = _mm512_setzero_ps();
-        k[c] = K + cols[c] * stride;
-    }
-    for (int d0 = 0; d0 < dim; d0 += 16) {
-        __m512 qv = _mm512_loadu_ps(qh + d0);
-        for (int c = 0; c < 16; c++) acc[c] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[c] + d0), acc[c]);
-    }
-    return reduce16(acc);
-}
-
-/* o[h][d] += sum_j p[h][j] v_j[d] over columns j0 .. j1-1, for NH heads and NC 16-float chunks of the dimension
- * from d0, in column order (one fused multiply-add per column and element, as axpy runs them); NH * NC chains in
- * registers, the running sums kept in og between blocks of columns (a float stored and loaded is the same float). */
-VS_INLINE VS_AVX512 void weigh_values(const int NH, const int NC, const float *score, int64_t m, const float *V,
-                                      int64_t stride, const int32_t *cols, int64_t j0, int64_t j1, int d0, int dim,
-                                      float *og) {
-    __m512 acc[24];
-    for (int h = 0; h < NH; h++)
-        for (int c = 0; c < NC; c++)
-            acc[h * NC + c] = j0 ? _mm512_loadu_ps(og + h * dim + d0 + 16 * c) : _mm512_setzero_ps();
-    for (int64_t j = j0; j < j1; j++) {
-        const float *v = V + cols[j] * stride + d0;
-        for (int c = 0; c < NC; c++) {
-            __m512 vc = _mm512_loadu_ps(v + 16 * c);
-            for (int h = 0; h < NH; h++)
-                acc[h * NC + c] = _mm512_fmadd_ps(_mm512_set1_ps(score[h * m + j]), vc, acc[h * NC + c]);
-        }
-    }
-    for (int h = 0; h < NH; h++)
-        for (int c = 0; c < NC; c++) _mm512_storeu_ps(og + h * dim + d0 + 16 * c, acc[h * NC + c]);
-}
-
 /* Columns whose values are weighed for every head before the next ones are read: 32 columns of a 128-float head
  * are 16 KB, which stay in the L1 cache while each head reads them. */
 enum { WEIGH_BLOCK = 32 };
 
-/* A prefetch of columns a .. b-1's keys (to L1) and values (to L2, read after the scores). */
-VS_INLINE VS_AVX512 void prefetch_columns(const float *K, const float *V, int64_t stride, const int32_t *cols, int64_t a,
-                                          int64_t b, int dim) {
-    for (; a < b; a++) {
-        const char *kp = (const char *)(K + cols[a] * stride), *vp = (const char *)(V + cols[a] * stride);
-        for (int o = 0; o < dim * (int)sizeof(float); o += 64) {
-            _mm_prefetch(kp + o, _MM_HINT_T0);
-            _mm_prefetch(vp + o, _MM_HINT_T1);
-        }
-    }
-}
-
-/* One query's G heads' scores over its columns j0 .. j1-1 (j0 a multiple of 16): whole blocks of 16 by scores16,
- * the rest one by one with _mm512_reduce_add_ps, which halves as dot16 does. score (G, m). */
-static VS_AVX512 void score_columns(const float *qg, int G, int dim, const float *K, int64_t stride,
-                                    const int32_t *cols, int64_t m, int64_t j0, int64_t j1, float scale, float *score) {
-    int64_t j = j0;
-    for (; j + 16 <= j1; j += 16) {
-        for (int g = 0; g < G; g++)
-            _mm512_storeu_ps(score + g * m + j, _mm512_mul_ps(scores16(qg + g * dim, dim, K, stride, cols + j), _mm512_set1_ps(scale)));
-    }
-    for (; j < j1; j++) {
-        const float *k = K + cols[j] * stride;
-        for (int g = 0; g < G; g++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int d0 = 0; d0 < dim; d0 += 16)
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + g * dim + d0), _mm512_loadu_ps(k + d0), acc);
-            score[g * m + j] = _mm512_reduce_add_ps(acc) * scale;
-        }
-    }
-}
-
-/* One query's G heads' weighed sums over columns j0 .. j1-1 added to og (zeros first where j0 is 0): short heads
- * 8 / chunks side by side (chunks 1, 2 or 4); heads of 8 chunks or a multiple (128, 256 floats) three or two at a
- * time, 8 chunks of each, so that a value vector loaded once serves them all (6 query heads a key/value head, 1,500
- * columns, caches cold: 4.8 -> 4.4 ms over 28 layers with three at a time, 4.6 with two, on a 2-core Xeon); the
- * rest alone in chunks of 8, 4 and 1. Each (head, chunk) sum runs over the columns in order whatever its company. */
-static VS_AVX512 void weigh_columns(int G, int dim, const float *V, int64_t stride, const int32_t *cols, int64_t m,
-                                    int64_t j0, int64_t j1, const float *score, float *og) {
-    const int chunks = dim / 16;
-    const int NH = chunks == 1 ? 8 : chunks == 2 ? 4 : chunks == 4 ? 2 : 1;
-    int g = 0;
-    for (; NH > 1 && g + NH <= G; g += NH) {
-        const float *s = score + g * m;
-        float *o = og + g * dim;
-        if (chunks == 1) weigh_values(8, 1, s, m, V, stride, cols, j0, j1, 0, dim, o);
-        else if (chunks == 2) weigh_values(4, 2, s, m, V, stride, cols, j0, j1, 0, dim, o);
-        else weigh_values(2, 4, s, m, V, stride, cols, j0, j1, 0, dim, o);
-    }
-    if (chunks % 8 == 0) {
-        const int most = G % 3 == 0 ? 3 : 2;
-        for (; g + most <= G; g += most)
-            for (int d0 = 0; d0 < dim; d0 += 128) {
-                if (most == 3) weigh_values(3, 8, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim);
-                else weigh_values(2, 8, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim);
-            }
-    }
-    for (; g < G; g++) {
-        int d0 = 0;
-        for (; d0 + 128 <= dim; d0 += 128) weigh_values(1, 8, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim);
-        for (; d0 + 64 <= dim; d0 += 64) weigh_values(1, 4, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim);
-        for (; d0 < dim; d0 += 16) weigh_values(1, 1, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim);
-    }
-}
+/* How many columns ahead the keys being scored and the values being weighed are asked into L2 (see prefetch_l2). */
+enum { KEYS_AHEAD = 16, VALUES_AHEAD = 32 };
 
 /* e^(score - max) and the sums of one query's G heads (the maximum in 16 lanes: a maximum is the same whatever
  * the order, and with a NaN among the scores the sum is NaN whatever the maximum, as in the generic path). */
@@ -201,42 +94,31 @@ static VS_AVX512 void softmax_heads(int G, int64_t m, float *score, float *total
     }
 }
 
-/* The same operations as attend_group_generic in 512-bit registers (dim a multiple of 16), for nq queries of one
- * key/value head whose first `shared` columns are the same (a row's chain queries share its cache's prefix): each
- * block of those columns' keys and values is read once from memory for all the queries, which then go on alone
- * over their own columns. A query's scores, softmax and weighed sum are the same operations in the same order
- * whatever queries share its call. q[i] (G, dim), cols[i] (m[i]), score[i] (G, m[i]) and total (nq, G) scratch,
- * og[i] (G, dim) out. */
-static VS_AVX512 void attend_queries_avx512(int nq, const float *const *q, int G, int dim, const float *K,
-                                            const float *V, int64_t stride, int32_t *const *cols, const int64_t *m,
-                                            int64_t shared, float scale, float cap, float *const *score,
-                                            float *total, float *const *og) {
-    prefetch_columns(K, V, stride, cols[0], 0, m[0] < ATTEND_AHEAD ? m[0] : ATTEND_AHEAD, dim);
-    const int64_t scored = shared / 16 * 16, weighed = shared / WEIGH_BLOCK * WEIGH_BLOCK;
-    for (int64_t j = 0; j < scored; j += 16)
-        for (int i = 0; i < nq; i++)
-            score_columns(q[i], G, dim, K, stride, cols[i], m[i], j, j + 16, scale, score[i]);
-    for (int i = 0; i < nq; i++) {
-        score_columns(q[i], G, dim, K, stride, cols[i], m[i], scored, m[i], scale, score[i]);
-        softmax_heads(G, m[i], score[i], total + i * G, cap);
-    }
-    for (int64_t j = 0; j < weighed; j += WEIGH_BLOCK)
-        for (int i = 0; i < nq; i++) weigh_columns(G, dim, V, stride, cols[i], m[i], j, j + WEIGH_BLOCK, score[i], og[i]);
-    for (int i = 0; i < nq; i++) {
-        if (m[i] == 0) /* no column: 0 / 0, as the generic path gives */
-            for (int k = 0; k < G * dim; k++) og[i][k] = 0.0f;
-        for (int64_t j = weighed; j < m[i]; j += WEIGH_BLOCK)
-            weigh_columns(G, dim, V, stride, cols[i], m[i], j, j + WEIGH_BLOCK < m[i] ? j + WEIGH_BLOCK : m[i], score[i], og[i]);
-        for (int g = 0; g < G; g++)
-            for (int d0 = 0; d0 < dim; d0 += 16)
-                _mm512_storeu_ps(og[i] + g * dim + d0, _mm512_div_ps(_mm512_loadu_ps(og[i] + g * dim + d0), _mm512_set1_ps(total[i * G + g])));
-    }
-}
 #endif
+
+#define KV_T float
+#define KV_NAME(x) x##_f32
+#define KV_LOAD16(p) _mm512_loadu_ps(p)
+#define KV_COLUMN(p, buf, n) (p)
+#include "attend_cache.h"
+#undef KV_T
+#undef KV_NAME
+#undef KV_LOAD16
+#undef KV_COLUMN
+#define KV_T uint16_t
+#define KV_NAME(x) x##_f16
+#define KV_LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define KV_COLUMN(p, buf, n) (half_row_to_float((p), (buf), (n)), (const float *)(buf))
+#include "attend_cache.h"
+#undef KV_T
+#undef KV_NAME
+#undef KV_LOAD16
+#undef KV_COLUMN
 
 /* Attention of n queries over their rows' caches.
  * q (n, hq, dim); for query i: key/value head h's key in cache column c at kbase[i] + h * head_stride[i] +
- * c * stride (floats), its value likewise from vbase[i]. It attends to columns 0 .. prefix[i]-1, then to the columns
+ * c * stride elements, its value likewise from vbase[i]; an element is a float, or with kv_half an IEEE half (the
+ * runner's default cache: half the bytes to read, and llama.cpp's own cache type). It attends to columns 0 .. prefix[i]-1, then to the columns
  * extra[extra_off[i] .. extra_off[i+1]-1] (increasing). out (n, hq, dim).
  * Scores, softmax and the weighted sum run over the attended columns in order: a query's result is the
  * same whatever other queries the call has, and a tree node's equals the chain's over the same entries.
@@ -248,9 +130,9 @@ static VS_AVX512 void attend_queries_avx512(int nq, const float *const *q, int G
  * key/value heads), which the hardware prefetcher streamed poorly: a one-token pass of the default target (2 threads,
  * a 2-core Xeon with AMX) spent 1.03 / 7.2 / 19.6 ms in attention over 200 / 1,500 / 4,000 cached tokens; head-major,
  * without the prefetches inside the loop and weighing heads three at a time, 0.91 / 5.6 / 13.35. */
-int vs_attention_capped(const float *q, int64_t n, int hq, int hkv, int dim, float scale, const int64_t *kbase,
-                        const int64_t *vbase, int64_t stride, const int64_t *head_stride, const int32_t *prefix,
-                        const int32_t *extra_off, const int32_t *extra, float *out, float cap) {
+int vs_attention_cache(const float *q, int64_t n, int hq, int hkv, int dim, float scale, const int64_t *kbase,
+                       const int64_t *vbase, int64_t stride, const int64_t *head_stride, const int32_t *prefix,
+                       const int32_t *extra_off, const int32_t *extra, float *out, float cap, int kv_half) {
     if (n < 0 || hq <= 0 || hkv <= 0 || hq % hkv || dim <= 0) return VS_EINVAL; /* G = hq / hkv below */
     if (n == 0) return VS_OK;
     int64_t most = 0;
@@ -279,18 +161,18 @@ int vs_attention_capped(const float *q, int64_t n, int hq, int hkv, int dim, flo
     {
         float *score = malloc(sizeof(float) * (size_t)(span * G) * (size_t)(most + 1));
         int32_t *colbuf = malloc(sizeof(int32_t) * (size_t)span * (size_t)(most + 1));
-        float *total = malloc(sizeof(float) * (size_t)(span * G));
-        if (!score || !colbuf || !total) {
+        float *total = malloc(sizeof(float) * (size_t)(span * G)), *column = malloc(sizeof(float) * (size_t)dim);
+        if (!score || !colbuf || !total || !column) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t rh = 0; rh < runs * hkv; rh++) {
-            if (!score || !colbuf || !total) continue; /* every thread still reaches the loop's barrier */
+            if (!score || !colbuf || !total || !column) continue; /* every thread still reaches the loop's barrier */
             const int64_t r = rh / hkv, i0 = first[r], nq = first[r + 1] - first[r];
             const int kvh = (int)(rh % hkv);
-            const float *K = (const float *)(intptr_t)kbase[i0] + kvh * head_stride[i0];
-            const float *V = (const float *)(intptr_t)vbase[i0] + kvh * head_stride[i0];
+            const size_t at = (size_t)(kvh * head_stride[i0]) * (kv_half ? sizeof(uint16_t) : sizeof(float));
+            const char *K = (const char *)(intptr_t)kbase[i0] + at, *V = (const char *)(intptr_t)vbase[i0] + at;
             const float *qs[SPAN];
             float *os[SPAN], *ss[SPAN];
             int32_t *cs[SPAN];
@@ -309,19 +191,37 @@ int vs_attention_capped(const float *q, int64_t n, int hq, int hkv, int dim, flo
                 shared = prefix[i] < shared ? prefix[i] : shared;
             }
 #ifdef VS_X86
-            if (simd) attend_queries_avx512((int)nq, qs, G, dim, K, V, stride, cs, ms, shared, scale, cap, ss, total, os);
+            if (simd && kv_half)
+                attend_queries_avx512_f16((int)nq, qs, G, dim, (const uint16_t *)K, (const uint16_t *)V, stride, cs, ms,
+                                          shared, scale, cap, ss, total, os);
+            else if (simd)
+                attend_queries_avx512_f32((int)nq, qs, G, dim, (const float *)K, (const float *)V, stride, cs, ms, shared,
+                                          scale, cap, ss, total, os);
             else
 #endif
                 for (int64_t t = 0; t < nq; t++)
-                    attend_group_generic(qs[t], G, dim, K, V, stride, cs[t], ms[t], scale, cap, ss[t], os[t]);
+                    if (kv_half)
+                        attend_group_generic_f16(qs[t], G, dim, (const uint16_t *)K, (const uint16_t *)V, stride, cs[t],
+                                                 ms[t], scale, cap, ss[t], total, column, os[t]);
+                    else
+                        attend_group_generic_f32(qs[t], G, dim, (const float *)K, (const float *)V, stride, cs[t], ms[t],
+                                                 scale, cap, ss[t], total, column, os[t]);
         }
         free(score);
         free(colbuf);
         free(total);
+        free(column);
     }
     free(first);
     (void)simd;
     return failed ? VS_ENOMEM : VS_OK;
+}
+
+int vs_attention_capped(const float *q, int64_t n, int hq, int hkv, int dim, float scale, const int64_t *kbase,
+                        const int64_t *vbase, int64_t stride, const int64_t *head_stride, const int32_t *prefix,
+                        const int32_t *extra_off, const int32_t *extra, float *out, float cap) {
+    return vs_attention_cache(q, n, hq, hkv, dim, scale, kbase, vbase, stride, head_stride, prefix, extra_off, extra,
+                              out, cap, 0);
 }
 
 int vs_attention(const float *q, int64_t n, int hq, int hkv, int dim, float scale, const int64_t *kbase, const int64_t *vbase,

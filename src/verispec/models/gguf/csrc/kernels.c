@@ -17,7 +17,7 @@
  *   matmul_amx.h      the AMX tile kernels (amx_tiles.h, amx_group.h), real and emulated
  *   matmul.h          vs_matmul: kernels and threads for a quantized matmul
  *   rowops.h          float matmuls, RMSNorm, RoPE, SwiGLU / GeGLU
- *   attention.h       attention over the caches
+ *   attention.h       attention over the caches (attend_cache.h: once for float, once for half caches)
  *   layer.h           a whole decoder layer, the MoE FFN
  */
 #define PY_SSIZE_T_CLEAN

@@ -28,6 +28,7 @@ typedef struct {
     double residual_scale; /* each sublayer's output times this before its residual add (Granite; 1 or 0: none, as
                               llama.cpp reads an unset scale) */
     double attn_softcap; /* scores soft-capped before the softmax (Gemma 2; 0: none) */
+    int64_t kv_half; /* the caches hold IEEE halves (half_from_float), else floats */
 } vs_dims_t;
 
 typedef struct {
@@ -77,9 +78,40 @@ static void add_rows(float *y, const float *b, int64_t n, int64_t width) { /* y[
         for (int64_t j = 0; j < width; j++) y[i * width + j] = y[i * width + j] + b[j];
 }
 
+/* x's IEEE half bits, rounded to nearest, ties to even (round_to_half), as numpy's float32 -> float16 cast writes the
+ * per-op path's cache: from 65520 on inf, a NaN a NaN with the float's sign and top payload bits. */
+static uint16_t half_from_float(float x) {
+    uint32_t f;
+    memcpy(&f, &x, 4);
+    const uint16_t sign = (uint16_t)((f >> 16) & 0x8000);
+    if (x != x) {
+        const uint16_t payload = (uint16_t)((f & 0x7FFFFF) >> 13);
+        return sign | 0x7C00 | (payload ? payload : 1);
+    }
+    const float r = round_to_half(x);
+    return isinf(r) ? sign | 0x7C00 : half_bits(r);
+}
+
+/* x (n) as the half caches store them (half_from_float); the tests compare it with numpy's cast. */
+int vs_to_half(const float *x, int64_t n, uint16_t *out) {
+    if (n < 0) return VS_EINVAL;
+    for (int64_t i = 0; i < n; i++) out[i] = half_from_float(x[i]);
+    return VS_OK;
+}
+
+/* The n values at src into a cache column at dst: copied, or as halves. */
+static void cache_write(void *dst, const float *src, int64_t n, int half) {
+    if (!half) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *h = dst;
+    for (int64_t i = 0; i < n; i++) h[i] = half_from_float(src[i]);
+}
+
 /* x (n, hidden) in place; query i writes its key and value to column columns[i] of its row's cache and attends as
  * vs_attention says. A row's cache is head-major: layer l's keys at kbase0[i] + l * layer_bytes[i], kv_heads blocks
- * of layer_bytes[i] / kv_heads bytes, head h's column c at + h * that + c * stride floats (values likewise). */
+ * of layer_bytes[i] / kv_heads bytes, head h's column c at + h * that + c * stride elements (values likewise; floats, or halves with kv_half). */
 static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int64_t n, const float *rope_table,
                          const int64_t *kbase0, const int64_t *vbase0, const int64_t *layer_bytes, int64_t layer,
                          int64_t stride, const int32_t *columns, const int32_t *prefix, const int32_t *extra_off,
@@ -109,7 +141,7 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
     for (int64_t i = 0; i < n; i++) {
         kb[i] = kbase0[i] + layer * layer_bytes[i];
         vb[i] = vbase0[i] + layer * layer_bytes[i];
-        hs[i] = layer_bytes[i] / (int64_t)sizeof(float) / D->kv_heads;
+        hs[i] = layer_bytes[i] / (int64_t)(D->kv_half ? sizeof(uint16_t) : sizeof(float)) / D->kv_heads;
     }
 
     if (skip & 1) goto mlp;
@@ -130,13 +162,13 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
     }
     for (int64_t i = 0; i < n; i++)
         for (int64_t kvh = 0; kvh < D->kv_heads; kvh++) {
-            const int64_t at = kvh * hs[i] + columns[i] * stride;
-            memcpy((float *)(intptr_t)kb[i] + at, k + i * KD + kvh * D->head_dim, sizeof(float) * (size_t)D->head_dim);
-            memcpy((float *)(intptr_t)vb[i] + at, v + i * KD + kvh * D->head_dim, sizeof(float) * (size_t)D->head_dim);
+            const int64_t at = (kvh * hs[i] + columns[i] * stride) * (D->kv_half ? 2 : 4); /* bytes */
+            cache_write((char *)(intptr_t)kb[i] + at, k + i * KD + kvh * D->head_dim, D->head_dim, (int)D->kv_half);
+            cache_write((char *)(intptr_t)vb[i] + at, v + i * KD + kvh * D->head_dim, D->head_dim, (int)D->kv_half);
         }
     double t_attention = profile_now();
-    status = vs_attention_capped(q, n, (int)D->heads, (int)D->kv_heads, (int)D->head_dim, (float)D->scale, kb, vb, stride,
-                                 hs, prefix, extra_off, extra, attn, (float)D->attn_softcap);
+    status = vs_attention_cache(q, n, (int)D->heads, (int)D->kv_heads, (int)D->head_dim, (float)D->scale, kb, vb, stride,
+                                hs, prefix, extra_off, extra, attn, (float)D->attn_softcap, (int)D->kv_half);
     profile_add(PROFILE_ATTENTION, t_attention);
     if (status) goto done;
     a2 = (act_t){attn, n, QD, {0}, {0}, {0}};
