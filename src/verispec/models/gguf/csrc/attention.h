@@ -29,6 +29,9 @@ static float exp_and_sum(float *score, int64_t m, float top) {
     return lane[0];
 }
 
+/* Bytes of one cache element: an IEEE half with kv_half, else a float. */
+static inline int64_t kv_bytes(int kv_half) { return kv_half ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float); }
+
 /* n half-precision values (IEEE binary16 bits) to floats: exact, so any instruction that converts them gives
  * these bits; cloned per CPU so that the F16C build converts 8 or 16 at a time. */
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -171,7 +174,7 @@ int vs_attention_cache(const float *q, int64_t n, int hq, int hkv, int dim, floa
             if (!score || !colbuf || !total || !column) continue; /* every thread still reaches the loop's barrier */
             const int64_t r = rh / hkv, i0 = first[r], nq = first[r + 1] - first[r];
             const int kvh = (int)(rh % hkv);
-            const size_t at = (size_t)(kvh * head_stride[i0]) * (kv_half ? sizeof(uint16_t) : sizeof(float));
+            const size_t at = (size_t)(kvh * head_stride[i0] * kv_bytes(kv_half));
             const char *K = (const char *)(intptr_t)kbase[i0] + at, *V = (const char *)(intptr_t)vbase[i0] + at;
             const float *qs[SPAN];
             float *os[SPAN], *ss[SPAN];

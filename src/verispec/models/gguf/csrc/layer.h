@@ -141,7 +141,7 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
     for (int64_t i = 0; i < n; i++) {
         kb[i] = kbase0[i] + layer * layer_bytes[i];
         vb[i] = vbase0[i] + layer * layer_bytes[i];
-        hs[i] = layer_bytes[i] / (int64_t)(D->kv_half ? sizeof(uint16_t) : sizeof(float)) / D->kv_heads;
+        hs[i] = layer_bytes[i] / kv_bytes((int)D->kv_half) / D->kv_heads;
     }
 
     if (skip & 1) goto mlp;
@@ -162,7 +162,7 @@ static int layer_forward(const vs_dims_t *D, const vs_layer_t *L, float *x, int6
     }
     for (int64_t i = 0; i < n; i++)
         for (int64_t kvh = 0; kvh < D->kv_heads; kvh++) {
-            const int64_t at = (kvh * hs[i] + columns[i] * stride) * (D->kv_half ? 2 : 4); /* bytes */
+            const int64_t at = (kvh * hs[i] + columns[i] * stride) * kv_bytes((int)D->kv_half);
             cache_write((char *)(intptr_t)kb[i] + at, k + i * KD + kvh * D->head_dim, D->head_dim, (int)D->kv_half);
             cache_write((char *)(intptr_t)vb[i] + at, v + i * KD + kvh * D->head_dim, D->head_dim, (int)D->kv_half);
         }
