@@ -323,13 +323,13 @@ def test_every_supported_type_is_covered_here():
     assert set(QUANTIZED) == set(reference.SUPPORTED) - {T.F32, T.F16, T.BF16}
 
 
-# head sizes whose 16-float chunks the AVX-512 kernel weighs 8, 4, 2 heads, or one head, at a time (16, 32, 64;
-# 48 and 80 alone, 128 and 256 in blocks of 8 chunks, three or two heads at a time where there are several), with
+# head sizes whose 16-float chunks the AVX-512 kernel weighs 6 or 4 heads (64, 128, 256 in blocks of 4 chunks), 8, 4
+# or 2 heads (16, 32, 64), three or two (128, 256 in blocks of 8 chunks), or one head at a time (48, 80), with
 # query heads per key/value head that fill those groups and leave a remainder; columns: fewer than 16 (no block of
 # 16 scores), whole and partial blocks of 16 scores and of 32 weighed columns, a tree's extra columns after the
 # prefix; a chain of queries on one cache (which the kernel reads together over their shared prefix), with one and
 # two key/value heads (runs split for two threads); caches head-major and with every head in a column
-@pytest.mark.parametrize("dim, group", [(64, 6), (16, 11), (32, 6), (48, 3), (80, 2), (128, 7), (128, 6), (256, 1),
+@pytest.mark.parametrize("dim, group", [(64, 6), (64, 10), (16, 11), (32, 6), (48, 3), (80, 2), (128, 7), (128, 6), (256, 1),
                                         (256, 4)])
 def test_attention_paths_give_the_same_bits(dim, group):
     rng = np.random.default_rng(12 + dim)

@@ -82,6 +82,11 @@ enum { WEIGH_BLOCK = 32 };
 /* How many columns ahead the keys being scored and the values being weighed are asked into L2 (see prefetch_l2). */
 enum { KEYS_AHEAD = 16, VALUES_AHEAD = 32 };
 
+/* n halves (a multiple of 16) to floats, 16 at a time: each conversion exact. */
+static VS_AVX512 void halves_to_floats16(const uint16_t *h, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) _mm512_store_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+}
+
 /* e^(score - max) and the sums of one query's G heads (the maximum in 16 lanes: a maximum is the same whatever
  * the order, and with a NaN among the scores the sum is NaN whatever the maximum, as in the generic path). */
 static VS_AVX512 void softmax_heads(int G, int64_t m, float *score, float *total, float cap) {
@@ -103,20 +108,24 @@ static VS_AVX512 void softmax_heads(int G, int64_t m, float *score, float *total
 #define KV_NAME(x) x##_f32
 #define KV_LOAD16(p) _mm512_loadu_ps(p)
 #define KV_COLUMN(p, buf, n) (p)
+#define KV_RUN_FLOATS(p, buf, n) ((void)(buf), (p))
 #include "attend_cache.h"
 #undef KV_T
 #undef KV_NAME
 #undef KV_LOAD16
 #undef KV_COLUMN
+#undef KV_RUN_FLOATS
 #define KV_T uint16_t
 #define KV_NAME(x) x##_f16
 #define KV_LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define KV_COLUMN(p, buf, n) (half_row_to_float((p), (buf), (n)), (const float *)(buf))
+#define KV_RUN_FLOATS(p, buf, n) (halves_to_floats16((p), (buf), (n)), (const float *)(buf))
 #include "attend_cache.h"
 #undef KV_T
 #undef KV_NAME
 #undef KV_LOAD16
 #undef KV_COLUMN
+#undef KV_RUN_FLOATS
 
 /* Attention of n queries over their rows' caches.
  * q (n, hq, dim); for query i: key/value head h's key in cache column c at kbase[i] + h * head_stride[i] +
