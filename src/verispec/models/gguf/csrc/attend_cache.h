@@ -68,16 +68,22 @@ VS_INLINE VS_AVX512 __m512 KV_NAME(scores16_run)(const float *qh, const int D, c
 
 /* o[h][d] += sum_j p[h][j] v_j[d] over columns j0 .. j1-1, for NH heads and NC 16-float chunks of the dimension
  * from d0, in column order (one fused multiply-add per column and element, as axpy runs them); NH * NC chains in
- * registers, the running sums kept in og between blocks of columns (a float stored and loaded is the same float). */
+ * registers, the running sums kept in og between blocks of columns (a float stored and loaded is the same float).
+ * With ask, each column's part of the value VALUES_AHEAD columns on is asked into L2 (the first heads' call only:
+ * later heads read the same lines). */
 VS_INLINE VS_AVX512 void KV_NAME(weigh_values)(const int NH, const int NC, const float *score, int64_t m, const KV_T *V,
                                       int64_t stride, const int32_t *cols, int64_t j0, int64_t j1, int d0, int dim,
-                                      float *og) {
+                                      float *og, const int ask) {
     __m512 acc[24];
     for (int h = 0; h < NH; h++)
         for (int c = 0; c < NC; c++)
             acc[h * NC + c] = j0 ? _mm512_loadu_ps(og + h * dim + d0 + 16 * c) : _mm512_setzero_ps();
     for (int64_t j = j0; j < j1; j++) {
         const KV_T *v = V + cols[j] * stride + d0;
+        if (ask && j + VALUES_AHEAD < m) {
+            const char *p = (const char *)(V + cols[j + VALUES_AHEAD] * stride + d0);
+            for (int o = 0; o < NC * 16 * (int)sizeof(KV_T); o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+        }
         for (int c = 0; c < NC; c++) {
             __m512 vc = KV_LOAD16(v + 16 * c);
             for (int h = 0; h < NH; h++)
@@ -119,7 +125,12 @@ static VS_AVX512 void KV_NAME(score_columns)(const float *qg, int G, int dim, co
         /* columns increase, so 15 apart over 16 is a run; head sizes of 64, 128 and 256 take scores16_run */
         const int run = stride == dim && cols[j + 15] - cols[j] == 15 ? dim : 0;
         const KV_T *k0 = K + cols[j] * stride;
-        KV_NAME(prefetch_l2)(K, stride, cols, j + KEYS_AHEAD, j + KEYS_AHEAD + 16, m, dim);
+        const int64_t a = j + KEYS_AHEAD;
+        /* the keys 16 columns ahead, into L2: where they are a run, a slice of their lines before each head's
+         * scores; else all at once */
+        const char *ahead = a + 16 <= m && stride == dim && cols[a + 15] - cols[a] == 15 ? (const char *)(K + cols[a] * stride) : NULL;
+        const int lines = 16 * dim * (int)sizeof(KV_T) / 64;
+        if (!ahead) KV_NAME(prefetch_l2)(K, stride, cols, a, a + 16, m, dim);
         /* a run's keys as floats once for all G heads (KV_RUN_FLOATS: converted from halves only where several
          * heads read them; each conversion is exact, so the products are the same). The conversions had been
          * repeated per head, on the ports the products need: hot, 4,000 columns of a half cache, 6 query heads a
@@ -127,6 +138,8 @@ static VS_AVX512 void KV_NAME(score_columns)(const float *qg, int G, int dim, co
         const int wide = run == 64 || run == 128 || run == 256;
         const float *kf = wide && G > 1 ? KV_RUN_FLOATS(k0, block, 16 * dim) : NULL;
         for (int g = 0; g < G; g++) {
+            if (ahead)
+                for (int l = g * lines / G; l < (g + 1) * lines / G; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
             const float *qh = qg + g * dim;
             const __m512 s = kf && run == 128 ? scores16_run_f32(qh, 128, kf)
                              : kf && run == 64 ? scores16_run_f32(qh, 64, kf)
@@ -160,34 +173,33 @@ static VS_AVX512 void KV_NAME(score_columns)(const float *qg, int G, int dim, co
 static VS_AVX512 void KV_NAME(weigh_columns)(int G, int dim, const KV_T *V, int64_t stride, const int32_t *cols, int64_t m,
                                     int64_t j0, int64_t j1, const float *score, float *og) {
     const int chunks = dim / 16;
-    KV_NAME(prefetch_l2)(V, stride, cols, j0 + VALUES_AHEAD, j0 + VALUES_AHEAD + (j1 - j0), m, dim);
     int g = 0;
     /* six, then four heads side by side, 4 chunks of each: a value chunk converted (from a half) once for them */
     for (; chunks % 4 == 0 && g + 6 <= G; g += 6)
-        for (int d0 = 0; d0 < dim; d0 += 64) KV_NAME(weigh_values)(6, 4, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim);
+        for (int d0 = 0; d0 < dim; d0 += 64) KV_NAME(weigh_values)(6, 4, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim, g == 0);
     for (; chunks % 4 == 0 && g + 4 <= G; g += 4)
-        for (int d0 = 0; d0 < dim; d0 += 64) KV_NAME(weigh_values)(4, 4, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim);
+        for (int d0 = 0; d0 < dim; d0 += 64) KV_NAME(weigh_values)(4, 4, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim, g == 0);
     const int NH = chunks == 1 ? 8 : chunks == 2 ? 4 : chunks == 4 ? 2 : 1;
     for (; NH > 1 && g + NH <= G; g += NH) {
         const float *s = score + g * m;
         float *o = og + g * dim;
-        if (chunks == 1) KV_NAME(weigh_values)(8, 1, s, m, V, stride, cols, j0, j1, 0, dim, o);
-        else if (chunks == 2) KV_NAME(weigh_values)(4, 2, s, m, V, stride, cols, j0, j1, 0, dim, o);
-        else KV_NAME(weigh_values)(2, 4, s, m, V, stride, cols, j0, j1, 0, dim, o);
+        if (chunks == 1) KV_NAME(weigh_values)(8, 1, s, m, V, stride, cols, j0, j1, 0, dim, o, g == 0);
+        else if (chunks == 2) KV_NAME(weigh_values)(4, 2, s, m, V, stride, cols, j0, j1, 0, dim, o, g == 0);
+        else KV_NAME(weigh_values)(2, 4, s, m, V, stride, cols, j0, j1, 0, dim, o, g == 0);
     }
     if (chunks % 8 == 0) {
         const int most = G % 3 == 0 ? 3 : 2;
         for (; g + most <= G; g += most)
             for (int d0 = 0; d0 < dim; d0 += 128) {
-                if (most == 3) KV_NAME(weigh_values)(3, 8, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim);
-                else KV_NAME(weigh_values)(2, 8, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim);
+                if (most == 3) KV_NAME(weigh_values)(3, 8, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim, g == 0);
+                else KV_NAME(weigh_values)(2, 8, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim, g == 0);
             }
     }
     for (; g < G; g++) {
         int d0 = 0;
-        for (; d0 + 128 <= dim; d0 += 128) KV_NAME(weigh_values)(1, 8, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim);
-        for (; d0 + 64 <= dim; d0 += 64) KV_NAME(weigh_values)(1, 4, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim);
-        for (; d0 < dim; d0 += 16) KV_NAME(weigh_values)(1, 1, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim);
+        for (; d0 + 128 <= dim; d0 += 128) KV_NAME(weigh_values)(1, 8, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim, g == 0);
+        for (; d0 + 64 <= dim; d0 += 64) KV_NAME(weigh_values)(1, 4, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim, g == 0);
+        for (; d0 < dim; d0 += 16) KV_NAME(weigh_values)(1, 1, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim, g == 0);
     }
 }
 
