@@ -6,6 +6,7 @@
  *   KV_LOAD16(p)         16 elements at p as a __m512 of floats (AVX-512 path)
  *   KV_COLUMN(p, buf, n) n elements at p as floats: p itself, or buf once they are converted into it
  *   KV_RUN_FLOATS(p, buf, n)  the same for n contiguous elements, n a multiple of 16 (AVX-512 path)
+ *   KV_CONVERTS          1 where KV_RUN_FLOATS converts into buf, 0 where it gives p
  * A half converts to exactly one float, so both copies run the same float operations on the values they read. */
 
 /* One query's attention for the G query heads that share one key/value head (grouped-query attention).
@@ -118,25 +119,31 @@ VS_INLINE VS_AVX512 void KV_NAME(prefetch_l2)(const KV_T *X, int64_t stride, con
 /* One query's G heads' scores over its columns j0 .. j1-1 (j0 a multiple of 16): whole blocks of 16 by scores16,
  * the rest one by one with _mm512_reduce_add_ps, which halves as dot16 does. score (G, m). */
 static VS_AVX512 void KV_NAME(score_columns)(const float *qg, int G, int dim, const KV_T *K, int64_t stride,
-                                    const int32_t *cols, int64_t m, int64_t j0, int64_t j1, float scale, float *score) {
+                                    const int32_t *cols, int64_t m, int64_t j0, int64_t j1, float scale, float *score,
+                                    int readers, float *block, const KV_T **held) {
     int64_t j = j0;
-    float block[16 * 256] __attribute__((aligned(64)));
     for (; j + 16 <= j1; j += 16) {
         /* columns increase, so 15 apart over 16 is a run; head sizes of 64, 128 and 256 take scores16_run */
         const int run = stride == dim && cols[j + 15] - cols[j] == 15 ? dim : 0;
         const KV_T *k0 = K + cols[j] * stride;
+        const int fresh = k0 != *held; /* not the block the last call converted and asked ahead for */
         const int64_t a = j + KEYS_AHEAD;
         /* the keys 16 columns ahead, into L2: where they are a run, a slice of their lines before each head's
          * scores; else all at once */
-        const char *ahead = a + 16 <= m && stride == dim && cols[a + 15] - cols[a] == 15 ? (const char *)(K + cols[a] * stride) : NULL;
+        const char *ahead = fresh && a + 16 <= m && stride == dim && cols[a + 15] - cols[a] == 15
+                                ? (const char *)(K + cols[a] * stride) : NULL;
         const int lines = 16 * dim * (int)sizeof(KV_T) / 64;
-        if (!ahead) KV_NAME(prefetch_l2)(K, stride, cols, a, a + 16, m, dim);
+        if (fresh && !ahead) KV_NAME(prefetch_l2)(K, stride, cols, a, a + 16, m, dim);
         /* a run's keys as floats once for all G heads (KV_RUN_FLOATS: converted from halves only where several
          * heads read them; each conversion is exact, so the products are the same). The conversions had been
          * repeated per head, on the ports the products need: hot, 4,000 columns of a half cache, 6 query heads a
          * key/value head, 238 -> 190 us a layer on a 2-core Xeon with AMX. */
         const int wide = run == 64 || run == 128 || run == 256;
-        const float *kf = wide && G > 1 ? KV_RUN_FLOATS(k0, block, 16 * dim) : NULL;
+        const float *kf = NULL;
+        if (wide && readers > 1) {
+            kf = fresh ? KV_RUN_FLOATS(k0, block, 16 * dim) : KV_CONVERTS ? block : (const float *)(const void *)k0;
+            *held = k0;
+        }
         for (int g = 0; g < G; g++) {
             if (ahead)
                 for (int l = g * lines / G; l < (g + 1) * lines / G; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
@@ -214,12 +221,15 @@ static VS_AVX512 void KV_NAME(attend_queries_avx512)(int nq, const float *const 
                                             int64_t shared, float scale, float cap, float *const *score,
                                             float *total, float *const *og) {
     KV_NAME(prefetch_columns)(K, V, stride, cols[0], 0, m[0] < ATTEND_AHEAD ? m[0] : ATTEND_AHEAD, dim);
+    /* the last run of 16 keys converted to floats (from a half cache), kept while the queries score it */
+    float block[16 * 256] __attribute__((aligned(64)));
+    const KV_T *held = NULL;
     const int64_t scored = shared / 16 * 16, weighed = shared / WEIGH_BLOCK * WEIGH_BLOCK;
     for (int64_t j = 0; j < scored; j += 16)
         for (int i = 0; i < nq; i++)
-            KV_NAME(score_columns)(q[i], G, dim, K, stride, cols[i], m[i], j, j + 16, scale, score[i]);
+            KV_NAME(score_columns)(q[i], G, dim, K, stride, cols[i], m[i], j, j + 16, scale, score[i], G * nq, block, &held);
     for (int i = 0; i < nq; i++) {
-        KV_NAME(score_columns)(q[i], G, dim, K, stride, cols[i], m[i], scored, m[i], scale, score[i]);
+        KV_NAME(score_columns)(q[i], G, dim, K, stride, cols[i], m[i], scored, m[i], scale, score[i], G, block, &held);
         softmax_heads(G, m[i], score[i], total + i * G, cap);
     }
     for (int64_t j = 0; j < weighed; j += WEIGH_BLOCK)
