@@ -85,6 +85,34 @@ def test_the_half_cache_holds_the_float32_caches_values_rounded_and_stays_close_
         NativeRunner(gguf, cache_dtype="bfloat16")
 
 
+def test_the_cache_type_reaches_the_native_runner_from_the_command_line_and_is_refused_elsewhere(tmp_path):
+    """`--kv-cache` (generate, serve, bench, viz, audit) -> SpeculativeDecoder.load -> load_model -> the target's
+    NativeRunner; on another backend, or unknown, it is one line."""
+    from tiny_hf import save_tiny_model_dir
+
+    from verispec.cli import build_parser
+    from verispec.cli.options import decoder_kwargs
+    from verispec.models.loading import LoadedModel, load_model
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--kv-cache", "float32"])
+    assert decoder_kwargs(args)["kv_cache"] == "float32"
+    assert decoder_kwargs(build_parser().parse_args(["serve"]))["kv_cache"] is None  # the runner's default
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "x", "--kv-cache", "bfloat16"])
+    gguf = load_gguf(write_tiny_gguf(tmp_path / "m.gguf", seed=1), show_progress=False)
+    loaded = {c: LoadedModel("m", None, None, "m.gguf", weights="gguf", backend="native", gguf=gguf, kv_cache=c)
+              for c in (None, "float32")}
+    assert loaded[None].make_runner().cache_dtype == np.float16
+    assert loaded["float32"].make_runner().cache_dtype == np.float32
+    folder = str(save_tiny_model_dir(tmp_path / "hf", "llama"))
+    for backend in ("torch", "auto"):  # a Hugging Face directory runs on torch, whose cache is the model's dtype
+        with pytest.raises(VerispecError, match="--kv-cache chooses the native runner's cache, and this model runs on "
+                                                "the torch backend"):
+            load_model(folder, backend=backend, kv_cache="float32")
+    with pytest.raises(VerispecError, match="unknown key/value cache type 'f16'; choose one of float16, float32"):
+        load_model(folder, kv_cache="f16")
+
+
 def test_a_tokens_logits_are_the_same_bits_in_a_pass_of_any_width(mixed):
     prompt, tokens = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]
     one_by_one = logits_one_by_one(mixed, prompt, tokens)

@@ -154,6 +154,7 @@ class SpeculativeDecoder:
         suffix: SuffixConfig = SuffixConfig(),
         draft_vocab: int | None = None,
         cross: CrossTokenizerConfig = CrossTokenizerConfig(),
+        kv_cache: str | None = None,
     ) -> SpeculativeDecoder:
         """Load by spec: a named default, a local HF model directory or a .gguf file.
 
@@ -178,8 +179,10 @@ class SpeculativeDecoder:
         `device` "auto" (default: CUDA when torch sees a GPU), "cpu", "cuda" or "cuda:N" (`models.device`): off
         the CPU the torch route runs the models on a static cache with compiled passes, as `compile=True` does on
         the CPU (`models.runners.static`).
+        `kv_cache` "float16" or "float32": the target's key/value cache on the native runner (None: its default,
+        float16, as llama.cpp's; float32 keeps every bit of the keys and values at twice the bytes).
         """
-        loaded_target = load_model(target, dtype, target_weights, backend, device, compile)
+        loaded_target = load_model(target, dtype, target_weights, backend, device, compile, kv_cache=kv_cache)
         options = DrafterOptions(prompt_lookup=prompt_lookup, ngram=ngram, self_draft=self_draft, draft_lookup=draft_lookup,
                                  draft_context=draft_context, draft_dtype=draft_dtype or dtype, draft_weights=draft_weights,
                                  backend=backend, device=device, compile=compile, suffix=suffix,

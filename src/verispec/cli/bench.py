@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     models = {"hf_target": load_model(args.target, args.dtype, backend="torch", device=hf_device) if wants_hf else None,
               "hf_draft": load_model(args.draft, draft_dtype, backend="torch", device=hf_device)
               if wants_hf and has_draft else None,
-              "target": load_model(args.target, args.dtype, args.target_weights, args.backend, device, compiled),
+              "target": load_model(args.target, args.dtype, args.target_weights, args.backend, device, compiled,
+                                  kv_cache=args.kv_cache),
               "draft": load_model(args.draft, draft_dtype, args.draft_weights, args.backend, device, compiled)
               if has_draft else None}
     return _show_bench_report(run_bench(config, **models))

@@ -14,6 +14,7 @@ from verispec.config import CROSS_SCHEMES, TREE_CHILDREN, Constraint, CrossToken
 from verispec.serve.config import ServeConfig
 from verispec.console import notice
 from verispec.errors import VerispecError
+from verispec.models.gguf import CACHE_DTYPES
 from verispec.models.loading import BACKENDS, DEFAULT_BACKEND, DEFAULT_DRAFT_WEIGHTS, DEFAULT_DTYPE, DEFAULT_TARGET_WEIGHTS, DTYPES, WEIGHT_FORMATS
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, NAMED_MODELS
 
@@ -105,6 +106,9 @@ def add_model_options(p: argparse.ArgumentParser, draft: str = DEFAULT_DRAFT) ->
                    help="int8: weight-only int8 draft, changes speed and acceptance only (default: %(default)s)")
     p.add_argument("--backend", default=DEFAULT_BACKEND, choices=list(BACKENDS),
                    help="llama.cpp: run GGUF models with llama.cpp's kernels (needs llama-cpp-python) (default: %(default)s)")
+    p.add_argument("--kv-cache", default=None, choices=list(CACHE_DTYPES),
+                   help="native runner: the target's key/value cache; float16 halves the bytes attention reads, float32 "
+                        f"keeps every bit of the keys and values (default: {CACHE_DTYPES[0]})")
     p.add_argument("--ngram-max", type=int, help=f"prompt lookup: longest n-gram matched (default: {default_of(PromptLookupConfig, 'max_ngram')})")
     p.add_argument("--ngram-min", type=int, help=f"prompt lookup: shortest n-gram matched (default: {default_of(PromptLookupConfig, 'min_ngram')})")
     p.add_argument("--suffix-capacity", type=int, metavar="N",
@@ -251,7 +255,7 @@ def decoder_kwargs(args: argparse.Namespace, suffix_scope: str | None = None) ->
                 draft_lookup=getattr(args, "draft_lookup", None), draft_context=getattr(args, "draft_context", None),
                 draft_vocab=getattr(args, "draft_vocab", None), cross=build_config(CrossTokenizerConfig, args, CROSS_OPTIONS),
                 self_draft=SelfDraftConfig(retune=getattr(args, "self_retune", False)), device=args.device,
-                compile=args.compile)
+                compile=args.compile, kv_cache=getattr(args, "kv_cache", None))
 
 
 def load_decoder(args: argparse.Namespace, suffix_scope: str | None = None):

@@ -20,6 +20,7 @@ import torch
 from verispec.atomic import atomic_dir
 from verispec.console import notice
 from verispec.errors import VerispecError
+from verispec.models.gguf import CACHE_DTYPES
 from verispec.models.runners.packed import pack_linear_layers
 from verispec.models.runners.quantized import quantize_linear_layers
 from verispec.models.registry import NAMED_MODELS, assemble, cache_dir
@@ -59,6 +60,7 @@ class LoadedModel:
     gguf: object | None = None  # the GGUFModel of backend "native"
     device: str = "cpu"  # where the torch route runs it (models.device)
     compiled: bool = False  # run on the static cache with compiled passes (models.runners.static)
+    kv_cache: str | None = None  # the native runner's key/value cache element type (None: its default)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -75,7 +77,7 @@ class LoadedModel:
             from verispec.models.gguf.runner import NativeRunner
             from verispec.models.runners.mapped import MappedVocabRunner
 
-            runner = NativeRunner(self.gguf, source=self.model)
+            runner = NativeRunner(self.gguf, source=self.model, cache_dtype=self.kv_cache or CACHE_DTYPES[0])
             return MappedVocabRunner(runner, self.vocab) if self.vocab is not None else runner
         from verispec.models.runners.mapped import MappedVocabRunner
         from verispec.models.runners.rowwise import RowwiseRunner
@@ -215,7 +217,7 @@ def load_distilled_draft(spec: str, target: LoadedModel, weights: str = "dense")
 
 
 def load_model(spec: str, dtype: str = DEFAULT_DTYPE, weights: str = "dense", backend: str = DEFAULT_BACKEND,
-               device: str = "cpu", compiled: bool = False) -> LoadedModel:
+               device: str = "cpu", compiled: bool = False, kv_cache: str | None = None) -> LoadedModel:
     """Load a model for decoding.
 
     Args:
@@ -228,6 +230,8 @@ def load_model(spec: str, dtype: str = DEFAULT_DTYPE, weights: str = "dense", ba
         device: auto, cpu, cuda or cuda:N (`models.device`); off the CPU the torch route runs the model.
         compiled: on the torch route, run on a static cache with compiled passes (`models.runners.static`;
             always so on CUDA).
+        kv_cache: the native runner's key/value cache element type, one of `CACHE_DTYPES` (None: its default,
+            float16); another backend keeps its own cache, so naming one there is an error.
     """
     from verispec.models.device import default_dtype, resolve_device
 
@@ -244,10 +248,17 @@ def load_model(spec: str, dtype: str = DEFAULT_DTYPE, weights: str = "dense", ba
         backend = "native" if _native_runs(spec) and where.type == "cpu" and not compiled else "torch"
     if compiled and backend != "torch":
         raise VerispecError(f"--compile runs the torch route; the {backend} backend has its own kernels")
+    if kv_cache is not None and kv_cache not in CACHE_DTYPES:
+        raise VerispecError(f"unknown key/value cache type '{kv_cache}'; choose one of {', '.join(CACHE_DTYPES)}")
+    if kv_cache is not None and backend != "native":
+        raise VerispecError(f"--kv-cache chooses the native runner's cache, and this model runs on the {backend} "
+                            "backend, which keeps its own")
     if backend == "llama.cpp":
         return _load_for_llamacpp(spec)
     if backend == "native":
-        return _load_native(spec)
+        loaded = _load_native(spec)
+        loaded.kv_cache = kv_cache
+        return loaded
     loaded = _load(spec, default_dtype(where) if dtype == "auto" else dtype)
     if where.type != "cpu" or compiled:
         loaded.model = loaded.model.to(where)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from verispec.errors import VerispecError
-from verispec.models.gguf import ops
+from verispec.models.gguf import CACHE_DTYPES, ops
 from verispec.models.gguf.model import GGUFModel
 from verispec.models.gguf.attend import Attend, Query, windowed
 from verispec.models.gguf.experts import ExpertStructs
@@ -44,7 +44,6 @@ from verispec.models.runners.hf import training_logits
 # target, 2 threads, a 1,500-token prompt read alone: 11.3 / 11.2 / 11.2 s in passes of 128 / 256 / 512 tokens,
 # 14.1 s in one pass of 1,500 (a wide pass's activations no longer stay in the caches). The bits are the same.
 MAX_PASS_TOKENS = 512
-CACHE_DTYPES = ("float16", "float32")  # a row cache's element type (NativeRunner's cache_dtype)
 
 
 @dataclass
@@ -155,7 +154,7 @@ class NativeRunner:
     device = torch.device("cpu")  # where its logits are (core.protocols.Runner)
 
     def __init__(self, model: GGUFModel, threads: int | None = None, initial_capacity: int = 256,
-                 source: torch.nn.Module | None = None, fused: bool = True, cache_dtype: str = "float16") -> None:
+                 source: torch.nn.Module | None = None, fused: bool = True, cache_dtype: str = CACHE_DTYPES[0]) -> None:
         """source: the torch module a converted draft came from (`convert.model_from_torch`): online
         adaptation trains it, and assigning `model` converts the new weights. None for a GGUF file.
         fused: each layer in one C call (vs_layer_forward); False runs the same kernels one by one from
