@@ -128,8 +128,8 @@ static VS_AVX512 void KV_NAME(score_columns)(const float *qg, int G, int dim, co
         const KV_T *k0 = K + cols[j] * stride;
         const int fresh = k0 != *held; /* not the block the last call converted and asked ahead for */
         const int64_t a = j + KEYS_AHEAD;
-        /* the keys 16 columns ahead, into L2: where they are a run, a slice of their lines before each head's
-         * scores; else all at once */
+        /* the 16 keys KEYS_AHEAD columns on, into L2 (once a block, however many queries score it): where they
+         * are a run, a slice of their lines before each head's scores; else all at once */
         const char *ahead = fresh && a + 16 <= m && stride == dim && cols[a + 15] - cols[a] == 15
                                 ? (const char *)(K + cols[a] * stride) : NULL;
         const int lines = 16 * dim * (int)sizeof(KV_T) / 64;
