@@ -7,7 +7,8 @@
  *   KV_COLUMN(p, buf, n) n elements at p as floats: p itself, or buf once they are converted into it
  *   KV_RUN_FLOATS(p, buf, n)  the same for n contiguous elements, n a multiple of 16 (AVX-512 path)
  *   KV_CONVERTS          1 where KV_RUN_FLOATS converts into buf, 0 where it gives p
- * A half converts to exactly one float, so both copies run the same float operations on the values they read. */
+ * A half converts to exactly one float, so both copies run the same float operations on the values they read.
+ * The file undefines these at its end, ready for the next copy. */
 
 /* One query's attention for the G query heads that share one key/value head (grouped-query attention).
  * qg (G, dim); K, V: that head's first key / value, column c at + c * stride; cols (m): the attended
@@ -67,14 +68,17 @@ VS_INLINE VS_AVX512 __m512 KV_NAME(scores16_run)(const float *qh, const int D, c
     return reduce16(acc);
 }
 
-/* o[h][d] += sum_j p[h][j] v_j[d] over columns j0 .. j1-1, for NH heads and NC 16-float chunks of the dimension
- * from d0, in column order (one fused multiply-add per column and element, as axpy runs them); NH * NC chains in
- * registers, the running sums kept in og between blocks of columns (a float stored and loaded is the same float).
- * With ask, each column's part of the value VALUES_AHEAD columns on is asked into L2 (the first heads' call only:
- * later heads read the same lines). */
-VS_INLINE VS_AVX512 void KV_NAME(weigh_values)(const int NH, const int NC, const float *score, int64_t m, const KV_T *V,
-                                      int64_t stride, const int32_t *cols, int64_t j0, int64_t j1, int d0, int dim,
-                                      float *og, const int ask) {
+/* o[h][d] += sum_j p[h][j] v_j[d] over columns j0 .. j1-1, for NH heads from head g and NC 16-float chunks of the
+ * dimension from d0, in column order (one fused multiply-add per column and element, as axpy runs them); NH * NC
+ * chains in registers, the running sums kept in og between blocks of columns (a float stored and loaded is the same
+ * float). score (G, m), og (G, dim): all the heads'. The first heads' calls (g 0) also ask for each column's part of
+ * the value VALUES_AHEAD columns on into L2; later heads read the same lines. */
+VS_INLINE VS_AVX512 void KV_NAME(weigh_values)(const int NH, const int NC, int g, const float *score, int64_t m,
+                                               const KV_T *V, int64_t stride, const int32_t *cols, int64_t j0,
+                                               int64_t j1, int d0, int dim, float *og) {
+    const int ask = g == 0;
+    score += g * m;
+    og += g * dim;
     __m512 acc[24];
     for (int h = 0; h < NH; h++)
         for (int c = 0; c < NC; c++)
@@ -183,30 +187,28 @@ static VS_AVX512 void KV_NAME(weigh_columns)(int G, int dim, const KV_T *V, int6
     int g = 0;
     /* six, then four heads side by side, 4 chunks of each: a value chunk converted (from a half) once for them */
     for (; chunks % 4 == 0 && g + 6 <= G; g += 6)
-        for (int d0 = 0; d0 < dim; d0 += 64) KV_NAME(weigh_values)(6, 4, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim, g == 0);
+        for (int d0 = 0; d0 < dim; d0 += 64) KV_NAME(weigh_values)(6, 4, g, score, m, V, stride, cols, j0, j1, d0, dim, og);
     for (; chunks % 4 == 0 && g + 4 <= G; g += 4)
-        for (int d0 = 0; d0 < dim; d0 += 64) KV_NAME(weigh_values)(4, 4, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim, g == 0);
+        for (int d0 = 0; d0 < dim; d0 += 64) KV_NAME(weigh_values)(4, 4, g, score, m, V, stride, cols, j0, j1, d0, dim, og);
     const int NH = chunks == 1 ? 8 : chunks == 2 ? 4 : chunks == 4 ? 2 : 1;
     for (; NH > 1 && g + NH <= G; g += NH) {
-        const float *s = score + g * m;
-        float *o = og + g * dim;
-        if (chunks == 1) KV_NAME(weigh_values)(8, 1, s, m, V, stride, cols, j0, j1, 0, dim, o, g == 0);
-        else if (chunks == 2) KV_NAME(weigh_values)(4, 2, s, m, V, stride, cols, j0, j1, 0, dim, o, g == 0);
-        else KV_NAME(weigh_values)(2, 4, s, m, V, stride, cols, j0, j1, 0, dim, o, g == 0);
+        if (chunks == 1) KV_NAME(weigh_values)(8, 1, g, score, m, V, stride, cols, j0, j1, 0, dim, og);
+        else if (chunks == 2) KV_NAME(weigh_values)(4, 2, g, score, m, V, stride, cols, j0, j1, 0, dim, og);
+        else KV_NAME(weigh_values)(2, 4, g, score, m, V, stride, cols, j0, j1, 0, dim, og);
     }
     if (chunks % 8 == 0) {
         const int most = G % 3 == 0 ? 3 : 2;
         for (; g + most <= G; g += most)
             for (int d0 = 0; d0 < dim; d0 += 128) {
-                if (most == 3) KV_NAME(weigh_values)(3, 8, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim, g == 0);
-                else KV_NAME(weigh_values)(2, 8, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim, g == 0);
+                if (most == 3) KV_NAME(weigh_values)(3, 8, g, score, m, V, stride, cols, j0, j1, d0, dim, og);
+                else KV_NAME(weigh_values)(2, 8, g, score, m, V, stride, cols, j0, j1, d0, dim, og);
             }
     }
     for (; g < G; g++) {
         int d0 = 0;
-        for (; d0 + 128 <= dim; d0 += 128) KV_NAME(weigh_values)(1, 8, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim, g == 0);
-        for (; d0 + 64 <= dim; d0 += 64) KV_NAME(weigh_values)(1, 4, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim, g == 0);
-        for (; d0 < dim; d0 += 16) KV_NAME(weigh_values)(1, 1, score + g * m, m, V, stride, cols, j0, j1, d0, dim, og + g * dim, g == 0);
+        for (; d0 + 128 <= dim; d0 += 128) KV_NAME(weigh_values)(1, 8, g, score, m, V, stride, cols, j0, j1, d0, dim, og);
+        for (; d0 + 64 <= dim; d0 += 64) KV_NAME(weigh_values)(1, 4, g, score, m, V, stride, cols, j0, j1, d0, dim, og);
+        for (; d0 < dim; d0 += 16) KV_NAME(weigh_values)(1, 1, g, score, m, V, stride, cols, j0, j1, d0, dim, og);
     }
 }
 
@@ -245,3 +247,10 @@ static VS_AVX512 void KV_NAME(attend_queries_avx512)(int nq, const float *const 
     }
 }
 #endif
+
+#undef KV_T
+#undef KV_NAME
+#undef KV_LOAD16
+#undef KV_COLUMN
+#undef KV_RUN_FLOATS
+#undef KV_CONVERTS

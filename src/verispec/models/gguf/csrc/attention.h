@@ -116,12 +116,6 @@ static VS_AVX512 void softmax_heads(int G, int64_t m, float *score, float *total
 #define KV_RUN_FLOATS(p, buf, n) ((void)(buf), (p))
 #define KV_CONVERTS 0
 #include "attend_cache.h"
-#undef KV_T
-#undef KV_NAME
-#undef KV_LOAD16
-#undef KV_COLUMN
-#undef KV_RUN_FLOATS
-#undef KV_CONVERTS
 #define KV_T uint16_t
 #define KV_NAME(x) x##_f16
 #define KV_LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
@@ -129,12 +123,6 @@ static VS_AVX512 void softmax_heads(int G, int64_t m, float *score, float *total
 #define KV_RUN_FLOATS(p, buf, n) (halves_to_floats16((p), (buf), (n)), (const float *)(buf))
 #define KV_CONVERTS 1
 #include "attend_cache.h"
-#undef KV_T
-#undef KV_NAME
-#undef KV_LOAD16
-#undef KV_COLUMN
-#undef KV_RUN_FLOATS
-#undef KV_CONVERTS
 
 /* Attention of n queries over their rows' caches.
  * q (n, hq, dim); for query i: key/value head h's key in cache column c at kbase[i] + h * head_stride[i] +
