@@ -3,7 +3,8 @@
 
 Caches. Each row (sequence) owns a static, position-indexed cache per layer, (Hkv, capacity, D) for keys and
 for values, grown by doubling: float16 by default (each value rounded to the nearest half, as llama.cpp's default
-cache keeps them: half the bytes a pass reads and a row holds), float32 with `cache_dtype="float32"`. Committed token c sits in column c, and rows never pad each other.
+cache keeps them: half the bytes a pass reads and a row holds), float32 with `cache_dtype="float32"`. Committed
+token c sits in column c, and rows never pad each other.
 Head-major, so that attention streams each key/value head's columns from contiguous memory.
 
 Trees. Between commits a row may hold speculative entries: slot s (numbered in the order added) sits in
