@@ -7,7 +7,8 @@ found: on a 2-core Xeon one core computed Q4_K at ~33 GB/s hot but streamed 9.6 
     .venv/bin/python benchmarks/kernel_rates.py --threads 2 --widths 1,4
 
 --against OTHER.so times another build of the kernels (`_native*.so`, e.g. the previous commit's) on the same
-weights, taking turns, and checks that both give the same bits; the packed layout must be the same.
+weights, taking turns, and checks that both give the same bits; the packed layout must be the same. --paths A,B times
+this build's kernel paths the same way (e.g. `--paths avx2,avx-vnni`: the AVX2 kernel with and without AVX-VNNI).
 """
 
 from __future__ import annotations
@@ -55,11 +56,13 @@ def calls_for(weights, n: int, rng) -> list[tuple]:
 
 
 def timed(libs, calls, rounds: int, repeat: int = 1) -> list[float]:
-    """Median seconds of one sweep over `calls` per library, the libraries taking turns; their outputs compared."""
+    """Median seconds of one sweep over `calls` per (library, kernel path or None), taking turns; outputs compared."""
     seconds = [[] for _ in libs]
     for _ in range(rounds):
         outputs = []
-        for i, so in enumerate(libs):
+        for i, (so, path) in enumerate(libs):
+            if path is not None:
+                so.vs_set_path(path)
             start = time.perf_counter()
             for _ in range(repeat):
                 for args, *_ in calls:
@@ -78,6 +81,8 @@ def main() -> None:
     parser.add_argument("--widths", default="1,4", help="tokens per matmul")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--against", help="another build of the kernels (a _native*.so) to time beside this one")
+    parser.add_argument("--paths", default="", help="kernel paths of this build to time side by side (default: the "
+                        "CPU's best)")
     args = parser.parse_args()
     from verispec.bench.runner import memory_bandwidth_gbs
     from verispec.models import load_model
@@ -86,8 +91,23 @@ def main() -> None:
 
     print(subprocess.run(["lscpu"], capture_output=True, text=True).stdout if platform.system() == "Linux" else "")
     model = load_model(args.model, backend="native").make_runner().gguf
-    libs = [load_kernels(None, args.threads)] + ([load_kernels(args.against, args.threads)] if args.against else [])
-    names = ["this build"] + (["--against"] if args.against else [])
+    codes = {name: code for code, name in native.PATHS.items()}
+    paths = [p for p in args.paths.split(",") if p]
+    for p in paths:
+        if p not in codes or native.set_path(p) != p:
+            parser.error(f"this CPU cannot run the {p} kernel path")
+    ours = load_kernels(None, args.threads)
+    libs = [(ours, codes[p]) for p in paths] or [(ours, None)]
+    names = [f"this build ({p})" for p in paths] or ["this build"]
+    if args.against:
+        theirs = load_kernels(args.against, args.threads)
+        for p in paths:
+            if theirs.vs_set_path(codes[p]) != codes[p]:
+                parser.error(f"{args.against} has no kernel path {p}")
+        libs += [(theirs, codes[p]) for p in paths] or [(theirs, None)]
+        names += [f"--against ({p})" for p in paths] or ["--against"]
+    if paths:
+        native.set_path(paths[0])
     weights = [w for layer in model.layers for w in (layer.q, layer.k, layer.v, layer.out, layer.gate, layer.up,
                                                       layer.down)] + [model.head]
     shapes = {}  # one matrix of each type and shape, the head left out (it does not fit a cache)
@@ -95,7 +115,7 @@ def main() -> None:
         shapes.setdefault((type_name(w.qtype), w.rows, w.cols), w)
     rng = np.random.default_rng(0)
     probe = memory_bandwidth_gbs()
-    print(f"kernel path {native.path()}, {args.threads} threads, bandwidth probe {probe:.1f} GB/s")
+    print(f"kernel path {', '.join(paths) or native.path()}, {args.threads} threads, bandwidth probe {probe:.1f} GB/s")
     for n in (int(w) for w in args.widths.split(",")):
         for (kind, rows, cols), w in sorted(shapes.items()):
             times = timed(libs, calls_for([w], n, rng), args.rounds, repeat=max(1, int(2e8 // w.data.nbytes)))

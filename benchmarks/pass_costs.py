@@ -44,8 +44,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--kernel-path", help="native backend: force a kernel path (portable, avx2, avx512-vnni, "
-                        "amx, amx-emulated); default the best this CPU has")
+    parser.add_argument("--kernel-path", help="native backend: force a kernel path (portable, avx2, avx-vnni, "
+                        "avx512-vnni, amx, amx-emulated); default the best this CPU has")
     parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--overlay", type=Path, nargs="*", default=[], help="earlier runs' --json files to plot beside")
     parser.add_argument("--plot", type=Path, help="PNG of v(k) for this run and the overlays")

@@ -12,7 +12,7 @@ from verispec.models.gguf.ops import Activations, Weight, gelu_mul, rmsnorm, rop
 from verispec.models.gguf.native import lib, ptr
 
 BEST = native.path()
-PATHS = [p for p in ("portable", "avx2", "avx512-vnni", "amx-emulated", "amx") if native.set_path(p) == p]
+PATHS = [p for p in ("portable", "avx2", "avx-vnni", "avx512-vnni", "amx-emulated", "amx") if native.set_path(p) == p]
 # (path, the AVX-512 kernel's widest tile, the fewest tokens for the AMX tiles): every path as it runs by default, the
 # VNNI kernel's tiles of 6 (AMD), 8 and 16 (Intel; past 8 its sums spill), and where the CPU has AMX its tiles forced
 # from 1 token (every tile through the real tile kernels) and from 5 (tiles of 16 and remainders on the VNNI kernel,

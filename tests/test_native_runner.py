@@ -127,7 +127,7 @@ def test_every_kernel_path_gives_a_pass_the_same_bits(mixed):
     emulated tiles included, and the real ones as chosen per type and forced for every tile: a 20-token pass gives
     the portable path's logits bit for bit, and a token's logits are the same in a pass of 20 as alone."""
     best = native.path()
-    paths = [p for p in ("avx2", "avx512-vnni", "amx-emulated", "amx") if native.set_path(p) == p]
+    paths = [p for p in ("avx2", "avx-vnni", "avx512-vnni", "amx-emulated", "amx") if native.set_path(p) == p]
     prompt, tokens = [5, 6, 7, 8, 9, 10], list(range(20, 40))
 
     def wide_pass():

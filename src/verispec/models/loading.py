@@ -389,9 +389,9 @@ def _notice_kernel_path() -> None:
     elif amx in ("refused", "no AVX-512"):
         notice(f"[yellow]this CPU has AMX tiles but they cannot be used ({amx}): the native runner uses its "
                f"{path} kernels (same results)[/yellow]")
-    if path == "avx2":
-        notice("[yellow]this CPU has no AVX-512 VNNI: the native runner uses its AVX2 kernels (same results, "
-               "slower passes over several tokens)[/yellow]")
+    if path in ("avx2", "avx-vnni"):
+        notice(f"[yellow]this CPU has no AVX-512 VNNI: the native runner uses its {path.upper()} kernels (same "
+               "results, slower passes over several tokens)[/yellow]")
     elif path == "portable":
         notice("[yellow]this CPU has no AVX2: the native runner uses its portable C kernels (same results, several "
                "times slower); --backend llama.cpp may be faster here[/yellow]")

@@ -1,8 +1,8 @@
 """The C kernels (csrc/kernels.c, compiled by the package's install) through ctypes.
 
 Arrays cross as numpy arrays (C-contiguous, the dtypes named); nothing here copies. The SIMD path is
-chosen once by the library (AVX-512 with VNNI where the CPU has it, else AVX2, else portable C); all three
-compute the same bits. `set_path` forces one, for tests.
+chosen once by the library (AMX tiles, else AVX-512 with VNNI, else AVX2 with AVX-VNNI, else AVX2, else portable
+C); all compute the same bits. `set_path` forces one, for tests.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from verispec.errors import VerispecError
 
-PATHS = {0: "portable", 1: "avx512-vnni", 2: "avx2", 3: "amx", 4: "amx-emulated"}
+PATHS = {0: "portable", 1: "avx512-vnni", 2: "avx2", 3: "amx", 4: "amx-emulated", 5: "avx-vnni"}
 _P, _I, _I64, _F, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_double
 _SIGNATURES = {
     "vs_cpu_features": ([], _I),
@@ -109,7 +109,8 @@ def ptr(a: np.ndarray) -> int:
 
 def cpu_features() -> dict[str, bool]:
     bits = lib().vs_cpu_features()
-    names = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512vnni", "f16c", "amx-tile", "amx-int8")
+    names = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512vnni", "f16c", "amx-tile", "amx-int8",
+             "avx-vnni")
     return {name: bool(bits >> i & 1) for i, name in enumerate(names)}
 
 
@@ -118,8 +119,9 @@ def path() -> str:
 
 
 def set_path(name: str) -> str:
-    """Force 'portable', 'avx2', 'avx512-vnni', 'amx' or 'amx-emulated' (the AMX kernel on software tiles, on any
-    CPU: tests compare it with the others); one the CPU lacks falls back to portable. Returns the one in force."""
+    """Force 'portable', 'avx2', 'avx-vnni' (the AVX2 kernel with 256-bit vpdpbusd), 'avx512-vnni', 'amx' or
+    'amx-emulated' (the AMX kernel on software tiles, on any CPU: tests compare it with the others); one the CPU lacks
+    falls back to portable. Returns the one in force."""
     code = {v: k for k, v in PATHS.items()}[name]
     return PATHS[lib().vs_set_path(code)]
 

@@ -5,10 +5,17 @@
 /* ------------------------------------------------------------------ CPU features and path */
 
 static int vs_path = -1;
+
+/* The compiler can build the AVX-VNNI kernel (the avxvnni target: GCC 11, Clang 12); an older one leaves the path out. */
+#if defined(VS_X86) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#define VS_HAVE_AVXVNNI 1
+#else
+#define VS_HAVE_AVXVNNI 0
+#endif
 static int vs_threads = 1;
 
 int vs_cpu_features(void) {
-    /* bit 0 avx2, 1 fma, 2 avx512f, 3 avx512bw, 4 avx512vl, 5 avx512vnni, 6 f16c, 7 amx-tile, 8 amx-int8 */
+    /* bit 0 avx2, 1 fma, 2 avx512f, 3 avx512bw, 4 avx512vl, 5 avx512vnni, 6 f16c, 7 amx-tile, 8 amx-int8, 9 avx-vnni */
     int f = 0;
 #ifdef VS_X86
     __builtin_cpu_init();
@@ -21,6 +28,7 @@ int vs_cpu_features(void) {
     f |= __builtin_cpu_supports("f16c") ? 64 : 0;
     unsigned a, b, c, d;
     if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) f |= (d >> 24 & 1 ? 128 : 0) | (d >> 25 & 1 ? 256 : 0);
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) f |= a >> 4 & 1 ? 512 : 0;
 #endif
     return f;
 }
@@ -48,13 +56,14 @@ static int path_supported(int path) {
     int f = vs_cpu_features();
     if (path == PATH_AVX512) return (f & 0x7E) == 0x7E;
     if (path == PATH_AVX2) return (f & 0x43) == 0x43; /* avx2, fma, f16c */
+    if (path == PATH_AVX_VNNI) return VS_HAVE_AVXVNNI && (f & 0x243) == 0x243; /* and avx-vnni */
     if (path == PATH_AMX) return vs_amx_status() == 0;
     return path == PATH_GENERIC || path == PATH_AMX_EMULATED;
 }
 
 static int best_path(void) {
     return path_supported(PATH_AMX) ? PATH_AMX : path_supported(PATH_AVX512) ? PATH_AVX512
-         : path_supported(PATH_AVX2) ? PATH_AVX2 : PATH_GENERIC;
+         : path_supported(PATH_AVX_VNNI) ? PATH_AVX_VNNI : path_supported(PATH_AVX2) ? PATH_AVX2 : PATH_GENERIC;
 }
 
 int vs_get_path(void) {

@@ -13,7 +13,7 @@
  *   activations.h     float rows to int8 blocks
  *   matmul_generic.h  the portable matmul kernel
  *   matmul_avx512.h   the AVX-512 VNNI kernel
- *   matmul_avx2.h     the AVX2 kernel
+ *   matmul_avx2.h     the AVX2 kernel (avx2_tile.h: once with AVX-VNNI's vpdpbusd, once without)
  *   matmul_amx.h      the AMX tile kernels (amx_tiles.h, amx_group.h), real and emulated
  *   matmul.h          vs_matmul: kernels and threads for a quantized matmul
  *   rowops.h          float matmuls, RMSNorm, RoPE, SwiGLU / GeGLU

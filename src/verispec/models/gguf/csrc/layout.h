@@ -41,14 +41,17 @@ enum { VS_OK = 0, VS_EINVAL = -1, VS_ERANGE = -2, VS_ENOMEM = -3 };
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
        T_Q5_K = 13, T_Q6_K = 14,
        T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30 };
-/* TILE: the most tokens one AVX2 / generic tile kernel call takes; TILE_AVX512 the most the AVX-512 one can take,
- * vs_avx512_tile() the most it is given on this CPU (its per-token operations do not depend on the tile, so any
- * tiling gives the same bits). */
-enum { GROUP = 16, TILE = 4, TILE_AVX512 = 16 };
+/* TILE: the most tokens one generic tile kernel call takes; TILE_AVX2 the AVX2 kernel's (either copy); TILE_AVX512
+ * the most the AVX-512 one can take, vs_avx512_tile() the most it is given on this CPU (each kernel's per-token
+ * operations do not depend on the tile, so any tiling gives the same bits). Eight on AVX2: its sums spill past 4
+ * (16 registers), but a second tile unpacks every weight again; forced on a 2-core Xeon with AMX, a pass's matmuls
+ * over 5 / 8 tokens took 125.4 / 161.1 ms in tiles of 2 + 3 / 4 + 4 and 101.3 / 148.6 as one tile (with AVX-VNNI
+ * 95.3 / 111.9 -> 77.2 / 92.5), 4 tokens alike (`benchmarks/kernel_rates.py --paths avx2 --against`). */
+enum { GROUP = 16, TILE = 4, TILE_AVX2 = 8, TILE_AVX512 = 16 };
 /* AMX_PAIRS: a token's unit sum pairs kept per super-block (amx_sum_pairs; 4 used for Q4_K / Q5_K, 8 for Q6_K), read
  * by the AVX-512 and AMX kernels' min terms */
 enum { AMX_PAIRS = 8 };
-enum { PATH_GENERIC = 0, PATH_AVX512 = 1, PATH_AVX2 = 2, PATH_AMX = 3, PATH_AMX_EMULATED = 4 };
+enum { PATH_GENERIC = 0, PATH_AVX512 = 1, PATH_AVX2 = 2, PATH_AMX = 3, PATH_AMX_EMULATED = 4, PATH_AVX_VNNI = 5 };
 
 typedef struct {
     int q;          /* weights per super-block */

@@ -41,9 +41,9 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
     const int amx_min = amx_min_tokens(type);
     if (path == PATH_AMX && (amx_min == 0 || n < amx_min)) path = PATH_AVX512; /* too few tokens for the tiles to pay */
     const int amx = path == PATH_AMX || path == PATH_AMX_EMULATED;
-    const int tile = amx ? AMX_TOKENS : path == PATH_AVX512 ? vs_avx512_tile() : TILE;
+    const int tile = amx ? AMX_TOKENS : path == PATH_AVX512 ? vs_avx512_tile() : path == PATH_AVX2 || path == PATH_AVX_VNNI ? TILE_AVX2 : TILE;
     int32_t *pairs = NULL; /* the tile kernel's sub-block sum pairs of each token and super-block */
-    if ((amx || path == PATH_AVX512) && L.scsub && n > 0) {
+    if (path != PATH_GENERIC && L.scsub && n > 0) { /* every SIMD kernel takes its min terms from them */
         if (!(pairs = malloc(sizeof(int32_t) * AMX_PAIRS * (size_t)(n * nsb)))) return VS_ENOMEM;
         for (int64_t i = 0; i < n * nsb; i++) amx_sum_pairs(&L, bsum + i * (L.q / 16), pairs + AMX_PAIRS * i);
     }
@@ -86,7 +86,7 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
         for (int64_t g = 0; g < ngroups; g++) {
             const uint8_t *grp = packed + g * nsb * SB;
             int full = (g + 1) * GROUP <= rows;
-            /* but on AMX, tiles of equal size within one token: on AVX2 (tiles of 4) 5 tokens are 2 + 3, not 4 + 1
+            /* but on AMX, tiles of equal size within one token: on AVX2 (tiles of 8) 9 tokens are 4 + 5, not 8 + 1
              * (a whole unpacking of the weights for one token) */
             const int64_t ntiles = (n + tile - 1) / tile;
             if (nwide) {
@@ -120,6 +120,9 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
                 }
                 else if (path == PATH_AVX512) group_avx512(type, grp, nsb, tok, T);
                 else if (path == PATH_AVX2) group_avx2(type, grp, nsb, tok, T);
+#if VS_HAVE_AVXVNNI
+                else if (path == PATH_AVX_VNNI) group_avxvnni(type, grp, nsb, tok, T);
+#endif
 #endif
                 else
                     group_generic(&L, grp, nsb, tok, T);
