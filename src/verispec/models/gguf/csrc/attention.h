@@ -1,5 +1,5 @@
 /* One part of kernels.c, which includes the parts in order as one translation unit (see there). Attention of queries
- * over their rows' key / value caches (portable and AVX-512), with Gemma 2's soft-cap. */
+ * over their rows' key / value caches (portable, AVX-512, and AVX2 in attend_avx2.h), with Gemma 2's soft-cap. */
 
 /* Gemma 2's attention soft-cap on a head's scores, in place: cap tanh(s / cap), as llama.cpp takes it (a product
  * by the float 1 / cap, tanhf, a product by cap); 0: none. Elementwise, so every path and batch gives the same bits. */
@@ -123,6 +123,7 @@ static VS_AVX512 void softmax_heads(int G, int64_t m, float *score, float *total
 #define KV_RUN_FLOATS(p, buf, n) (halves_to_floats16((p), (buf), (n)), (const float *)(buf))
 #define KV_CONVERTS 1
 #include "attend_cache.h"
+#include "attend_avx2.h"
 
 /* Attention of n queries over their rows' caches.
  * q (n, hq, dim); for query i: key/value head h's key in cache column c at kbase[i] + h * head_stride[i] +
@@ -132,7 +133,7 @@ static VS_AVX512 void softmax_heads(int G, int64_t m, float *score, float *total
  * Scores, softmax and the weighted sum run over the attended columns in order: a query's result is the
  * same whatever other queries the call has, and a tree node's equals the chain's over the same entries.
  * Work is split by key/value head and by runs of consecutive queries on one cache (at most `span` of them, fewer
- * where the threads would otherwise idle); the AVX-512 path reads a run's shared prefix once for all of it.
+ * where the threads would otherwise idle); the AVX-512 and AVX2 paths read a run's shared prefix once for all of it.
  * The runner's caches are head-major (stride dim, head_stride a row's capacity times dim), so a thread streams its
  * head's keys and values from contiguous memory; a column holding every head (stride hkv * dim, head_stride dim), as
  * the caches were laid out before, gives the same bits. There a thread read every other run of dim floats (2
@@ -151,9 +152,10 @@ int vs_attention_cache(const float *q, int64_t n, int hq, int hkv, int dim, floa
     }
     const int G = hq / hkv;
     const int simd = (vs_get_path() == PATH_AVX512 || vs_get_path() == PATH_AMX) && dim % 16 == 0 && G <= 64;
+    const int simd2 = (vs_get_path() == PATH_AVX2 || vs_get_path() == PATH_AVX_VNNI) && dim % 16 == 0; /* 256-bit */
     enum { SPAN = 16 };
     int64_t span = 1;
-    if (simd) {
+    if (simd || simd2) {
         int64_t per_head = (vs_threads + hkv - 1) / hkv; /* runs wanted per head for every thread to have work */
         span = (n + per_head - 1) / per_head;
         span = span < 1 ? 1 : span > SPAN ? SPAN : span;
@@ -171,13 +173,15 @@ int vs_attention_cache(const float *q, int64_t n, int hq, int hkv, int dim, floa
         float *score = malloc(sizeof(float) * (size_t)(span * G) * (size_t)(most + 1));
         int32_t *colbuf = malloc(sizeof(int32_t) * (size_t)span * (size_t)(most + 1));
         float *total = malloc(sizeof(float) * (size_t)(span * G)), *column = malloc(sizeof(float) * (size_t)dim);
-        if (!score || !colbuf || !total || !column) {
+        /* the AVX2 path's blocks of converted keys and values */
+        float *blocks = simd2 ? malloc(sizeof(float) * 2 * ATTEND_BLOCK_AVX2 * (size_t)dim) : NULL;
+        if (!score || !colbuf || !total || !column || (simd2 && !blocks)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t rh = 0; rh < runs * hkv; rh++) {
-            if (!score || !colbuf || !total || !column) continue; /* every thread still reaches the loop's barrier */
+            if (!score || !colbuf || !total || !column || (simd2 && !blocks)) continue; /* every thread still reaches the loop's barrier */
             const int64_t r = rh / hkv, i0 = first[r], nq = first[r + 1] - first[r];
             const int kvh = (int)(rh % hkv);
             const size_t at = (size_t)(kvh * head_stride[i0] * kv_bytes(kv_half));
@@ -206,6 +210,9 @@ int vs_attention_cache(const float *q, int64_t n, int hq, int hkv, int dim, floa
             else if (simd)
                 attend_queries_avx512_f32((int)nq, qs, G, dim, (const float *)K, (const float *)V, stride, cs, ms, shared,
                                           scale, cap, ss, total, os);
+            else if (simd2)
+                attend_queries_avx2((int)nq, qs, G, dim, K, V, kv_half, stride, cs, ms, shared, scale, cap, ss, total, os,
+                                    blocks, blocks + ATTEND_BLOCK_AVX2 * dim);
             else
 #endif
                 for (int64_t t = 0; t < nq; t++)
@@ -220,9 +227,10 @@ int vs_attention_cache(const float *q, int64_t n, int hq, int hkv, int dim, floa
         free(colbuf);
         free(total);
         free(column);
+        free(blocks);
     }
     free(first);
-    (void)simd;
+    (void)simd, (void)simd2;
     return failed ? VS_ENOMEM : VS_OK;
 }
 
