@@ -128,7 +128,8 @@ static VS_AVX2 void attend_queries_avx2(int nq, const float *const *q, int G, in
         for (int i = 0; i < nq; i++) {
             if (j >= m[i]) continue;
             const int cnt = (int)(m[i] - j < B ? m[i] - j : B);
-            if (held != j || held_cnt != cnt) columns_as_floats_avx2(K, kv_half, stride, cols[i] + j, cnt, m[i] - j, dim, kbuf, kp);
+            if (held != j || held_cnt != cnt)
+                columns_as_floats_avx2(K, kv_half, stride, cols[i] + j, cnt, m[i] - j, dim, kbuf, kp);
             held = j + cnt <= shared ? j : -1, held_cnt = cnt;
             score_block_avx2(q[i], G, dim, kp, cnt, scale, score[i] + j, m[i]);
         }
@@ -152,7 +153,8 @@ static VS_AVX2 void attend_queries_avx2(int nq, const float *const *q, int G, in
         for (int i = 0; i < nq; i++) {
             if (j >= m[i]) continue;
             const int cnt = (int)(m[i] - j < B ? m[i] - j : B);
-            if (held != j || held_cnt != cnt) columns_as_floats_avx2(V, kv_half, stride, cols[i] + j, cnt, m[i] - j, dim, vbuf, vp);
+            if (held != j || held_cnt != cnt)
+                columns_as_floats_avx2(V, kv_half, stride, cols[i] + j, cnt, m[i] - j, dim, vbuf, vp);
             held = j + cnt <= shared ? j : -1, held_cnt = cnt;
             weigh_heads_avx2(G, dim, score[i] + j, m[i], vp, cnt, og[i], j == 0);
         }

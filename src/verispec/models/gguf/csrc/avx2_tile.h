@@ -1,6 +1,6 @@
 /* The AVX2 kernel's tile, for one instruction set: matmul_avx2.h includes this file twice, for AVX2 alone and for
- * AVX2 with AVX-VNNI (the 256-bit vpdpbusd of Intel's cores since Alder Lake and AMD's since Zen 5, on machines without
- * AVX-512). Before including, define:
+ * AVX2 with AVX-VNNI (the 256-bit vpdpbusd of Intel's client cores since Alder Lake, which have no AVX-512). Before
+ * including, define:
  *   A2_TARGET   the functions' target attribute
  *   A2_NAME(x)  the name of this copy's functions
  *   A2_VNNI     1 where the dots are vpdpbusd, 0 where vpmaddubsw then vpmaddwd
@@ -78,7 +78,8 @@ VS_INLINE A2_TARGET void A2_NAME(half_tile)(const int type, const int T, const u
                 for (int t = 0; t < T; t++) {
                     const int8_t *a = tok[t].q + s * L.q + 32 * u;
                     __m256i p0 = A2_NAME(dot_slots)(v, a, 0, 4, vbits), p1 = A2_NAME(dot_slots)(v, a, 4, 4, vbits);
-                    isum[t] = A2_NAME(dpwssd)(isum[t], _mm256_or_si256(_mm256_and_si256(p0, low16), _mm256_slli_epi32(p1, 16)), sc01);
+                    const __m256i both = _mm256_or_si256(_mm256_and_si256(p0, low16), _mm256_slli_epi32(p1, 16));
+                    isum[t] = A2_NAME(dpwssd)(isum[t], both, sc01);
                 }
             } else if (L.scsub == 16) {
                 __m256i sc0 = load_i8x8(sb + hdr + (2 * u) * GROUP + r0), sc1 = load_i8x8(sb + hdr + (2 * u + 1) * GROUP + r0);
@@ -92,12 +93,15 @@ VS_INLINE A2_TARGET void A2_NAME(half_tile)(const int type, const int T, const u
                 for (int t = 0; t < T; t++) {
                     const int8_t *a = tok[t].q + s * L.q + 32 * u;
                     __m256i p0 = A2_NAME(dot_slots)(v, a, 0, 4, vbits), p1 = A2_NAME(dot_slots)(v, a, 4, 4, vbits);
-                    isum[t] = A2_NAME(dpwssd)(isum[t], _mm256_or_si256(_mm256_and_si256(p0, low16), _mm256_slli_epi32(p1, 12)), sc2);
+                    const __m256i both = _mm256_or_si256(_mm256_and_si256(p0, low16), _mm256_slli_epi32(p1, 12));
+                    isum[t] = A2_NAME(dpwssd)(isum[t], both, sc2);
                 }
             } else if (L.scsub == 32) {
                 __m256i sc = load_i8x8(sb + hdr + u * GROUP + r0);
-                for (int t = 0; t < T; t++)
-                    isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc, A2_NAME(dot_slots)(v, tok[t].q + s * L.q + 32 * u, 0, 8, vbits)));
+                for (int t = 0; t < T; t++) {
+                    const __m256i p = A2_NAME(dot_slots)(v, tok[t].q + s * L.q + 32 * u, 0, 8, vbits);
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc, p));
+                }
             } else {
                 for (int t = 0; t < T; t++) isum[t] = A2_NAME(dot_slots)(v, tok[t].q + s * L.q, 0, 8, vbits);
             }

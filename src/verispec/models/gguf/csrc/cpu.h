@@ -4,14 +4,14 @@
 
 /* ------------------------------------------------------------------ CPU features and path */
 
-static int vs_path = -1;
-
 /* The compiler can build the AVX-VNNI kernel (the avxvnni target: GCC 11, Clang 12); an older one leaves the path out. */
 #if defined(VS_X86) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define VS_HAVE_AVXVNNI 1
 #else
 #define VS_HAVE_AVXVNNI 0
 #endif
+
+static int vs_path = -1;
 static int vs_threads = 1;
 
 int vs_cpu_features(void) {

@@ -38,7 +38,7 @@ VS_INLINE VS_AVX2 void unpack8_avx2(const uint8_t *pl, const int bits, const int
         v[t] = _mm256_and_si256(p, m4);
         v[t + 4] = hi16 ? _mm256_and_si256(p, h4) : _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
     }
-    if (lut) { /* indices to values (1..241: dot_slots_avx2 takes them as 8-bit values) */
+    if (lut) { /* indices to values (1..241: dot_slots takes them as 8-bit values) */
         const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LUT));
         for (int i = 0; i < 8; i++) v[i] = _mm256_shuffle_epi8(table, v[i]);
     }
