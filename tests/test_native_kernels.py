@@ -334,7 +334,8 @@ def test_every_supported_type_is_covered_here():
 def test_attention_paths_give_the_same_bits(dim, group):
     rng = np.random.default_rng(12 + dim)
     layouts = [([40, 17, 30, 9, 70], [[], [20, 33], [31], [], [71, 72, 74]]),  # rows' queries, tree nodes
-               ([66, 67, 68, 69, 70, 71, 50], [[]] * 6 + [[66, 69]])]  # a chain, then a node
+               ([66, 67, 68, 69, 70, 71, 50], [[]] * 6 + [[66, 69]]),  # a chain, then a node
+               ([40, 40, 40], [[41, 43], [42, 44], [45, 46]])]  # sibling nodes: equal counts, other columns
     for heads in (2, 1):
         keys = rng.standard_normal((75, heads, dim)).astype(np.float32) * 3
         values = rng.standard_normal((75, heads, dim)).astype(np.float32)

@@ -36,6 +36,24 @@ static VS_AVX2 void columns_as_floats_avx2(const void *X, int kv_half, int64_t s
     }
 }
 
+/* A block of one key or value head's columns as floats: buf (ATTEND_BLOCK_AVX2, dim) holds a half cache's converted
+ * columns; p their pointers. A block inside the queries' shared prefix is the same for every query: the first to
+ * fetch it converts it and the others reuse it (first: its first column, or -1 where it is not such a block). */
+typedef struct {
+    float *buf;
+    const float *p[ATTEND_BLOCK_AVX2];
+    int64_t first;
+    int cnt;
+} float_block_t;
+
+/* b = query columns cols[j .. j+cnt-1] (of m), unless b already holds them. */
+static VS_AVX2 void fetch_block_avx2(float_block_t *b, const void *X, int kv_half, int64_t stride, const int32_t *cols,
+                                     int64_t j, int cnt, int64_t m, int64_t shared, int dim) {
+    if (b->first != j || b->cnt != cnt)
+        columns_as_floats_avx2(X, kv_half, stride, cols + j, cnt, m - j, dim, b->buf, b->p);
+    b->first = j + cnt <= shared ? j : -1, b->cnt = cnt;
+}
+
 /* dot16's halving of its 16 lanes (lo: 0-7, hi: 8-15): lane l + lane l + 8, then + 4, + 2, + 1. */
 VS_INLINE VS_AVX2 float halve16_avx2(__m256 lo, __m256 hi) {
     const __m256 r = _mm256_add_ps(lo, hi);
@@ -119,19 +137,15 @@ static VS_AVX2 void attend_queries_avx2(int nq, const float *const *q, int G, in
                                         int64_t shared, float scale, float cap, float *const *score, float *total,
                                         float *const *og, float *kbuf, float *vbuf) {
     enum { B = ATTEND_BLOCK_AVX2 };
-    const float *kp[B], *vp[B];
+    float_block_t keys = {.buf = kbuf, .first = -1}, values = {.buf = vbuf, .first = -1};
     int64_t most = 0;
     for (int i = 0; i < nq; i++) most = m[i] > most ? m[i] : most;
-    /* the block in kbuf / vbuf: (first column, count) where it is the shared prefix's, else none */
-    int64_t held = -1, held_cnt = 0;
     for (int64_t j = 0; j < most; j += B)
         for (int i = 0; i < nq; i++) {
             if (j >= m[i]) continue;
             const int cnt = (int)(m[i] - j < B ? m[i] - j : B);
-            if (held != j || held_cnt != cnt)
-                columns_as_floats_avx2(K, kv_half, stride, cols[i] + j, cnt, m[i] - j, dim, kbuf, kp);
-            held = j + cnt <= shared ? j : -1, held_cnt = cnt;
-            score_block_avx2(q[i], G, dim, kp, cnt, scale, score[i] + j, m[i]);
+            fetch_block_avx2(&keys, K, kv_half, stride, cols[i], j, cnt, m[i], shared, dim);
+            score_block_avx2(q[i], G, dim, keys.p, cnt, scale, score[i] + j, m[i]);
         }
     for (int i = 0; i < nq; i++)
         for (int g = 0; g < G; g++) {
@@ -139,24 +153,21 @@ static VS_AVX2 void attend_queries_avx2(int nq, const float *const *q, int G, in
             soft_cap(sg, m[i], cap);
             /* the maximum in 8 lanes (the same whatever the order; a NaN score is passed over as the portable loop
              * passes it, and makes the sum NaN whatever the maximum): one scalar chain had been a tenth of the time */
-            __m256 most = _mm256_set1_ps(-INFINITY);
+            __m256 peak = _mm256_set1_ps(-INFINITY);
             int64_t j = 0;
-            for (; j + 8 <= m[i]; j += 8) most = _mm256_max_ps(_mm256_loadu_ps(sg + j), most);
+            for (; j + 8 <= m[i]; j += 8) peak = _mm256_max_ps(_mm256_loadu_ps(sg + j), peak);
             float lanes[8], top = -INFINITY;
-            _mm256_storeu_ps(lanes, most);
+            _mm256_storeu_ps(lanes, peak);
             for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
             for (; j < m[i]; j++) top = sg[j] > top ? sg[j] : top;
             total[i * G + g] = exp_and_sum(sg, m[i], top);
         }
-    held = -1;
     for (int64_t j = 0; j < most; j += B)
         for (int i = 0; i < nq; i++) {
             if (j >= m[i]) continue;
             const int cnt = (int)(m[i] - j < B ? m[i] - j : B);
-            if (held != j || held_cnt != cnt)
-                columns_as_floats_avx2(V, kv_half, stride, cols[i] + j, cnt, m[i] - j, dim, vbuf, vp);
-            held = j + cnt <= shared ? j : -1, held_cnt = cnt;
-            weigh_heads_avx2(G, dim, score[i] + j, m[i], vp, cnt, og[i], j == 0);
+            fetch_block_avx2(&values, V, kv_half, stride, cols[i], j, cnt, m[i], shared, dim);
+            weigh_heads_avx2(G, dim, score[i] + j, m[i], values.p, cnt, og[i], j == 0);
         }
     for (int i = 0; i < nq; i++) {
         if (m[i] == 0) /* no column: 0 / 0, as the generic path gives */
