@@ -4,8 +4,9 @@ the SIMD and portable paths against each other, bit for bit; every kernel's batc
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 
-from tiny_gguf import ALL_TYPES, QUANTIZED, T, random_raw
+from tiny_gguf import ALL_TYPES, QUANTIZED, SCALE_FIELDS, T, random_raw
 from verispec.errors import VerispecError
 from verispec.models.gguf import native, reference
 from verispec.models.gguf.ops import Activations, Weight, gelu_mul, rmsnorm, rope, rope_table, silu_mul
@@ -117,6 +118,34 @@ def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
                     assert np.array_equal(weight(Activations(x[:n].copy())), expected[:n]), (setting, n, threads)
     finally:
         native.set_threads(1)
+        restore()
+
+
+@pytest.mark.skipif(len(PATHS) < 2, reason="this CPU has no SIMD path to compare")
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+@pytest.mark.parametrize("fill", (0xFF, 0x7F, 0x80))
+def test_the_largest_integer_sums_give_every_paths_bits(qtype, fill):
+    """Every byte of the blocks but the fp16 scales set to one pattern (0xFF: every K-quant at its largest value), times
+    activations all at +127, all at -127 and of mixed signs: the integer sums are at their largest. The AVX2 kernel
+    adds vpmaddubsw's pairs as int16 over runs of slots (8 for values below 16, 4 below 32, 2 below 64); a run one
+    slot too long wraps here, on any path that gets it wrong, and the bits part from the portable path's."""
+    raw = random_raw(np.random.default_rng(9), qtype, 40, 512)
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    extreme = np.full_like(blocks, fill)
+    for offset in SCALE_FIELDS[qtype]:
+        extreme[:, offset : offset + 2] = blocks[:, offset : offset + 2]
+    weight = Weight.from_raw("w", int(qtype), extreme.reshape(raw.shape), 40, 512)
+    x = np.ones((9, 512), np.float32)
+    x[1::3] = -1.0
+    x[2::3] = np.where(np.random.default_rng(10).random((3, 512)) < 0.5, -1.0, 1.0)
+    native.set_path("portable")
+    expected = weight(Activations(x))
+    try:
+        for setting in SETTINGS:
+            use(*setting)
+            for n in (1, 3, 9):
+                assert np.array_equal(weight(Activations(x[:n].copy())), expected[:n]), (setting, n)
+    finally:
         restore()
 
 

@@ -7,31 +7,67 @@
  * Both copies compute the same integer sums and run the same float epilogue, so they give the same bits. The file
  * undefines these at its end, ready for the next copy. */
 
-/* sum over slots first..first+count-1 of the 4-byte dots of v[i] with the 4 activation bytes of slot i: with
- * AVX-VNNI one vpdpbusd each (exact: 32-bit sums of four u8 x s8 products), in two chains (even and odd slots) so
- * that one token's products do not wait on each other's latency; without it dot4_avx2, Q8_0's values split into
- * nibbles (dot = 16 dot(high) + dot(low)). Integer sums, so any order gives the same sum. */
-VS_INLINE A2_TARGET __m256i A2_NAME(dot_slots)(const __m256i v[8], const int8_t *a, int first, int count, const int bits) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
+/* sum over slots first..first+count-1 of the 4-byte dots of v[i] with the 4 activation bytes of slot i, each row's sum
+ * times `scale` (`scale_operand`'s form of the row's sub-block scale; unscaled where `scaled` is 0).
+ * With AVX-VNNI one vpdpbusd a slot (exact: 32-bit sums of four u8 x s8 products), in two chains (even and odd slots)
+ * so that one token's products do not wait on each other's latency, then the scale's product (vpmulld) unless it is
+ * 1. Without it vpmaddubsw a slot, whose u8 x s8 pair sums are added as int16 over runs of slots, then one vpmaddwd
+ * a run by `scale` (not one by 1 a slot, then a vpmulld): a pair is at most 2 x 127 x the largest value, so a run of
+ * 8 slots fits 16 bits for values below 16, 4 below 32, 2 below 64 (8 x 2 x 127 x 15 = 30,480 < 2^15); Q8_0's and
+ * the IQ4 tables' 8-bit values split into nibbles, dot = 16 dot(high) + dot(low), both below 16. Integer sums, so any
+ * order and grouping gives the same sum. */
+VS_INLINE A2_TARGET __m256i A2_NAME(scaled_slots)(const __m256i v[8], const int8_t *a, int first, int count, const int bits,
+                                                  __m256i scale, const int scaled) {
+#if A2_VNNI
     __m256i p = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
     for (int i = first; i < first + count; i++) {
         int32_t a4;
         memcpy(&a4, a + 4 * i, 4);
-        __m256i av = _mm256_set1_epi32(a4);
-#if A2_VNNI
+        const __m256i av = _mm256_set1_epi32(a4);
         if ((i - first) % 2) p1 = _mm256_dpbusd_avx_epi32(p1, v[i], av);
         else p = _mm256_dpbusd_avx_epi32(p, v[i], av);
-        (void)m4, (void)bits;
-#else
-        if (bits == 8) {
-            p = _mm256_add_epi32(p, dot4_avx2(_mm256_and_si256(v[i], m4), av));
-            p = _mm256_add_epi32(p, _mm256_slli_epi32(dot4_avx2(_mm256_and_si256(_mm256_srli_epi16(v[i], 4), m4), av), 4));
-        } else {
-            p = _mm256_add_epi32(p, dot4_avx2(v[i], av));
-        }
-#endif
     }
-    return _mm256_add_epi32(p, p1);
+    (void)bits;
+    p = _mm256_add_epi32(p, p1);
+    return scaled ? _mm256_mullo_epi32(scale, p) : p;
+#else
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const int run = bits == 6 ? 2 : bits == 5 ? 4 : 8;
+    __m256i sum = _mm256_setzero_si256();
+    for (int r = first; r < first + count; r += run) {
+        __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+        for (int i = r; i < r + run && i < first + count; i++) {
+            int32_t a4;
+            memcpy(&a4, a + 4 * i, 4);
+            const __m256i av = _mm256_set1_epi32(a4);
+            if (bits == 8) {
+                lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(v[i], m4), av));
+                hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v[i], 4), m4), av));
+            } else {
+                lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(v[i], av));
+            }
+        }
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(lo, scale));
+        if (bits == 8) sum = _mm256_add_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(hi, scale), 4));
+    }
+    (void)scaled;
+    return sum;
+#endif
+}
+
+/* The slots' dots unscaled. */
+VS_INLINE A2_TARGET __m256i A2_NAME(dot_slots)(const __m256i v[8], const int8_t *a, int first, int count, const int bits) {
+    return A2_NAME(scaled_slots)(v, a, first, count, bits, _mm256_set1_epi16(1), 0);
+}
+
+/* The rows' int8 scales (each sign-extended in its 32-bit lane, as load_i8x8 gives them) as scaled_slots takes them:
+ * the vpmulld operand as they are with VNNI; without it in both int16 halves of the lane, for vpmaddwd. */
+VS_INLINE A2_TARGET __m256i A2_NAME(scale_operand)(__m256i sc) {
+#if A2_VNNI
+    return sc;
+#else
+    return _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16));
+#endif
 }
 
 /* acc + the products of a's and b's int16 pairs: vpdpwssd, or vpmaddwd then an add (the same int32 sum). */
@@ -72,7 +108,7 @@ VS_INLINE A2_TARGET void A2_NAME(half_tile)(const int type, const int T, const u
              * at one token, 105.4 -> 93.8 at four); the first half's reading brings the super-block in for the second */
             if (!half) prefetch_share(sb, SB, u, L.q / 32);
             unpack8_avx2(sb + poff + u * pb, L.bits, L.lut, 4 * r0, v, hi16);
-            if (L.scsub == 16 && L.bits <= 3) { /* a unit's dot fits 16 bits (16 x 7 x 128 < 2^15) */
+            if (A2_VNNI && L.scsub == 16 && L.bits <= 3) { /* a unit's dot fits 16 bits (16 x 7 x 128 < 2^15) */
                 const __m256i sc01 = _mm256_or_si256(_mm256_and_si256(load_i8x8(sb + hdr + (2 * u) * GROUP + r0), low16),
                                                      _mm256_slli_epi32(load_i8x8(sb + hdr + (2 * u + 1) * GROUP + r0), 16));
                 for (int t = 0; t < T; t++) {
@@ -82,11 +118,12 @@ VS_INLINE A2_TARGET void A2_NAME(half_tile)(const int type, const int T, const u
                     isum[t] = A2_NAME(dpwssd)(isum[t], both, sc01);
                 }
             } else if (L.scsub == 16) {
-                __m256i sc0 = load_i8x8(sb + hdr + (2 * u) * GROUP + r0), sc1 = load_i8x8(sb + hdr + (2 * u + 1) * GROUP + r0);
+                const __m256i sc0 = A2_NAME(scale_operand)(load_i8x8(sb + hdr + (2 * u) * GROUP + r0)),
+                              sc1 = A2_NAME(scale_operand)(load_i8x8(sb + hdr + (2 * u + 1) * GROUP + r0));
                 for (int t = 0; t < T; t++) {
                     const int8_t *a = tok[t].q + s * L.q + 32 * u;
-                    isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc0, A2_NAME(dot_slots)(v, a, 0, 4, vbits)));
-                    isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc1, A2_NAME(dot_slots)(v, a, 4, 4, vbits)));
+                    isum[t] = _mm256_add_epi32(isum[t], A2_NAME(scaled_slots)(v, a, 0, 4, vbits, sc0, 1));
+                    isum[t] = _mm256_add_epi32(isum[t], A2_NAME(scaled_slots)(v, a, 4, 4, vbits, sc1, 1));
                 }
             } else if (hi16) { /* each half's dot fits 16 bits (16 x 15 x 128 < 2^15); p1 is 16 times its dot */
                 const __m256i sc = load_i8x8(sb + hdr + u * GROUP + r0), sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
@@ -97,11 +134,9 @@ VS_INLINE A2_TARGET void A2_NAME(half_tile)(const int type, const int T, const u
                     isum[t] = A2_NAME(dpwssd)(isum[t], both, sc2);
                 }
             } else if (L.scsub == 32) {
-                __m256i sc = load_i8x8(sb + hdr + u * GROUP + r0);
-                for (int t = 0; t < T; t++) {
-                    const __m256i p = A2_NAME(dot_slots)(v, tok[t].q + s * L.q + 32 * u, 0, 8, vbits);
-                    isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(sc, p));
-                }
+                const __m256i sc = A2_NAME(scale_operand)(load_i8x8(sb + hdr + u * GROUP + r0));
+                for (int t = 0; t < T; t++)
+                    isum[t] = _mm256_add_epi32(isum[t], A2_NAME(scaled_slots)(v, tok[t].q + s * L.q + 32 * u, 0, 8, vbits, sc, 1));
             } else {
                 for (int t = 0; t < T; t++) isum[t] = A2_NAME(dot_slots)(v, tok[t].q + s * L.q, 0, 8, vbits);
             }

@@ -4,9 +4,9 @@
 #ifdef VS_X86
 /* ------------------------------------------------------------------ quantized matmul: AVX2 */
 /* The same lanes as the AVX-512 path, 8 rows (half a group) at a time in 256-bit registers. Without AVX-VNNI there is
- * no vpdpbusd: vpmaddubsw (u8 x s8 pairs to s16) then vpmaddwd by 1 (pairs to s32) computes the same 4-byte
- * dot per lane, exactly while a pair's sum fits 16 bits (values < 64: 63 * 127 * 2 < 32767). Q8_0's 8-bit
- * values are split into nibbles, dot = 16 dot(high) + dot(low). Integer sums are exact and the float
+ * no vpdpbusd: vpmaddubsw (u8 x s8 pairs to s16), the pairs added as int16 over a few slots, then vpmaddwd (by 1 or
+ * by the scale) computes the same dots, exactly while the int16 sums fit (see scaled_slots in avx2_tile.h). Q8_0's
+ * 8-bit values are split into nibbles, dot = 16 dot(high) + dot(low). Integer sums are exact and the float
  * epilogue is the same fma sequence, so the results are the AVX-512 path's bits. */
 #define VS_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -56,10 +56,6 @@ VS_INLINE VS_AVX2 void unpack8_avx2(const uint8_t *pl, const int bits, const int
             v[i] = _mm256_or_si256(v[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * (i % 4)), three), 4));
         }
     }
-}
-
-VS_INLINE VS_AVX2 __m256i dot4_avx2(__m256i w, __m256i a) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
 }
 
 VS_INLINE VS_AVX2 __m256i load_i8x8(const uint8_t *p) {
