@@ -16,6 +16,7 @@ from verispec.bench.catalog import HEAD_SYSTEMS, LLAMACPP_SYSTEMS, SYSTEMS
 from verispec.bench.runner import BenchConfig, by_turns, run_bench
 from verispec.api import SpeculativeDecoder
 from verispec.cli import main
+from verispec.config import SamplingConfig
 from verispec.models.distilled import VocabMap, save_distilled, vocab_fingerprint
 from verispec.errors import VerispecError
 from verispec.models import load_model
@@ -124,6 +125,37 @@ def test_bench_cli_and_errors(setup, capsys):
                  "--distilled", str(root)]) == 2  # not a distilled draft directory
     with pytest.raises(VerispecError, match="weight format"):
         BenchConfig(distilled_weights="fp4")
+
+
+def test_bench_runs_the_eagle_head_alone_and_behind_suffix_decoding(tmp_path, fixed_costs):
+    """Given a head made for the target (`eagle:DIR`), the head systems run: verispec-suffix-eagle* put suffix decoding
+    and the head behind one composite drafter, both drafting, and every system decodes as plain decoding does."""
+    from test_eagle import random_head
+    from transformers import AutoModelForCausalLM
+
+    from verispec.bench.runner import build_systems
+
+    folder = save_tiny_model_dir(tmp_path / "target", "qwen2", seed=0, sharpness=3.0)
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    layers = model.config.num_hidden_layers
+    random_head(model, draft_vocab=model.config.vocab_size - 8, aux=(0, layers - 1, layers - 1), scale=0.3).save(
+        tmp_path / "eagle")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) for i, (c, t) in
+                                 enumerate([("qa", "a b c a b c a b"), ("rag", "dog cat dog cat dog")])) + "\n")
+    names = ("verispec-plain", "verispec-eagle", "verispec-suffix-eagle", "verispec-suffix-eagle-auto")
+    config = BenchConfig(prompts=str(prompts), per_category=1, max_new_tokens=24, out_dir=str(tmp_path / "out"),
+                         systems=names, eagle=f"eagle:{tmp_path / 'eagle'}", medusa=None)
+    target = load_model(str(folder))
+    composite = {s.name: s for s in build_systems(config, target, None, None, None)}["verispec-suffix-eagle"]
+    assert composite.decoder.draft_name.startswith("suffix+eagle")
+    for text in ("a b c a b c a b", "dog cat dog cat dog"):
+        composite.run(target.tokenizer.encode(text), SamplingConfig(temperature=0), 24, 0)
+    assert all(composite.decoder.drafter.shares().values()), composite.decoder.drafter.shares()  # both drafted rows
+    report = run_bench(config, target, None)
+    for system in names:
+        assert report["summary"][system]["all"]["greedy_equal_to_plain"] == "2/2", system
+    assert_every_system_drafted(report, set(names) - {"verispec-plain"})
 
 
 def test_bench_runs_the_distilled_draft_with_the_draft_weight_format(setup):

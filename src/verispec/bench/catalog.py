@@ -11,6 +11,7 @@ from dataclasses import dataclass
 NONE, NGRAM, CORPUS, DRAFT, DISTILLED, SELF, MEDUSA, EAGLE, SUFFIX = (
     "none", "ngram", "ngram-corpus", "draft", "distilled", "self", "medusa", "eagle", "suffix")
 SUFFIX_DRAFT = "suffix+draft"  # the composite: suffix decoding, else the --draft model, chosen each step
+SUFFIX_EAGLE = "suffix+eagle"  # the composite: suffix decoding, else the EAGLE head (BenchConfig.eagle)
 VERISPEC, HF, LLAMACPP = "verispec", "hf", "llama.cpp"  # who runs the loop (`family`)
 
 
@@ -22,7 +23,7 @@ class SystemSpec:
     family: whose decoding loop runs: verispec's, Hugging Face's `generate` or llama-cpp-python's.
     drafter: NONE (plain), NGRAM (prompt lookup), SUFFIX (suffix decoding), CORPUS (corpus n-grams), DRAFT (the --draft model), DISTILLED
         (the distilled draft), SELF (self-speculation), MEDUSA or EAGLE (heads), SUFFIX_DRAFT (suffix decoding and
-        the --draft model behind one composite drafter).
+        the --draft model behind one composite drafter), SUFFIX_EAGLE (suffix decoding and the EAGLE head, likewise).
     llamacpp: verispec's loop on llama.cpp's kernels (the target and draft as llama.cpp models).
     tree: drafts the bench's tree (BenchConfig.tree) instead of chains.
     auto: K (or the tree's budget) tuned from pass costs measured at start.
@@ -92,6 +93,8 @@ CATALOG: tuple[SystemSpec, ...] = (
     _verispec("verispec-eagle-argmax", EAGLE, argmax=True),
     _verispec("verispec-eagle-lookup", EAGLE, lookup=True),
     _verispec("verispec-eagle-lookup-auto", EAGLE, auto=True, lookup=True),
+    _verispec("verispec-suffix-eagle", SUFFIX_EAGLE),
+    _verispec("verispec-suffix-eagle-auto", SUFFIX_EAGLE, auto=True),
     # llama.cpp: its own loops, and verispec's on its kernels
     SystemSpec("llamacpp-generate", LLAMACPP, NONE),
     SystemSpec("llamacpp-prompt-lookup", LLAMACPP, NGRAM, peer=True),
@@ -112,4 +115,4 @@ SYSTEMS = tuple(spec.name for spec in CATALOG)
 LLAMACPP_SYSTEMS = tuple(spec.name for spec in CATALOG if spec.needs_llamacpp)
 DISTILLED_SYSTEMS = tuple(spec.name for spec in CATALOG if spec.drafter == DISTILLED)
 SELF_SYSTEMS = tuple(spec.name for spec in CATALOG if spec.drafter == SELF)
-HEAD_SYSTEMS = tuple(spec.name for spec in CATALOG if spec.drafter in (MEDUSA, EAGLE))
+HEAD_SYSTEMS = tuple(spec.name for spec in CATALOG if spec.drafter in (MEDUSA, EAGLE, SUFFIX_EAGLE))

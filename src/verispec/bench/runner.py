@@ -24,6 +24,7 @@ from verispec.bench.catalog import (
     SELF,
     SUFFIX,
     SUFFIX_DRAFT,
+    SUFFIX_EAGLE,
     SYSTEMS,
     SystemSpec,
 )
@@ -270,6 +271,8 @@ def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> Spec
 
         self_draft = SelfDraftConfig(retune=spec.retune, lookup=2 if spec.lookup else 0)
         return SpeculativeDecoder(target, config.self_draft, self_draft=self_draft)
+    if spec.drafter == SUFFIX_EAGLE:
+        return _head_decoder(config.eagle and f"{SUFFIX}+{config.eagle}", target, DrafterOptions())
     # EAGLE: lookup first only where named (a shipped head's manifest may turn it on), n-grams of 2 and more
     options = DrafterOptions(draft_lookup=2 if spec.lookup else 0, head_argmax=spec.argmax) \
         if spec.drafter == EAGLE else DrafterOptions()
@@ -285,6 +288,8 @@ def _distilled(config: BenchConfig, target: LoadedModel, wanted) -> LoadedModel 
     if distilled_path(config.distilled) is None:
         raise VerispecError(f"--distilled '{config.distilled}' is not a distilled draft directory")
     return load_distilled_draft(config.distilled, target, config.distilled_weights)
+
+
 def _corpus_decoder(config: BenchConfig, target: LoadedModel) -> SpeculativeDecoder | None:
     """The corpus n-gram system's decoder: the configured table, else the shipped one if it fits the target."""
     if config.ngram_table is not None:
