@@ -80,9 +80,9 @@ VS_INLINE A2_TARGET __m256i A2_NAME(dpwssd)(__m256i acc, __m256i a, __m256i b) {
 }
 
 /* Rows 8 half .. 8 half + 7 of one group, a tile of T <= TILE_AVX2 tokens, as the AVX-512 kernel computes its 16: per
- * sub-block and token the dots of slots 0-3 and 4-7; the 4-bit K-quants' (AVX-VNNI) and Q2_K / Q3_K's two dots, each
- * within 16 bits, packed as an int16 pair that one vpdpwssd multiplies by the scales; the min terms once a super-block
- * from the token's unit sum pairs (tok.pairs). */
+ * sub-block and token the dots of slots 0-3 and 4-7 times their scales (scaled_slots); with AVX-VNNI the 4-bit
+ * K-quants' and Q2_K / Q3_K's two dots, each within 16 bits, packed as an int16 pair that one vpdpwssd multiplies by
+ * the scales; the min terms once a super-block from the token's unit sum pairs (tok.pairs). */
 VS_INLINE A2_TARGET void A2_NAME(half_tile)(const int type, const int T, const uint8_t *grp, int64_t nsb, const token_t *tok,
                                             const int half) {
     layout_t L;
@@ -135,8 +135,10 @@ VS_INLINE A2_TARGET void A2_NAME(half_tile)(const int type, const int T, const u
                 }
             } else if (L.scsub == 32) {
                 const __m256i sc = A2_NAME(scale_operand)(load_i8x8(sb + hdr + u * GROUP + r0));
-                for (int t = 0; t < T; t++)
-                    isum[t] = _mm256_add_epi32(isum[t], A2_NAME(scaled_slots)(v, tok[t].q + s * L.q + 32 * u, 0, 8, vbits, sc, 1));
+                for (int t = 0; t < T; t++) {
+                    const int8_t *a = tok[t].q + s * L.q + 32 * u;
+                    isum[t] = _mm256_add_epi32(isum[t], A2_NAME(scaled_slots)(v, a, 0, 8, vbits, sc, 1));
+                }
             } else {
                 for (int t = 0; t < T; t++) isum[t] = A2_NAME(dot_slots)(v, tok[t].q + s * L.q, 0, 8, vbits);
             }
