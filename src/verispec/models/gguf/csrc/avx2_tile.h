@@ -7,18 +7,17 @@
  * Both copies compute the same integer sums and run the same float epilogue, so they give the same bits. The file
  * undefines these at its end, ready for the next copy. */
 
-/* sum over slots first..first+count-1 of the 4-byte dots of v[i] with the 4 activation bytes of slot i, each row's sum
- * times `scale` (`scale_operand`'s form of the row's sub-block scale; unscaled where `scaled` is 0).
+/* dot_slots: sum over slots first..first+count-1 of the 4-byte dots of v[i] with the 4 activation bytes of slot i.
+ * scaled_slots: each row's sum times `scale` (scale_operand's form of the row's sub-block scale).
  * With AVX-VNNI one vpdpbusd a slot (exact: 32-bit sums of four u8 x s8 products), in two chains (even and odd slots)
- * so that one token's products do not wait on each other's latency, then the scale's product (vpmulld) unless it is
- * 1. Without it vpmaddubsw a slot, whose u8 x s8 pair sums are added as int16 over runs of slots, then one vpmaddwd
- * a run by `scale` (not one by 1 a slot, then a vpmulld): a pair is at most 2 x 127 x the largest value, so a run of
- * 8 slots fits 16 bits for values below 16, 4 below 32, 2 below 64 (8 x 2 x 127 x 15 = 30,480 < 2^15); Q8_0's and
- * the IQ4 tables' 8-bit values split into nibbles, dot = 16 dot(high) + dot(low), both below 16. Integer sums, so any
- * order and grouping gives the same sum. */
-VS_INLINE A2_TARGET __m256i A2_NAME(scaled_slots)(const __m256i v[8], const int8_t *a, int first, int count, const int bits,
-                                                  __m256i scale, const int scaled) {
+ * so that one token's products do not wait on each other's latency, then the scale's product (vpmulld). Without it
+ * vpmaddubsw a slot, whose u8 x s8 pair sums are added as int16 over runs of slots, then one vpmaddwd a run by
+ * `scale` (1 for dot_slots): a pair is at most 2 x 127 x the largest value, so a run of 8 slots fits 16 bits for
+ * values below 16, 4 below 32, 2 below 64 (8 x 2 x 127 x 15 = 30,480 < 2^15); Q8_0's and the IQ4 tables' 8-bit values
+ * split into nibbles, dot = 16 dot(high) + dot(low), both below 16. Integer sums, so any order and grouping gives the
+ * same sum. */
 #if A2_VNNI
+VS_INLINE A2_TARGET __m256i A2_NAME(dot_slots)(const __m256i v[8], const int8_t *a, int first, int count, const int bits) {
     __m256i p = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
     for (int i = first; i < first + count; i++) {
         int32_t a4;
@@ -28,9 +27,20 @@ VS_INLINE A2_TARGET __m256i A2_NAME(scaled_slots)(const __m256i v[8], const int8
         else p = _mm256_dpbusd_avx_epi32(p, v[i], av);
     }
     (void)bits;
-    p = _mm256_add_epi32(p, p1);
-    return scaled ? _mm256_mullo_epi32(scale, p) : p;
+    return _mm256_add_epi32(p, p1);
+}
+
+VS_INLINE A2_TARGET __m256i A2_NAME(scaled_slots)(const __m256i v[8], const int8_t *a, int first, int count, const int bits,
+                                                  __m256i scale) {
+    return _mm256_mullo_epi32(scale, A2_NAME(dot_slots)(v, a, first, count, bits));
+}
+
+/* The rows' int8 scales (each sign-extended in its 32-bit lane, as load_i8x8 gives them) as scaled_slots takes them:
+ * the vpmulld operand as they are with VNNI; without it in both int16 halves of the lane, for vpmaddwd. */
+VS_INLINE A2_TARGET __m256i A2_NAME(scale_operand)(__m256i sc) { return sc; }
 #else
+VS_INLINE A2_TARGET __m256i A2_NAME(scaled_slots)(const __m256i v[8], const int8_t *a, int first, int count, const int bits,
+                                                  __m256i scale) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const int run = bits == 6 ? 2 : bits == 5 ? 4 : 8;
     __m256i sum = _mm256_setzero_si256();
@@ -50,25 +60,15 @@ VS_INLINE A2_TARGET __m256i A2_NAME(scaled_slots)(const __m256i v[8], const int8
         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(lo, scale));
         if (bits == 8) sum = _mm256_add_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(hi, scale), 4));
     }
-    (void)scaled;
     return sum;
-#endif
 }
 
-/* The slots' dots unscaled. */
 VS_INLINE A2_TARGET __m256i A2_NAME(dot_slots)(const __m256i v[8], const int8_t *a, int first, int count, const int bits) {
-    return A2_NAME(scaled_slots)(v, a, first, count, bits, _mm256_set1_epi16(1), 0);
+    return A2_NAME(scaled_slots)(v, a, first, count, bits, _mm256_set1_epi16(1));
 }
 
-/* The rows' int8 scales (each sign-extended in its 32-bit lane, as load_i8x8 gives them) as scaled_slots takes them:
- * the vpmulld operand as they are with VNNI; without it in both int16 halves of the lane, for vpmaddwd. */
-VS_INLINE A2_TARGET __m256i A2_NAME(scale_operand)(__m256i sc) {
-#if A2_VNNI
-    return sc;
-#else
-    return _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16));
+VS_INLINE A2_TARGET __m256i A2_NAME(scale_operand)(__m256i sc) { return pack16_avx2(sc, sc); }
 #endif
-}
 
 /* acc + the products of a's and b's int16 pairs: vpdpwssd, or vpmaddwd then an add (the same int32 sum). */
 VS_INLINE A2_TARGET __m256i A2_NAME(dpwssd)(__m256i acc, __m256i a, __m256i b) {
@@ -109,21 +109,20 @@ VS_INLINE A2_TARGET void A2_NAME(half_tile)(const int type, const int T, const u
             if (!half) prefetch_share(sb, SB, u, L.q / 32);
             unpack8_avx2(sb + poff + u * pb, L.bits, L.lut, 4 * r0, v, hi16);
             if (A2_VNNI && L.scsub == 16 && L.bits <= 3) { /* a unit's dot fits 16 bits (16 x 7 x 128 < 2^15) */
-                const __m256i sc01 = _mm256_or_si256(_mm256_and_si256(load_i8x8(sb + hdr + (2 * u) * GROUP + r0), low16),
-                                                     _mm256_slli_epi32(load_i8x8(sb + hdr + (2 * u + 1) * GROUP + r0), 16));
+                const __m256i sc01 = pack16_avx2(load_i8x8(sb + hdr + (2 * u) * GROUP + r0),
+                                                 load_i8x8(sb + hdr + (2 * u + 1) * GROUP + r0));
                 for (int t = 0; t < T; t++) {
                     const int8_t *a = tok[t].q + s * L.q + 32 * u;
                     __m256i p0 = A2_NAME(dot_slots)(v, a, 0, 4, vbits), p1 = A2_NAME(dot_slots)(v, a, 4, 4, vbits);
-                    const __m256i both = _mm256_or_si256(_mm256_and_si256(p0, low16), _mm256_slli_epi32(p1, 16));
-                    isum[t] = A2_NAME(dpwssd)(isum[t], both, sc01);
+                    isum[t] = A2_NAME(dpwssd)(isum[t], pack16_avx2(p0, p1), sc01);
                 }
             } else if (L.scsub == 16) {
                 const __m256i sc0 = A2_NAME(scale_operand)(load_i8x8(sb + hdr + (2 * u) * GROUP + r0)),
                               sc1 = A2_NAME(scale_operand)(load_i8x8(sb + hdr + (2 * u + 1) * GROUP + r0));
                 for (int t = 0; t < T; t++) {
                     const int8_t *a = tok[t].q + s * L.q + 32 * u;
-                    isum[t] = _mm256_add_epi32(isum[t], A2_NAME(scaled_slots)(v, a, 0, 4, vbits, sc0, 1));
-                    isum[t] = _mm256_add_epi32(isum[t], A2_NAME(scaled_slots)(v, a, 4, 4, vbits, sc1, 1));
+                    isum[t] = _mm256_add_epi32(isum[t], A2_NAME(scaled_slots)(v, a, 0, 4, vbits, sc0));
+                    isum[t] = _mm256_add_epi32(isum[t], A2_NAME(scaled_slots)(v, a, 4, 4, vbits, sc1));
                 }
             } else if (hi16) { /* each half's dot fits 16 bits (16 x 15 x 128 < 2^15); p1 is 16 times its dot */
                 const __m256i sc = load_i8x8(sb + hdr + u * GROUP + r0), sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
@@ -137,7 +136,7 @@ VS_INLINE A2_TARGET void A2_NAME(half_tile)(const int type, const int T, const u
                 const __m256i sc = A2_NAME(scale_operand)(load_i8x8(sb + hdr + u * GROUP + r0));
                 for (int t = 0; t < T; t++) {
                     const int8_t *a = tok[t].q + s * L.q + 32 * u;
-                    isum[t] = _mm256_add_epi32(isum[t], A2_NAME(scaled_slots)(v, a, 0, 8, vbits, sc, 1));
+                    isum[t] = _mm256_add_epi32(isum[t], A2_NAME(scaled_slots)(v, a, 0, 8, vbits, sc));
                 }
             } else {
                 for (int t = 0; t < T; t++) isum[t] = A2_NAME(dot_slots)(v, tok[t].q + s * L.q, 0, 8, vbits);
@@ -147,8 +146,7 @@ VS_INLINE A2_TARGET void A2_NAME(half_tile)(const int type, const int T, const u
         if (L.scsub) {
             const uint8_t *m = sb + hdr + (L.has_m ? nsc * GROUP : 0) + r0;
             for (int j = 0; j < nsc / 2; j++)
-                pair[j] = _mm256_or_si256(_mm256_and_si256(load_i8x8(m + 2 * j * GROUP), low16),
-                                          _mm256_slli_epi32(load_i8x8(m + (2 * j + 1) * GROUP), 16));
+                pair[j] = pack16_avx2(load_i8x8(m + 2 * j * GROUP), load_i8x8(m + (2 * j + 1) * GROUP));
         }
         for (int t = 0; t < T; t++) {
             __m256i imin;

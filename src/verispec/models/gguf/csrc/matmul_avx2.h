@@ -62,6 +62,12 @@ VS_INLINE VS_AVX2 __m256i load_i8x8(const uint8_t *p) {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
+/* Each 32-bit lane as an int16 pair: lo's lane (its low 16 bits) in the low half, hi's in the high half, for
+ * vpmaddwd / vpdpwssd. */
+VS_INLINE VS_AVX2 __m256i pack16_avx2(__m256i lo, __m256i hi) {
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(hi, 16));
+}
+
 #define A2_TARGET VS_AVX2
 #define A2_NAME(x) x##_avx2
 #define A2_VNNI 0
