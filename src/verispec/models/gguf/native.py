@@ -25,6 +25,8 @@ _SIGNATURES = {
     "vs_set_threads": ([_I], None),
     "vs_avx512_tile": ([], _I),
     "vs_set_avx512_tile": ([_I], _I),
+    "vs_avx2_tile": ([], _I),
+    "vs_set_avx2_tile": ([_I], _I),
     "vs_amx_status": ([], _I),
     "vs_set_amx_min": ([_I], _I),
     "vs_packed_bytes": ([_I, _I64, _I64], _I64),
@@ -133,14 +135,24 @@ def amx_status() -> str:
 
 
 def avx512_tile() -> int:
-    """The most tokens the AVX-512 kernel takes in one tile on this CPU (8 on Intel, 6 on AMD: measured per
-    microarchitecture; any tiling gives the same bits)."""
+    """The most tokens the AVX-512 kernel takes in one tile (its own choice 16 on Intel, 6 on AMD; a native runner
+    sets the one measured on its machine, `tiles.apply`; any tiling gives the same bits)."""
     return lib().vs_avx512_tile()
 
 
 def set_avx512_tile(tile: int) -> int:
-    """Force the AVX-512 kernel's widest tile (1-8; tests run several), 0 for the CPU's own choice; returns it."""
+    """Force the AVX-512 kernel's widest tile (1-16; tests run several), 0 for the CPU's own choice; returns it."""
     return lib().vs_set_avx512_tile(int(tile))
+
+
+def avx2_tile() -> int:
+    """The most tokens the AVX2 kernel (with or without AVX-VNNI) takes in one tile: 8 unless set."""
+    return lib().vs_avx2_tile()
+
+
+def set_avx2_tile(tile: int) -> int:
+    """Force the AVX2 kernel's widest tile (1-8), 0 for its own (8); returns it."""
+    return lib().vs_set_avx2_tile(int(tile))
 
 
 def set_amx_min(tokens: int) -> int:

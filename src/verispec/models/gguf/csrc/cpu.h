@@ -85,8 +85,8 @@ void vs_set_threads(int n) { vs_threads = n > 0 ? n : 1; }
  * model 167) a pass's matmuls over 9 tokens took 82.5 ms in tiles of 4 + 5 and 64.6 ms as one tile of 9 (8 tokens:
  * 61.6), 10 tokens 82.8 -> 67.4, 12 tokens 94.4 -> 77.5, 14 tokens 96.5 -> 85.9, 1 to 8 tokens alike
  * (`benchmarks/kernel_rates.py --against`, taking turns); before, tiles of 8 had beaten 6 on a Xeon of model 207 (7
- * tokens 71.2 -> 63.8 ms). vs_set_avx512_tile forces one (tests run several), 0 restores the CPU's choice; returns
- * the tile in force. */
+ * tokens 71.2 -> 63.8 ms). vs_set_avx512_tile forces one (tests run several; native runners set the one measured on
+ * their machine, tiles.py), 0 restores the CPU's choice; returns the tile in force. */
 static int vs_tile512 = 0;
 
 int vs_avx512_tile(void) {
@@ -103,6 +103,18 @@ int vs_avx512_tile(void) {
 int vs_set_avx512_tile(int tile) {
     vs_tile512 = tile <= 0 ? 0 : tile < TILE_AVX512 ? tile : TILE_AVX512;
     return vs_avx512_tile();
+}
+
+/* The AVX2 kernel's widest tile (either copy): TILE_AVX2 unless set (1 to TILE_AVX2; 0 restores it). Native runners
+ * set the tiles measured on their machine (verispec/models/gguf/tiles.py): the kernels' own choices were measured on
+ * a few CPUs only. Returns the tile in force. */
+static int vs_tile256 = TILE_AVX2;
+
+int vs_avx2_tile(void) { return vs_tile256; }
+
+int vs_set_avx2_tile(int tile) {
+    vs_tile256 = tile <= 0 ? TILE_AVX2 : tile < TILE_AVX2 ? tile : TILE_AVX2;
+    return vs_tile256;
 }
 
 /* ------------------------------------------------------------------ profile */

@@ -42,7 +42,7 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
     if (path == PATH_AMX && (amx_min == 0 || n < amx_min)) path = PATH_AVX512; /* too few tokens for the tiles to pay */
     const int amx = path == PATH_AMX || path == PATH_AMX_EMULATED;
     const int tile = amx ? AMX_TOKENS : path == PATH_AVX512 ? vs_avx512_tile()
-                   : path == PATH_AVX2 || path == PATH_AVX_VNNI ? TILE_AVX2 : TILE;
+                   : path == PATH_AVX2 || path == PATH_AVX_VNNI ? vs_avx2_tile() : TILE;
     int32_t *pairs = NULL; /* the tile kernel's sub-block sum pairs of each token and super-block */
     if (path != PATH_GENERIC && L.scsub && n > 0) { /* every SIMD kernel takes its min terms from them */
         if (!(pairs = malloc(sizeof(int32_t) * AMX_PAIRS * (size_t)(n * nsb)))) return VS_ENOMEM;
