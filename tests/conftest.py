@@ -6,6 +6,9 @@ import copy
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
+# runners keep the AVX-512 kernel's own tile: no timing at startup, and the tile tests set theirs (test_tiles.py
+# tests the measuring and the cache)
+os.environ.setdefault("VERISPEC_KERNEL_TUNING", "0")
 
 import pytest
 import torch

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from verispec.errors import VerispecError
-from verispec.models.gguf import CACHE_DTYPES, ops
+from verispec.models.gguf import CACHE_DTYPES, ops, tiles
 from verispec.models.gguf.model import GGUFModel
 from verispec.models.gguf.attend import Attend, Query, windowed
 from verispec.models.gguf.experts import ExpertStructs
@@ -182,6 +182,7 @@ class NativeRunner:
         self.aux_features: list[torch.Tensor] | None = None  # per row (n_b, A E): the last full pass's, every token
         self.initial_capacity = initial_capacity
         set_threads(self.threads)
+        tiles.apply(self.threads)  # this machine's widest AVX-512 tile: measured once, then read from the cache
 
     @property
     def gguf(self) -> GGUFModel:
