@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     from verispec.bench.runner import memory_bandwidth_gbs
     from verispec.models import load_model
-    from verispec.models.gguf import native
+    from verispec.models.gguf import native, tiles
     from verispec.models.gguf.ops import type_name
 
     print(subprocess.run(["lscpu"], capture_output=True, text=True).stdout if platform.system() == "Linux" else "")
@@ -115,7 +115,8 @@ def main() -> None:
         shapes.setdefault((type_name(w.qtype), w.rows, w.cols), w)
     rng = np.random.default_rng(0)
     probe = memory_bandwidth_gbs()
-    print(f"kernel path {', '.join(paths) or native.path()}, {args.threads} threads, bandwidth probe {probe:.1f} GB/s")
+    print(f"kernel path {', '.join(paths) or native.path()} (widest tile {tiles.in_force()}), {args.threads} threads, "
+          f"bandwidth probe {probe:.1f} GB/s")
     for n in (int(w) for w in args.widths.split(",")):
         for (kind, rows, cols), w in sorted(shapes.items()):
             times = timed(libs, calls_for([w], n, rng), args.rounds, repeat=max(1, int(2e8 // w.data.nbytes)))

@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--plot-profile", type=Path, help="--profile: a stacked bar chart of it")
     args = parser.parse_args()
     set_threads(args.threads)
-    from verispec.models.gguf import native
+    from verispec.models.gguf import native, tiles
 
     if args.kernel_path and native.set_path(args.kernel_path) != args.kernel_path:
         parser.error(f"this CPU cannot run the {args.kernel_path} kernel path")
@@ -67,8 +67,8 @@ def main() -> None:
         rows = profile_passes(runner, widths, args.context, args.repeats)
         probe = memory_bandwidth_gbs()
         rates = bandwidth_report(weight_bytes(runner), rows, probe)
-        result = {"model": args.model, "kernel_path": native.path(), "threads": args.threads, "context": args.context,
-                  "ms_per_pass": rows, "memory_bandwidth_gbs": round(probe, 2), "gb_per_s": rates}
+        result = {"model": args.model, "kernel_path": native.path(), "kernel_tile": tiles.in_force(),
+                  "threads": args.threads, "context": args.context, "ms_per_pass": rows, "memory_bandwidth_gbs": round(probe, 2), "gb_per_s": rates}
         print(json.dumps(result))
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -83,6 +83,7 @@ def main() -> None:
         print(f"{width:3d} tokens: {seconds * 1000:8.1f} ms   v = {seconds / profile.target_pass[1]:.2f}")
     result = {"model": args.model, "backend": args.backend, "weights": model.weights, "threads": args.threads,
               "kernel_path": native.path() if args.backend == "native" else None,
+              "kernel_tile": tiles.in_force() if args.backend == "native" else None,  # the runner set this machine's
               "pass_seconds": profile.target_pass}
     print(json.dumps(result))
     if args.json:

@@ -217,3 +217,9 @@ def apply(threads: int) -> TileChoice | None:
                    f"{choice.tile} tokens (the kernel's own choice {choice.default}); kept in {cache_file()}[/dim]")
     kernel.set(_applied[key].tile)
     return _applied[key]
+
+
+def in_force() -> int | None:
+    """The widest tile of the kernel the path in force runs (None on the portable path): what benchmarks report."""
+    kernel = KERNELS.get(native.path())
+    return None if kernel is None else kernel.get()
