@@ -27,6 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from verispec.atomic import atomic_write_json
 from verispec.console import notice
@@ -35,7 +36,7 @@ from verispec.models.gguf.ops import Activations, Weight
 
 ENV = "VERISPEC_KERNEL_TUNING"
 MARGIN = 0.03  # the kernel's own choice stays unless another is faster than this on average
-Q4_K = 12
+Q4_K = GGMLQuantizationType.Q4_K
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class Kernel:
     widths: tuple[int, ...]
     get: Callable[[], int]
     set: Callable[[int], int]
-    measured_on: str  # the path timed: the kernel alone (AMX sends some widths to its tiles)
+    measured_on: str  # the path to time it on ("": the one in force); AMX's would send some widths to its tiles
 
 
 AVX512 = Kernel("AVX-512", (4, 6, 8, 12, 16), (5, 6, 7, 8, 9, 12, 16), native.avx512_tile, native.set_avx512_tile,
@@ -71,9 +72,10 @@ class TileChoice:
 def synthetic_weight(rows: int = 1536, cols: int = 8960, seed: int = 0) -> Weight:
     """A random Q4_K matrix, its scales finite halves (no NaN or subnormal in the timed float operations)."""
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)  # (blocks, 144): Q4_K as stored
+    per_block, block_bytes = GGML_QUANT_SIZES[Q4_K]  # 256 weights in 144 bytes
+    blocks = rng.integers(0, 256, size=(rows * cols // per_block, block_bytes), dtype=np.uint8)  # Q4_K as stored
     blocks[:, :4] = np.array([0.01, 0.001], np.float16).view(np.uint8)  # d, dmin
-    return Weight.from_raw("tile-timing", Q4_K, blocks.reshape(rows, -1), rows, cols)
+    return Weight.from_raw("tile-timing", int(Q4_K), blocks.reshape(rows, -1), rows, cols)
 
 
 def measure(threads: int, kernel: Kernel = AVX512, candidates: tuple[int, ...] | None = None,
