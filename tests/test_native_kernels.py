@@ -14,22 +14,27 @@ from verispec.models.gguf.native import lib, ptr
 
 BEST = native.path()
 PATHS = [p for p in ("portable", "avx2", "avx-vnni", "avx512-vnni", "amx-emulated", "amx") if native.set_path(p) == p]
-# (path, the AVX-512 kernel's widest tile, the fewest tokens for the AMX tiles): every path as it runs by default, the
-# VNNI kernel's tiles of 6 (AMD), 8 and 16 (Intel; past 8 its sums spill), and where the CPU has AMX its tiles forced
+# (path, the widest tile of the path's kernel, the fewest tokens for the AMX tiles): every path as it runs by default,
+# the VNNI kernel's tiles of 6 (AMD), 8 and 16 (Intel; past 8 its sums spill), the AVX2 kernel's of 3 and 5 (native
+# runners set the tiles measured on their machine, models/gguf/tiles.py), and where the CPU has AMX its tiles forced
 # from 1 token (every tile through the real tile kernels) and from 5 (tiles of 16 and remainders on the VNNI kernel,
 # for every type)
+AVX2_PATHS = ("avx2", "avx-vnni")
 SETTINGS = ([(p, 0, 0) for p in PATHS] + [("avx512-vnni", t, 0) for t in (6, 8, 16) if "avx512-vnni" in PATHS]
+            + [(p, t, 0) for p in AVX2_PATHS for t in (3, 5) if p in PATHS]
             + [("amx", 0, m) for m in (1, 5) if "amx" in PATHS])
 
 
 def use(path, tile, amx_min):
     assert native.set_path(path) == path
-    native.set_avx512_tile(tile)
+    native.set_avx512_tile(0 if path in AVX2_PATHS else tile)
+    native.set_avx2_tile(tile if path in AVX2_PATHS else 0)
     native.set_amx_min(amx_min)
 
 
 def restore():
     native.set_avx512_tile(0)
+    native.set_avx2_tile(0)
     native.set_amx_min(0)
 native.set_path(BEST)
 
