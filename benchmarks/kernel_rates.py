@@ -85,12 +85,16 @@ def main() -> None:
                         "CPU's best)")
     args = parser.parse_args()
     from verispec.bench.runner import memory_bandwidth_gbs
+    from verispec.errors import VerispecError
     from verispec.models import load_model
     from verispec.models.gguf import native, tiles
     from verispec.models.gguf.ops import type_name
 
     print(subprocess.run(["lscpu"], capture_output=True, text=True).stdout if platform.system() == "Linux" else "")
-    model = load_model(args.model, backend="native").make_runner().gguf
+    try:
+        model = load_model(args.model, backend="native").make_runner().gguf
+    except VerispecError as e:  # an unknown name or file: its one line, as the CLI says it
+        parser.error(str(e))
     codes = {name: code for code, name in native.PATHS.items()}
     paths = [p for p in args.paths.split(",") if p]
     for p in paths:

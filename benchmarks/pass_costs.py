@@ -29,6 +29,7 @@ from pathlib import Path
 
 from verispec.api import set_threads
 from verispec.bench.runner import memory_bandwidth_gbs
+from verispec.errors import VerispecError
 from verispec.models import load_model
 from verispec.models.loading import BACKENDS, WEIGHT_FORMATS
 from verispec.tree import chain_parents
@@ -58,7 +59,10 @@ def main() -> None:
 
     if args.kernel_path and native.set_path(args.kernel_path) != args.kernel_path:
         parser.error(f"this CPU cannot run the {args.kernel_path} kernel path")
-    model = load_model(args.model, weights=args.weights, backend=args.backend)
+    try:
+        model = load_model(args.model, weights=args.weights, backend=args.backend)
+    except VerispecError as e:  # an unknown name or file: its one line, as the CLI says it
+        parser.error(str(e))
     if args.profile:
         if args.backend != "native":
             parser.error("--profile reads the native kernels' timers: use --backend native")

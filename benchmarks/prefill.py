@@ -34,6 +34,7 @@ def timed_prefill(runner, ids: list[int], repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from verispec.api import set_threads
+    from verispec.errors import VerispecError
     from verispec.models import load_model
     from verispec.models.gguf import native
 
@@ -47,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     set_threads(args.threads)
     lengths = [int(n) for n in args.lengths.split(",")]
-    model = load_model(args.model, backend="native")
+    try:
+        model = load_model(args.model, backend="native")
+    except VerispecError as e:  # an unknown name or file: its one line, as the CLI says it
+        ap.error(str(e))
     runner = model.make_runner()
     rng = np.random.default_rng(0)
     prompts = {n: rng.integers(100, min(runner.vocab_size, 100_000), n).tolist() for n in lengths}

@@ -3,6 +3,7 @@ its logits are the same bits whatever the pass (width, ragged batch, tree, threa
 round-trip, and greedy speculative decoding equals plain decoding for every drafter."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -508,3 +509,19 @@ def test_greedy_speculative_decoding_equals_plain_decoding_on_a_gemma3_file(tmp_
     assert [s.generated for s in sequences] == expected
     drafted, accepted = drafts_accepted(sequences)
     assert 0 < accepted < drafted, "both paths should be exercised"
+
+
+@pytest.mark.parametrize("script", ["pass_costs", "kernel_rates", "prefill"])
+def test_a_benchmark_given_an_unknown_model_says_so_in_one_line(script, monkeypatch, capsys):
+    """The kernel benchmarks refuse a model spec that names nothing as the CLI does: argparse's usage and one error
+    line (exit status 2), not a traceback."""
+    path = Path(__file__).parent.parent / "benchmarks" / f"{script}.py"
+    spec = importlib.util.spec_from_file_location(script, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--model", "no-such-model"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "unknown model spec 'no-such-model'" in errors[0]
