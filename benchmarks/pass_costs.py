@@ -72,7 +72,8 @@ def main() -> None:
         probe = memory_bandwidth_gbs()
         rates = bandwidth_report(weight_bytes(runner), rows, probe)
         result = {"model": args.model, "kernel_path": native.path(), "kernel_tile": tiles.in_force(),
-                  "threads": args.threads, "context": args.context, "ms_per_pass": rows, "memory_bandwidth_gbs": round(probe, 2), "gb_per_s": rates}
+                  "threads": args.threads, "context": args.context, "ms_per_pass": rows,
+                  "memory_bandwidth_gbs": round(probe, 2), "gb_per_s": rates}
         print(json.dumps(result))
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,6 @@ VERISPEC_KERNEL_TUNING=0 keeps the kernels' own choices (the tests do, except th
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -118,7 +117,8 @@ def choose(ms: dict[int, dict[int, float]], default: int, margin: float = MARGIN
     the default where it is within `margin` of that (timings are noisy: a near tie keeps what the kernel chose)."""
     widths = next(iter(ms.values())).keys()
     best = {w: min(by_width[w] for by_width in ms.values()) for w in widths}
-    score = {t: math.exp(statistics.fmean(math.log(by_width[w] / best[w]) for w in widths)) for t, by_width in ms.items()}
+    score = {t: math.exp(statistics.fmean(math.log(by_width[w] / best[w]) for w in widths))
+             for t, by_width in ms.items()}
     winner = min(score, key=lambda t: (score[t], t))
     if default in score and score[default] <= score[winner] * (1 + margin):
         return default
@@ -127,9 +127,10 @@ def choose(ms: dict[int, dict[int, float]], default: int, margin: float = MARGIN
 
 @lru_cache(maxsize=1)
 def _build_id() -> str:
-    """The kernels' build: a digest of the compiled library (another build may want another tile)."""
-    lib_path = Path(native.lib()._name)
-    return hashlib.sha256(lib_path.read_bytes()).hexdigest()[:16]
+    """The kernels' build: the compiled library's size and modification time (another build may want another tile;
+    a rebuild writes the file anew). A stat, not a digest of its 6 MB: this runs at every process's first runner."""
+    stat = Path(native.lib()._name).stat()
+    return f"{stat.st_size}-{stat.st_mtime_ns}"
 
 
 def _cpu_id() -> str:
