@@ -9,6 +9,8 @@ found: on a 2-core Xeon one core computed Q4_K at ~33 GB/s hot but streamed 9.6 
 --against OTHER.so times another build of the kernels (`_native*.so`, e.g. the previous commit's) on the same
 weights, taking turns, and checks that both give the same bits; the packed layout must be the same. --paths A,B times
 this build's kernel paths the same way (e.g. `--paths avx2,avx-vnni`: the AVX2 kernel with and without AVX-VNNI).
+--tiles A,B times this build under each widest tile of the path's kernel the same way (e.g. `--tiles 6,16 --widths
+7,9`: the AVX-512 kernel's tiles, what `models/gguf/tiles.py` chooses between, on a whole pass streamed).
 """
 
 from __future__ import annotations
@@ -55,14 +57,25 @@ def calls_for(weights, n: int, rng) -> list[tuple]:
     return calls
 
 
+def tile_setter(so):
+    """The setter of the widest tile of the kernel the library's path in force tiles with (AVX-512 or AVX2)."""
+    from verispec.models.gguf import native, tiles
+
+    kernel = tiles.KERNELS.get(native.PATHS.get(so.vs_get_path(), ""), tiles.AVX512)
+    return getattr(so, "vs_set_avx512_tile" if kernel is tiles.AVX512 else "vs_set_avx2_tile")
+
+
 def timed(libs, calls, rounds: int, repeat: int = 1) -> list[float]:
-    """Median seconds of one sweep over `calls` per (library, kernel path or None), taking turns; outputs compared."""
+    """Median seconds of one sweep over `calls` per (library, kernel path or None, widest tile or None), taking
+    turns; outputs compared."""
     seconds = [[] for _ in libs]
     for _ in range(rounds):
         outputs = []
-        for i, (so, path) in enumerate(libs):
+        for i, (so, path, tile) in enumerate(libs):
             if path is not None:
                 so.vs_set_path(path)
+            if tile is not None:
+                tile_setter(so)(tile)
             start = time.perf_counter()
             for _ in range(repeat):
                 for args, *_ in calls:
@@ -83,6 +96,7 @@ def main() -> None:
     parser.add_argument("--against", help="another build of the kernels (a _native*.so) to time beside this one")
     parser.add_argument("--paths", default="", help="kernel paths of this build to time side by side (default: the "
                         "CPU's best)")
+    parser.add_argument("--tiles", default="", help="widest tiles of this build's kernel to time side by side")
     args = parser.parse_args()
     from verispec.bench.runner import memory_bandwidth_gbs
     from verispec.errors import VerispecError
@@ -90,6 +104,18 @@ def main() -> None:
     from verispec.models.gguf import native, tiles
     from verispec.models.gguf.ops import type_name
 
+    try:
+        tile_list = [int(t) for t in args.tiles.split(",") if t]
+    except ValueError:
+        parser.error(f"--tiles takes widest tiles as numbers, e.g. 6,16: not {args.tiles!r}")
+    if tile_list and (args.paths or args.against):
+        parser.error("--tiles compares this build's tiles on its own path: not with --paths or --against")
+    kernel = tiles.KERNELS.get(native.path())
+    if tile_list and kernel is None:
+        parser.error(f"--tiles: the {native.path()} kernel path has no tiles to set")
+    most = 16 if kernel is tiles.AVX512 else 8
+    if any(not 1 <= t <= most for t in tile_list):
+        parser.error(f"--tiles takes the {native.path()} path's widest tiles from 1 to {most}")
     print(subprocess.run(["lscpu"], capture_output=True, text=True).stdout if platform.system() == "Linux" else "")
     try:
         model = load_model(args.model, backend="native").make_runner().gguf
@@ -101,14 +127,15 @@ def main() -> None:
         if p not in codes or native.set_path(p) != p:
             parser.error(f"this CPU cannot run the {p} kernel path")
     ours = load_kernels(None, args.threads)
-    libs = [(ours, codes[p]) for p in paths] or [(ours, None)]
-    names = [f"this build ({p})" for p in paths] or ["this build"]
+    libs = [(ours, codes[p], None) for p in paths] or [(ours, None, t) for t in tile_list] or [(ours, None, None)]
+    names = ([f"this build ({p})" for p in paths] or [f"widest tile {t}" for t in tile_list]
+             or ["this build"])
     if args.against:
         theirs = load_kernels(args.against, args.threads)
         for p in paths:
             if theirs.vs_set_path(codes[p]) != codes[p]:
                 parser.error(f"{args.against} has no kernel path {p}")
-        libs += [(theirs, codes[p]) for p in paths] or [(theirs, None)]
+        libs += [(theirs, codes[p], None) for p in paths] or [(theirs, None, None)]
         names += [f"--against ({p})" for p in paths] or ["--against"]
     if paths:
         native.set_path(paths[0])
@@ -119,7 +146,7 @@ def main() -> None:
         shapes.setdefault((type_name(w.qtype), w.rows, w.cols), w)
     rng = np.random.default_rng(0)
     probe = memory_bandwidth_gbs()
-    print(f"kernel path {', '.join(paths) or native.path()} (widest tile {tiles.in_force()}), {args.threads} threads, "
+    print(f"kernel path {', '.join(paths) or native.path()} (widest tile {args.tiles or tiles.in_force()}), {args.threads} threads, "
           f"bandwidth probe {probe:.1f} GB/s")
     for n in (int(w) for w in args.widths.split(",")):
         for (kind, rows, cols), w in sorted(shapes.items()):

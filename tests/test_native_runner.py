@@ -525,3 +525,40 @@ def test_a_benchmark_given_an_unknown_model_says_so_in_one_line(script, monkeypa
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "unknown model spec 'no-such-model'" in errors[0]
+
+
+@pytest.mark.parametrize("tiles_arg, also", [("0,16", []), ("6,99", []), ("six", []), ("6,16", ["--paths", "avx2"])])
+def test_kernel_rates_refuses_tiles_it_cannot_time_in_one_line(tiles_arg, also, monkeypatch, capsys):
+    """`kernel_rates.py --tiles` (the widest tiles timed side by side) refuses a tile outside the path kernel's range,
+    a word, or a mix with --paths, before loading anything: argparse's usage and one error line."""
+    path = Path(__file__).parent.parent / "benchmarks" / "kernel_rates.py"
+    spec = importlib.util.spec_from_file_location("kernel_rates", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["kernel_rates.py", "--model", "no-such-model", "--tiles", tiles_arg, *also])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--tiles" in errors[0]
+
+
+def test_kernel_rates_times_each_tile_in_turn_with_the_same_bits():
+    """`--tiles A,B`: each entry sets its widest tile on the path's kernel before its sweep (the last one set is the
+    last timed), and the tiles' outputs are compared bit for bit (timed raises where they differ)."""
+    from verispec.models.gguf import native, tiles
+
+    path = Path(__file__).parent.parent / "benchmarks" / "kernel_rates.py"
+    spec = importlib.util.spec_from_file_location("kernel_rates", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel = tiles.KERNELS.get(native.path())
+    if kernel is None:
+        pytest.skip("no tiled kernel on this CPU")
+    so = module.load_kernels(None, 1)
+    calls = module.calls_for([tiles.synthetic_weight(rows=32, cols=512)], 9, np.random.default_rng(0))
+    try:
+        seconds = module.timed([(so, None, 3), (so, None, 5)], calls, rounds=2)
+        assert len(seconds) == 2 and all(s > 0 for s in seconds) and kernel.get() == 5
+    finally:
+        kernel.set(0)
