@@ -15,7 +15,7 @@ from verispec.models.gguf.native import lib, ptr
 BEST = native.path()
 PATHS = [p for p in ("portable", "avx2", "avx-vnni", "avx512-vnni", "amx-emulated", "amx") if native.set_path(p) == p]
 # (path, the widest tile of the path's kernel, the fewest tokens for the AMX tiles): every path as it runs by default,
-# the VNNI kernel's tiles of 6 (AMD), 8 and 16 (Intel; past 8 its sums spill), the AVX2 kernel's of 3 and 5 (native
+# the VNNI kernel's tiles of 6, 8 and 16 (its own; past 8 its sums spill), the AVX2 kernel's of 3 and 5 (native
 # runners set the tiles measured on their machine, models/gguf/tiles.py), and where the CPU has AMX its tiles forced
 # from 1 token (every tile through the real tile kernels) and from 5 (tiles of 16 and remainders on the VNNI kernel,
 # for every type)
@@ -105,7 +105,7 @@ def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
     several; from two whole tiles on, group_wide's tiles in pairs, an odd one alone (48, 49), and the rest after them;
     the real path sends a type's matmuls to its tiles from the measured number of tokens (Q4_K 16, Q5_K 12, other
     types never) and the remainder to the VNNI kernel, forced here from 1 and 5 tokens; the VNNI kernel's tiles of
-    up to 6 (AMD), 8 or 16 (Intel), all run here, and AVX2's of up to 4, split evenly: with 6, 7 as 3 + 4 and 13 as
+    up to 6, 8 or 16 (its own), all run here, and AVX2's of up to 4, split evenly: with 6, 7 as 3 + 4 and 13 as
     4 + 4 + 5; with 8, 7 and 8 in one tile, 9 as 4 + 5, 17 as 5 + 6 + 6; with 16, 9 to 16 in one tile, 17 as 8 + 9,
     33 as 11 + 11 + 11) and rows that end mid-group."""
     raw, weight = make(qtype, 40, 512, seed=6)

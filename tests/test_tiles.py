@@ -58,22 +58,24 @@ def test_equal_timings_choose_the_smaller_tile():
 @pytest.mark.parametrize("kernel", [tiles.AVX512, tiles.AVX2], ids=lambda k: k.name)
 def test_measuring_times_every_candidate_and_width_and_restores_the_kernels_settings(kernel):
     default, path = kernel.get(), native.path()
-    weight = tiles.synthetic_weight(rows=64, cols=512)
-    ms = tiles.measure(1, kernel, candidates=(2, 4), widths=(5, 9), rounds=1, weight=weight)
+    weights = tuple(tiles.synthetic_weight(rows=64, cols=512, qtype=t) for t in tiles.TIMED)
+    ms = tiles.measure(1, kernel, candidates=(2, 4), widths=(5, 9), rounds=1, weights=weights)
     assert set(ms) == {2, 4} and all(set(by_width) == {5, 9} for by_width in ms.values())
     assert all(v > 0 for by_width in ms.values() for v in by_width.values())
     assert kernel.get() == default and native.path() == path
 
 
+@pytest.mark.parametrize("qtype", tiles.TIMED, ids=lambda t: t.name)
 @pytest.mark.parametrize("path", TILED)
-def test_the_synthetic_weight_is_finite_and_its_matmul_the_same_bits_in_every_tile(path):
-    """What is timed is a real matmul: finite outputs, and every tile's the same bits on each tiled path (so the
-    choice is free)."""
+def test_the_synthetic_weight_is_finite_and_its_matmul_the_same_bits_in_every_tile(path, qtype):
+    """What is timed is a real matmul of each timed type: finite outputs, and every tile's the same bits on each tiled
+    path (so the choice is free)."""
     from verispec.models.gguf.ops import Activations
 
     kernel = tiles.KERNELS[path]
     native.set_path(path)
-    weight = tiles.synthetic_weight(rows=32, cols=512)
+    weight = tiles.synthetic_weight(rows=32, cols=512, qtype=qtype)
+    assert weight.qtype == qtype
     x = np.random.default_rng(0).standard_normal((9, 512)).astype(np.float32)
     outs = []
     for tile in (1, 3) + kernel.candidates:

@@ -135,8 +135,8 @@ def amx_status() -> str:
 
 
 def avx512_tile() -> int:
-    """The most tokens the AVX-512 kernel takes in one tile (its own choice 16 on Intel, 6 on AMD; a native runner
-    sets the one measured on its machine, `tiles.apply`; any tiling gives the same bits)."""
+    """The most tokens the AVX-512 kernel takes in one tile (its own choice 16; a native runner sets the one measured
+    on its machine, `tiles.apply`; any tiling gives the same bits)."""
     return lib().vs_avx512_tile()
 
 

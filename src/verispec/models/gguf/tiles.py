@@ -3,12 +3,13 @@
 A tile is how many tokens a kernel takes in one sweep over a group of weights. Any tiling gives the same bits (the
 kernel tests compare several tiles with every path), only the speed differs: a tile wider than the registers hold
 spills its sums, and a pass wider than the tile unpacks every weight once per tile. Which costs more depends on the
-core. The kernels' own choices (the AVX-512 kernel's 16 on Intel and 6 on AMD, the AVX2 kernel's 8) were measured on
-a Xeon with AMX and on a Zen 4 with earlier kernels; on that Xeon today the AVX-512 kernel's tiles of 6 cost 1.2-1.25x
-at 7-9 tokens. So the first native runner on a machine times the candidates of the kernel its path runs (AVX-512 for
-`avx512-vnni` and `amx`, AVX2 for `avx2` and `avx-vnni`) on a synthetic Q4_K matrix the shape of a 1.5B model's
-feed-forward (a fraction of a second) and keeps the fastest, unless the kernel's own choice is within `MARGIN` of it;
-the result is kept in the cache directory per CPU, kernel build, path and thread count, so later runs read it.
+core. The kernels' own choices (the AVX-512 kernel's 16, the AVX2 kernel's 8) were measured on a Xeon with AMX and on
+a Zen 4; the AVX-512 kernel's 6 on AMD, from a Zen 4 with earlier kernels, cost 1.1-1.25x at 7-9 tokens on both
+machines with today's. So the first native runner on a machine times the candidates of the kernel its path runs
+(AVX-512 for `avx512-vnni` and `amx`, AVX2 for `avx2` and `avx-vnni`) on synthetic Q4_K and Q6_K matrices the shape
+of a 1.5B model's feed-forward (the two types of the Q4_K_M files users run; a fraction of a second) and keeps the
+fastest, unless the kernel's own choice is within `MARGIN` of it; the result is kept in the cache directory per CPU,
+kernel build, path and thread count, so later runs read it.
 VERISPEC_KERNEL_TUNING=0 keeps the kernels' own choices (the tests do, except the tests of this module).
 """
 
@@ -35,7 +36,8 @@ from verispec.models.gguf.ops import Activations, Weight
 
 ENV = "VERISPEC_KERNEL_TUNING"
 MARGIN = 0.03  # the kernel's own choice stays unless another is faster than this on average
-Q4_K = GGMLQuantizationType.Q4_K
+Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+TIMED = (Q4_K, Q6_K)  # the types timed: a Zen 4 scored tiles of 6 1.03 on Q4_K alone but 1.12 on Q6_K
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ KERNELS = {"avx512-vnni": AVX512, "amx": AVX512, "avx2": AVX2, "avx-vnni": AVX2}
 
 @dataclass(frozen=True)
 class TileChoice:
-    """What was measured and chosen: ms[tile][width] the median ms of one matmul; default the kernel's own tile."""
+    """What was measured and chosen: ms[tile][width] the median ms of one matmul of each timed type, summed; default
+    the kernel's own tile."""
 
     tile: int
     default: int
@@ -68,21 +71,28 @@ class TileChoice:
     cached: bool = False
 
 
-def synthetic_weight(rows: int = 1536, cols: int = 8960, seed: int = 0) -> Weight:
-    """A random Q4_K matrix, its scales finite halves (no NaN or subnormal in the timed float operations)."""
+def synthetic_weight(rows: int = 1536, cols: int = 8960, seed: int = 0, qtype: GGMLQuantizationType = Q4_K
+                     ) -> Weight:
+    """A random Q4_K or Q6_K matrix, its scales finite halves (no NaN or subnormal in the timed float operations)."""
     rng = np.random.default_rng(seed)
-    per_block, block_bytes = GGML_QUANT_SIZES[Q4_K]  # 256 weights in 144 bytes
-    blocks = rng.integers(0, 256, size=(rows * cols // per_block, block_bytes), dtype=np.uint8)  # Q4_K as stored
-    blocks[:, :4] = np.array([0.01, 0.001], np.float16).view(np.uint8)  # d, dmin
-    return Weight.from_raw("tile-timing", int(Q4_K), blocks.reshape(rows, -1), rows, cols)
+    per_block, block_bytes = GGML_QUANT_SIZES[qtype]  # 256 weights in 144 (Q4_K) or 210 (Q6_K) bytes
+    blocks = rng.integers(0, 256, size=(rows * cols // per_block, block_bytes), dtype=np.uint8)  # as stored
+    if qtype == Q4_K:
+        blocks[:, :4] = np.array([0.01, 0.001], np.float16).view(np.uint8)  # d, dmin first
+    elif qtype == Q6_K:
+        blocks[:, -2:] = np.array([0.01], np.float16).view(np.uint8)  # d last (the scales are int8: finite)
+    else:
+        raise ValueError(f"no synthetic {qtype.name} matrix")
+    return Weight.from_raw("tile-timing", int(qtype), blocks.reshape(rows, -1), rows, cols)
 
 
 def measure(threads: int, kernel: Kernel = AVX512, candidates: tuple[int, ...] | None = None,
-            widths: tuple[int, ...] | None = None, rounds: int = 5, weight: Weight | None = None
+            widths: tuple[int, ...] | None = None, rounds: int = 5, weights: tuple[Weight, ...] | None = None
             ) -> dict[int, dict[int, float]]:
-    """Median ms of one matmul per (candidate tile, width) on `kernel` (its candidates and widths unless given),
-    the candidates taking turns within each round; the kernel's own tile and the path are restored afterwards."""
-    weight = weight or synthetic_weight()
+    """Median ms of one matmul of each of `weights` (one of each `TIMED` type unless given; their times summed) per
+    (candidate tile, width) on `kernel` (its candidates and widths unless given), the candidates taking turns within
+    each round; the kernel's own tile and the path are restored afterwards."""
+    weights = weights or tuple(synthetic_weight(qtype=t) for t in TIMED)
     candidates, widths = candidates or kernel.candidates, widths or kernel.widths
     lib, path = native.lib(), native.path()
     lib.vs_set_threads(threads)
@@ -92,20 +102,24 @@ def measure(threads: int, kernel: Kernel = AVX512, candidates: tuple[int, ...] |
     rng = np.random.default_rng(1)
     try:
         for width in widths:
-            acts = Activations(rng.standard_normal((width, weight.cols)).astype(np.float32))
-            acts.quantize(weight.block)
-            out = np.empty((width, weight.rows), np.float32)
-            args = (weight.qtype, weight.address, weight.rows, weight.cols, width, *acts.pointers[weight.block],
-                    native.ptr(out))
+            calls, kept = [], []
+            for weight in weights:
+                acts = Activations(rng.standard_normal((width, weight.cols)).astype(np.float32))
+                acts.quantize(weight.block)
+                out = np.empty((width, weight.rows), np.float32)
+                kept.append((acts, out))  # the pointers below are valid while these live
+                calls.append((weight.qtype, weight.address, weight.rows, weight.cols, width,
+                              *acts.pointers[weight.block], native.ptr(out)))
             kernel.set(candidates[0])
-            native.check(lib.vs_matmul(*args), "timing the kernel's tiles")  # warm: the weights into cache
+            for args in calls:  # warm: the weights into cache
+                native.check(lib.vs_matmul(*args), "timing the kernel's tiles")
             for _ in range(rounds):
                 for tile in candidates:
                     kernel.set(tile)
                     start = time.perf_counter()
-                    lib.vs_matmul(*args)
-                    lib.vs_matmul(*args)
-                    samples[tile][width].append((time.perf_counter() - start) * 500)  # ms per matmul
+                    for args in calls:
+                        lib.vs_matmul(*args)
+                    samples[tile][width].append((time.perf_counter() - start) * 1000)  # ms per matmul of each
     finally:
         kernel.set(0)
         native.set_path(path)
@@ -150,7 +164,9 @@ def _cpu_id() -> str:
 
 
 def cache_key(threads: int) -> str:
-    return f"{_cpu_id()} | {native.path()} | {threads} threads | kernels {_build_id()}"
+    """The CPU, path, threads, kernel build and the types timed (an entry timed on other types is measured again)."""
+    timed_on = "+".join(t.name for t in TIMED)
+    return f"{_cpu_id()} | {native.path()} | {threads} threads | kernels {_build_id()} | timed on {timed_on}"
 
 
 def cache_file() -> Path:

@@ -79,26 +79,18 @@ int vs_set_path(int path) {
 
 void vs_set_threads(int n) { vs_threads = n > 0 ? n : 1; }
 
-/* The AVX-512 kernel's widest tile, chosen per CPU: 16 on Intel, 6 on AMD (on a Zen 4 a tile of 8 was slower than
- * 4 + 4: registers spill; 6 beat 4 + 2). On Intel a tile past 8 spills its sums too, but a token's spilled sum costs a
- * load and a store a sub-block, where a second tile unpacks every weight again: on a 2-core Xeon with AMX (family 6
- * model 167) a pass's matmuls over 9 tokens took 82.5 ms in tiles of 4 + 5 and 64.6 ms as one tile of 9 (8 tokens:
- * 61.6), 10 tokens 82.8 -> 67.4, 12 tokens 94.4 -> 77.5, 14 tokens 96.5 -> 85.9, 1 to 8 tokens alike
- * (`benchmarks/kernel_rates.py --against`, taking turns); before, tiles of 8 had beaten 6 on a Xeon of model 207 (7
- * tokens 71.2 -> 63.8 ms). vs_set_avx512_tile forces one (tests run several; native runners set the one measured on
- * their machine, tiles.py), 0 restores the CPU's choice; returns the tile in force. */
+/* The AVX-512 kernel's widest tile: 16 (native runners set the one measured on their machine, tiles.py). A tile past
+ * 8 spills its sums, but a token's spilled sum costs a load and a store a sub-block, where a second tile unpacks every
+ * weight again: on a 2-core Xeon with AMX (family 6 model 167) a pass's matmuls over 9 tokens took 82.5 ms in tiles of
+ * 4 + 5 and 64.6 ms as one tile of 9 (8 tokens: 61.6), 10 tokens 82.8 -> 67.4, 12 tokens 94.4 -> 77.5, 14 tokens
+ * 96.5 -> 85.9, 1 to 8 tokens alike (`benchmarks/kernel_rates.py --against`, taking turns). AMD had 6 (a Zen 4 with
+ * earlier kernels measured 8 slower than 4 + 4); with today's the same Zen 4 (family 25 model 17) streams a pass's
+ * matmuls over 7, 8, 9 tokens in 42.4, 46.6, 53.4 ms as one tile against 47.8, 52.3, 58.7 in tiles of up to 6, and
+ * no width slower (`kernel_rates.py --tiles 6,16`). vs_set_avx512_tile forces one (tests run several), 0 restores
+ * 16; returns the tile in force. */
 static int vs_tile512 = 0;
 
-int vs_avx512_tile(void) {
-    if (vs_tile512 == 0) {
-        vs_tile512 = 16;
-#ifdef VS_X86
-        unsigned a, b, c, d;
-        if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541 /* "Auth" of AuthenticAMD */) vs_tile512 = 6;
-#endif
-    }
-    return vs_tile512;
-}
+int vs_avx512_tile(void) { return vs_tile512 ? vs_tile512 : TILE_AVX512; }
 
 int vs_set_avx512_tile(int tile) {
     vs_tile512 = tile <= 0 ? 0 : tile < TILE_AVX512 ? tile : TILE_AVX512;

@@ -126,9 +126,8 @@ VS_INLINE VS_AVX512 void min_pairs_avx512(const layout_t *L, const uint8_t *sb, 
                                   _mm512_slli_epi32(load_i8x16(m + (2 * j + 1) * GROUP), 16));
 }
 
-/* One group, a tile of T <= TILE_AVX512 tokens; each token's operations do not depend on T. Six: on a 2-core
- * Zen 4 (1536 x 8960 Q4_K, weights in L3, one thread) a tile of 5 cost 0.455 ms against 0.472 as 4 + 1, 6 0.520
- * against 0.550; a tile of 8 was slower than 4 + 4 (0.745 against 0.710 ms: registers spill).
+/* One group, a tile of T <= TILE_AVX512 tokens; each token's operations do not depend on T (the widest T given:
+ * vs_avx512_tile, cpu.h).
  * Per sub-block and token: two vpdpbusd chains of 4 (slots 0-3, 4-7); for the K-quants the min terms once per
  * super-block in vpdpwssd over the token's unit sum pairs (tok.pairs), not a multiply per sub-block. */
 VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const uint8_t *grp, int64_t nsb, const token_t *tok) {
