@@ -146,7 +146,8 @@ def main() -> None:
         shapes.setdefault((type_name(w.qtype), w.rows, w.cols), w)
     rng = np.random.default_rng(0)
     probe = memory_bandwidth_gbs()
-    print(f"kernel path {', '.join(paths) or native.path()} (widest tile {args.tiles or tiles.in_force()}), {args.threads} threads, "
+    tile_note = f"widest tiles {args.tiles}, taking turns" if tile_list else f"widest tile {tiles.in_force()}"
+    print(f"kernel path {', '.join(paths) or native.path()} ({tile_note}), {args.threads} threads, "
           f"bandwidth probe {probe:.1f} GB/s")
     for n in (int(w) for w in args.widths.split(",")):
         for (kind, rows, cols), w in sorted(shapes.items()):
