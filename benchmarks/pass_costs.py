@@ -16,6 +16,10 @@ memory bandwidth the bench's probe reads, so that a kernel change is judged agai
     .venv/bin/python benchmarks/pass_costs.py --backend native --threads 2 --max-tokens 32 --profile \
         --widths 1,2,4,8,16,32 --plot-profile artifacts/pass_costs/profile.png
 
+--interleave takes the widths in turns, every width once a round (`pass_timing.py`), where by default each width's
+repeats run one after the other as `--auto-k` measures them: on a VM whose bandwidth drifts, a step between two widths
+is then the kernels', not the minute's.
+
 --plot draws v(k) against k for this run and any earlier runs' --json files (--overlay), with the line
 v = k: a pass over k tokens yields at most k tokens (all drafts accepted), so speculation can pay only
 where a route's curve lies well below it.
@@ -53,7 +57,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="native backend: where each width's pass goes")
     parser.add_argument("--widths", default="1,2,4,8,16,32", help="--profile: the widths profiled")
     parser.add_argument("--plot-profile", type=Path, help="--profile: a stacked bar chart of it")
+    parser.add_argument("--interleave", action="store_true", help="take the widths in turns, every width once a "
+                        "round (a drifting machine then shifts every width alike)")
     args = parser.parse_args()
+    if args.interleave and args.profile:
+        parser.error("--interleave orders the v(k) passes; --profile times its widths its own way: use one of them")
     set_threads(args.threads)
     from verispec.models.gguf import native, tiles
 
@@ -82,14 +90,19 @@ def main() -> None:
             plot_profile(result, args.plot_profile)
             print(f"written: {args.plot_profile}")
         return
-    profile = measure_costs(model.make_runner(), None, k_max=args.max_tokens - 1, context=args.context,
-                            repeats=args.repeats)
-    for width, seconds in sorted(profile.target_pass.items()):
-        print(f"{width:3d} tokens: {seconds * 1000:8.1f} ms   v = {seconds / profile.target_pass[1]:.2f}")
+    if args.interleave:
+        from pass_timing import interleaved_costs
+
+        passes = interleaved_costs(model.make_runner(), args.max_tokens, args.context, args.repeats)
+    else:
+        passes = measure_costs(model.make_runner(), None, k_max=args.max_tokens - 1, context=args.context,
+                               repeats=args.repeats).target_pass
+    for width, seconds in sorted(passes.items()):
+        print(f"{width:3d} tokens: {seconds * 1000:8.1f} ms   v = {seconds / passes[1]:.2f}")
     result = {"model": args.model, "backend": args.backend, "weights": model.weights, "threads": args.threads,
               "kernel_path": native.path() if args.backend == "native" else None,
               "kernel_tile": tiles.in_force() if args.backend == "native" else None,  # the runner set this machine's
-              "pass_seconds": profile.target_pass}
+              "interleaved": args.interleave, "pass_seconds": passes}
     print(json.dumps(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

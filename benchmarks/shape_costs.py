@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from pass_timing import interleaved_costs
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the random GGUF writer the native runner's tests use
 
@@ -57,34 +59,11 @@ def cpu_name() -> str:
 
 def costs(runner, max_tokens: int, context: int, repeats: int, interleave: bool = False) -> dict[int, float]:
     """Seconds per pass by width (1..max_tokens): each width's median in turn (`measure_costs`), or with `interleave`
-    every width once a round, the order turned each round, each width's cost the median of its rounds' times scaled by
-    the median of its ratios to the same round's one-token pass (a VM's slow minutes then shift every width alike)."""
-    if not interleave:
-        from verispec.tuning import measure_costs
-        return measure_costs(runner, None, k_max=max_tokens - 1, context=context, repeats=repeats).target_pass
-    import statistics
-
-    from verispec.tree import chain_parents
-
-    vocab = runner.vocab_size
-    state = runner.new_state(1)
-    runner.forward(state, [[(i * 7919) % vocab for i in range(context)]], [1])
-
-    def one_pass(width: int) -> float:  # a chain of `width` draft nodes, dropped again
-        start = time.perf_counter()
-        runner.forward(state, [[(11 + i) % vocab for i in range(width)]], [width], [list(chain_parents(width))])
-        runner.commit(state, [[]])
-        return time.perf_counter() - start
-
-    widths = list(range(1, max_tokens + 1))
-    for width in widths:
-        one_pass(width)  # warm-up
-    rounds = []
-    for r in range(repeats):
-        order = widths[r % len(widths):] + widths[: r % len(widths)]
-        rounds.append({width: one_pass(width) for width in order})
-    one = statistics.median(t[1] for t in rounds)
-    return {width: one * statistics.median(t[width] / t[1] for t in rounds) for width in widths}
+    the widths taken in turns (`pass_timing.interleaved_costs`: a VM's slow minutes then shift every width alike)."""
+    if interleave:
+        return interleaved_costs(runner, max_tokens, context, repeats)
+    from verispec.tuning import measure_costs
+    return measure_costs(runner, None, k_max=max_tokens - 1, context=context, repeats=repeats).target_pass
 
 
 def main() -> None:

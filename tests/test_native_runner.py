@@ -562,3 +562,72 @@ def test_kernel_rates_times_each_tile_in_turn_with_the_same_bits():
         assert len(seconds) == 2 and all(s > 0 for s in seconds) and kernel.get() == 5
     finally:
         kernel.set(0)
+
+
+def test_interleaved_pass_costs_see_through_a_slow_stretch(monkeypatch):
+    """`pass_costs.py --interleave` / `shape_costs.py --interleave` (benchmarks/pass_timing.py): every width once a
+    round, the order turned each round, so a stretch of slow passes (a VM's slow minute: here the middle third of the
+    timed passes, 3x slower) costs every width one round of three and the medians keep v(k) = k exactly; timing each
+    width's repeats one after the other would put the stretch on a few widths alone. Each timed chain is dropped
+    again (commit of nothing)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
+    import pass_timing
+
+    widths, repeats = 6, 3
+    timed_calls = widths * repeats
+    clock = {"now": 0.0, "calls": 0}
+    seen = []
+
+    class Runner:  # a pass over w new tokens takes w seconds, 3w in the slow stretch
+        vocab_size = 100
+
+        def new_state(self, rows):
+            return []
+
+        def forward(self, state, tokens, widths_, parents=None):
+            if parents is None:
+                return  # the context, read once
+            width = len(tokens[0])
+            assert parents == [[-1] + list(range(width - 1))] and widths_ == [width]
+            warm = clock["calls"] < widths
+            timed_index = clock["calls"] - widths
+            slow = not warm and timed_calls // 3 <= timed_index < 2 * timed_calls // 3
+            clock["now"] += width * (3 if slow else 1)
+            clock["calls"] += 1
+            seen.append(width)
+
+        def commit(self, state, accepted):
+            assert accepted == [[]]
+
+    monkeypatch.setattr(pass_timing.time, "perf_counter", lambda: clock["now"])
+    costs = pass_timing.interleaved_costs(Runner(), widths, context=8, repeats=repeats)
+    assert {w: costs[w] / costs[1] for w in costs} == {w: float(w) for w in range(1, widths + 1)}
+    rounds = [seen[widths * (r + 1): widths * (r + 2)] for r in range(repeats)]
+    assert all(sorted(r) == list(range(1, widths + 1)) for r in rounds)
+    assert [r[0] for r in rounds] == [1, 2, 3]  # the order turned each round
+
+
+def test_pass_costs_interleaved_on_a_gguf_and_refused_beside_profile(tmp_path, monkeypatch, capsys):
+    """`pass_costs.py --interleave` runs end to end on a GGUF (every width reported, the JSON says it was
+    interleaved); with --profile, which times its widths its own way, it is refused in one line."""
+    import json
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
+    path = Path(__file__).parent.parent / "benchmarks" / "pass_costs.py"
+    spec = importlib.util.spec_from_file_location("pass_costs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", seed=1, vocab_tokens=True)
+    monkeypatch.setattr(sys, "argv", ["pass_costs.py", "--model", str(gguf), "--backend", "native", "--interleave",
+                                      "--max-tokens", "3", "--repeats", "2", "--context", "8", "--threads", "1"])
+    module.main()
+    out = capsys.readouterr().out
+    result = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert result["interleaved"] is True and sorted(result["pass_seconds"]) == ["1", "2", "3"]  # JSON keys
+    assert all(s > 0 for s in result["pass_seconds"].values())
+    monkeypatch.setattr(sys, "argv", ["pass_costs.py", "--model", str(gguf), "--interleave", "--profile"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--interleave" in errors[0]
