@@ -619,7 +619,7 @@ def test_pass_costs_interleaved_on_a_gguf_and_refused_beside_profile(tmp_path, m
     spec.loader.exec_module(module)
     gguf = write_tiny_gguf(tmp_path / "m.gguf", seed=1, vocab_tokens=True)
     monkeypatch.setattr(sys, "argv", ["pass_costs.py", "--model", str(gguf), "--backend", "native", "--interleave",
-                                      "--max-tokens", "3", "--repeats", "2", "--context", "8", "--threads", "1"])
+                                      "--max-tokens", "3", "--repeats", "2", "--context", "8"])  # torch's threads kept
     module.main()
     out = capsys.readouterr().out
     result = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
