@@ -57,17 +57,12 @@ def calls_for(weights, n: int, rng) -> list[tuple]:
     return calls
 
 
-def tile_setter(so):
-    """The setter of the widest tile of the kernel the library's path in force tiles with (AVX-512 or AVX2)."""
-    from verispec.models.gguf import native, tiles
-
-    kernel = tiles.KERNELS.get(native.PATHS.get(so.vs_get_path(), ""), tiles.AVX512)
-    return getattr(so, "vs_set_avx512_tile" if kernel is tiles.AVX512 else "vs_set_avx2_tile")
-
-
 def timed(libs, calls, rounds: int, repeat: int = 1) -> list[float]:
     """Median seconds of one sweep over `calls` per (library, kernel path or None, widest tile or None), taking
-    turns; outputs compared."""
+    turns; outputs compared. A tile is set on this installation's kernel for its path in force (`tiles.KERNELS`:
+    --tiles times this build only)."""
+    from verispec.models.gguf import native, tiles
+
     seconds = [[] for _ in libs]
     for _ in range(rounds):
         outputs = []
@@ -75,7 +70,7 @@ def timed(libs, calls, rounds: int, repeat: int = 1) -> list[float]:
             if path is not None:
                 so.vs_set_path(path)
             if tile is not None:
-                tile_setter(so)(tile)
+                tiles.KERNELS[native.path()].set(tile)
             start = time.perf_counter()
             for _ in range(repeat):
                 for args, *_ in calls:
@@ -113,7 +108,7 @@ def main() -> None:
     kernel = tiles.KERNELS.get(native.path())
     if tile_list and kernel is None:
         parser.error(f"--tiles: the {native.path()} kernel path has no tiles to set")
-    most = 16 if kernel is tiles.AVX512 else 8
+    most = max(kernel.candidates) if kernel else 0  # the kernel's widest, as tiles.tuned bounds a cached tile
     if any(not 1 <= t <= most for t in tile_list):
         parser.error(f"--tiles takes the {native.path()} path's widest tiles from 1 to {most}")
     print(subprocess.run(["lscpu"], capture_output=True, text=True).stdout if platform.system() == "Linux" else "")

@@ -460,12 +460,19 @@ def test_the_kernel_profile_names_each_part_of_a_pass_and_changes_no_bits(mixed)
     assert np.array_equal(slots(), before)
 
 
+def load_benchmark(script: str):
+    """A script of benchmarks/ as a module (its main() callable with a patched sys.argv)."""
+    path = Path(__file__).parent.parent / "benchmarks" / f"{script}.py"
+    spec = importlib.util.spec_from_file_location(script, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_bandwidth_report_divides_each_weight_types_bytes_by_its_time(mixed, capsys):
     """`pass_costs.py --profile`'s GB/s: every weight type the layers have and the head, their packed bytes (what
     the kernels stream), each over its own ms per pass; all matmuls together and the whole pass over their sums."""
-    spec = importlib.util.spec_from_file_location("pass_costs", Path(__file__).parent.parent / "benchmarks/pass_costs.py")
-    pass_costs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pass_costs)
+    pass_costs = load_benchmark("pass_costs")
     sizes = pass_costs.weight_bytes(mixed)
     layers = mixed.gguf.layers
     packed = sum(w.data.nbytes for layer in layers for w in (layer.q, layer.k, layer.v, layer.out, layer.gate,
@@ -515,10 +522,7 @@ def test_greedy_speculative_decoding_equals_plain_decoding_on_a_gemma3_file(tmp_
 def test_a_benchmark_given_an_unknown_model_says_so_in_one_line(script, monkeypatch, capsys):
     """The kernel benchmarks refuse a model spec that names nothing as the CLI does: argparse's usage and one error
     line (exit status 2), not a traceback."""
-    path = Path(__file__).parent.parent / "benchmarks" / f"{script}.py"
-    spec = importlib.util.spec_from_file_location(script, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark(script)
     monkeypatch.setattr(sys, "argv", [f"{script}.py", "--model", "no-such-model"])
     with pytest.raises(SystemExit) as exit_info:
         module.main()
@@ -531,10 +535,7 @@ def test_a_benchmark_given_an_unknown_model_says_so_in_one_line(script, monkeypa
 def test_kernel_rates_refuses_tiles_it_cannot_time_in_one_line(tiles_arg, also, monkeypatch, capsys):
     """`kernel_rates.py --tiles` (the widest tiles timed side by side) refuses a tile outside the path kernel's range,
     a word, or a mix with --paths, before loading anything: argparse's usage and one error line."""
-    path = Path(__file__).parent.parent / "benchmarks" / "kernel_rates.py"
-    spec = importlib.util.spec_from_file_location("kernel_rates", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("kernel_rates")
     monkeypatch.setattr(sys, "argv", ["kernel_rates.py", "--model", "no-such-model", "--tiles", tiles_arg, *also])
     with pytest.raises(SystemExit) as exit_info:
         module.main()
@@ -548,10 +549,7 @@ def test_kernel_rates_times_each_tile_in_turn_with_the_same_bits():
     last timed), and the tiles' outputs are compared bit for bit (timed raises where they differ)."""
     from verispec.models.gguf import native, tiles
 
-    path = Path(__file__).parent.parent / "benchmarks" / "kernel_rates.py"
-    spec = importlib.util.spec_from_file_location("kernel_rates", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("kernel_rates")
     kernel = tiles.KERNELS.get(native.path())
     if kernel is None:
         pytest.skip("no tiled kernel on this CPU")
@@ -613,10 +611,7 @@ def test_pass_costs_interleaved_on_a_gguf_and_refused_beside_profile(tmp_path, m
     import json
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
-    path = Path(__file__).parent.parent / "benchmarks" / "pass_costs.py"
-    spec = importlib.util.spec_from_file_location("pass_costs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("pass_costs")
     gguf = write_tiny_gguf(tmp_path / "m.gguf", seed=1, vocab_tokens=True)
     monkeypatch.setattr(sys, "argv", ["pass_costs.py", "--model", str(gguf), "--backend", "native", "--interleave",
                                       "--max-tokens", "3", "--repeats", "2", "--context", "8"])  # torch's threads kept
