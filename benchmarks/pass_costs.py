@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("--interleave", action="store_true", help="take the widths in turns, every width once a "
                         "round (a drifting machine then shifts every width alike)")
     args = parser.parse_args()
+    if min(args.max_tokens, args.repeats, args.context) < 1:
+        parser.error("--max-tokens, --repeats and --context take 1 or more")
     if args.interleave and args.profile:
         parser.error("--interleave orders the v(k) passes; --profile times its widths its own way: use one of them")
     set_threads(args.threads)

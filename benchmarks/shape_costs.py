@@ -79,6 +79,8 @@ def main() -> None:
                         "too large for the machine's memory: its pass is the layers' sum, reported per layer too)")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
+    if min(args.max_tokens, args.repeats, args.context) < 1:
+        parser.error("--max-tokens, --repeats and --context take 1 or more")
     from verispec.api import set_threads
     from verispec.bench.runner import memory_bandwidth_gbs
     from verispec.models.gguf import native

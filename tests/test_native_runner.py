@@ -626,3 +626,18 @@ def test_pass_costs_interleaved_on_a_gguf_and_refused_beside_profile(tmp_path, m
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "--interleave" in errors[0]
+
+
+@pytest.mark.parametrize("script", ["pass_costs", "shape_costs"])
+@pytest.mark.parametrize("option", ["--max-tokens", "--repeats", "--context"])
+def test_the_pass_cost_benchmarks_refuse_a_count_below_one_in_one_line(script, option, monkeypatch, capsys):
+    """No width, no round or no cached token would end in an empty median or an empty prompt deep inside: refused
+    first, in argparse's one line (before any model is loaded or written)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))  # shape_costs imports pass_timing
+    module = load_benchmark(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", option, "0", "--interleave"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and option in errors[0]
