@@ -42,18 +42,24 @@ VS_INLINE VS_AVX2 void unpack8_avx2(const uint8_t *pl, const int bits, const int
         const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LUT));
         for (int i = 0; i < 8; i++) v[i] = _mm256_shuffle_epi8(table, v[i]);
     }
+    /* The high bits are shifted straight onto bits 4 (and 5) of their byte (a 16-bit lane shift by at most 4 keeps
+     * them there), then masked and or'ed: three operations a slot where shift, and, shift, or took four. */
     if (bits == 5) {
-        const __m256i one = _mm256_set1_epi8(1);
-        __m256i h = _mm256_loadu_si256((const __m256i *)(pl + 256 + o));
-        for (int i = 0; i < 8; i++)
-            v[i] = _mm256_or_si256(v[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, i), one), 4));
-    } else if (bits == 6) {
-        const __m256i three = _mm256_set1_epi8(3);
-        __m256i h0 = _mm256_loadu_si256((const __m256i *)(pl + 256 + o));
-        __m256i h1 = _mm256_loadu_si256((const __m256i *)(pl + 320 + o));
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(pl + 256 + o));
         for (int i = 0; i < 8; i++) {
-            __m256i h = i < 4 ? h0 : h1;
-            v[i] = _mm256_or_si256(v[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * (i % 4)), three), 4));
+            const __m256i x = i < 4 ? _mm256_slli_epi16(h, 4 - i) : i == 4 ? h : _mm256_srli_epi16(h, i - 4);
+            v[i] = _mm256_or_si256(v[i], _mm256_and_si256(x, bit4));
+        }
+    } else if (bits == 6) {
+        const __m256i bits45 = _mm256_set1_epi8(0x30);
+        const __m256i h0 = _mm256_loadu_si256((const __m256i *)(pl + 256 + o));
+        const __m256i h1 = _mm256_loadu_si256((const __m256i *)(pl + 320 + o));
+        for (int i = 0; i < 8; i++) {
+            const __m256i h = i < 4 ? h0 : h1;
+            const int s = 2 * (i % 4); /* bits s, s + 1 onto 4, 5 */
+            const __m256i x = s < 4 ? _mm256_slli_epi16(h, 4 - s) : s == 4 ? h : _mm256_srli_epi16(h, s - 4);
+            v[i] = _mm256_or_si256(v[i], _mm256_and_si256(x, bits45));
         }
     }
 }

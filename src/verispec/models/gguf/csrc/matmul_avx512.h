@@ -59,11 +59,13 @@ VS_INLINE VS_AVX512 void unpack8_as(const uint8_t *pl, const int bits, const int
         const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_LUT));
         for (int i = 0; i < 8; i++) v[i] = _mm512_shuffle_epi8(table, v[i]);
     }
-    if (bits == 5) {
-        const __m512i one = _mm512_set1_epi8(1);
-        __m512i h = _mm512_loadu_si512(pl + 256);
+    if (bits == 5) { /* bit i of H onto bit 4 (a 16-bit lane shift by at most 4 keeps it in its byte), masked and or'ed
+                      * in one ternary op (0xF8 = A | (B & C)): two operations a slot where shift, and, shift, or took four */
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        const __m512i h = _mm512_loadu_si512(pl + 256);
         for (int i = 0; i < 8; i++)
-            v[i] = _mm512_or_si512(v[i], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, i), one), 4));
+            v[i] = _mm512_ternarylogic_epi32(v[i], i < 4 ? _mm512_slli_epi16(h, 4 - i) : i == 4 ? h : _mm512_srli_epi16(h, i - 4),
+                                             bit4, 0xF8);
     }
 }
 VS_INLINE VS_AVX512 void unpack8(const uint8_t *pl, const int bits, const int lut, __m512i v[8]) { unpack8_as(pl, bits, lut, v, 0); }
