@@ -151,6 +151,18 @@ def test_a_cache_that_cannot_be_written_still_gives_the_choice(cache):
     assert cache.is_dir()
 
 
+def test_the_cache_keeps_the_entries_measured_last(cache, monkeypatch):
+    """Each rebuild of the kernels keys entries of its own: the file keeps the newest, not every build's."""
+    monkeypatch.setattr(tiles, "KEPT_ENTRIES", 3)
+    old = {"a": {"tile": 6, "measured": "2026-01-01 00:00"}, "b": {"tile": 6}, "c": {"tile": 6, "measured": "2026-03-01 00:00"},
+           "d": {"tile": 6, "measured": "2026-02-01 00:00"}, "e": "not an entry", "f": {"tile": 6, "measured": 7}}
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps(old))
+    measure_with, calls = fake(table(t6=(1.0, 1.8, 2.4), t16=(1.0, 1.5, 1.9)))
+    assert tiles.tuned(2, measure_with).tile == 16 and calls == [2]
+    assert list(json.loads(cache.read_text())) == ["c", "d", tiles.cache_key(2)]  # the newest, in the file's order
+
+
 def write_entry(cache, threads, tile):
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({tiles.cache_key(threads): {"tile": tile, "ms": {str(tile): {"5": 1.0}}}}))

@@ -37,6 +37,7 @@ from verispec.models.gguf.ops import Activations, Weight
 ENV = "VERISPEC_KERNEL_TUNING"
 MARGIN = 0.03  # the kernel's own choice stays unless another is faster than this on average
 Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+KEPT_ENTRIES = 32  # the cache keeps the entries measured last (several CPUs, paths, thread counts and builds)
 TIMED = (Q4_K, Q6_K)  # the types timed: a Zen 4 scored tiles of 6 1.03 on Q4_K alone but 1.12 on Q6_K
 
 
@@ -183,6 +184,19 @@ def _read_cache(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _newest(entries: dict, count: int) -> dict:
+    """The `count` entries measured last (by their "measured" stamp, then the file's order; an entry without one
+    counts as oldest), in the file's order: every rebuild of the kernels adds a key (its build is in the key), and
+    the entries of builds gone would otherwise pile up for good."""
+    def stamp(item):
+        index, (_, entry) = item
+        measured = entry.get("measured") if isinstance(entry, dict) else None
+        return (measured if isinstance(measured, str) else "", index)
+
+    kept = {index for index, _ in sorted(enumerate(entries.items()), key=stamp)[-count:]}
+    return {key: entry for index, (key, entry) in enumerate(entries.items()) if index in kept}
+
+
 def _from_entry(entry, default: int, most: int) -> TileChoice | None:
     """A cached entry as a TileChoice, or None where it is not one (hand-edited, another version's)."""
     try:
@@ -209,6 +223,7 @@ def tuned(threads: int, measure_with: Callable[[int, Kernel], dict] = measure) -
     choice = TileChoice(choose(ms, default), default, ms, time.perf_counter() - start)
     entries = _read_cache(path)  # another process may have written meanwhile
     entries[key] = {"tile": choice.tile, "default": default, "ms": ms, "measured": time.strftime("%Y-%m-%d %H:%M")}
+    entries = _newest(entries, KEPT_ENTRIES)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, entries, indent=1)
