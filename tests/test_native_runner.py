@@ -3,6 +3,8 @@ its logits are the same bits whatever the pass (width, ragged batch, tree, threa
 round-trip, and greedy speculative decoding equals plain decoding for every drafter."""
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -641,3 +643,17 @@ def test_the_pass_cost_benchmarks_refuse_a_count_below_one_in_one_line(script, o
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and option in errors[0]
+
+
+@pytest.mark.parametrize("env, named", [({"STAGES": "passes nope"}, "no stage 'nope'"), ({"THREADS": "two"}, "THREADS"),
+                                        ({"THREADS": "0"}, "THREADS")])
+def test_the_cpu_session_script_refuses_a_bad_stage_or_thread_count_in_one_line(env, named, tmp_path):
+    """`benchmarks/cpu_session.sh` checks what it is given before it measures or writes anything: one line on
+    stderr, exit status 2, no output folder."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_session.sh"
+    out = tmp_path / "session"
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, check=False,
+                            env={**os.environ, "OUT": str(out), **env})
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and named in result.stderr
+    assert not out.exists()
