@@ -11,6 +11,8 @@ weights, taking turns, and checks that both give the same bits; the packed layou
 this build's kernel paths the same way (e.g. `--paths avx2,avx-vnni`: the AVX2 kernel with and without AVX-VNNI).
 --tiles A,B times this build under each widest tile of the path's kernel the same way (e.g. `--tiles 6,16 --widths
 7,9`: the AVX-512 kernel's tiles, what `models/gguf/tiles.py` chooses between, on a whole pass streamed).
+--prefetch-one on,off times the AVX-512 kernel's one-token tiles asking for their weights ahead and leaving it to the
+hardware prefetchers (off by default on AMD CPUs, on elsewhere: csrc/cpu.h), e.g. `--prefetch-one on,off --widths 1`.
 """
 
 from __future__ import annotations
@@ -58,19 +60,21 @@ def calls_for(weights, n: int, rng) -> list[tuple]:
 
 
 def timed(libs, calls, rounds: int, repeat: int = 1) -> list[float]:
-    """Median seconds of one sweep over `calls` per (library, kernel path or None, widest tile or None), taking
-    turns; outputs compared. A tile is set on this installation's kernel for its path in force (`tiles.KERNELS`:
-    --tiles times this build only)."""
+    """Median seconds of one sweep over `calls` per (library, kernel path or None, widest tile or None[, one-token
+    prefetch 1 / 0]), taking turns; outputs compared. A tile is set on this installation's kernel for its path in
+    force (`tiles.KERNELS`: --tiles times this build only)."""
     from verispec.models.gguf import native, tiles
 
     seconds = [[] for _ in libs]
     for _ in range(rounds):
         outputs = []
-        for i, (so, path, tile) in enumerate(libs):
+        for i, (so, path, tile, *prefetch) in enumerate(libs):
             if path is not None:
                 so.vs_set_path(path)
             if tile is not None:
                 tiles.KERNELS[native.path()].set(tile)
+            if prefetch:
+                so.vs_set_prefetch_one(prefetch[0])
             start = time.perf_counter()
             for _ in range(repeat):
                 for args, *_ in calls:
@@ -92,6 +96,8 @@ def main() -> None:
     parser.add_argument("--paths", default="", help="kernel paths of this build to time side by side (default: the "
                         "CPU's best)")
     parser.add_argument("--tiles", default="", help="widest tiles of this build's kernel to time side by side")
+    parser.add_argument("--prefetch-one", default="", help="on,off: the AVX-512 kernel's one-token tiles with and "
+                        "without prefetching, side by side")
     args = parser.parse_args()
     from verispec.bench.runner import memory_bandwidth_gbs
     from verispec.errors import VerispecError
@@ -105,6 +111,14 @@ def main() -> None:
         parser.error(f"--tiles takes widest tiles as numbers, e.g. 6,16: not {args.tiles!r}")
     if tile_list and (args.paths or args.against):
         parser.error("--tiles compares this build's tiles on its own path: not with --paths or --against")
+    prefetch = [p for p in args.prefetch_one.split(",") if p]
+    if any(p not in ("on", "off") for p in prefetch):
+        parser.error(f"--prefetch-one takes on and off, e.g. on,off: not {args.prefetch_one!r}")
+    if prefetch and (args.paths or args.against or tile_list):
+        parser.error("--prefetch-one compares this build's one-token tiles: not with --paths, --against or --tiles")
+    if prefetch and native.path() not in ("avx512-vnni", "amx"):
+        parser.error(f"--prefetch-one: the {native.path()} kernel path always prefetches (only the AVX-512 kernel's "
+                     "one-token tiles have the setting)")
     kernel = tiles.KERNELS.get(native.path())
     if tile_list and kernel is None:
         parser.error(f"--tiles: the {native.path()} kernel path has no tiles to set")
@@ -122,9 +136,10 @@ def main() -> None:
         if p not in codes or native.set_path(p) != p:
             parser.error(f"this CPU cannot run the {p} kernel path")
     ours = load_kernels(None, args.threads)
-    libs = [(ours, codes[p], None) for p in paths] or [(ours, None, t) for t in tile_list] or [(ours, None, None)]
+    libs = ([(ours, codes[p], None) for p in paths] or [(ours, None, t) for t in tile_list]
+            or [(ours, None, None, int(p == "on")) for p in prefetch] or [(ours, None, None)])
     names = ([f"this build ({p})" for p in paths] or [f"widest tile {t}" for t in tile_list]
-             or ["this build"])
+             or [f"one-token prefetch {p}" for p in prefetch] or ["this build"])
     if args.against:
         theirs = load_kernels(args.against, args.threads)
         for p in paths:
@@ -142,6 +157,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     probe = memory_bandwidth_gbs()
     tile_note = f"widest tiles {args.tiles}, taking turns" if tile_list else f"widest tile {tiles.in_force()}"
+    if not prefetch and native.path() in ("avx512-vnni", "amx"):
+        tile_note += f", one-token prefetch {'on' if native.set_prefetch_one(-1) else 'off'}"
     print(f"kernel path {', '.join(paths) or native.path()} ({tile_note}), {args.threads} threads, "
           f"bandwidth probe {probe:.1f} GB/s")
     for n in (int(w) for w in args.widths.split(",")):

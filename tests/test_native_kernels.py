@@ -126,6 +126,38 @@ def test_the_tile_kernel_gives_every_paths_bits_at_every_width(qtype):
         restore()
 
 
+def cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+@pytest.mark.skipif("avx512-vnni" not in PATHS, reason="no AVX-512 VNNI kernel on this CPU")
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_the_one_token_tiles_prefetching_or_not_give_the_same_bits_and_default_by_vendor(qtype):
+    """The AVX-512 kernel's one-token tiles leave their weights to the hardware prefetchers on AMD CPUs and ask for
+    them ahead elsewhere (csrc/cpu.h); either way the same bits as the portable path, at one token and past it."""
+    _, weight = make(qtype, 40, 512, seed=8)
+    x = np.random.default_rng(9).standard_normal((3, 512)).astype(np.float32)
+    native.set_path("portable")
+    expected = [weight(Activations(x[:n].copy())) for n in (1, 3)]
+    try:
+        assert native.set_prefetch_one(-1) == (cpu_vendor() != "AuthenticAMD")
+        assert (native.set_prefetch_one(1), native.set_prefetch_one(7), native.set_prefetch_one(0)) == (True, True, False)
+        native.set_path("avx512-vnni")
+        for on in (1, 0):
+            native.set_prefetch_one(on)
+            for threads in (1, 2):
+                native.set_threads(threads)
+                for n, want in zip((1, 3), expected):
+                    assert np.array_equal(weight(Activations(x[:n].copy())), want), (on, threads, n)
+    finally:
+        native.set_threads(1)
+        native.set_prefetch_one(-1)
+
+
 @pytest.mark.skipif(len(PATHS) < 2, reason="this CPU has no SIMD path to compare")
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
 @pytest.mark.parametrize("fill", (0xFF, 0x7F, 0x80))

@@ -546,6 +546,19 @@ def test_kernel_rates_refuses_tiles_it_cannot_time_in_one_line(tiles_arg, also, 
     assert len(errors) == 1 and "--tiles" in errors[0]
 
 
+@pytest.mark.parametrize("value, also", [("of", []), ("on,2", []), ("on,off", ["--tiles", "6"]),
+                                         ("on,off", ["--paths", "avx2"])])
+def test_kernel_rates_refuses_a_prefetch_setting_it_cannot_time_in_one_line(value, also, monkeypatch, capsys):
+    """`kernel_rates.py --prefetch-one on,off` takes on and off only, alone: argparse's usage and one error line."""
+    module = load_benchmark("kernel_rates")
+    monkeypatch.setattr(sys, "argv", ["kernel_rates.py", "--model", "no-such-model", "--prefetch-one", value, *also])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--prefetch-one" in errors[0]
+
+
 def test_kernel_rates_times_each_tile_in_turn_with_the_same_bits():
     """`--tiles A,B`: each entry sets its widest tile on the path's kernel before its sweep (the last one set is the
     last timed), and the tiles' outputs are compared bit for bit (timed raises where they differ)."""

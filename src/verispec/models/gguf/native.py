@@ -27,6 +27,7 @@ _SIGNATURES = {
     "vs_set_avx512_tile": ([_I], _I),
     "vs_avx2_tile": ([], _I),
     "vs_set_avx2_tile": ([_I], _I),
+    "vs_set_prefetch_one": ([_I], _I),
     "vs_amx_status": ([], _I),
     "vs_set_amx_min": ([_I], _I),
     "vs_packed_bytes": ([_I, _I64, _I64], _I64),
@@ -143,6 +144,13 @@ def avx512_tile() -> int:
 def set_avx512_tile(tile: int) -> int:
     """Force the AVX-512 kernel's widest tile (1-16; tests run several), 0 for the CPU's own choice; returns it."""
     return lib().vs_set_avx512_tile(int(tile))
+
+
+def set_prefetch_one(on: int) -> bool:
+    """Whether the AVX-512 kernel's one-token tiles prefetch their weights: 1 on, 0 off, -1 the CPU's default (off on
+    AMD, where the hardware prefetchers alone streamed one token faster; csrc/cpu.h); returns the setting in force.
+    The same bits either way."""
+    return bool(lib().vs_set_prefetch_one(int(on)))
 
 
 def avx2_tile() -> int:

@@ -109,6 +109,30 @@ int vs_set_avx2_tile(int tile) {
     return vs_tile256;
 }
 
+/* Whether the AVX-512 kernel's one-token tiles ask for their weights ahead (prefetch_share, matmul_avx512.h; wider
+ * tiles always do). Off on AMD: there the one-token tile, which does the least arithmetic a byte, streamed faster on
+ * the hardware prefetchers alone (a 2-core Zen 4, family 25 model 17: a pass's matmuls over one token 31.2 ms against
+ * 34.1, medians of six rounds taking turns, every round faster; with the prefetches off at every width four tokens
+ * took 44 ms against 30); on Intel the one-token tile needs them (a 2-core Xeon streamed 15.4 GB/s without, 22.8
+ * with). vs_set_prefetch_one forces it (1 on, 0 off; -1 restores the CPU's default) and returns the setting in force;
+ * `kernel_rates.py --prefetch-one on,off` times both on a machine. A prefetch changes no result. */
+static int vs_prefetch_one = -1;
+
+static int prefetch_one_default(void) {
+#ifdef VS_X86
+    unsigned a, b, c, d;
+    if (__get_cpuid(0, &a, &b, &c, &d)) return !(b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u); /* "AuthenticAMD" */
+#endif
+    return 1;
+}
+
+int vs_set_prefetch_one(int on) {
+    vs_prefetch_one = on < 0 ? prefetch_one_default() : on > 0;
+    return vs_prefetch_one;
+}
+
+static int prefetch_one(void) { return vs_prefetch_one < 0 ? vs_set_prefetch_one(-1) : vs_prefetch_one; }
+
 /* ------------------------------------------------------------------ profile */
 
 /* Where a pass's time goes (benchmarks/pass_costs.py --profile): wall seconds, summed between vs_profile_start and

@@ -36,6 +36,7 @@ static int matmul_quantized(int type, const uint8_t *packed, int64_t rows, int64
     if (get_layout(type, &L) || rows < 0 || cols < 0 || cols % L.q) return VS_EINVAL;
     const int64_t nsb = cols / L.q, SB = sb_bytes(&L), ngroups = (rows + GROUP - 1) / GROUP;
     int path = vs_get_path();
+    (void)prefetch_one(); /* the CPU's default settled here, before the threads read it */
     if (L.lut && L.scsub) /* IQ4_XS: signed scales over values up to 241 fit neither tile kernel's split */
         path = path == PATH_AMX ? PATH_AVX512 : path == PATH_AMX_EMULATED ? PATH_GENERIC : path;
     const int amx_min = amx_min_tokens(type);

@@ -138,6 +138,7 @@ VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const ui
     const int64_t SB = sb_bytes(&L), poff = planes_offset(&L);
     const int hdr = header_bytes(&L), nsc = nscales(&L), pb = plane_bytes(L.bits), hi16 = L.bits == 4 && !L.lut;
     const int kind_shift = L.dmin_kind ? __builtin_ctz((unsigned)L.dmin_kind) : -1; /* kinds are powers of two */
+    const int prefetch = T > 1 || prefetch_one(); /* cpu.h: off for one token on AMD */
     __m512 acc[TILE_AVX512];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
@@ -148,7 +149,7 @@ VS_INLINE VS_AVX512 void group_tile_avx512(const int type, const int T, const ui
         for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
         for (int u = 0; u < L.q / 32; u++) {
             __m512i v[8];
-            prefetch_share(sb, SB, u, L.q / 32);
+            if (prefetch) prefetch_share(sb, SB, u, L.q / 32);
             unpack8_as(sb + poff + u * pb, L.bits, L.lut, v, hi16);
             if (L.scsub == 16 && L.bits <= 3) {
                 /* Q2_K / Q3_K: a unit's dot fits 16 bits (16 x 7 x 128 < 2^15), so a sub-block's two units go in one
