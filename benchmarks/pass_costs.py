@@ -20,6 +20,9 @@ memory bandwidth the bench's probe reads, so that a kernel change is judged agai
 repeats run one after the other as `--auto-k` measures them: on a VM whose bandwidth drifts, a step between two widths
 is then the kernels', not the minute's.
 
+--prefetch-one times one-token passes with the AVX-512 kernel's one-token tiles prefetching their weights and leaving
+them to the hardware prefetchers (csrc/cpu.h: off by default on AMD CPUs), the two taking turns, --repeats rounds.
+
 --plot draws v(k) against k for this run and any earlier runs' --json files (--overlay), with the line
 v = k: a pass over k tokens yields at most k tokens (all drafts accepted), so speculation can pay only
 where a route's curve lies well below it.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from verispec.api import set_threads
@@ -59,6 +63,8 @@ def main() -> None:
     parser.add_argument("--plot-profile", type=Path, help="--profile: a stacked bar chart of it")
     parser.add_argument("--interleave", action="store_true", help="take the widths in turns, every width once a "
                         "round (a drifting machine then shifts every width alike)")
+    parser.add_argument("--prefetch-one", action="store_true", help="native backend: one-token passes with the "
+                        "AVX-512 kernel's one-token prefetching on and off, taking turns")
     args = parser.parse_args()
     if min(args.max_tokens, args.repeats, args.context) < 1:
         parser.error("--max-tokens, --repeats and --context take 1 or more")
@@ -69,6 +75,11 @@ def main() -> None:
 
     if args.kernel_path and native.set_path(args.kernel_path) != args.kernel_path:
         parser.error(f"this CPU cannot run the {args.kernel_path} kernel path")
+    if args.prefetch_one and (args.backend != "native" or native.path() not in ("avx512-vnni", "amx")):
+        parser.error("--prefetch-one sets the AVX-512 kernel's one-token tiles: use --backend native on a CPU with "
+                     "AVX-512 VNNI")
+    if args.prefetch_one and (args.interleave or args.profile):
+        parser.error("--prefetch-one times one-token passes its own way: not with --interleave or --profile")
     try:
         model = load_model(args.model, weights=args.weights, backend=args.backend)
     except VerispecError as e:  # an unknown name or file: its one line, as the CLI says it
@@ -91,6 +102,19 @@ def main() -> None:
         if args.plot_profile:
             plot_profile(result, args.plot_profile)
             print(f"written: {args.plot_profile}")
+        return
+    if args.prefetch_one:
+        from pass_timing import settings_in_turns
+
+        default = native.set_prefetch_one(-1)
+        settings = {"on": lambda: native.set_prefetch_one(1), "off": lambda: native.set_prefetch_one(0)}
+        seconds = settings_in_turns(model.make_runner(), settings, args.context, args.repeats)
+        native.set_prefetch_one(-1)
+        ratios = [on / off for on, off in zip(seconds["on"], seconds["off"])]
+        print(f"one-token pass, {args.repeats} rounds taking turns: prefetch on {statistics.median(seconds['on']) * 1e3:.1f}"
+              f" ms, off {statistics.median(seconds['off']) * 1e3:.1f} ms; on / off a round: median "
+              f"{statistics.median(ratios):.3f}, off faster in {sum(r > 1 for r in ratios)} of {len(ratios)} "
+              f"(this CPU's default: {'on' if default else 'off'}); bandwidth probe {memory_bandwidth_gbs():.1f} GB/s")
         return
     if args.interleave:
         from pass_timing import interleaved_costs

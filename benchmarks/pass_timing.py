@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 from verispec.tree import chain_parents
 
@@ -39,3 +40,23 @@ def interleaved_costs(runner, max_tokens: int, context: int, repeats: int) -> di
         rounds.append({width: one_pass(width) for width in order})
     one = statistics.median(t[1] for t in rounds)
     return {width: one * statistics.median(t[width] / t[1] for t in rounds) for width in widths}
+
+
+def settings_in_turns(runner, settings: dict[str, Callable[[], object]], context: int, repeats: int
+                      ) -> dict[str, list[float]]:
+    """Seconds of one-token passes (after `context` cached tokens, each dropped again) under each setting, the settings
+    taking turns: every round applies each once (its callable) and times a pass, the order turned each round."""
+    vocab = runner.vocab_size
+    state = runner.new_state(1)
+    runner.forward(state, [[(i * 7919) % vocab for i in range(context)]], [1])
+    names = list(settings)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats + 1):  # the first round warms up, untimed
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            settings[name]()
+            start = time.perf_counter()
+            runner.forward(state, [[11]], [1], [list(chain_parents(1))])
+            runner.commit(state, [[]])
+            if r:
+                seconds[name].append(time.perf_counter() - start)
+    return seconds

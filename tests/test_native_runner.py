@@ -643,6 +643,42 @@ def test_pass_costs_interleaved_on_a_gguf_and_refused_beside_profile(tmp_path, m
     assert len(errors) == 1 and "--interleave" in errors[0]
 
 
+def test_pass_costs_times_the_one_token_prefetch_in_turns_and_refuses_it_elsewhere(tmp_path, monkeypatch, capsys):
+    """`pass_costs.py --prefetch-one`: one-token passes with the AVX-512 kernel's one-token prefetching on and off,
+    taking turns (each setting applied before its own pass), the CPU's default restored after; refused in one line
+    off the native backend and beside --interleave."""
+    from verispec.models.gguf import native
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
+    module = load_benchmark("pass_costs")
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", seed=1, vocab_tokens=True)
+    for also, named in ((["--backend", "torch"], "--backend native"), (["--backend", "native", "--interleave"],
+                                                                       "--interleave")):
+        monkeypatch.setattr(sys, "argv", ["pass_costs.py", "--model", str(gguf), "--prefetch-one", *also])
+        with pytest.raises(SystemExit) as exit_info:
+            module.main()
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert exit_info.value.code == 2 and len(errors) == 1 and named in errors[0]
+    if native.path() not in ("avx512-vnni", "amx"):
+        pytest.skip("no AVX-512 VNNI kernel on this CPU")
+    import pass_timing
+
+    applied = []
+    real = pass_timing.settings_in_turns
+
+    def spy(runner, settings, context, repeats):  # the settings as applied, in order
+        logged = {name: (lambda name=name, apply=apply: (applied.append(name), apply())) for name, apply in settings.items()}
+        return real(runner, logged, context, repeats)
+
+    monkeypatch.setattr(pass_timing, "settings_in_turns", spy)
+    monkeypatch.setattr(sys, "argv", ["pass_costs.py", "--model", str(gguf), "--backend", "native", "--prefetch-one",
+                                      "--repeats", "3", "--context", "8"])
+    module.main()
+    out = capsys.readouterr().out
+    assert "one-token pass, 3 rounds taking turns: prefetch on" in out and "off faster in" in out
+    assert applied == ["on", "off", "off", "on", "on", "off", "off", "on"]  # a warm-up round and 3, the order turned
+
+
 @pytest.mark.parametrize("script", ["pass_costs", "shape_costs"])
 @pytest.mark.parametrize("option", ["--max-tokens", "--repeats", "--context"])
 def test_the_pass_cost_benchmarks_refuse_a_count_below_one_in_one_line(script, option, monkeypatch, capsys):
