@@ -84,7 +84,12 @@ for stage in $STAGES; do
       ;;
     kernels)  # the kernels' own rates: weights in cache (arithmetic) and a pass's matmuls streamed
       run kernels "$STAGE_TIMEOUT" "$PY" benchmarks/kernel_rates.py --model "$MODEL" --threads "$THREADS" --widths 1,4,8
-      section "Kernel rates (hot: in cache; streamed: a pass's matmuls)" kernels "^kernel path|tokens, (hot|streamed)"
+      if grep -qE "native kernel path (avx512-vnni|amx)," "$OUT/env.txt"; then  # is this CPU's default the faster?
+        run kernels "$STAGE_TIMEOUT" "$PY" benchmarks/pass_costs.py --model "$MODEL" --backend native \
+          --threads "$THREADS" --prefetch-one --repeats 40
+      fi
+      section "Kernel rates (hot: in cache; streamed: a pass's matmuls); one-token prefetching on and off" kernels \
+        "^kernel path|tokens, (hot|streamed)|^one-token pass"
       ;;
     prefill)
       run prefill "$STAGE_TIMEOUT" "$PY" benchmarks/prefill.py --model "$MODEL" --threads "$THREADS" --lengths 128,512 \

@@ -101,7 +101,8 @@ VS_INLINE VS_AVX512 void sb_scales_avx512(const layout_t *L, const uint8_t *sb, 
  * prefetcher alone left the cores waiting. On a Xeon with AMX (model 167) one core streamed only 10 GB/s so; the L2
  * requests further on keep more lines in flight (`benchmarks/kernel_rates.py --widths 1,8 --rounds 11 --against`,
  * one token: 1 thread 97.8 -> 91.2 ms, 2 threads 55.2 -> 51.8 ms; 8 tokens, bound by arithmetic, unchanged; L2 at
- * 16 KB or L1 at 1 KB measured alike). A prefetch changes no result. */
+ * 16 KB or L1 at 1 KB measured alike). On AMD the one-token tiles ask for nothing (cpu.h, vs_set_prefetch_one). A
+ * prefetch changes no result. */
 enum { PF_L1_BYTES = 2048, PF_L2_BYTES = 8192 };
 VS_INLINE void prefetch_ahead(const uint8_t *sb, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) {
