@@ -533,30 +533,23 @@ def test_a_benchmark_given_an_unknown_model_says_so_in_one_line(script, monkeypa
     assert len(errors) == 1 and "unknown model spec 'no-such-model'" in errors[0]
 
 
-@pytest.mark.parametrize("tiles_arg, also", [("0,16", []), ("6,99", []), ("six", []), ("6,16", ["--paths", "avx2"])])
-def test_kernel_rates_refuses_tiles_it_cannot_time_in_one_line(tiles_arg, also, monkeypatch, capsys):
+@pytest.mark.parametrize("args, named", [(["--tiles", "0,16"], "--tiles"), (["--tiles", "6,99"], "--tiles"),
+                                         (["--tiles", "six"], "--tiles"), (["--tiles", "6,16", "--paths", "avx2"], "--tiles"),
+                                         (["--prefetch-one", "of"], "--prefetch-one"),
+                                         (["--prefetch-one", "on,2"], "--prefetch-one"),
+                                         (["--prefetch-one", "on,off", "--tiles", "6"], "--prefetch-one"),
+                                         (["--prefetch-one", "on,off", "--paths", "avx2"], "--prefetch-one")])
+def test_kernel_rates_refuses_what_it_cannot_time_in_one_line(args, named, monkeypatch, capsys):
     """`kernel_rates.py --tiles` (the widest tiles timed side by side) refuses a tile outside the path kernel's range,
-    a word, or a mix with --paths, before loading anything: argparse's usage and one error line."""
+    a word, or a mix with --paths; `--prefetch-one` anything but on and off, or a mix with --tiles or --paths: before
+    loading anything, argparse's usage and one error line."""
     module = load_benchmark("kernel_rates")
-    monkeypatch.setattr(sys, "argv", ["kernel_rates.py", "--model", "no-such-model", "--tiles", tiles_arg, *also])
+    monkeypatch.setattr(sys, "argv", ["kernel_rates.py", "--model", "no-such-model", *args])
     with pytest.raises(SystemExit) as exit_info:
         module.main()
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "--tiles" in errors[0]
-
-
-@pytest.mark.parametrize("value, also", [("of", []), ("on,2", []), ("on,off", ["--tiles", "6"]),
-                                         ("on,off", ["--paths", "avx2"])])
-def test_kernel_rates_refuses_a_prefetch_setting_it_cannot_time_in_one_line(value, also, monkeypatch, capsys):
-    """`kernel_rates.py --prefetch-one on,off` takes on and off only, alone: argparse's usage and one error line."""
-    module = load_benchmark("kernel_rates")
-    monkeypatch.setattr(sys, "argv", ["kernel_rates.py", "--model", "no-such-model", "--prefetch-one", value, *also])
-    with pytest.raises(SystemExit) as exit_info:
-        module.main()
-    assert exit_info.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "--prefetch-one" in errors[0]
+    assert len(errors) == 1 and named in errors[0]
 
 
 def test_kernel_rates_times_each_tile_in_turn_with_the_same_bits():
