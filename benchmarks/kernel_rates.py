@@ -116,7 +116,7 @@ def main() -> None:
         parser.error(f"--prefetch-one takes on and off, e.g. on,off: not {args.prefetch_one!r}")
     if prefetch and (args.paths or args.against or tile_list):
         parser.error("--prefetch-one compares this build's one-token tiles: not with --paths, --against or --tiles")
-    if prefetch and native.path() not in ("avx512-vnni", "amx"):
+    if prefetch and native.path() not in native.PREFETCH_ONE_PATHS:
         parser.error(f"--prefetch-one: the {native.path()} kernel path always prefetches (only the AVX-512 kernel's "
                      "one-token tiles have the setting)")
     kernel = tiles.KERNELS.get(native.path())
@@ -157,7 +157,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     probe = memory_bandwidth_gbs()
     tile_note = f"widest tiles {args.tiles}, taking turns" if tile_list else f"widest tile {tiles.in_force()}"
-    if not prefetch and native.path() in ("avx512-vnni", "amx"):
+    if not prefetch and native.path() in native.PREFETCH_ONE_PATHS:
         tile_note += f", one-token prefetch {'on' if native.set_prefetch_one(-1) else 'off'}"
     print(f"kernel path {', '.join(paths) or native.path()} ({tile_note}), {args.threads} threads, "
           f"bandwidth probe {probe:.1f} GB/s")

@@ -75,7 +75,7 @@ def main() -> None:
 
     if args.kernel_path and native.set_path(args.kernel_path) != args.kernel_path:
         parser.error(f"this CPU cannot run the {args.kernel_path} kernel path")
-    if args.prefetch_one and (args.backend != "native" or native.path() not in ("avx512-vnni", "amx")):
+    if args.prefetch_one and (args.backend != "native" or native.path() not in native.PREFETCH_ONE_PATHS):
         parser.error("--prefetch-one sets the AVX-512 kernel's one-token tiles: use --backend native on a CPU with "
                      "AVX-512 VNNI")
     if args.prefetch_one and (args.interleave or args.profile):

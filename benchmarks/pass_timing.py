@@ -18,9 +18,9 @@ from collections.abc import Callable
 from verispec.tree import chain_parents
 
 
-def interleaved_costs(runner, max_tokens: int, context: int, repeats: int) -> dict[int, float]:
-    """Seconds per pass over 1..max_tokens new tokens (a chain of draft nodes after `context` cached tokens, dropped
-    again after each pass, as `measure_costs` times them), the widths taken in turns over `repeats` rounds."""
+def pass_timer(runner, context: int) -> Callable[[int], float]:
+    """A row with `context` cached tokens, and a function timing one pass over `width` new tokens on it (a chain of
+    draft nodes, dropped again after the pass, as `measure_costs` times them)."""
     vocab = runner.vocab_size
     state = runner.new_state(1)
     runner.forward(state, [[(i * 7919) % vocab for i in range(context)]], [1])
@@ -31,6 +31,13 @@ def interleaved_costs(runner, max_tokens: int, context: int, repeats: int) -> di
         runner.commit(state, [[]])
         return time.perf_counter() - start
 
+    return one_pass
+
+
+def interleaved_costs(runner, max_tokens: int, context: int, repeats: int) -> dict[int, float]:
+    """Seconds per pass over 1..max_tokens new tokens after `context` cached tokens (`pass_timer`), the widths taken
+    in turns over `repeats` rounds."""
+    one_pass = pass_timer(runner, context)
     widths = list(range(1, max_tokens + 1))
     for width in widths:
         one_pass(width)  # warm-up: the first pass of a new shape pays for kernel set-up
@@ -44,19 +51,15 @@ def interleaved_costs(runner, max_tokens: int, context: int, repeats: int) -> di
 
 def settings_in_turns(runner, settings: dict[str, Callable[[], object]], context: int, repeats: int
                       ) -> dict[str, list[float]]:
-    """Seconds of one-token passes (after `context` cached tokens, each dropped again) under each setting, the settings
+    """Seconds of one-token passes after `context` cached tokens (`pass_timer`) under each setting, the settings
     taking turns: every round applies each once (its callable) and times a pass, the order turned each round."""
-    vocab = runner.vocab_size
-    state = runner.new_state(1)
-    runner.forward(state, [[(i * 7919) % vocab for i in range(context)]], [1])
+    one_pass = pass_timer(runner, context)
     names = list(settings)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats + 1):  # the first round warms up, untimed
         for name in names[r % len(names):] + names[: r % len(names)]:
             settings[name]()
-            start = time.perf_counter()
-            runner.forward(state, [[11]], [1], [list(chain_parents(1))])
-            runner.commit(state, [[]])
+            took = one_pass(1)
             if r:
-                seconds[name].append(time.perf_counter() - start)
+                seconds[name].append(took)
     return seconds

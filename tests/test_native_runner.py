@@ -652,7 +652,7 @@ def test_pass_costs_times_the_one_token_prefetch_in_turns_and_refuses_it_elsewhe
             module.main()
         errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
         assert exit_info.value.code == 2 and len(errors) == 1 and named in errors[0]
-    if native.path() not in ("avx512-vnni", "amx"):
+    if native.path() not in native.PREFETCH_ONE_PATHS:
         pytest.skip("no AVX-512 VNNI kernel on this CPU")
     import pass_timing
 

@@ -146,6 +146,9 @@ def set_avx512_tile(tile: int) -> int:
     return lib().vs_set_avx512_tile(int(tile))
 
 
+PREFETCH_ONE_PATHS = ("avx512-vnni", "amx")  # the paths whose one-token tiles run the AVX-512 kernel, which has it
+
+
 def set_prefetch_one(on: int) -> bool:
     """Whether the AVX-512 kernel's one-token tiles prefetch their weights: 1 on, 0 off, -1 the CPU's default (off on
     AMD, where the hardware prefetchers alone streamed one token faster; csrc/cpu.h); returns the setting in force.
