@@ -266,3 +266,62 @@ def test_one_token_probes_feed_the_first_positions_rate_alone():
         if ks[-1] > 1:
             break
     assert ks[-1] > 1 and tuner.alpha == later
+
+
+def test_a_dynamic_trees_depth_is_tuned_from_the_trees_own_accepted_paths():
+    """A costly draft (c = 0.3 of a pass; v flat as the native runner's) whose trees are rarely accepted past their
+    first depth is asked for shallow trees, one that keeps being accepted for deep ones; chains' K is not moved by
+    what trees did, nor trees' depth by chains."""
+    from verispec.core.sequence import RowOutcome, StepClock, StepReport
+
+    costs = CostProfile({w: 1.0 + 0.01 * (w - 1) for w in range(1, 9)}, 0.3)
+    tuner = KTuner(costs, learn_costs=False)
+    start_k = tuner.k()
+    clock = StepClock(0.0, 0.0, 0, 0, False, False, False)  # nothing timed: the costs stay the profile's
+
+    def tree_step(depth: int, accepted: int) -> None:
+        tuner.observe_report(StepReport(clock, (RowOutcome(None, 6, depth, accepted, accepted == depth),), True))
+
+    for _ in range(40):
+        tree_step(4, 1)  # the first depth's best candidate accepted, its child never
+    shallow = tuner.k(tree=True)
+    assert shallow == 1 and tuner.k() == start_k  # chains keep their own rate
+    for _ in range(60):
+        tree_step(4, 4)
+    assert tuner.k(tree=True) > 3 and tuner.k() == start_k
+    for _ in range(60):
+        tuner.observe(4, 0)  # chains rejected at once: no chain pays, trees still do
+    assert tuner.k() == 0 and tuner.k(tree=True) > 3
+
+
+def test_a_tuned_dynamic_tree_drafts_no_deeper_than_the_tuner_asks():
+    """With `--auto-k` a draft model's dynamic tree runs only the draft passes the tuner's depth pays for (was: every
+    depth of the configured K, each step); a tree a request asked for without tuning keeps its depth (here its six
+    best nodes reach below the first)."""
+    from conftest import noisy_copy
+
+    from verispec.batch import DecodeBatch
+    from verispec.config import TreeConfig
+    from verispec.drafters.draft_model import DraftModelDrafter
+
+    model = tiny_model("llama", vocab=16, seed=1, layers=2)
+    drafter = DraftModelDrafter(ModelRunner(noisy_copy(model, 0.3, seed=2)), 16)
+    engine = SpeculativeEngine(ModelRunner(model), drafter, set())
+    one_deep = KTuner(CostProfile({w: 1.0 + 0.01 * (w - 1) for w in range(1, 9)}, 0.3), prior=0.35,
+                      prior_weight=1e6, learn_costs=False)  # at this rate and cost, depth 1 pays best
+    assert one_deep.k(tree=True) == 1
+    spec = SpecConfig(num_draft_tokens=4, max_new_tokens=12, stop_at_eos=False, tree=TreeConfig(budget=6, top_k=2))
+    greedy = SamplingConfig(temperature=0)
+    plain = SpeculativeEngine(ModelRunner(model), None, set()).generate(
+        [[1, 2, 3, 4, 5]], greedy, SpecConfig(max_new_tokens=12, stop_at_eos=False))[0].generated
+    for tuned in (True, False):
+        seqs = engine.make_sequences([[1, 2, 3, 4, 5]], greedy, spec, [0])
+        seqs[0].tuned = tuned
+        batch = DecodeBatch(engine, one_deep)
+        depths: list[int] = []
+        batch.observers.append(lambda report, seen=depths: seen.extend(r.depth for r in report.rows if r.drafted))
+        batch.add(seqs)
+        while len(batch):
+            engine.step(batch)
+        assert seqs[0].generated == plain
+        assert depths and (max(depths) == 1) == tuned  # the kept trees' depths

@@ -80,8 +80,9 @@ def _shapes(batch: DecodeBatch, prefilling: list[bool]) -> tuple[list[TreeConfig
     """What each row drafts this step: (trees, depths) for the drafter's `propose`.
 
     Chains (trees None) unless some row drafts a tree; then every drafting row drafts one, a chain row the tree of
-    shape (1, ..., 1). A depth is at most K (the tuner's, or the row's own) and never more than the tokens left after
-    this step's own token; 0 for rows that draft nothing."""
+    shape (1, ..., 1). A depth is at most K (the tuner's, or the row's own; a tuned dynamic tree's, at most the
+    tuner's tree depth) and never more than the tokens left after this step's own token; 0 for rows that draft
+    nothing."""
     active, tuner, drafter = batch.sequences, batch.tuner, batch.drafter
     left = [s.max_new_tokens - s.num_generated - 1 for s in active]
     drafts = batch.draft_rows.drafting(active)
@@ -102,7 +103,10 @@ def _shapes(batch: DecodeBatch, prefilling: list[bool]) -> tuple[list[TreeConfig
     costs = None
     if tuner is not None:  # dynamic trees keep only the nodes that pay for their share of the pass
         profile = tuner.costs(len(active))
-        drafter.size_drafts(profile)
+        sized = [d > 0 and s.tuned and t.budget is not None for s, t, d in zip(active, trees, depths)]
+        if not drafter.size_drafts(profile) and any(sized):  # and the depths that pay for their draft passes (0:
+            depth = tuner.k(rows=len(active), tree=True)  # this step drafts none), unless the drafter sizes its own
+            depths = [min(d, depth) if z else d for d, z in zip(depths, sized)]
         costs = profile.pass_costs()  # measured widths bound the tree: wider passes were never timed
     for s, t, d in zip(active, trees, depths):
         s.tree_costs = (TreeCosts(min(t.budget, len(costs) - 1), costs, d * profile.c)
