@@ -81,3 +81,34 @@ def test_drafts_that_cannot_cut_their_head_say_so_in_one_line(tmp_path):
     draft = native(tiny_model("llama", vocab=16, seed=1), tmp_path / "d.gguf")
     with pytest.raises(VerispecError, match="at least 16 token ids"):
         HeadRowsRunner(draft, 0)
+
+
+def test_the_benchs_draft_model_systems_cut_the_head_as_asked(tmp_path):
+    """`verispec bench --draft-vocab N` reaches its systems that draft with the --draft model (it was read and dropped:
+    a bench said it measured a cut head and measured the full one); below 16 ids it is refused before loading."""
+    from tiny_hf import save_tiny_model_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verispec.bench.runner import BenchConfig, build_systems
+    from verispec.models.loading import LoadedModel
+
+    folder = save_tiny_model_dir(tmp_path / "tiny", "llama", seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    path = gguf_from_hf(AutoModelForCausalLM.from_pretrained(str(folder)), tmp_path / "tiny.gguf", T.Q8_0)
+
+    def loaded(name):
+        return LoadedModel(name, None, tokenizer, str(path), weights="gguf", backend="native",
+                           gguf=load_gguf(path, show_progress=False))
+
+    def draft_runners(vocab):
+        config = BenchConfig(systems=("verispec-draft", "verispec-suffix-draft", "verispec-plain"), distilled=None,
+                             draft_vocab=vocab)
+        systems = build_systems(config, loaded("target"), loaded("draft"), None, None)
+        drafters = [s.decoder.drafter for s in systems if s.name != "verispec-plain"]
+        return [getattr(d, "members", [None, d])[1].runner for d in drafters]  # the composite's model: its second
+
+    cut = draft_runners(32)
+    assert len(cut) == 2 and all(isinstance(r, HeadRowsRunner) and r.rows == 32 for r in cut)
+    assert not any(isinstance(r, HeadRowsRunner) for r in draft_runners(None))
+    with pytest.raises(VerispecError, match="draft_vocab"):
+        BenchConfig(draft_vocab=8)

@@ -67,6 +67,7 @@ CATALOG: tuple[SystemSpec, ...] = (
     _verispec("verispec-suffix-tree", SUFFIX, tree=True),
     _verispec("verispec-suffix-draft", SUFFIX_DRAFT),
     _verispec("verispec-suffix-draft-auto", SUFFIX_DRAFT, auto=True),
+    _verispec("verispec-suffix-draft-tree-auto", SUFFIX_DRAFT, tree=True, auto=True),
     _verispec("verispec-ngram-corpus", CORPUS),
     _verispec("verispec-ngram-corpus-tree", CORPUS, tree=True),
     _verispec("verispec-auto", DRAFT, auto=True),

@@ -85,6 +85,7 @@ class BenchConfig:
     distilled: str | None = "distilled"
     distilled_weights: str = DEFAULT_DRAFT_WEIGHTS
     draft_context: int | None = None  # draft models read only a prompt's last N tokens (None: all)
+    draft_vocab: int | None = None  # verispec's --draft model systems cut its LM head to N token ids (None: all)
     tree: TreeConfig = TreeConfig(budget=16)
     ngram_table: str | None = None
     adapt: bool = False
@@ -110,6 +111,8 @@ class BenchConfig:
             raise VerispecError(f"peer_num_draft_tokens must be one or more K >= 1, got {self.peer_num_draft_tokens}")
         if self.draft_context is not None and self.draft_context < 1:
             raise VerispecError(f"draft_context must be >= 1 token, got {self.draft_context}")
+        if self.draft_vocab is not None and self.draft_vocab < 16:
+            raise VerispecError(f"draft_vocab must keep >= 16 token ids, got {self.draft_vocab}")
 
 
 def memory_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
@@ -255,7 +258,7 @@ def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> Spec
         from verispec.drafters.composite import CompositeDrafter
         from verispec.drafters.suffix import SuffixDrafter
 
-        model = SpeculativeDecoder(target, m.draft, options=DrafterOptions(cross=config.cross))  # its own runner
+        model = SpeculativeDecoder(target, m.draft, options=_draft_options(config))  # its own runner
         return SpeculativeDecoder(target, CompositeDrafter([SuffixDrafter(), model.drafter], [SUFFIX, model.draft_name]))
     if spec.drafter == DRAFT:
         draft = m.llama_draft if spec.llamacpp else m.draft
@@ -263,7 +266,7 @@ def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> Spec
             return None  # the remaining systems need a draft model
         if spec.llamacpp:
             return SpeculativeDecoder(target, draft)
-        return m.decoder("draft", lambda: SpeculativeDecoder(target, draft, options=DrafterOptions(cross=config.cross)))
+        return m.decoder("draft", lambda: SpeculativeDecoder(target, draft, options=_draft_options(config)))
     if spec.drafter == SELF:
         if spec.retune and target.backend != "native":
             return None  # the on-the-fly choice runs on the native runner's shared caches
@@ -277,6 +280,11 @@ def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> Spec
     options = DrafterOptions(draft_lookup=2 if spec.lookup else 0, head_argmax=spec.argmax) \
         if spec.drafter == EAGLE else DrafterOptions()
     return _head_decoder(config.eagle if spec.drafter == EAGLE else config.medusa, target, options)
+
+
+def _draft_options(config: BenchConfig) -> DrafterOptions:
+    """How verispec's systems drafting with the --draft model set it up (`--cross-*`, `--draft-vocab`)."""
+    return DrafterOptions(cross=config.cross, draft_vocab=config.draft_vocab)
 
 
 def _distilled(config: BenchConfig, target: LoadedModel, wanted) -> LoadedModel | None:

@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
                                         "num_draft_tokens": "num_draft_tokens", "systems": "systems", "out_dir": "out",
                                         "split": "split", "distilled": "distilled", "distilled_weights": "draft_weights",
                                         "ngram_table": "ngram_table", "adapt": "adapt",
-                                        "draft_context": "draft_context", "peer_num_draft_tokens": "peer_k"})
+                                        "draft_context": "draft_context", "draft_vocab": "draft_vocab",
+                                        "peer_num_draft_tokens": "peer_k"})
     config = dataclasses.replace(config, cross=build_config(CrossTokenizerConfig, args, CROSS_OPTIONS))
     tree = tree_config(args)
     if tree is not None:
