@@ -281,8 +281,11 @@ class DraftModelDrafter(RowStates):
     def _commit_tree(self, drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
         keep = []
         for b, (draft, path) in enumerate(zip(drafts, paths)):
-            # The path's nodes that were fed to the draft are a prefix of it: only a node with children is fed.
-            fed = [self.tree_slots[b][n] for n in path if self.tree_slots[b][n] >= 0] if len(draft) else []
+            # The path's nodes that were fed to the draft are a prefix of it: only a node with children is fed. A row
+            # this drafter drafted no tree for fed none: its step verified a forced run or a predicted output, and in a
+            # step where every row did, the drafter was not asked to propose at all (no slots this step).
+            slots = self.tree_slots[b] if b < len(self.tree_slots) else []
+            fed = [slots[n] for n in path if slots[n] >= 0] if len(draft) and slots else []
             keep.append(fed)
             self.cached[b] += len(fed)
         self.runner.commit(self.state, keep)
