@@ -433,3 +433,35 @@ def test_the_peers_lookup_k_sweep_names_their_best_speculative_setting(setup):
     with pytest.raises(VerispecError, match="peer_num_draft_tokens"):
         BenchConfig(peer_num_draft_tokens=(0, 2))
     assert main(["bench", "--target", target, "--prompts", prompts, "--peer-k", "one"]) == 2
+
+
+def test_faults_the_engine_absorbs_are_counted_and_reported(setup, tmp_path):
+    """A drafter that fails is restarted and the output stays exact, so only the speed shows it: the bench records
+    each absorbed fault with its run and says so under the tables (a draft tree's commit fault, absorbed this way,
+    once made a system 0.07x plain decoding with every output equal)."""
+    from verispec.bench.report import Record, markdown, summarize
+    from verispec.bench.systems import VerispecSystem
+    from verispec.drafters.prompt_lookup import PromptLookupDrafter
+
+    class FailsOnce(PromptLookupDrafter):
+        failed = False
+
+        def commit(self, sequences, drafts, paths):
+            if not self.failed and any(len(d) for d in drafts):
+                FailsOnce.failed = True
+                raise RuntimeError("a commit fault")
+            super().commit(sequences, drafts, paths)
+
+    _, target, _, _, _ = setup
+    loaded = load_model(target)
+    prompt = SpeculativeDecoder(loaded, "none").encode("a b c a b c a b c a b")
+    greedy = SamplingConfig(temperature=0)
+    plain = VerispecSystem("verispec-plain", SpeculativeDecoder(loaded, "none"), 3).run(prompt, greedy, 24, 0)
+    faulty = VerispecSystem("verispec-ngram", SpeculativeDecoder(loaded, FailsOnce()), 3).run(prompt, greedy, 24, 0)
+    assert faulty.token_ids == plain.token_ids and plain.faults == ()
+    assert len(faulty.faults) == 1 and "a commit fault" in faulty.faults[0]
+    records = [Record("verispec-plain", 1, "qa", plain), Record("verispec-ngram", 1, "qa", faulty)]
+    summary = summarize(records, greedy=True)
+    assert summary["verispec-ngram"]["all"]["faults"] == 1 and summary["verispec-plain"]["all"]["faults"] == 0
+    text = markdown(summary, ["qa"], {}, records)
+    assert "verispec-ngram: 1 faults absorbed" in text and text.count("faults absorbed") == 1  # plain: none

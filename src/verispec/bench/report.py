@@ -76,7 +76,7 @@ def summarize(records: list[Record], greedy: bool, reference: str = "verispec-pl
             rows = [r for r in records if r.system == system and (category == "all" or r.category == category)]
             if not rows:
                 continue
-            entry: dict = {"prompts": len(rows)}
+            entry: dict = {"prompts": len(rows), "faults": sum(len(r.run.faults) for r in rows)}
             for median_key, speedup_key, rate in RATES:  # end to end, then decoding only
                 entry[median_key] = _median([x for r in rows if (x := rate(r.run)) is not None])
                 entry[speedup_key] = {}
@@ -111,10 +111,12 @@ def summarize(records: list[Record], greedy: bool, reference: str = "verispec-pl
     return summary
 
 
-def markdown(summary: dict, categories: list[str], best: dict[str, str] | None = None) -> str:
+def markdown(summary: dict, categories: list[str], best: dict[str, str] | None = None,
+             records: list[Record] | None = None) -> str:
     """Rows are systems, columns are categories: tok/s and speedups end to end, then after the first
     output (decoding only), then tokens per target pass, acceptance and time split. best: the peers'
-    best speculative settings (`best_speculative`), baselines of their own."""
+    best speculative settings (`best_speculative`), baselines of their own. records: the runs, for a line on each
+    system that absorbed faults (its count, and the first fault's line)."""
     lines = []
     header = "| system | " + " | ".join(categories + ["all"]) + " |"
     best = best or {}
@@ -159,6 +161,13 @@ def markdown(summary: dict, categories: list[str], best: dict[str, str] | None =
                       "kernels round a pass over several tokens differently from one-token passes, so a greedy run "
                       "that verifies several tokens at once can pick the other of two nearly tied tokens "
                       "(tests/test_llamacpp.py checks on a small model that each parting is such a near tie)"]
+    faulted = {s: [r for r in records or () if r.system == s and r.run.faults] for s, cats in summary.items()
+               if cats["all"].get("faults")}
+    faulted = {s: runs for s, runs in faulted.items() if runs}
+    for system, runs in faulted.items():
+        lines += ["", (f"**{system}: {summary[system]['all']['faults']} faults absorbed while decoding** (on "
+                       f"{len(runs)} prompts, first: {runs[0].run.faults[0]}): the output stays exact, the speed does "
+                       "not (a restarted drafter reads its prompt again); a bug to report")]
     for alias, system in best.items():
         lines += ["", f"{alias}: {system} (of the peer's speculative settings that ran, the highest median decoding "
                       f"tokens/s over all prompts: {summary[system]['all']['median_decode_tokens_per_second']:.2f})"]

@@ -23,7 +23,7 @@ def runs_json(records: list[Record]) -> list[dict]:
              "new_tokens": len(r.run.token_ids), "token_ids": list(r.run.token_ids), "seconds": r.run.seconds,
              "first_output_seconds": r.run.first_seconds, "first_output_tokens": r.run.first_tokens,
              "decode_tokens_per_second": r.run.decode_tokens_per_second,
-             "stats": _stats_json(r.run.stats)} for r in records]
+             "stats": _stats_json(r.run.stats), "faults": list(r.run.faults)} for r in records]
 
 
 def _stats_json(stats: GenerationStats | None) -> dict | None:
@@ -70,7 +70,7 @@ def write_report(out: Path, head: dict, records: list[Record], failures: list[di
               "gguf_bandwidth_limit_tokens_per_second": gguf_limit, "fraction_of_gguf_bandwidth_limit": gguf_fractions,
               "best_speculative": best, "summary": summary, "runs": runs_json(records), "failures": failures}
     write_json(out / "bench.json", report)
-    table = markdown(summary, categories, best)
+    table = markdown(summary, categories, best, records)
     if head.get("partial"):
         table = (f"partial results: the bench ended before every prompt ran "
                  f"({len({r.question_id for r in records})} prompts)\n\n") + table
@@ -120,7 +120,7 @@ def report_from_json(path: str | Path, out_dir: str | Path | None = None) -> dic
         tokens = r.get("token_ids")
         greedy = greedy and tokens is not None
         run = Run(list(tokens) if tokens is not None else [0] * r["new_tokens"], r["seconds"], stats,
-                  r.get("first_output_seconds", 0.0), r.get("first_output_tokens", 0))
+                  r.get("first_output_seconds", 0.0), r.get("first_output_tokens", 0), tuple(r.get("faults", ())))
         records.append(Record(r["system"], r["question_id"], r["category"], run))
     head = {k: v for k, v in data.items() if k not in ("summary", "runs", "failures", "markdown", "plots", "best_speculative")}
     out = Path(out_dir) if out_dir is not None else path.parent

@@ -7,7 +7,9 @@ before sampling, since that is the only randomness `generate` takes.
 
 from __future__ import annotations
 
+import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,8 @@ class Run:
     first_seconds / first_tokens: when the first output arrived and how many tokens it held (a
     speculative first step can commit several): the prompt's prefill ends there, so the rate after it
     is the decoding rate, the phase speculation speeds up and the bandwidth limit bounds.
+    faults: what the engine absorbed while decoding (a drafter's or a row's fault, one line each): the output stays
+    exact, the speed may not (a drafter restarted reads its rows' prompts again).
     """
 
     token_ids: list[int]
@@ -34,6 +38,7 @@ class Run:
     stats: GenerationStats | None = None
     first_seconds: float = 0.0
     first_tokens: int = 0
+    faults: tuple[str, ...] = ()
 
     @property
     def tokens_per_second(self) -> float:
@@ -80,14 +85,36 @@ class VerispecSystem(System):
     def run(self, prompt, sampling, max_new_tokens, seed):
         spec = SpecConfig(num_draft_tokens=self.k, max_new_tokens=max_new_tokens, tree=self.tree)
         first_seconds, first_tokens = 0.0, 0
-        start = time.perf_counter()
-        for _, seq in self.decoder.engine.stream([prompt], sampling, spec, seeds=[seed], tuner=self.tuner):
-            if not first_tokens and seq.generated:
-                first_seconds, first_tokens = time.perf_counter() - start, len(seq.generated)
-        seconds = time.perf_counter() - start
+        with absorbed_faults() as faults:
+            start = time.perf_counter()
+            for _, seq in self.decoder.engine.stream([prompt], sampling, spec, seeds=[seed], tuner=self.tuner):
+                if not first_tokens and seq.generated:
+                    first_seconds, first_tokens = time.perf_counter() - start, len(seq.generated)
+            seconds = time.perf_counter() - start
         if self.decoder.adapter is not None:
             self.decoder.adapter.poke()  # online adaptation between prompts, outside the timed run
-        return Run(seq.generated, seconds, seq.stats, first_seconds, first_tokens)
+        return Run(seq.generated, seconds, seq.stats, first_seconds, first_tokens, tuple(faults))
+
+
+FAULT_LOGGER = "verispec.batch"  # where a batch reports each fault it absorbs (`verispec.faults`, `verispec.batch`)
+
+
+@contextmanager
+def absorbed_faults():
+    """The lines the decoding batch logs for each fault it absorbs while the block runs (a list, filled as they
+    come): a bench counts them, since an absorbed fault keeps the output exact and hides in the speed."""
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    lines: list[str] = []
+    handler, logger = Collect(logging.WARNING), logging.getLogger(FAULT_LOGGER)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
 
 
 class _ConstrainedLogits:
