@@ -465,3 +465,32 @@ def test_faults_the_engine_absorbs_are_counted_and_reported(setup, tmp_path):
     assert summary["verispec-ngram"]["all"]["faults"] == 1 and summary["verispec-plain"]["all"]["faults"] == 0
     text = markdown(summary, ["qa"], {}, records)
     assert "verispec-ngram: 1 faults absorbed" in text and text.count("faults absorbed") == 1  # plain: none
+
+
+def test_the_drafter_options_reach_the_systems_that_use_them(setup, monkeypatch):
+    """`--ngram-max/--ngram-min`, `--suffix-capacity` and `--draft-lookup` reach verispec's prompt lookup, suffix
+    decoding (alone and in the composite) and draft model systems (the bench read and dropped them)."""
+    from verispec.bench import runner
+    from verispec.bench.runner import build_systems
+    from verispec.config import PromptLookupConfig
+
+    _, target, draft, prompts, _ = setup
+    seen = {}
+    monkeypatch.setattr("verispec.bench.runner.run_bench", lambda config, **models: seen.update(config=config) or {})
+    monkeypatch.setattr("verispec.cli.bench._show_bench_report", lambda report: 0)
+    assert main(["bench", "--target", target, "--draft", draft, "--prompts", prompts, "--ngram-max", "5",
+                 "--ngram-min", "2", "--suffix-capacity", "4096", "--draft-lookup", "3"]) == 0
+    config = seen["config"]
+    assert config.prompt_lookup == PromptLookupConfig(max_ngram=5, min_ngram=2)
+    assert config.suffix.capacity == 4096 and config.draft_lookup == 3
+    names = ("verispec-ngram", "verispec-suffix", "verispec-suffix-draft", "verispec-draft")
+    systems = {s.name: s for s in build_systems(dataclasses.replace(config, systems=names, distilled=None),
+                                                load_model(target), load_model(draft), None, None)}
+    assert systems["verispec-ngram"].decoder.drafter.config == config.prompt_lookup
+    assert systems["verispec-suffix"].decoder.drafter.config == config.suffix
+    composite = systems["verispec-suffix-draft"].decoder.drafter
+    assert composite.members[0].config == config.suffix and composite.members[1].lookup is not None
+    assert systems["verispec-draft"].decoder.drafter.lookup is not None
+    assert runner.BenchConfig().draft_lookup is None  # unset: each drafter keeps its own setting
+    with pytest.raises(VerispecError, match="draft_lookup"):
+        BenchConfig(draft_lookup=-1)

@@ -31,7 +31,15 @@ from verispec.bench.catalog import (
 from verispec.bench.report import Record
 from verispec.bench.results import runs_json, write_json, write_report
 from verispec.bench.systems import HFSystem, LlamaCppGenerate, System, VerispecSystem
-from verispec.config import AdaptConfig, Constraint, CrossTokenizerConfig, SamplingConfig, TreeConfig
+from verispec.config import (
+    AdaptConfig,
+    Constraint,
+    CrossTokenizerConfig,
+    PromptLookupConfig,
+    SamplingConfig,
+    SuffixConfig,
+    TreeConfig,
+)
 from verispec.console import stderr_console
 from verispec.constraints import grammars_for
 from verispec.datasets import DEFAULT_PROMPTS, EDITING_PROMPTS, STRUCTURED_PROMPTS, load_prompts
@@ -86,6 +94,9 @@ class BenchConfig:
     distilled_weights: str = DEFAULT_DRAFT_WEIGHTS
     draft_context: int | None = None  # draft models read only a prompt's last N tokens (None: all)
     draft_vocab: int | None = None  # verispec's --draft model systems cut its LM head to N token ids (None: all)
+    draft_lookup: int | None = None  # draft models copy from the context first (N; 0: off; None: their own setting)
+    prompt_lookup: PromptLookupConfig = field(default_factory=PromptLookupConfig)  # verispec's prompt lookup (--ngram-max / --ngram-min)
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)  # verispec's suffix decoding (--suffix-capacity)
     tree: TreeConfig = TreeConfig(budget=16)
     ngram_table: str | None = None
     adapt: bool = False
@@ -111,6 +122,8 @@ class BenchConfig:
             raise VerispecError(f"peer_num_draft_tokens must be one or more K >= 1, got {self.peer_num_draft_tokens}")
         if self.draft_context is not None and self.draft_context < 1:
             raise VerispecError(f"draft_context must be >= 1 token, got {self.draft_context}")
+        if self.draft_lookup is not None and self.draft_lookup < 0:
+            raise VerispecError(f"draft_lookup must be >= 0 (0: off), got {self.draft_lookup}")
         if self.draft_vocab is not None and self.draft_vocab < 16:
             raise VerispecError(f"draft_vocab must keep >= 16 token ids, got {self.draft_vocab}")
 
@@ -160,6 +173,8 @@ def build_systems(config: BenchConfig, target: LoadedModel, draft: LoadedModel |
     for model in (draft, llama_draft, distilled):
         if model is not None:
             model.context = config.draft_context
+            if config.draft_lookup is not None:
+                model.lookup = registry.lookup_first(config.draft_lookup)
     models = _Models(target, draft, hf_target, hf_draft, llama_target, llama_draft, distilled, context_window)
     systems: list[System] = []
     for name in wanted:
@@ -245,9 +260,9 @@ def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> Spec
     if spec.drafter == NONE:
         return SpeculativeDecoder(target, "none")
     if spec.drafter == NGRAM:
-        return SpeculativeDecoder(target, "ngram")
+        return SpeculativeDecoder(target, "ngram", options=DrafterOptions(prompt_lookup=config.prompt_lookup))
     if spec.drafter == SUFFIX:
-        return SpeculativeDecoder(target, "suffix")
+        return SpeculativeDecoder(target, "suffix", options=DrafterOptions(suffix=config.suffix))
     if spec.drafter == CORPUS:
         return _corpus_decoder(config, target)
     if spec.drafter == DISTILLED:
@@ -259,7 +274,8 @@ def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> Spec
         from verispec.drafters.suffix import SuffixDrafter
 
         model = SpeculativeDecoder(target, m.draft, options=_draft_options(config))  # its own runner
-        return SpeculativeDecoder(target, CompositeDrafter([SuffixDrafter(), model.drafter], [SUFFIX, model.draft_name]))
+        return SpeculativeDecoder(target, CompositeDrafter([SuffixDrafter(config.suffix), model.drafter],
+                                                           [SUFFIX, model.draft_name]))
     if spec.drafter == DRAFT:
         draft = m.llama_draft if spec.llamacpp else m.draft
         if draft is None:
@@ -275,7 +291,7 @@ def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> Spec
         self_draft = SelfDraftConfig(retune=spec.retune, lookup=2 if spec.lookup else 0)
         return SpeculativeDecoder(target, config.self_draft, self_draft=self_draft)
     if spec.drafter == SUFFIX_EAGLE:
-        return _head_decoder(config.eagle and f"{SUFFIX}+{config.eagle}", target, DrafterOptions())
+        return _head_decoder(config.eagle and f"{SUFFIX}+{config.eagle}", target, DrafterOptions(suffix=config.suffix))
     # EAGLE: lookup first only where named (a shipped head's manifest may turn it on), n-grams of 2 and more
     options = DrafterOptions(draft_lookup=2 if spec.lookup else 0, head_argmax=spec.argmax) \
         if spec.drafter == EAGLE else DrafterOptions()

@@ -6,8 +6,17 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from verispec.cli.options import CROSS_OPTIONS, add_model_options, add_tree_options, build_config, default_of, tree_config
-from verispec.config import CrossTokenizerConfig, SamplingConfig
+from verispec.cli.options import (
+    CROSS_OPTIONS,
+    LOOKUP_OPTIONS,
+    add_model_options,
+    add_tree_options,
+    build_config,
+    default_of,
+    suffix_config,
+    tree_config,
+)
+from verispec.config import CrossTokenizerConfig, PromptLookupConfig, SamplingConfig
 from verispec.errors import VerispecError
 
 
@@ -68,8 +77,10 @@ def run(args: argparse.Namespace) -> int:
                                         "split": "split", "distilled": "distilled", "distilled_weights": "draft_weights",
                                         "ngram_table": "ngram_table", "adapt": "adapt",
                                         "draft_context": "draft_context", "draft_vocab": "draft_vocab",
-                                        "peer_num_draft_tokens": "peer_k"})
-    config = dataclasses.replace(config, cross=build_config(CrossTokenizerConfig, args, CROSS_OPTIONS))
+                                        "draft_lookup": "draft_lookup", "peer_num_draft_tokens": "peer_k"})
+    config = dataclasses.replace(config, cross=build_config(CrossTokenizerConfig, args, CROSS_OPTIONS),
+                                 prompt_lookup=build_config(PromptLookupConfig, args, LOOKUP_OPTIONS),
+                                 suffix=suffix_config(args))
     tree = tree_config(args)
     if tree is not None:
         config = dataclasses.replace(config, tree=tree)
