@@ -86,19 +86,11 @@ def test_drafts_that_cannot_cut_their_head_say_so_in_one_line(tmp_path):
 def test_the_benchs_draft_model_systems_cut_the_head_as_asked(tmp_path):
     """`verispec bench --draft-vocab N` reaches its systems that draft with the --draft model (it was read and dropped:
     a bench said it measured a cut head and measured the full one); below 16 ids it is refused before loading."""
-    from tiny_hf import save_tiny_model_dir
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tiny_gguf import native_models
 
     from verispec.bench.runner import BenchConfig, build_systems
-    from verispec.models.loading import LoadedModel
 
-    folder = save_tiny_model_dir(tmp_path / "tiny", "llama", seed=0)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    path = gguf_from_hf(AutoModelForCausalLM.from_pretrained(str(folder)), tmp_path / "tiny.gguf", T.Q8_0)
-
-    def loaded(name):
-        return LoadedModel(name, None, tokenizer, str(path), weights="gguf", backend="native",
-                           gguf=load_gguf(path, show_progress=False))
+    loaded = native_models(tmp_path)
 
     def draft_runners(vocab):
         config = BenchConfig(systems=("verispec-draft", "verispec-suffix-draft", "verispec-plain"), distilled=None,

@@ -363,22 +363,13 @@ def test_the_server_batches_requests_on_the_native_runner_as_it_answers_them_alo
 
     import httpx
     from test_serve import post_all
-    from tiny_hf import save_tiny_model_dir
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tiny_gguf import native_models
 
     from verispec import SpeculativeDecoder
     from verispec.serve.config import ServeConfig
-    from verispec.models.loading import LoadedModel
     from verispec.serve.server import BackgroundServer
 
-    folder = save_tiny_model_dir(tmp_path / "tiny", "llama", seed=0)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    path = gguf_from_hf(AutoModelForCausalLM.from_pretrained(str(folder)), tmp_path / "tiny.gguf", T.Q8_0)
-
-    def native(name):
-        return LoadedModel(name, None, tokenizer, str(path), weights="gguf", backend="native",
-                           gguf=load_gguf(path, show_progress=False))
-
+    native = native_models(tmp_path)
     decoder = SpeculativeDecoder(native("target"), native("draft"))
     bodies = [{"prompt": "hello there", "max_tokens": 20, "temperature": 0},
               {"prompt": "a longer prompt, with more words", "max_tokens": 9, "temperature": 0, "speculative": {"K": 5}},

@@ -363,3 +363,23 @@ def read_layout(path: Path) -> GGUFLayout:
     alignment = next((struct.unpack(_SCALAR_FORMATS[t], v)[0] for k, t, v in fields if k == "general.alignment"), 32)
     start = (pos + alignment - 1) // alignment * alignment
     return GGUFLayout(version, fields, tensors, raw[start:], alignment, pos, start, slots)
+
+
+def native_models(root: Path, arch: str = "llama", seed: int = 0):
+    """A tiny Hugging Face model written under `root` and as a Q8_0 GGUF beside it: a function giving a fresh
+    native-runner `LoadedModel` of it under a name, with the model's tokenizer (what `load_model` gives a .gguf)."""
+    from tiny_hf import save_tiny_model_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verispec.models.gguf.model import load_gguf
+    from verispec.models.loading import LoadedModel
+
+    folder = save_tiny_model_dir(root / "tiny", arch, seed=seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    path = gguf_from_hf(AutoModelForCausalLM.from_pretrained(str(folder)), root / "tiny.gguf", T.Q8_0)
+
+    def loaded(name: str) -> LoadedModel:
+        return LoadedModel(name, None, tokenizer, str(path), weights="gguf", backend="native",
+                           gguf=load_gguf(path, show_progress=False))
+
+    return loaded
