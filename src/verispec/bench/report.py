@@ -161,13 +161,12 @@ def markdown(summary: dict, categories: list[str], best: dict[str, str] | None =
                       "kernels round a pass over several tokens differently from one-token passes, so a greedy run "
                       "that verifies several tokens at once can pick the other of two nearly tied tokens "
                       "(tests/test_llamacpp.py checks on a small model that each parting is such a near tie)"]
-    faulted = {s: [r for r in records or () if r.system == s and r.run.faults] for s, cats in summary.items()
-               if cats["all"].get("faults")}
-    faulted = {s: runs for s, runs in faulted.items() if runs}
-    for system, runs in faulted.items():
-        lines += ["", (f"**{system}: {summary[system]['all']['faults']} faults absorbed while decoding** (on "
-                       f"{len(runs)} prompts, first: {runs[0].run.faults[0]}): the output stays exact, the speed does "
-                       "not (a restarted drafter reads its prompt again); a bug to report")]
+    for system in summary:
+        runs = [r for r in records or () if r.system == system and r.run.faults]
+        if runs:
+            lines += ["", (f"**{system}: {sum(len(r.run.faults) for r in runs)} faults absorbed while decoding** (on "
+                           f"{len(runs)} prompts, first: {runs[0].run.faults[0]}): the output stays exact, the speed "
+                           "does not (a restarted drafter reads its prompt again); a bug to report")]
     for alias, system in best.items():
         lines += ["", f"{alias}: {system} (of the peer's speculative settings that ran, the highest median decoding "
                       f"tokens/s over all prompts: {summary[system]['all']['median_decode_tokens_per_second']:.2f})"]

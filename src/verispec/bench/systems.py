@@ -96,7 +96,9 @@ class VerispecSystem(System):
         return Run(seq.generated, seconds, seq.stats, first_seconds, first_tokens, tuple(faults))
 
 
-FAULT_LOGGER = "verispec.batch"  # where a batch reports each fault it absorbs (`verispec.faults`, `verispec.batch`)
+# where decoding reports each fault it absorbs: the batch's (`verispec.faults`, `verispec.batch`) and a step plan's
+# (`verispec.plan`: a constraint's forced tokens or a draft's check against it left out)
+FAULT_LOGGERS = ("verispec.batch", "verispec.plan")
 
 
 @contextmanager
@@ -109,12 +111,14 @@ def absorbed_faults():
             lines.append(record.getMessage())
 
     lines: list[str] = []
-    handler, logger = Collect(logging.WARNING), logging.getLogger(FAULT_LOGGER)
-    logger.addHandler(handler)
+    handler, loggers = Collect(logging.WARNING), [logging.getLogger(name) for name in FAULT_LOGGERS]
+    for logger in loggers:
+        logger.addHandler(handler)
     try:
         yield lines
     finally:
-        logger.removeHandler(handler)
+        for logger in loggers:
+            logger.removeHandler(handler)
 
 
 class _ConstrainedLogits:
