@@ -280,3 +280,41 @@ def test_trees_draw_their_children_from_the_constrained_q(decoders):
     report = run_audit(dec, prompt, sampling, num_draft_tokens=3, samples=1200, batch_size=300, seed=9,
                        tree=TreeConfig(shape=(3, 2), children="iid"))
     assert report.passed, report.to_dict()
+
+
+# --- a draft that cannot write what the constraint allows --------------------------------------------------------
+class OnlyAllows:
+    """A constraint state allowing these ids after any path (what `constraints.ConstraintState.allowed_after` gives)."""
+
+    def __init__(self, ids: list[int], vocab: int) -> None:
+        self.allowed = torch.zeros(vocab, dtype=torch.bool)
+        self.allowed[ids] = True
+
+    def allowed_after(self, path):
+        return self.allowed
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0)],
+                         ids=["greedy", "sampled"])
+def test_a_draft_whose_logits_are_minus_infinity_on_every_allowed_token_drafts_nothing_there(sampling):
+    """A draft head that keeps only some ids (`--draft-vocab`, an EAGLE head's vocabulary, self-speculation's cut
+    head) gives the others -inf: where the constraint allows only those, the chain ends and the tree node gets no
+    children (was: drawing from a row that is -inf everywhere raised, a fault the bench found in the self, Medusa and
+    EAGLE drafters on JSON schemas, each restarting the drafter or leaving the row without drafts)."""
+    from types import SimpleNamespace
+
+    from verispec.drafters.drawing import allow_only, constrained_logits
+    from verispec.drafters.tree_growth import TreeGrowth
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, float("-inf"), float("-inf")]])  # (1, 5): ids 3 and 4 cut from the head
+    cut = OnlyAllows([3, 4], 5)
+    assert constrained_logits(logits, SimpleNamespace(constraint=cut), []) is None
+    kept = allow_only(logits, OnlyAllows([1, 4], 5).allowed)  # one allowed id the head can write
+    assert kept is not None and torch.isfinite(kept).tolist() == [[False, True, False, False, False]]
+    for tree in (TreeConfig(shape=(2,)), TreeConfig(budget=4, top_k=2)):
+        growth = TreeGrowth(tree, 1, sampling, torch.Generator().manual_seed(0), 5, constraint=cut)
+        growth.add_children(-1, logits[0], None)
+        assert growth.tokens == []
+        growth = TreeGrowth(tree, 1, sampling, torch.Generator().manual_seed(0), 5, constraint=OnlyAllows([1, 4], 5))
+        growth.add_children(-1, logits[0], None)
+        assert growth.tokens == [1]  # the one allowed id the head writes; never the cut one

@@ -21,12 +21,18 @@ def constrained_logits(logits: torch.Tensor, seq: Sequence, drafted: list[int]) 
     if seq.constraint is None:
         return logits
     allowed = seq.constraint.allowed_after(drafted)  # (V,)
-    if allowed is None:
-        return None
+    return None if allowed is None else allow_only(logits, allowed)
+
+
+def allow_only(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor | None:
+    """(..., V') draft logits at -inf wherever `allowed` (V,) forbids; None where no token the draft can write is left:
+    none allowed, or none of the allowed with a finite logit (a draft whose head keeps only some ids, a cut head or
+    an EAGLE head's vocabulary, gives the others -inf; drawing from that row would fail)."""
     allowed = allowed[: logits.shape[-1]].to(logits.device)  # (V',)
     if not bool(allowed.any()):
         return None
-    return logits.float().masked_fill(~allowed, float("-inf"))
+    masked = logits.float().masked_fill(~allowed, float("-inf"))
+    return masked if bool((masked > float("-inf")).any()) else None
 
 
 def draw_token(logits: torch.Tensor, seq: Sequence, drafted: list[int]) -> tuple[int, torch.Tensor | None]:

@@ -34,6 +34,7 @@ import itertools
 import torch
 
 from verispec.config import SamplingConfig, TreeConfig
+from verispec.drafters.drawing import allow_only
 from verispec.sampling import logits_to_probs, penalise, sample
 from verispec.tree import Draft, TreeCosts, breadth_first, tree_from_parents
 
@@ -115,12 +116,13 @@ class TreeGrowth:
         k = self.width(parent)
         if self.constraint is not None:  # children only where the constraint allows them, q restricted likewise
             allowed = self.constraint.allowed_after(self.path(parent))  # (V,) or None: the parent is forbidden
-            if allowed is None or not bool(allowed[: logits.shape[-1]].any()):
+            masked = None if allowed is None else allow_only(logits, allowed)  # (V',) or None: nothing to draw
+            if masked is None:
                 return
             allowed = allowed[: logits.shape[-1]].to(logits.device)  # (V',)
             if copied is not None and (copied >= allowed.numel() or not bool(allowed[copied])):
                 copied = None
-            logits = logits.float().masked_fill(~allowed, float("-inf"))
+            logits = masked
         if self.sampling.greedy:
             logits = penalise(logits[None], self.sampling, seen)  # (1, V')
             probs = torch.softmax(logits[0], dim=-1)  # (V',) only ranks the children
