@@ -154,7 +154,7 @@ class DraftModelDrafter(RowStates):
     def commit(self, sequences: list[Sequence], drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
         assert self.state is not None
         if self.drafted_trees:
-            self._commit_tree(drafts, paths)
+            self._commit_tree(paths)
         else:
             self._commit_chain([len(path) for path in paths])
 
@@ -278,14 +278,14 @@ class DraftModelDrafter(RowStates):
         found = lookup(seq.tokens + growth.path(node), 1, self.lookup)
         return found[0] if found else None
 
-    def _commit_tree(self, drafts: list[Draft], paths: list[tuple[int, ...]]) -> None:
+    def _commit_tree(self, paths: list[tuple[int, ...]]) -> None:
         keep = []
-        for b, (draft, path) in enumerate(zip(drafts, paths)):
+        for b, path in enumerate(paths):
             # The path's nodes that were fed to the draft are a prefix of it: only a node with children is fed. A row
             # this drafter drafted no tree for fed none: its step verified a forced run or a predicted output, and in a
             # step where every row did, the drafter was not asked to propose at all (no slots this step).
             slots = self.tree_slots[b] if b < len(self.tree_slots) else []
-            fed = [slots[n] for n in path if slots[n] >= 0] if len(draft) and slots else []
+            fed = [slots[n] for n in path if slots[n] >= 0] if slots else []
             keep.append(fed)
             self.cached[b] += len(fed)
         self.runner.commit(self.state, keep)

@@ -116,10 +116,12 @@ class TreeGrowth:
         k = self.width(parent)
         if self.constraint is not None:  # children only where the constraint allows them, q restricted likewise
             allowed = self.constraint.allowed_after(self.path(parent))  # (V,) or None: the parent is forbidden
-            masked = None if allowed is None else allow_only(logits, allowed)  # (V',) or None: nothing to draw
-            if masked is None:
+            if allowed is None:
                 return
             allowed = allowed[: logits.shape[-1]].to(logits.device)  # (V',)
+            masked = allow_only(logits, allowed)  # (V',) or None: nothing allowed that the draft can write
+            if masked is None:
+                return
             if copied is not None and (copied >= allowed.numel() or not bool(allowed[copied])):
                 copied = None
             logits = masked
