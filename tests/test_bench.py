@@ -494,3 +494,37 @@ def test_the_drafter_options_reach_the_systems_that_use_them(setup, monkeypatch)
     assert runner.BenchConfig().draft_lookup is None  # unset: each drafter keeps its own setting
     with pytest.raises(VerispecError, match="draft_lookup"):
         BenchConfig(draft_lookup=-1)
+
+
+def test_the_suffix_systems_start_from_a_store_file_and_leave_it_as_it_was(setup, monkeypatch, tmp_path, capsys):
+    """`--draft suffix:FILE` (alone or in a composite) reaches every suffix decoding system: each starts from its own
+    copy of the file's outputs and the file is never written (the bench read the option and dropped it)."""
+    from verispec.bench.runner import build_systems
+
+    _, target, draft, prompts, _ = setup
+    store = tmp_path / "outputs.suffix"
+    assert main(["generate", "--target", target, "--draft", f"suffix:{store}", "--prompt", "write a loop",
+                 "--temperature", "0", "--max-new-tokens", "12", "--json"]) == 0
+    capsys.readouterr()
+    kept = store.read_bytes()
+    seen = {}
+    monkeypatch.setattr("verispec.bench.runner.run_bench", lambda config, **models: seen.update(config=config) or {})
+    monkeypatch.setattr("verispec.cli.bench._show_bench_report", lambda report: 0)
+    assert main(["bench", "--target", target, "--draft", f"suffix:{store}+{draft}", "--prompts", prompts]) == 0
+    config = dataclasses.replace(seen["config"], systems=("verispec-suffix", "verispec-suffix-draft"), distilled=None,
+                                 per_category=1, max_new_tokens=8, out_dir=str(tmp_path / "out"))
+    assert config.suffix_store == str(store)
+    systems = {s.name: s for s in build_systems(config, load_model(target), load_model(draft), None, None)}
+    alone = systems["verispec-suffix"].decoder.drafter
+    member = systems["verispec-suffix-draft"].decoder.drafter.members[0]
+    assert alone.store is not member.store and alone.writer is None and member.writer is None
+    assert len(alone.store.documents) == len(member.store.documents) == 1  # generate's output
+    prompt = systems["verispec-suffix"].decoder.encode("write a loop")
+    systems["verispec-suffix"].run(prompt, SamplingConfig(temperature=0), 8, 0)
+    alone.start([])  # the finished row joins this system's own store
+    assert len(alone.store.documents) == 2 and len(member.store.documents) == 1
+    assert store.read_bytes() == kept
+    missing = str(tmp_path / "none.suffix")
+    assert main(["bench", "--target", target, "--draft", f"suffix:{missing}", "--prompts", prompts]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and len(err.strip().splitlines()) == 1

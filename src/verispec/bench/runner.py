@@ -65,6 +65,8 @@ class BenchConfig:
     distilled_weights: the distilled draft's weight format ("int8", as `generate` runs it by default, or "dense").
     num_draft_tokens: K of the chain systems, and the depth of a dynamic tree (equal draft passes).
     tree: the tree the *-tree systems draft (default: a dynamic tree of 16 nodes).
+    suffix_store: a suffix store file (`--draft suffix:FILE`) each system drafting with suffix decoding starts
+        from, its own copy read at the start; the file is never written (None: every system starts empty).
     ngram_table: the table of verispec-ngram-corpus: "ngram-corpus[:PATH]" or a .ngram path (None: the
         table shipped with verispec; without one the system is skipped).
     adapt: verispec systems whose drafter can adapt (ngram-corpus, draft models, heads) learn online between
@@ -97,6 +99,7 @@ class BenchConfig:
     draft_lookup: int | None = None  # draft models copy from the context first (N; 0: off; None: their own setting)
     prompt_lookup: PromptLookupConfig = field(default_factory=PromptLookupConfig)  # verispec's prompt lookup (--ngram-max / --ngram-min)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)  # verispec's suffix decoding (--suffix-capacity)
+    suffix_store: str | None = None  # a store file every suffix system starts from (read, never written; None: empty)
     tree: TreeConfig = TreeConfig(budget=16)
     ngram_table: str | None = None
     adapt: bool = False
@@ -126,6 +129,9 @@ class BenchConfig:
             raise VerispecError(f"draft_lookup must be >= 0 (0: off), got {self.draft_lookup}")
         if self.draft_vocab is not None and self.draft_vocab < 16:
             raise VerispecError(f"draft_vocab must keep >= 16 token ids, got {self.draft_vocab}")
+        if self.suffix_store is not None and not Path(self.suffix_store).is_file():
+            raise VerispecError(f"the suffix store {self.suffix_store} does not exist (a bench reads a store, never "
+                                "writes one)")
 
 
 def memory_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
@@ -247,6 +253,8 @@ def _build(spec: SystemSpec, config: BenchConfig, m: _Models) -> list[System]:
     decoder = _verispec_decoder(spec, config, m)
     if decoder is None:
         return []
+    if config.suffix_store is not None:
+        _suffix_from_store(decoder, config.suffix_store)
     tree = config.tree if spec.tree else None
     if tree is not None and spec.auto and tree.budget is None:
         return []  # a tree sized from measured costs is a dynamic one (a budget)
@@ -296,6 +304,16 @@ def _verispec_decoder(spec: SystemSpec, config: BenchConfig, m: _Models) -> Spec
     options = DrafterOptions(draft_lookup=2 if spec.lookup else 0, head_argmax=spec.argmax) \
         if spec.drafter == EAGLE else DrafterOptions()
     return _head_decoder(config.eagle if spec.drafter == EAGLE else config.medusa, target, options)
+
+
+def _suffix_from_store(decoder: SpeculativeDecoder, path: str) -> None:
+    """Each suffix decoding drafter of the decoder (alone or a composite's member) starts from the store in `path`,
+    its own copy: the systems do not see each other's outputs, and the file stays as it was."""
+    from verispec.drafters.suffix import SuffixDrafter
+
+    for drafter in getattr(decoder.drafter, "members", [decoder.drafter]):
+        if isinstance(drafter, SuffixDrafter):
+            drafter.start_from(path, registry.store_tokenizer(decoder.target), decoder.runner.vocab_size)
 
 
 def _draft_options(config: BenchConfig) -> DrafterOptions:

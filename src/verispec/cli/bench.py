@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from verispec.api import set_threads
     from verispec.bench.catalog import BY_NAME, HF, SYSTEMS
     from verispec.bench.runner import BenchConfig, run_bench
-    from verispec.drafters.registry import CORPUS, EAGLE, SELF, parse_draft
+    from verispec.drafters.registry import CORPUS, EAGLE, SELF, SUFFIX, parse_draft
     from verispec.models.loading import load_model
 
     if args.report is not None:
@@ -87,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
     SamplingConfig(temperature=config.temperature)  # validates it before minutes of loading
     set_threads(args.threads)
     draft = parse_draft(args.draft)  # the bench's own systems name the other kinds; --draft sets them up
+    store = next((part.arg for part in draft.parts if part.kind == SUFFIX and part.arg), None)
+    if store is not None:  # suffix:FILE: the suffix systems start from its outputs
+        config = dataclasses.replace(config, suffix_store=store)
     if draft.kind == CORPUS and config.ngram_table is None:
         config = dataclasses.replace(config, ngram_table=draft.text)
     if draft.kind == SELF:
@@ -94,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if draft.is_head:
         config = dataclasses.replace(config, **{"eagle" if draft.kind == EAGLE else "medusa": draft.text})
     has_draft = draft.loads_model
+    # the draft model systems draft with the model a composite names (suffix:FILE+MODEL: the rest set up above)
+    draft_model = next((part.text for part in draft.parts if part.loads_model), args.draft)
     draft_dtype = args.draft_dtype or args.dtype
     # Hugging Face systems run the models as loaded, on torch (loaded only when one of them runs);
     # verispec's run on --backend (auto: GGUF files on verispec's own quantized CPU runner).
@@ -101,11 +106,11 @@ def run(args: argparse.Namespace) -> int:
     device, compiled = args.device, args.compile
     hf_device = device if device != "auto" or args.backend in ("auto", "torch") else "cpu"
     models = {"hf_target": load_model(args.target, args.dtype, backend="torch", device=hf_device) if wants_hf else None,
-              "hf_draft": load_model(args.draft, draft_dtype, backend="torch", device=hf_device)
+              "hf_draft": load_model(draft_model, draft_dtype, backend="torch", device=hf_device)
               if wants_hf and has_draft else None,
               "target": load_model(args.target, args.dtype, args.target_weights, args.backend, device, compiled,
                                   kv_cache=args.kv_cache),
-              "draft": load_model(args.draft, draft_dtype, args.draft_weights, args.backend, device, compiled)
+              "draft": load_model(draft_model, draft_dtype, args.draft_weights, args.backend, device, compiled)
               if has_draft else None}
     return _show_bench_report(run_bench(config, **models))
 

@@ -157,10 +157,14 @@ def _suffix(spec: DrafterChoice, target, runner, options: DrafterOptions) -> Bui
 
     if spec.arg is None:
         return Built(SuffixDrafter(options.suffix), SUFFIX)
+    return Built(SuffixDrafter(options.suffix, spec.arg, store_tokenizer(target), runner.vocab_size), spec.text)
+
+
+def store_tokenizer(target) -> dict:
+    """Whose token ids a suffix store file may hold: the target's tokenizer, by name and digest."""
     from verispec.ngram.table import tokenizer_fingerprint
 
-    tokenizer = {"name": getattr(target.tokenizer, "name_or_path", "?"), "sha256": tokenizer_fingerprint(target.tokenizer)}
-    return Built(SuffixDrafter(options.suffix, spec.arg, tokenizer, runner.vocab_size), spec.text)
+    return {"name": getattr(target.tokenizer, "name_or_path", "?"), "sha256": tokenizer_fingerprint(target.tokenizer)}
 
 
 def _corpus(spec: DrafterChoice, target, runner, options: DrafterOptions) -> Built:

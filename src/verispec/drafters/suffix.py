@@ -78,6 +78,16 @@ class SuffixDrafter(RowStates):
         self.rows: list[_Row] = []
 
 
+    def start_from(self, path: str | Path, tokenizer: dict, vocab_size: int) -> None:
+        """Begin from the outputs a store file holds, the file read now and never written (no writer is kept for it):
+        `verispec bench` starts each suffix system from the same `--draft suffix:FILE`, apart from the others."""
+        path = Path(path)
+        if self.rows:
+            raise VerispecError("a suffix drafter starts from a store file only before its first batch")
+        if not path.is_file():
+            raise VerispecError(f"the suffix store {path} does not exist (a bench reads a store, never writes one)")
+        self.store = OutputStore.load(path, self.config, tokenizer, vocab_size)
+
     def scope(self, seq: Sequence) -> str | None:
         """The store scope a row reads and joins: its own with scope="key", else the shared one (None)."""
         return seq.scope if self.config.scope == "key" else None
